@@ -1,0 +1,187 @@
+"""The chunk database: drop-in for vLLM's ``ChunkedTokenDatabase`` with a native address/size matrix.
+
+Semantics are SPEC.md §2 exactly (results equal, value for value and type for type, to
+:mod:`mooncake_kvaddr.oracle`); the differences are speed and strictness: errors where the reference would
+wrap silently or crash.
+
+Read-only results: rows returned by :meth:`ChunkedTokenDatabase.prepare_values` are shared — every chunk of
+the same block count shares one size row, and address rows are cached per block id across calls. Treat them
+as read-only (Mooncake only reads them); copy a row before mutating it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from mooncake_kvaddr._native import AddressTable
+from mooncake_kvaddr.hashes import BlockHash
+from mooncake_kvaddr.metadata import KeyMetadata, PoolKey
+
+#: Default memory cap of the per-block-id address-row cache (~16K blocks at 100 regions).
+DEFAULT_ADDRESS_CACHE_BYTES = 64 << 20
+
+Chunk = Sequence[int]
+Int64Array = npt.NDArray[np.int64]
+
+
+class ChunkedTokenDatabase:
+    """Maps token ranges of one KV-cache group to pool keys and to the memory regions Mooncake moves.
+
+    ``address_cache_bytes`` caps the per-block-id cache of address rows (0 disables it); the cache is
+    dropped whenever the registered regions or block lengths change, in place or by a setter.
+    """
+
+    def __init__(
+        self,
+        metadata: KeyMetadata,
+        block_size: int,
+        hash_block_size: int | None = None,
+        *,
+        address_cache_bytes: int = DEFAULT_ADDRESS_CACHE_BYTES,
+    ) -> None:
+        self.metadata = metadata
+        self.block_size = block_size
+        self.hash_block_size = hash_block_size or block_size
+        if block_size <= 0 or self.hash_block_size <= 0 or block_size % self.hash_block_size != 0:
+            raise ValueError(
+                f"block_size ({block_size}) must be a positive multiple of "
+                f"hash_block_size ({self.hash_block_size})"
+            )
+        if address_cache_bytes < 0:
+            raise ValueError(f"address_cache_bytes must be >= 0, got {address_cache_bytes}")
+        self._table = AddressTable(block_size, self.hash_block_size, address_cache_bytes)
+        self._kv_caches_base_addr: list[int] = []
+        self._block_len: list[int] = []
+        self._key_prefix = PoolKey.build_prefix(metadata)
+
+    # Region registration. Stored by reference like the reference implementation; the native table re-reads
+    # the lists on every call, so in-place edits are seen too (and drop the address cache).
+    @property
+    def kv_caches_base_addr(self) -> list[int]:
+        """Base address of every registered KV-cache region, in region order."""
+        return self._kv_caches_base_addr
+
+    @kv_caches_base_addr.setter
+    def kv_caches_base_addr(self, value: list[int]) -> None:
+        self._kv_caches_base_addr = value
+        self._table.set_regions(value, self._block_len)
+
+    @property
+    def block_len(self) -> list[int]:
+        """Bytes per block of each region; region ``i`` uses ``block_len[i % len(block_len)]``."""
+        return self._block_len
+
+    @block_len.setter
+    def block_len(self, value: list[int]) -> None:
+        self._block_len = value
+        self._table.set_regions(self._kv_caches_base_addr, value)
+
+    def set_kv_caches_base_addr(self, kv_caches_base_addr: list[int]) -> None:
+        """Register the regions' base addresses (all groups share the same list)."""
+        self.kv_caches_base_addr = kv_caches_base_addr
+
+    def set_block_len(self, block_len: list[int]) -> None:
+        """Register the per-region block lengths in bytes."""
+        self.block_len = block_len
+
+    @property
+    def address_cache_bytes(self) -> int:
+        """Memory cap of the address-row cache in bytes (settable; 0 disables and frees it)."""
+        return int(self._table.cache_capacity)
+
+    @address_cache_bytes.setter
+    def address_cache_bytes(self, value: int) -> None:
+        if value < 0:
+            raise ValueError(f"address_cache_bytes must be >= 0, got {value}")
+        self._table.cache_capacity = value
+
+    def address_cache_info(self) -> dict[str, int]:
+        """Entries, bytes, capacity, hits and misses of the address-row cache."""
+        return dict(self._table.cache_info())
+
+    def clear_address_cache(self) -> None:
+        """Drop every cached address row."""
+        self._table.clear_cache()
+
+    # Keys.
+    def key_for(self, chunk_hash: BlockHash) -> str:
+        """The pool key of a chunk: the cached prefix, ``@``, and the hash in lowercase hex."""
+        return f"{self._key_prefix}@{chunk_hash.hex()}"
+
+    # Addresses and sizes.
+    def prepare_values(
+        self, chunks: Sequence[Chunk], block_ids: Sequence[int]
+    ) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """Address rows, size rows and first block id of every ``(start, end, ...)`` chunk.
+
+        ``addr[c][r] = base[r] + block_ids[start // block_size] * blen[r]`` and
+        ``size[c][r] = blen[r] * ceil((end - start) / block_size)``. Rows are shared and read-only (see the
+        module docstring). Raises :class:`~mooncake_kvaddr.errors.ChunkAlignmentError` for a span that is not a
+        multiple of ``hash_block_size``, ``IndexError`` for a block index past ``block_ids``, ``TypeError``
+        for non-integers and ``OverflowError`` when an address does not fit in 64 bits.
+        """
+        return self._table.prepare_values(chunks, block_ids)  # type: ignore[no-any-return]
+
+    def prepare_value(
+        self, start: int, end: int, block_ids: Sequence[int]
+    ) -> tuple[list[int], list[int], int]:
+        """``prepare_values`` for one chunk, as an ``(addr_row, size_row, block_id)`` tuple."""
+        addrs, sizes, ids = self._table.prepare_values(((start, end),), block_ids)
+        return addrs[0], sizes[0], ids[0]
+
+    def prepare_values_array(
+        self, chunks: Sequence[Chunk] | npt.NDArray[np.integer[Any]], block_ids: Sequence[int] | Int64Array
+    ) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """The same matrix as fresh int64 arrays ``(addrs (n, R), sizes (n, R), block_ids (n,))``.
+
+        No Python object per element; ``chunks`` may also be an ``(n, 2)`` integer array. The GIL is released
+        around the arithmetic of large requests.
+        """
+        return self._table.prepare_values_array(chunks, block_ids)  # type: ignore[no-any-return]
+
+    def prepare_value_for_block(self, block_id: int) -> tuple[list[int], list[int]]:
+        """Address and size (one block) of every region for one physical block (partial-tail offload)."""
+        return self._table.prepare_value_for_block(block_id)  # type: ignore[no-any-return]
+
+    # The chunk walk.
+    def process_tokens(
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash],
+        mask_num: int = 0,
+        *,
+        chunk_mask: Sequence[bool] | None = None,
+        put_step: int = 1,
+        put_step_rank: int = 0,
+    ) -> Iterator[tuple[int, int, BlockHash]]:
+        """Lazily yield ``(start, end, hash)`` for each chunk of ``[mask_num, token_len)`` (SPEC.md §2.3).
+
+        Chunks are ``block_size`` tokens (the last one may be shorter); ``chunk_mask`` (relative to the first
+        chunk) skips chunks, ``put_step``/``put_step_rank`` stripe absolute chunk ids across ranks. Hashes are
+        read only for yielded chunks. Nothing runs until the first iteration.
+        """
+        assert put_step > 0, "put_step must be positive"
+        if not block_hashes:
+            return
+        hbs = self.hash_block_size
+        bs = self.block_size
+        assert token_len % hbs == 0, f"token_len {token_len} is not a multiple of hash_block_size {hbs}"
+        assert token_len // hbs <= len(block_hashes), (
+            f"token_len {token_len} needs {token_len // hbs} hashes, got {len(block_hashes)}"
+        )
+        first = max(0, mask_num // bs)
+        stop = -(-token_len // bs)
+        if chunk_mask is not None:
+            stop = min(stop, first + len(chunk_mask))
+        for chunk_id in range(first, stop):
+            if chunk_mask is not None and not chunk_mask[chunk_id - first]:
+                continue
+            if chunk_id % put_step != put_step_rank:
+                continue
+            start = chunk_id * bs
+            end = min(start + bs, token_len)
+            yield start, end, block_hashes[end // hbs - 1]

@@ -1,0 +1,95 @@
+"""Views over block hashes: the compact per-chunk view and the zero-copy blob view (SPEC.md §1.2, §2.4)."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import Union, overload
+
+#: A block hash: ``bytes``, or a ``memoryview`` slice of a lookup blob. Both hex identically.
+BlockHash = Union[bytes, memoryview]
+
+
+class _HashView(Sequence[BlockHash]):
+    """Shared indexing rules: ints (negative wrap), slices give lists, out of range raises IndexError."""
+
+    @abstractmethod
+    def _item(self, index: int) -> BlockHash:
+        """Item at a validated, non-negative index."""
+
+    @overload
+    def __getitem__(self, index: int) -> BlockHash: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[BlockHash]: ...
+    def __getitem__(self, index: int | slice) -> BlockHash | list[BlockHash]:
+        n = len(self)
+        if isinstance(index, slice):
+            return [self._item(i) for i in range(*index.indices(n))]
+        position = index + n if index < 0 else index
+        if not 0 <= position < n:
+            raise IndexError(index)
+        return self._item(position)
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        for i in range(len(self)):
+            yield self._item(i)
+
+
+class CompactChunkHashes(_HashView):
+    """One hash per ``block_size`` chunk: the chunk's last ``hash_block_size`` sub-hash.
+
+    Hashes are prefix-chained, so the last sub-hash identifies the chunk and everything before it; keys stay
+    one digest long whatever the ``block_size / hash_block_size`` ratio.
+    """
+
+    def __init__(self, block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int) -> None:
+        if hash_block_size <= 0 or block_size % hash_block_size != 0:
+            raise ValueError(
+                f"block_size ({block_size}) must be a multiple of hash_block_size ({hash_block_size})"
+            )
+        self.block_hashes = block_hashes
+        self.scale_factor = block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
+
+    def _item(self, index: int) -> BlockHash:
+        return self.block_hashes[(index + 1) * self.scale_factor - 1]
+
+
+def chunk_hashes_for_block_size(
+    block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+) -> Sequence[BlockHash]:
+    """One hash per ``block_size`` chunk; ``block_hashes`` itself when the two sizes are equal."""
+    if block_size == hash_block_size:
+        return block_hashes
+    return CompactChunkHashes(block_hashes, hash_block_size, block_size)
+
+
+class BlobBlockHashes(_HashView):
+    """Zero-copy sequence over a flat buffer of ``hash_len``-byte hashes (the lookup wire format).
+
+    Items are slices of ``blob`` (``memoryview`` slices when ``blob`` is a memoryview): no copy per hash.
+    """
+
+    def __init__(self, blob: bytes | bytearray | memoryview, hash_len: int) -> None:
+        self._blob = blob
+        self._hash_len = hash_len
+        self._n = len(blob) // hash_len if hash_len else 0
+
+    @property
+    def blob(self) -> bytes | bytearray | memoryview:
+        """The underlying buffer."""
+        return self._blob
+
+    @property
+    def hash_len(self) -> int:
+        """Bytes per hash."""
+        return self._hash_len
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _item(self, index: int) -> BlockHash:
+        offset = index * self._hash_len
+        return self._blob[offset : offset + self._hash_len]  # type: ignore[return-value]
