@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "bindings/buffer_pool.hpp"
 #include "bindings/common.hpp"
 #include "kvaddr/address.hpp"
 
@@ -168,9 +169,12 @@ public:
             resolve_block_ids(block_ids, starts, &plans, &id_objects);
         }
         const std::size_t n_regions = n == 0 ? 0 : regions->size();
-        py::array_t<int64_t> addrs({n, n_regions});
-        py::array_t<int64_t> sizes({n, n_regions});
-        py::array_t<int64_t> ids(static_cast<py::ssize_t>(n));
+        BufferPool& pool = BufferPool::instance();
+        const auto rows = static_cast<py::ssize_t>(n);
+        const auto cols = static_cast<py::ssize_t>(n_regions);
+        py::array_t<int64_t> addrs = pool.new_array({rows, cols});
+        py::array_t<int64_t> sizes = pool.new_array({rows, cols});
+        py::array_t<int64_t> ids = pool.new_array({rows});
         int64_t* addr_out = addrs.mutable_data();
         int64_t* size_out = sizes.mutable_data();
         int64_t* id_out = ids.mutable_data();
@@ -324,6 +328,7 @@ private:
             fresh->base[static_cast<std::size_t>(r)] = as_int64(base.at(r).ptr(), "kv_caches_base_addr item");
             fresh->blen[static_cast<std::size_t>(r)] = seen_lens[static_cast<std::size_t>(r % n_lens)];
         }
+        fresh->finalize();
         clear_cache();
         seen_lens_ = std::move(seen_lens);
         regions_ = std::move(fresh);

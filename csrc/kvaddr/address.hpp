@@ -3,6 +3,8 @@
 // with blen[r] = block_len[r % L]. Pure C++ (no Python headers) so it can run with the GIL released.
 #pragma once
 
+#include <algorithm>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -15,8 +17,30 @@ namespace kvaddr {
 struct Regions {
     std::vector<int64_t> base;  // R region base addresses
     std::vector<int64_t> blen;  // R per-region block lengths (block_len[r % L])
+    // |block_id| (and block count) up to which no row can overflow: rows inside it take the plain,
+    // vectorisable loop; only rows outside it pay for per-cell overflow checks. Set by finalize().
+    uint64_t unchecked_id_limit = 0;
+    uint64_t unchecked_count_limit = 0;
 
     std::size_t size() const noexcept { return base.size(); }
+
+    // Call once after filling base and blen.
+    void finalize() noexcept {
+        uint64_t max_base = 0;
+        uint64_t max_blen = 1;
+        for (std::size_t r = 0; r < size(); ++r) {
+            max_base = std::max(max_base, magnitude(base[r]));
+            max_blen = std::max(max_blen, magnitude(blen[r]));
+        }
+        constexpr uint64_t kMax = static_cast<uint64_t>(INT64_MAX);
+        // |base + id * blen| <= max_base + |id| * max_blen <= INT64_MAX whenever |id| <= the limit.
+        unchecked_id_limit = max_base >= kMax ? 0 : (kMax - max_base) / max_blen;
+        unchecked_count_limit = kMax / max_blen;
+    }
+
+    static uint64_t magnitude(int64_t v) noexcept {
+        return v < 0 ? uint64_t{0} - static_cast<uint64_t>(v) : static_cast<uint64_t>(v);
+    }
 };
 
 // A chunk after validation: the first block's id and how many blocks the span covers.
@@ -31,6 +55,10 @@ inline bool address_row(const Regions& regions, int64_t block_id, int64_t* out) 
     const std::size_t n = regions.size();
     const int64_t* base = regions.base.data();
     const int64_t* blen = regions.blen.data();
+    if (Regions::magnitude(block_id) <= regions.unchecked_id_limit) {
+        for (std::size_t r = 0; r < n; ++r) out[r] = base[r] + block_id * blen[r];
+        return true;
+    }
     bool ok = true;
     for (std::size_t r = 0; r < n; ++r) {
         int64_t offset = 0;
@@ -44,6 +72,10 @@ inline bool address_row(const Regions& regions, int64_t block_id, int64_t* out) 
 inline bool size_row(const Regions& regions, int64_t block_count, int64_t* out) noexcept {
     const std::size_t n = regions.size();
     const int64_t* blen = regions.blen.data();
+    if (Regions::magnitude(block_count) <= regions.unchecked_count_limit) {
+        for (std::size_t r = 0; r < n; ++r) out[r] = blen[r] * block_count;
+        return true;
+    }
     bool ok = true;
     for (std::size_t r = 0; r < n; ++r) {
         ok &= mul_checked(blen[r], block_count, &out[r]);

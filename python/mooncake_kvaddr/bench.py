@@ -1,0 +1,203 @@
+"""Side-by-side benchmark: ``python -m mooncake_kvaddr.bench [--quick] [--json PATH]``.
+
+Every variant of a section runs interleaved in one process (round-robin, after a warm-up), so machine noise
+hits all of them alike; we report medians, p10/p90 and each variant's speed-up over the numpy anchor (vLLM's
+current vectorised ``prepare_values``). Times include freeing the result, which is GIL time too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, __version__
+from mooncake_kvaddr.oracle import OracleChunkedTokenDatabase, numpy_prepare_values
+
+ANCHOR = "numpy + tolist (anchor)"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One request's shape: chunks of ``block_size`` tokens over ``regions`` KV-cache regions."""
+
+    tokens: int = 289_024
+    regions: int = 100
+    block_size: int = 128
+    hash_block_size: int = 16
+    block_bytes: int = 32 << 10
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.tokens // self.block_size)
+
+    def describe(self) -> str:
+        return (
+            f"{self.chunks} chunks x {self.regions} regions, block_size {self.block_size}, "
+            f"hash_block_size {self.hash_block_size}, {self.block_bytes // 1024} KiB blocks"
+        )
+
+
+HEADLINE = Shape()
+
+
+@dataclass
+class Result:
+    """Timings of one variant, in milliseconds."""
+
+    name: str
+    samples: list[float] = field(default_factory=list)
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.samples)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def summary(self, anchor: float | None) -> dict[str, Any]:
+        return {
+            "median_ms": self.median,
+            "p10_ms": self.quantile(0.1),
+            "p90_ms": self.quantile(0.9),
+            "samples": len(self.samples),
+            "speedup_vs_anchor": (anchor / self.median) if anchor else None,
+        }
+
+
+def run_interleaved(variants: dict[str, Callable[[int], object]], reps: int, warmup: int = 2) -> list[Result]:
+    """Time each variant ``reps`` times, round-robin with a rotating start; ``fn(rep)`` returns a result
+    that is freed inside the timed region."""
+    names = list(variants)
+    results = {name: Result(name) for name in names}
+    for rep in range(-warmup, reps):
+        offset = rep % len(names)
+        for name in names[offset:] + names[:offset]:
+            fn = variants[name]
+            t0 = time.perf_counter()
+            out = fn(rep)
+            del out
+            elapsed = (time.perf_counter() - t0) * 1e3
+            if rep >= 0:
+                results[name].samples.append(elapsed)
+    return list(results.values())
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers come from."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "mooncake_kvaddr": __version__,
+        "platform": platform.platform(),
+    }
+
+
+def make_databases(shape: Shape) -> tuple[ChunkedTokenDatabase, OracleChunkedTokenDatabase]:
+    """A native database and an oracle over ``shape``'s regions (K/V regions 1 GiB apart)."""
+    md = KeyMetadata("DeepSeek-V3", 0, 0, 0, 0)
+    bases = [0x7F00_0000_0000 + r * (1 << 30) for r in range(shape.regions)]
+    lens = [shape.block_bytes] * shape.regions
+    native = ChunkedTokenDatabase(md, shape.block_size, shape.hash_block_size, address_cache_bytes=256 << 20)
+    oracle = OracleChunkedTokenDatabase(md, shape.block_size, shape.hash_block_size)
+    for db in (native, oracle):
+        db.set_kv_caches_base_addr(list(bases))
+        db.set_block_len(list(lens))
+    return native, oracle
+
+
+def request_chunks(shape: Shape) -> list[tuple[int, int]]:
+    """The load path's chunks: one per block, the last one a hash-aligned partial tail."""
+    return [(s, min(s + shape.block_size, shape.tokens)) for s in range(0, shape.tokens, shape.block_size)]
+
+
+def address_section(shape: Shape, reps: int) -> list[Result]:
+    """The address/size matrix of one request, every variant on the same chunks."""
+    native, oracle = make_databases(shape)
+    chunks = request_chunks(shape)
+    rng = random.Random(0)
+    warm_ids = rng.sample(range(1 << 20), shape.chunks)
+    bases, lens = native.kv_caches_base_addr, native.block_len
+
+    def cold_ids(rep: int) -> list[int]:
+        # Never-seen block ids: a disjoint range per repetition (and per warm-up round).
+        first = (1 << 21) + (rep + 8) * shape.chunks
+        return list(range(first, first + shape.chunks))
+
+    native.prepare_values(chunks, warm_ids)
+    variants: dict[str, Callable[[int], object]] = {
+        "oracle (pure Python loop)": lambda rep: oracle.prepare_values(chunks, warm_ids),
+        ANCHOR: lambda rep: numpy_prepare_values(
+            chunks, warm_ids, bases, lens, shape.block_size, shape.hash_block_size
+        ),
+        "native lists, cold block ids": lambda rep: native.prepare_values(chunks, cold_ids(rep)),
+        "native lists, warm block ids": lambda rep: native.prepare_values(chunks, warm_ids),
+        "native arrays (no Python ints)": lambda rep: native.prepare_values_array(chunks, warm_ids),
+    }
+    expected = oracle.prepare_values(chunks, warm_ids)
+    if native.prepare_values(chunks, warm_ids) != expected:
+        raise AssertionError("native result differs from the oracle on the benchmark shape")
+    return run_interleaved(variants, reps)
+
+
+def print_table(title: str, results: list[Result]) -> dict[str, Any]:
+    """Print one section and return its JSON form."""
+    anchor = next((r.median for r in results if r.name == ANCHOR), None)
+    print(f"\n{title}")
+    print(f"  {'variant':<36} {'median ms':>10} {'p10':>8} {'p90':>8} {'vs numpy':>9}")
+    rows = {}
+    for r in results:
+        s = r.summary(anchor)
+        ratio = f"{s['speedup_vs_anchor']:.1f}x" if s["speedup_vs_anchor"] else "-"
+        print(f"  {r.name:<36} {s['median_ms']:>10.3f} {s['p10_ms']:>8.3f} {s['p90_ms']:>8.3f} {ratio:>9}")
+        rows[r.name] = s
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print (and optionally save) the results."""
+    parser = argparse.ArgumentParser(prog="python -m mooncake_kvaddr.bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="few repetitions: a smoke run under a minute")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    args = parser.parse_args(argv)
+    reps = args.reps or (5 if args.quick else 30)
+
+    info = machine()
+    print(f"mooncake_kvaddr {__version__} bench on {info['cpu']} ({info['cores']} cores), "
+          f"Python {info['python']}, numpy {info['numpy']}; gc {'on' if gc.isenabled() else 'off'}")
+    report: dict[str, Any] = {"machine": info, "reps": reps, "sections": {}}
+
+    shape = HEADLINE
+    title = f"Addresses and sizes per request: {shape.describe()}"
+    report["sections"]["addresses"] = {"shape": shape.describe(), "rows": print_table(title,
+                                                                                    address_section(shape, reps))}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

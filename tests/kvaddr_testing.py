@@ -1,0 +1,45 @@
+"""Shared builders for the tests: realistic region layouts and a paired native/oracle database."""
+
+from __future__ import annotations
+
+from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
+from mooncake_kvaddr.oracle import OracleChunkedTokenDatabase
+
+#: The upstream oracle test's layout: a 48-layer K/V model, 1 GiB apart, growing block lengths.
+ORACLE_BASE = 0x7F00_0000_0000
+
+
+def oracle_regions(n_regions: int, n_lens: int) -> tuple[list[int], list[int]]:
+    """Bases and block lengths of SPEC.md §4.2's oracle layout, with ``n_lens`` distinct lengths."""
+    bases = [ORACLE_BASE + i * (1 << 30) for i in range(n_regions)]
+    lens = [30208 + 512 * i for i in range(n_lens)]
+    return bases, lens
+
+
+def paired(
+    bases: list[int],
+    lens: list[int],
+    block_size: int,
+    hash_block_size: int | None = None,
+    metadata: KeyMetadata | None = None,
+    **kwargs: int,
+) -> tuple[ChunkedTokenDatabase, OracleChunkedTokenDatabase]:
+    """A native database and an oracle configured identically (separate list objects)."""
+    md = metadata or KeyMetadata("t", 1, 0, 0, 0)
+    native = ChunkedTokenDatabase(md, block_size, hash_block_size, **kwargs)
+    oracle = OracleChunkedTokenDatabase(md, block_size, hash_block_size)
+    native.set_kv_caches_base_addr(list(bases))
+    native.set_block_len(list(lens))
+    oracle.set_kv_caches_base_addr(list(bases))
+    oracle.set_block_len(list(lens))
+    return native, oracle
+
+
+def assert_native_ints(result: tuple[list[list[int]], list[list[int]], list[int]]) -> None:
+    """Every element of a prepare_values result is a native Python int (not a numpy scalar)."""
+    addrs, sizes, ids = result
+    assert type(addrs) is list and type(sizes) is list and type(ids) is list
+    for row in (*addrs, *sizes):
+        assert type(row) is list
+        assert all(type(v) is int for v in row)
+    assert all(type(v) is int for v in ids)

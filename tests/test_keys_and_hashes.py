@@ -1,0 +1,146 @@
+"""PoolKey / KeyMetadata strings, hashing and ordering; hash views; process_tokens (SPEC.md §1, §2.3–2.4, §5)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from mooncake_kvaddr import (
+    BlobBlockHashes,
+    ChunkedTokenDatabase,
+    CompactChunkHashes,
+    KeyMetadata,
+    PoolKey,
+    chunk_hashes_for_block_size,
+    model_name_from_path,
+)
+from mooncake_kvaddr.oracle import OracleChunkedTokenDatabase
+
+
+def test_pinned_key_strings() -> None:
+    md = KeyMetadata("test-model", 0, 0, 0, 0)
+    assert PoolKey(md, "deadbeef").to_string() == "test-model@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@deadbeef"
+    prefixed = KeyMetadata("test-model", 0, 0, 0, 0, cache_prefix="depA")
+    assert PoolKey(prefixed, "deadbeef").to_string() == (
+        "depA@test-model@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@deadbeef"
+    )
+
+
+def test_build_prefix_overrides_and_key_string() -> None:
+    md = KeyMetadata("Kimi-K2.6-NVFP4", 3, 1, 3, 0, group_id=2)
+    assert PoolKey.build_prefix(md) == "Kimi-K2.6-NVFP4@tp_rank:3@pcp1@dcp3@pp_rank:0@group:2"
+    assert PoolKey.build_prefix(md, tp_rank=0, pcp_rank=0, dcp_rank=1, pp_rank=4) == (
+        "Kimi-K2.6-NVFP4@tp_rank:0@pcp0@dcp1@pp_rank:4@group:2"
+    )
+    assert PoolKey.build_prefix(md, tp_rank=-1).startswith("Kimi-K2.6-NVFP4@tp_rank:-1@")
+    assert PoolKey.build_key_string("p", "ab") == "p@ab"
+
+
+def test_pool_key_hash_eq_order() -> None:
+    a = PoolKey(KeyMetadata("m", 0, 0, 0, 0), "aa")
+    b = PoolKey(KeyMetadata("m", 0, 0, 0, 0), "bb")
+    c = PoolKey(KeyMetadata("m", 0, 0, 0, 0, cache_prefix="x"), "aa")
+    assert a == PoolKey(KeyMetadata("m", 0, 0, 0, 0), "aa")
+    assert hash(a) == hash(PoolKey(KeyMetadata("m", 0, 0, 0, 0), "aa"))
+    assert a != c and hash(a) != hash(c)
+    assert a < b and sorted([b, a]) == [a, b]
+    assert len({a, b, c}) == 3
+
+
+def test_model_name_from_path() -> None:
+    assert model_name_from_path("deepseek-ai/DeepSeek-V3") == "DeepSeek-V3"
+    assert model_name_from_path("/models/Qwen3-8B/") == "Qwen3-8B"
+    assert model_name_from_path("plain") == "plain"
+
+
+@pytest.mark.parametrize("db_class", [ChunkedTokenDatabase, OracleChunkedTokenDatabase])
+def test_key_for_hex_and_prefix(db_class: type) -> None:
+    db = db_class(KeyMetadata("t", 1, 0, 0, 0, group_id=0), 16)
+    assert db.key_for(b"a0") == "t@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0@6130"
+    assert db.key_for(memoryview(b"h11")) == "t@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0@683131"
+    assert db.key_for(bytes(range(250, 256))) .endswith("@fafbfcfdfeff")
+
+
+class RecordingHashes(Sequence[bytes]):
+    """Hash list that records which indices were read (the upstream tests pin them)."""
+
+    def __init__(self, hashes: list[bytes]) -> None:
+        self.hashes = hashes
+        self.accessed: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        self.accessed.append(index)
+        return self.hashes[index]
+
+
+DB_CLASSES = [ChunkedTokenDatabase, OracleChunkedTokenDatabase]
+
+
+@pytest.mark.parametrize("db_class", DB_CLASSES)
+@pytest.mark.parametrize(
+    ("token_len", "kwargs", "expected", "accessed"),
+    [
+        (96, dict(mask_num=64), [(64, 96, 11)], [11]),
+        (128, dict(mask_num=64, chunk_mask=[False, True]), [(96, 128, 15)], [15]),
+        (128, dict(mask_num=64, put_step=2, put_step_rank=1), [(96, 128, 15)], [15]),
+        (128, dict(put_step=2, put_step_rank=2), [], []),
+        (120, dict(), [(0, 32, 3), (32, 64, 7), (64, 96, 11), (96, 120, 14)], [3, 7, 11, 14]),
+    ],
+)
+def test_process_tokens_pinned(db_class: type, token_len: int, kwargs: dict, expected: list, accessed: list) -> None:
+    db = db_class(KeyMetadata("t", 0, 0, 0, 0), 32, 8)
+    hashes = RecordingHashes([bytes([i]) for i in range(16)])
+    got = list(db.process_tokens(token_len, hashes, **kwargs))
+    assert got == [(s, e, bytes([h])) for s, e, h in expected]
+    assert hashes.accessed == accessed
+
+
+@pytest.mark.parametrize("db_class", DB_CLASSES)
+def test_process_tokens_is_lazy_and_asserts(db_class: type) -> None:
+    db = db_class(KeyMetadata("t", 0, 0, 0, 0), 32, 8)
+    hashes = [bytes([i]) for i in range(4)]
+    lazy = db.process_tokens(33, hashes)  # misaligned token_len: nothing raised yet
+    with pytest.raises(AssertionError):
+        next(iter(lazy))
+    with pytest.raises(AssertionError):
+        list(db.process_tokens(64, hashes))  # needs 8 hashes
+    with pytest.raises(AssertionError):
+        list(db.process_tokens(32, hashes, put_step=0))
+    assert list(db.process_tokens(64, [])) == []
+
+
+def test_blob_block_hashes() -> None:
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    blob = memoryview(b"".join(hashes))
+    view = BlobBlockHashes(blob, 16)
+    assert len(view) == 5
+    assert [bytes(h) for h in view] == hashes
+    assert bytes(view[-1]) == hashes[-1]
+    assert [bytes(h) for h in view[1:3]] == hashes[1:3]
+    assert isinstance(view[0], memoryview)
+    with pytest.raises(IndexError):
+        view[5]
+    with pytest.raises(IndexError):
+        view[-6]
+    assert len(BlobBlockHashes(memoryview(b""), 0)) == 0
+    assert view[0].hex() == hashes[0].hex()
+
+
+def test_compact_chunk_hashes() -> None:
+    hashes = [bytes([i]) for i in range(10)]
+    assert chunk_hashes_for_block_size(hashes, 16, 16) is hashes
+    view = chunk_hashes_for_block_size(hashes, 4, 16)
+    assert isinstance(view, CompactChunkHashes)
+    assert len(view) == 2
+    assert list(view) == [hashes[3], hashes[7]]
+    assert view[-1] == hashes[7] and view[0:2] == [hashes[3], hashes[7]]
+    with pytest.raises(IndexError):
+        view[2]
+    blob_view = chunk_hashes_for_block_size(BlobBlockHashes(b"".join(hashes), 1), 2, 4)
+    assert [bytes(h) for h in blob_view] == [hashes[1], hashes[3], hashes[5], hashes[7], hashes[9]]
+    with pytest.raises(ValueError):
+        CompactChunkHashes(hashes, 3, 16)

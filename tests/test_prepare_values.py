@@ -1,0 +1,269 @@
+"""SPEC.md §5's pinned prepare_values / prepare_value / prepare_value_for_block cases, plus the array output."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+from kvaddr_testing import assert_native_ints, oracle_regions, paired
+
+from mooncake_kvaddr import BlockLenError, ChunkAlignmentError, ChunkedTokenDatabase, KeyMetadata
+from mooncake_kvaddr.oracle import numpy_prepare_values
+
+BLOCK_SIZE = 128
+
+
+def upstream_chunks(rng: random.Random) -> list[tuple[int, int]]:
+    """The upstream oracle test's chunk generator: spans of 1, 2 or 4 blocks with gaps of 0 or 1."""
+    chunks = []
+    b = 0
+    while b < 296:
+        span = rng.choice([1, 1, 1, 2, 4])
+        chunks.append((b * BLOCK_SIZE, (b + span) * BLOCK_SIZE))
+        b += span + rng.choice([0, 1])
+    return chunks
+
+
+@pytest.mark.parametrize(("n_regions", "n_lens"), [(96, 96), (96, 2), (1, 1)])
+def test_matches_scalar_oracle_chunk_by_chunk(n_regions: int, n_lens: int) -> None:
+    rng = random.Random(0)
+    block_ids = [rng.randrange(1 << 20) for _ in range(300)]
+    chunks = upstream_chunks(rng)
+    bases, lens = oracle_regions(n_regions, n_lens)
+    native, oracle = paired(bases, lens, BLOCK_SIZE)
+
+    addrs, sizes, ids = native.prepare_values(chunks, block_ids)
+    assert len(addrs) == len(sizes) == len(ids) == len(chunks)
+    assert_native_ints((addrs, sizes, ids))
+    for i, (start, end) in enumerate(chunks):
+        # The scalar formula, written out independently of both implementations.
+        bid = block_ids[start // BLOCK_SIZE]
+        count = -(-(end - start) // BLOCK_SIZE)
+        assert ids[i] == bid
+        assert addrs[i] == [bases[r] + bid * lens[r % n_lens] for r in range(n_regions)]
+        assert sizes[i] == [lens[r % n_lens] * count for r in range(n_regions)]
+        assert (addrs[i], sizes[i], ids[i]) == oracle.prepare_value(start, end, block_ids)
+    assert (addrs, sizes, ids) == oracle.prepare_values(chunks, block_ids)
+
+
+def test_prepare_value_multi_block_span() -> None:
+    bases, lens = oracle_regions(8, 8)
+    native, oracle = paired(bases, lens, BLOCK_SIZE)
+    result = native.prepare_value(5 * BLOCK_SIZE, 7 * BLOCK_SIZE, list(range(64)))
+    assert type(result) is tuple
+    assert result == oracle.prepare_value(5 * BLOCK_SIZE, 7 * BLOCK_SIZE, list(range(64)))
+    assert result[2] == 5
+    assert result[1] == [2 * n for n in lens]
+
+
+def test_empty_chunks_return_three_fresh_lists() -> None:
+    native, _ = paired(*oracle_regions(4, 4), BLOCK_SIZE)
+    first = native.prepare_values([], [1, 2, 3])
+    assert first == ([], [], [])
+    first[0].append(1)
+    assert native.prepare_values([], [1, 2, 3]) == ([], [], [])
+
+
+def test_empty_chunks_never_touch_state() -> None:
+    # Even with a broken configuration (block_len empty), an empty request is answered first.
+    db = ChunkedTokenDatabase(KeyMetadata("t", 0, 0, 0, 0), BLOCK_SIZE)
+    db.set_kv_caches_base_addr([0x1000])
+    assert db.prepare_values([], [0]) == ([], [], [])
+    assert db.prepare_values_array([], [0])[0].shape == (0, 0)
+
+
+def test_misaligned_span_raises_assertion_compatible_error() -> None:
+    native, oracle = paired(*oracle_regions(4, 4), BLOCK_SIZE)
+    with pytest.raises(AssertionError):
+        oracle.prepare_values([(0, 129)], [0, 1])
+    with pytest.raises(AssertionError) as info:
+        native.prepare_values([(0, 129)], [0, 1])
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, ChunkAlignmentError)
+    assert "129" in str(info.value)
+
+
+def test_spans_validated_before_block_ids() -> None:
+    # Chunk 0's block index is out of range, chunk 1 is misaligned: the span error wins (reference order).
+    native, _ = paired(*oracle_regions(2, 2), 16, 16)
+    with pytest.raises(ChunkAlignmentError):
+        native.prepare_values([(10_000, 10_016), (0, 5)], [0])
+
+
+def test_block_index_past_block_ids_raises_index_error() -> None:
+    native, oracle = paired(*oracle_regions(2, 2), BLOCK_SIZE)
+    for db in (native, oracle):
+        with pytest.raises(IndexError):
+            db.prepare_values([(2 * BLOCK_SIZE, 3 * BLOCK_SIZE)], [0, 1])
+
+
+def test_negative_start_wraps_like_list_indexing() -> None:
+    native, oracle = paired(*oracle_regions(3, 2), BLOCK_SIZE)
+    chunks = [(-BLOCK_SIZE, 0), (-2 * BLOCK_SIZE, -BLOCK_SIZE)]
+    assert native.prepare_values(chunks, [7, 8, 9]) == oracle.prepare_values(chunks, [7, 8, 9])
+    with pytest.raises(IndexError):
+        native.prepare_values([(-4 * BLOCK_SIZE, -3 * BLOCK_SIZE)], [7, 8, 9])
+
+
+def test_zero_and_negative_spans_follow_floor_semantics() -> None:
+    native, oracle = paired(*oracle_regions(3, 3), BLOCK_SIZE, 16)
+    chunks = [(128, 128), (256, 128), (256, 240)]
+    assert native.prepare_values(chunks, list(range(4))) == oracle.prepare_values(chunks, list(range(4)))
+
+
+def test_non_integers_raise_type_error() -> None:
+    native, _ = paired(*oracle_regions(2, 2), BLOCK_SIZE)
+    with pytest.raises(TypeError):
+        native.prepare_values([(0.0, 128)], [0])
+    with pytest.raises(TypeError):
+        native.prepare_values([("0", 128)], [0])
+    with pytest.raises(TypeError):
+        native.prepare_values([(0, 128)], [None])
+    with pytest.raises(TypeError):
+        native.prepare_values([(0, 128)], 5)
+    native.set_kv_caches_base_addr([0x1000, "0x2000"])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        native.prepare_values([(0, 128)], [0])
+
+
+def test_numpy_integers_accepted_and_returned_as_int() -> None:
+    native, oracle = paired(*oracle_regions(4, 2), BLOCK_SIZE)
+    chunks = [(np.int64(0), np.int64(128)), (np.int32(128), np.int32(256))]
+    for block_ids in ([np.int64(3), np.int64(9)], np.array([3, 9], dtype=np.int64), np.array([3, 9], np.int32)):
+        result = native.prepare_values(chunks, block_ids)
+        assert_native_ints(result)
+        assert result == oracle.prepare_values([(0, 128), (128, 256)], [3, 9])
+
+
+def test_address_overflow_raises_instead_of_wrapping() -> None:
+    native, _ = paired([(1 << 62)], [1 << 20], BLOCK_SIZE)
+    with pytest.raises(OverflowError):
+        native.prepare_values([(0, 128)], [1 << 42])
+    with pytest.raises(OverflowError):
+        native.prepare_values_array([(0, 128)], [1 << 42])
+    with pytest.raises(OverflowError):
+        native.prepare_value_for_block(1 << 42)
+    with pytest.raises(OverflowError):
+        native.prepare_values([(0, 128)], [1 << 64])
+    # numpy, the approach we replace, wraps silently here.
+    wrapped, _, _ = numpy_prepare_values([(0, 128)], [1 << 42], [1 << 62], [1 << 20], BLOCK_SIZE, BLOCK_SIZE)
+    assert wrapped[0][0] != (1 << 62) + (1 << 62)
+
+
+def test_empty_block_len_with_regions_raises() -> None:
+    db = ChunkedTokenDatabase(KeyMetadata("t", 0, 0, 0, 0), BLOCK_SIZE)
+    db.set_kv_caches_base_addr([0x1000, 0x2000])
+    with pytest.raises(BlockLenError) as info:
+        db.prepare_values([(0, 128)], [0])
+    assert isinstance(info.value, ValueError) and isinstance(info.value, ZeroDivisionError)
+    with pytest.raises(ValueError):
+        db.prepare_value_for_block(0)
+
+
+def test_no_regions_gives_empty_rows() -> None:
+    native, oracle = paired([], [], BLOCK_SIZE)
+    result = native.prepare_values([(0, 128), (128, 256)], [4, 5])
+    assert result == oracle.prepare_values([(0, 128), (128, 256)], [4, 5]) == ([[], []], [[], []], [4, 5])
+    assert native.prepare_value_for_block(3) == ([], [])
+
+
+def test_prepare_value_for_block() -> None:
+    native, oracle = paired(*oracle_regions(5, 2), BLOCK_SIZE)
+    for block_id in (0, 1, 77, -3):
+        assert native.prepare_value_for_block(block_id) == oracle.prepare_value_for_block(block_id)
+
+
+def test_chunks_may_be_triples_and_any_sequence() -> None:
+    native, oracle = paired(*oracle_regions(4, 4), 16)
+    triples = [(0, 16, b"h0"), (16, 32, b"h1")]
+    expected = oracle.prepare_values([(0, 16), (16, 32)], [5, 6])
+    assert native.prepare_values(triples, [5, 6]) == expected
+    assert native.prepare_values(tuple([0, 16] for _ in range(1)), (5,)) == oracle.prepare_values([(0, 16)], [5])
+    assert native.prepare_values(np.array([[0, 16], [16, 32]]), [5, 6]) == expected
+
+
+def test_array_output_matches_lists() -> None:
+    rng = random.Random(1)
+    block_ids = [rng.randrange(1 << 20) for _ in range(300)]
+    chunks = upstream_chunks(rng)
+    native, oracle = paired(*oracle_regions(96, 2), BLOCK_SIZE)
+    addrs, sizes, ids = native.prepare_values_array(chunks, block_ids)
+    assert addrs.dtype == sizes.dtype == ids.dtype == np.int64
+    assert (addrs.tolist(), sizes.tolist(), ids.tolist()) == oracle.prepare_values(chunks, block_ids)
+    as_array = np.asarray(chunks, dtype=np.int64)
+    again = native.prepare_values_array(as_array, np.asarray(block_ids, dtype=np.int64))
+    assert all(np.array_equal(a, b) for a, b in zip(again, (addrs, sizes, ids)))
+    # A uint64 chunk array (values could exceed int64) goes through the checked path, not a silent cast.
+    assert native.prepare_values_array(as_array.astype(np.uint64), block_ids)[0].tolist() == addrs.tolist()
+
+
+def test_inputs_never_mutated_and_results_never_change() -> None:
+    bases, lens = oracle_regions(8, 2)
+    native, oracle = paired(bases, lens, 16)
+    chunks = [(0, 16), (16, 48), (64, 80)]
+    block_ids = [9, 8, 7, 6, 5, 4]
+    inputs = copy.deepcopy((chunks, block_ids, native.kv_caches_base_addr, native.block_len))
+    first = native.prepare_values(chunks, block_ids)
+    snapshot = copy.deepcopy(first)
+    native.prepare_values([(0, 16), (16, 32)], [1, 2])
+    native.set_kv_caches_base_addr([b + 4096 for b in bases])
+    native.prepare_values(chunks, block_ids)
+    native.set_block_len([1, 2])
+    native.prepare_values(chunks, block_ids)
+    assert first == snapshot
+    assert (chunks, block_ids) == inputs[:2]
+    assert inputs[2] == bases and inputs[3] == lens
+
+
+def test_in_place_region_changes_are_seen() -> None:
+    bases, lens = oracle_regions(4, 4)
+    native, oracle = paired(bases, lens, 16)
+    chunks = [(0, 16), (16, 32)]
+    native.prepare_values(chunks, [3, 4])  # warm the cache
+    for db in (native, oracle):
+        db.kv_caches_base_addr[2] += 1 << 20
+        db.block_len[1] = 4096
+    assert native.prepare_values(chunks, [3, 4]) == oracle.prepare_values(chunks, [3, 4])
+    native.block_len.append(64)
+    oracle.block_len.append(64)
+    assert native.prepare_values(chunks, [3, 4]) == oracle.prepare_values(chunks, [3, 4])
+
+
+def test_address_cache_is_bounded_and_configurable() -> None:
+    bases, lens = oracle_regions(100, 100)
+    native, oracle = paired(bases, lens, 16, address_cache_bytes=100_000)
+    chunks = [(16 * i, 16 * (i + 1)) for i in range(200)]
+    block_ids = list(range(1000, 1200))
+    expected = oracle.prepare_values(chunks, block_ids)
+    assert native.prepare_values(chunks, block_ids) == expected
+    info = native.address_cache_info()
+    assert 0 < info["bytes"] <= 100_000 and info["entries"] < 200
+    assert native.prepare_values(chunks, block_ids) == expected
+    native.address_cache_bytes = 0
+    assert native.address_cache_info()["entries"] == 0
+    assert native.prepare_values(chunks, block_ids) == expected
+    assert native.address_cache_info()["entries"] == 0
+    native.address_cache_bytes = 1 << 30
+    native.prepare_values(chunks, block_ids)
+    warm = native.address_cache_info()
+    native.prepare_values(chunks, block_ids)
+    assert native.address_cache_info()["hits"] - warm["hits"] == 200
+    native.clear_address_cache()
+    assert native.address_cache_info()["entries"] == 0
+    with pytest.raises(ValueError):
+        native.address_cache_bytes = -1
+
+
+def test_constructor_validation() -> None:
+    md = KeyMetadata("t", 0, 0, 0, 0)
+    with pytest.raises(ValueError):
+        ChunkedTokenDatabase(md, 32, 12)
+    with pytest.raises(ValueError):
+        ChunkedTokenDatabase(md, 0)
+    with pytest.raises(ValueError):
+        ChunkedTokenDatabase(md, 32, address_cache_bytes=-1)
+    db = ChunkedTokenDatabase(md, 32, 0)
+    assert db.hash_block_size == 32
+    assert ChunkedTokenDatabase(md, 32, None).hash_block_size == 32
