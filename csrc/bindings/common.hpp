@@ -20,6 +20,8 @@ Errors& errors();
 
 void register_errors(py::module_& m);
 void register_addr(py::module_& m);
+void register_keys(py::module_& m);
+void register_staging(py::module_& m);
 
 // Raise `type` with `message` as a C++ exception pybind11 turns back into that Python exception.
 [[noreturn]] inline void raise(PyObject* type, const std::string& message) {

@@ -8,4 +8,6 @@ PYBIND11_MODULE(_native, m) {
               "package, not this module, directly.";
     kvaddr::py_bindings::register_errors(m);
     kvaddr::py_bindings::register_addr(m);
+    kvaddr::py_bindings::register_keys(m);
+    kvaddr::py_bindings::register_staging(m);
 }

@@ -18,6 +18,7 @@
 
 #include "bindings/buffer_pool.hpp"
 #include "bindings/common.hpp"
+#include "bindings/keys.hpp"
 #include "kvaddr/address.hpp"
 
 namespace kvaddr::py_bindings {
@@ -124,16 +125,72 @@ public:
 
     py::tuple prepare_values(py::handle chunks, py::handle block_ids) {
         FastSequence chunk_seq(chunks.ptr(), "chunks");
-        const Py_ssize_t n = chunk_seq.size();
-        if (n == 0) return py::make_tuple(py::list(), py::list(), py::list());
+        if (chunk_seq.size() == 0) return py::make_tuple(py::list(), py::list(), py::list());
 
-        // Regions first, then every span, then block ids: the reference's error order. `regions` is a local
-        // owner: building rows allocates, a GC pass may run Python code that lets another thread re-register
-        // regions; this call keeps computing on the snapshot it validated against.
+        // Regions first, then every span, then block ids: the reference's error order.
         std::shared_ptr<const Regions> regions = sync_regions();
         std::vector<int64_t> starts;
         std::vector<ChunkPlan> plans;
         parse_chunks(chunk_seq, &starts, &plans);
+        return materialize(std::move(regions), starts, std::move(plans), block_ids);
+    }
+
+    // The receive thread's whole per-group preparation in one call (SPEC.md §3.3): walk the chunks of
+    // [mask_num, token_len) kept by the absolute `load_mask`, build their keys, and their address rows,
+    // size rows and block ids. Returns (keys, addr_rows, size_rows, block_ids), index-aligned.
+    py::tuple plan_load(py::handle prefix, py::handle hashes, py::handle hash_len, int64_t token_len,
+                        int64_t mask_num, py::handle load_mask, py::handle block_ids) {
+        KeyWriter writer(prefix);
+        HashSource source(hashes, hash_len);
+        WalkParams params{token_len, block_size_, hash_block_size_, mask_num, 1, 0};
+        const std::vector<WalkedChunk> chunks = walk(params, source.size(), load_mask, true);
+        std::vector<int64_t> starts, hash_indices;
+        std::vector<ChunkPlan> plans;
+        for (const WalkedChunk& c : chunks) {
+            starts.push_back(c.start);
+            hash_indices.push_back(c.hash_index);
+            plans.push_back(ChunkPlan{0, ceil_div(c.end - c.start, block_size_)});
+        }
+        py::list keys = build_key_list(writer, source, hash_indices);
+        if (chunks.empty()) return py::make_tuple(std::move(keys), py::list(), py::list(), py::list());
+        py::tuple rows = materialize(sync_regions(), starts, std::move(plans), block_ids);
+        return py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]);
+    }
+
+    // The send thread's candidates for one group (SPEC.md §3.2 step 4): the walk with the relative store
+    // mask and this rank's put stripe, minus chunks past `block_ids` (and NULL block 0 when `skip_null`).
+    // Returns (keys, chunks as (start, end) tuples, block ids); rows come later, for the missing ones only.
+    py::tuple plan_store(py::handle prefix, py::handle hashes, py::handle hash_len, int64_t token_len,
+                         int64_t mask_num, py::handle chunk_mask, int64_t put_step, int64_t put_step_rank,
+                         py::handle block_ids, bool skip_null) {
+        KeyWriter writer(prefix);
+        HashSource source(hashes, hash_len);
+        WalkParams params{token_len, block_size_, hash_block_size_, mask_num, put_step, put_step_rank};
+        const std::vector<WalkedChunk> walked = walk(params, source.size(), chunk_mask, false);
+        BlockIds ids(block_ids);
+        std::vector<int64_t> hash_indices;
+        py::list spans, kept_ids;
+        for (const WalkedChunk& c : walked) {
+            const int64_t block_index = c.start / block_size_;
+            if (block_index >= ids.size()) continue;
+            py::object id_object;
+            const int64_t id = ids.at(static_cast<Py_ssize_t>(block_index), &id_object);
+            if (skip_null && id == 0) continue;
+            hash_indices.push_back(c.hash_index);
+            spans.append(py::make_tuple(c.start, c.end));
+            kept_ids.append(id_object ? id_object : py::int_(id));
+        }
+        py::list keys = build_key_list(writer, source, hash_indices);
+        return py::make_tuple(std::move(keys), std::move(spans), std::move(kept_ids));
+    }
+
+private:
+    // Rows of already validated chunks (plans hold block counts; block ids are resolved here).
+    py::tuple materialize(std::shared_ptr<const Regions> regions, const std::vector<int64_t>& starts,
+                          std::vector<ChunkPlan> plans, py::handle block_ids) {
+        // `regions` is a local owner: building rows allocates, a GC pass may run Python code that lets
+        // another thread re-register regions; this call keeps computing on the snapshot it validated against.
+        const auto n = static_cast<Py_ssize_t>(plans.size());
         std::vector<py::object> id_objects;
         resolve_block_ids(block_ids, starts, &plans, &id_objects);
 
@@ -154,6 +211,8 @@ public:
         }
         return py::make_tuple(std::move(addr_rows), std::move(size_rows), std::move(chunk_ids));
     }
+
+public:
 
     py::tuple prepare_values_array(py::handle chunks, py::handle block_ids) {
         const Py_ssize_t length = PyObject_Length(chunks.ptr());
@@ -449,6 +508,11 @@ void register_addr(py::module_& m) {
         .def("prepare_values", &AddressTable::prepare_values, py::arg("chunks"), py::arg("block_ids"))
         .def("prepare_values_array", &AddressTable::prepare_values_array, py::arg("chunks"), py::arg("block_ids"))
         .def("prepare_value_for_block", &AddressTable::prepare_value_for_block, py::arg("block_id"))
+        .def("plan_load", &AddressTable::plan_load, py::arg("prefix"), py::arg("hashes"), py::arg("hash_len"),
+             py::arg("token_len"), py::arg("mask_num"), py::arg("load_mask"), py::arg("block_ids"))
+        .def("plan_store", &AddressTable::plan_store, py::arg("prefix"), py::arg("hashes"), py::arg("hash_len"),
+             py::arg("token_len"), py::arg("mask_num"), py::arg("chunk_mask"), py::arg("put_step"),
+             py::arg("put_step_rank"), py::arg("block_ids"), py::arg("skip_null"))
         .def_property("cache_capacity", &AddressTable::cache_capacity, &AddressTable::set_cache_capacity)
         .def("cache_info", &AddressTable::cache_info)
         .def("clear_cache", &AddressTable::clear_cache)

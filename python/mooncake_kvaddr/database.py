@@ -12,13 +12,14 @@ as read-only (Mooncake only reads them); copy a row before mutating it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from mooncake_kvaddr._native import AddressTable
+from mooncake_kvaddr._native import AddressTable, build_key, chunk_walk
 from mooncake_kvaddr.hashes import BlockHash
+from mooncake_kvaddr.keys import Hashes, _unwrap, build_keys
 from mooncake_kvaddr.metadata import KeyMetadata, PoolKey
 
 #: Default memory cap of the per-block-id address-row cache (~16K blocks at 100 regions).
@@ -26,6 +27,23 @@ DEFAULT_ADDRESS_CACHE_BYTES = 64 << 20
 
 Chunk = Sequence[int]
 Int64Array = npt.NDArray[np.int64]
+
+
+class LoadPlan(NamedTuple):
+    """One group's load: index-aligned keys, address rows, size rows and first block ids."""
+
+    keys: list[str]
+    addrs: list[list[int]]
+    sizes: list[list[int]]
+    block_ids: list[int]
+
+
+class StorePlan(NamedTuple):
+    """One group's store candidates: index-aligned keys, ``(start, end)`` chunks and block ids."""
+
+    keys: list[str]
+    chunks: list[tuple[int, int]]
+    block_ids: list[int]
 
 
 class ChunkedTokenDatabase:
@@ -108,9 +126,67 @@ class ChunkedTokenDatabase:
         self._table.clear_cache()
 
     # Keys.
+    @property
+    def key_prefix(self) -> str:
+        """The key prefix of this group (everything before ``@<hash hex>``), built once."""
+        return self._key_prefix
+
     def key_for(self, chunk_hash: BlockHash) -> str:
         """The pool key of a chunk: the cached prefix, ``@``, and the hash in lowercase hex."""
-        return f"{self._key_prefix}@{chunk_hash.hex()}"
+        return build_key(self._key_prefix, chunk_hash)
+
+    def keys_for(self, hashes: Hashes, hash_len: int | None = None) -> list[str]:
+        """``[key_for(h) for h in hashes]`` in one native call; ``hashes`` may be one flat blob."""
+        return build_keys(self._key_prefix, hashes, hash_len)
+
+    # Fused per-request plans: the walk, the keys and the rows in one native pass.
+    def plan_load(
+        self,
+        token_len: int,
+        block_hashes: Hashes,
+        block_ids: Sequence[int],
+        mask_num: int = 0,
+        load_mask: Sequence[bool] | None = None,
+        *,
+        hash_len: int | None = None,
+    ) -> LoadPlan:
+        """Everything a receive thread needs for this group before Mooncake (SPEC.md §3.3), in one call.
+
+        Equals walking ``process_tokens(token_len, block_hashes, mask_num)``, keeping chunks whose absolute
+        index is inside ``load_mask`` and true there (all when None), then ``key_for`` each hash and
+        ``prepare_values`` on the kept chunks.
+        """
+        data, length = _unwrap(block_hashes, hash_len)
+        keys, addrs, sizes, ids = self._table.plan_load(
+            self._key_prefix, data, length, token_len, mask_num, load_mask, block_ids
+        )
+        return LoadPlan(keys, addrs, sizes, ids)
+
+    def plan_store(
+        self,
+        token_len: int,
+        block_hashes: Hashes,
+        block_ids: Sequence[int],
+        mask_num: int = 0,
+        chunk_mask: Sequence[bool] | None = None,
+        *,
+        put_step: int = 1,
+        put_step_rank: int = 0,
+        skip_null_block: bool = True,
+        hash_len: int | None = None,
+    ) -> StorePlan:
+        """A send thread's candidate chunks for this group (SPEC.md §3.2 step 4) with their keys.
+
+        The walk with the relative ``chunk_mask`` and this rank's put stripe, without chunks past
+        ``block_ids`` and (``skip_null_block``) those on the NULL block 0. Rows are left to
+        :meth:`prepare_values` on the chunks that ``batch_is_exist`` reports missing.
+        """
+        data, length = _unwrap(block_hashes, hash_len)
+        keys, chunks, ids = self._table.plan_store(
+            self._key_prefix, data, length, token_len, mask_num, chunk_mask, put_step, put_step_rank,
+            block_ids, skip_null_block,
+        )
+        return StorePlan(keys, chunks, ids)
 
     # Addresses and sizes.
     def prepare_values(
@@ -164,24 +240,9 @@ class ChunkedTokenDatabase:
         chunk) skips chunks, ``put_step``/``put_step_rank`` stripe absolute chunk ids across ranks. Hashes are
         read only for yielded chunks. Nothing runs until the first iteration.
         """
-        assert put_step > 0, "put_step must be positive"
-        if not block_hashes:
-            return
-        hbs = self.hash_block_size
-        bs = self.block_size
-        assert token_len % hbs == 0, f"token_len {token_len} is not a multiple of hash_block_size {hbs}"
-        assert token_len // hbs <= len(block_hashes), (
-            f"token_len {token_len} needs {token_len // hbs} hashes, got {len(block_hashes)}"
+        starts, ends, hash_indices = chunk_walk(
+            token_len, len(block_hashes), self.block_size, self.hash_block_size, mask_num, chunk_mask,
+            put_step, put_step_rank,
         )
-        first = max(0, mask_num // bs)
-        stop = -(-token_len // bs)
-        if chunk_mask is not None:
-            stop = min(stop, first + len(chunk_mask))
-        for chunk_id in range(first, stop):
-            if chunk_mask is not None and not chunk_mask[chunk_id - first]:
-                continue
-            if chunk_id % put_step != put_step_rank:
-                continue
-            start = chunk_id * bs
-            end = min(start + bs, token_len)
-            yield start, end, block_hashes[end // hbs - 1]
+        for start, end, index in zip(starts, ends, hash_indices):
+            yield start, end, block_hashes[index]

@@ -1,0 +1,69 @@
+// Key building shared by every key path (key_for, build_keys, build_lookup_keys, the fused plans).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "bindings/common.hpp"
+#include "kvaddr/walk.hpp"
+
+namespace kvaddr::py_bindings {
+
+// The hashes of a request: either one flat bytes-like blob of n × hash_len bytes (the zero-copy lookup wire
+// format) or a sequence of bytes-like objects. Holds buffer views; use with the GIL held.
+class HashSource {
+public:
+    // `hash_len` is None or an int; required for a blob, a length check for a sequence.
+    HashSource(py::handle hashes, py::handle hash_len);
+    HashSource(const HashSource&) = delete;
+    HashSource& operator=(const HashSource&) = delete;
+    ~HashSource();
+
+    Py_ssize_t size() const noexcept { return count_; }
+
+    // Hash i's bytes, valid until the next call of `at` (a sequence item's view is released then).
+    const uint8_t* at(Py_ssize_t i, std::size_t* length);
+
+private:
+    void release_item();
+
+    Py_ssize_t count_ = 0;
+    std::size_t hash_len_ = 0;  // 0: variable (sequence without hash_len)
+    bool is_blob_ = false;
+    Py_buffer blob_{};
+    std::unique_ptr<FastSequence> items_;
+    py::object item_;  // keeps the current item alive while its view is used
+    Py_buffer item_view_{};
+    bool item_view_held_ = false;
+};
+
+// Builds key strings PREFIX + '@' + hex in the prefix's own str kind, so non-ASCII model names come out
+// exactly as Python's f-strings make them.
+class KeyWriter {
+public:
+    explicit KeyWriter(py::handle prefix);
+
+    // New reference.
+    PyObject* make(const uint8_t* hash, std::size_t length) const;
+
+private:
+    py::object prefix_;
+    Py_ssize_t prefix_len_;
+    int kind_;
+    Py_UCS4 max_char_;
+    const void* prefix_data_;
+};
+
+// The chunk walk of process_tokens with the reference's asserts (raised as ChunkAlignmentError, an
+// AssertionError). `mask` is None, a chunk mask relative to the first chunk (store path), or, with
+// `absolute_mask`, one indexed by absolute chunk id whose end also ends the walk (load path).
+std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle mask, bool absolute_mask);
+
+// Keys for hashes[indices[i]] under one prefix.
+py::list build_key_list(const KeyWriter& writer, HashSource& hashes, const std::vector<int64_t>& indices);
+
+}  // namespace kvaddr::py_bindings

@@ -1,0 +1,324 @@
+// Bindings of the key builders, the lookup reduction and the chunk walk (SPEC.md §1, §2.3, §3.5).
+#include "bindings/keys.hpp"
+
+#include <pybind11/numpy.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "kvaddr/keys.hpp"
+#include "kvaddr/walk.hpp"
+
+namespace kvaddr::py_bindings {
+
+namespace {
+
+bool is_blob(PyObject* obj) {
+    return PyBytes_Check(obj) || PyByteArray_Check(obj) || PyMemoryView_Check(obj);
+}
+
+// Borrowed view of a bytes-like object as C-contiguous bytes; TypeError naming what it got otherwise.
+void get_bytes_view(PyObject* obj, Py_buffer* view, const std::string& what) {
+    if (PyUnicode_Check(obj) || !PyObject_CheckBuffer(obj)) {
+        raise(PyExc_TypeError, what + " must be bytes-like, not " + type_name(obj));
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+}
+
+}  // namespace
+
+HashSource::HashSource(py::handle hashes, py::handle hash_len) {
+    if (!hash_len.is_none()) {
+        const int64_t n = as_int64(hash_len.ptr(), "hash_len");
+        if (n <= 0) raise(PyExc_ValueError, "hash_len must be positive, got " + std::to_string(n));
+        hash_len_ = static_cast<std::size_t>(n);
+    }
+    if (is_blob(hashes.ptr())) {
+        if (hash_len_ == 0) raise(PyExc_ValueError, "hash_len is required when hashes is one flat blob");
+        get_bytes_view(hashes.ptr(), &blob_, "hashes");
+        is_blob_ = true;
+        const auto bytes = static_cast<std::size_t>(blob_.len);
+        if (bytes % hash_len_ != 0) {
+            raise(PyExc_ValueError, "hash blob of " + std::to_string(bytes) + " bytes is not a multiple of hash_len " +
+                                        std::to_string(hash_len_));
+        }
+        count_ = static_cast<Py_ssize_t>(bytes / hash_len_);
+        return;
+    }
+    if (PyUnicode_Check(hashes.ptr())) raise(PyExc_TypeError, "hashes must be bytes-like items or a blob, not str");
+    items_ = std::make_unique<FastSequence>(hashes.ptr(), "hashes");
+    count_ = items_->size();
+}
+
+HashSource::~HashSource() {
+    release_item();
+    if (is_blob_) PyBuffer_Release(&blob_);
+}
+
+void HashSource::release_item() {
+    if (item_view_held_) {
+        PyBuffer_Release(&item_view_);
+        item_view_held_ = false;
+    }
+    item_ = py::object();
+}
+
+const uint8_t* HashSource::at(Py_ssize_t i, std::size_t* length) {
+    if (is_blob_) {
+        *length = hash_len_;
+        return static_cast<const uint8_t*>(blob_.buf) + static_cast<std::size_t>(i) * hash_len_;
+    }
+    release_item();
+    item_ = items_->at(i);
+    PyObject* item = item_.ptr();
+    if (PyBytes_CheckExact(item)) {  // the common case, without a buffer view
+        *length = static_cast<std::size_t>(PyBytes_GET_SIZE(item));
+    } else {
+        get_bytes_view(item, &item_view_, "hash " + std::to_string(i));
+        item_view_held_ = true;
+        *length = static_cast<std::size_t>(item_view_.len);
+    }
+    if (hash_len_ != 0 && *length != hash_len_) {
+        raise(PyExc_ValueError, "hash " + std::to_string(i) + " has " + std::to_string(*length) +
+                                    " bytes, expected hash_len " + std::to_string(hash_len_));
+    }
+    return item_view_held_ ? static_cast<const uint8_t*>(item_view_.buf)
+                           : reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(item));
+}
+
+KeyWriter::KeyWriter(py::handle prefix) {
+    if (!PyUnicode_Check(prefix.ptr())) raise(PyExc_TypeError, "prefix must be str, not " + type_name(prefix.ptr()));
+    prefix_ = py::reinterpret_borrow<py::object>(prefix);
+    prefix_len_ = PyUnicode_GET_LENGTH(prefix.ptr());
+    kind_ = PyUnicode_KIND(prefix.ptr());
+    // '@' and hex digits are ASCII: the key needs exactly the prefix's widest character, and at least ASCII.
+    max_char_ = std::max<Py_UCS4>(127, PyUnicode_MAX_CHAR_VALUE(prefix.ptr()));
+    prefix_data_ = PyUnicode_DATA(prefix.ptr());
+}
+
+PyObject* KeyWriter::make(const uint8_t* hash, std::size_t length) const {
+    const Py_ssize_t size = prefix_len_ + 1 + 2 * static_cast<Py_ssize_t>(length);
+    PyObject* key = PyUnicode_New(size, max_char_);
+    if (key == nullptr) throw py::error_already_set();
+    void* data = PyUnicode_DATA(key);
+    std::memcpy(data, prefix_data_, static_cast<std::size_t>(prefix_len_) * static_cast<std::size_t>(kind_));
+    switch (kind_) {
+        case PyUnicode_1BYTE_KIND: {
+            auto* out = static_cast<Py_UCS1*>(data) + prefix_len_;
+            *out = '@';
+            write_hex(hash, length, out + 1);
+            break;
+        }
+        case PyUnicode_2BYTE_KIND: {
+            auto* out = static_cast<Py_UCS2*>(data) + prefix_len_;
+            *out = '@';
+            write_hex(hash, length, out + 1);
+            break;
+        }
+        default: {
+            auto* out = static_cast<Py_UCS4*>(data) + prefix_len_;
+            *out = '@';
+            write_hex(hash, length, out + 1);
+            break;
+        }
+    }
+    return key;
+}
+
+py::list build_key_list(const KeyWriter& writer, HashSource& hashes, const std::vector<int64_t>& indices) {
+    py::list keys(indices.size());
+    for (std::size_t i = 0; i < indices.size(); ++i) {
+        std::size_t length = 0;
+        const uint8_t* hash = hashes.at(static_cast<Py_ssize_t>(indices[i]), &length);
+        PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writer.make(hash, length));
+    }
+    return keys;
+}
+
+namespace {
+
+py::list build_keys(py::handle prefix, py::handle hashes, py::handle hash_len) {
+    KeyWriter writer(prefix);
+    HashSource source(hashes, hash_len);
+    py::list keys(source.size());
+    for (Py_ssize_t i = 0; i < source.size(); ++i) {
+        std::size_t length = 0;
+        const uint8_t* hash = source.at(i, &length);
+        PyList_SET_ITEM(keys.ptr(), i, writer.make(hash, length));
+    }
+    return keys;
+}
+
+py::str build_key(py::handle prefix, py::handle hash) {
+    KeyWriter writer(prefix);
+    Py_buffer view;
+    if (PyBytes_CheckExact(hash.ptr())) {
+        return py::reinterpret_steal<py::str>(writer.make(
+            reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(hash.ptr())),
+            static_cast<std::size_t>(PyBytes_GET_SIZE(hash.ptr()))));
+    }
+    get_bytes_view(hash.ptr(), &view, "chunk hash");
+    PyObject* key = nullptr;
+    try {
+        key = writer.make(static_cast<const uint8_t*>(view.buf), static_cast<std::size_t>(view.len));
+    } catch (...) {
+        PyBuffer_Release(&view);
+        throw;
+    }
+    PyBuffer_Release(&view);
+    return py::reinterpret_steal<py::str>(key);
+}
+
+// Hash-major, then prefix in the given order (SPEC.md §1.4): hex is written once per hash per prefix.
+py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle hash_len) {
+    FastSequence prefix_seq(prefixes.ptr(), "prefixes");
+    if (PyUnicode_Check(prefixes.ptr())) raise(PyExc_TypeError, "prefixes must be a sequence of str, not one str");
+    std::vector<KeyWriter> writers;
+    writers.reserve(static_cast<std::size_t>(prefix_seq.size()));
+    for (Py_ssize_t p = 0; p < prefix_seq.size(); ++p) writers.emplace_back(prefix_seq.at(p));
+    HashSource source(hashes, hash_len);
+    const Py_ssize_t width = static_cast<Py_ssize_t>(writers.size());
+    py::list keys(source.size() * width);
+    for (Py_ssize_t i = 0; i < source.size(); ++i) {
+        std::size_t length = 0;
+        const uint8_t* hash = source.at(i, &length);
+        for (Py_ssize_t p = 0; p < width; ++p) {
+            PyList_SET_ITEM(keys.ptr(), i * width + p, writers[static_cast<std::size_t>(p)].make(hash, length));
+        }
+    }
+    return keys;
+}
+
+// Exist results as int64 values; values that do not fit (never 1) read as 0, i.e. absent.
+std::vector<int64_t> exist_values(py::handle results) {
+    FastSequence seq(results.ptr(), "results");
+    std::vector<int64_t> values(static_cast<std::size_t>(seq.size()));
+    for (Py_ssize_t i = 0; i < seq.size(); ++i) {
+        py::object item = seq.at(i);
+        int overflow = 0;
+        long long v = PyLong_Check(item.ptr()) ? PyLong_AsLongLongAndOverflow(item.ptr(), &overflow)
+                                               : as_int64(item.ptr(), "exist result");
+        if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+        values[static_cast<std::size_t>(i)] = overflow != 0 ? 0 : static_cast<int64_t>(v);
+    }
+    return values;
+}
+
+// Which units are present: unit u covers widths[u] consecutive results (an int width means every unit).
+py::list reduce_exists(py::handle results, py::handle widths) {
+    const std::vector<int64_t> values = exist_values(results);
+    std::vector<int64_t> unit_widths;
+    if (PyLong_Check(widths.ptr())) {
+        const int64_t w = as_int64(widths.ptr(), "width");
+        if (w <= 0) raise(PyExc_ValueError, "width must be positive, got " + std::to_string(w));
+        if (values.size() % static_cast<std::size_t>(w) != 0) {
+            raise(PyExc_ValueError, std::to_string(values.size()) + " results are not a multiple of width " +
+                                        std::to_string(w));
+        }
+        unit_widths.assign(values.size() / static_cast<std::size_t>(w), w);
+    } else {
+        FastSequence seq(widths.ptr(), "widths");
+        unit_widths.resize(static_cast<std::size_t>(seq.size()));
+        int64_t total = 0;
+        for (Py_ssize_t u = 0; u < seq.size(); ++u) {
+            const int64_t w = as_int64(seq.at(u).ptr(), "width");
+            if (w < 0) raise(PyExc_ValueError, "widths must be non-negative");
+            unit_widths[static_cast<std::size_t>(u)] = w;
+            total += w;
+        }
+        if (total != static_cast<int64_t>(values.size())) {
+            raise(PyExc_ValueError, "widths cover " + std::to_string(total) + " results, got " +
+                                        std::to_string(values.size()));
+        }
+    }
+    py::list present(unit_widths.size());
+    std::size_t cursor = 0;
+    for (std::size_t u = 0; u < unit_widths.size(); ++u) {
+        const auto w = static_cast<std::size_t>(unit_widths[u]);
+        const bool yes = unit_present(values.data() + cursor, w);
+        cursor += w;
+        PyList_SET_ITEM(present.ptr(), static_cast<Py_ssize_t>(u), py::bool_(yes).release().ptr());
+    }
+    return present;
+}
+
+// Leading present units of a full-attention group: the number of chunks hit from token 0.
+int64_t leading_present(py::handle results, int64_t width) {
+    if (width <= 0) raise(PyExc_ValueError, "width must be positive, got " + std::to_string(width));
+    const std::vector<int64_t> values = exist_values(results);
+    const std::size_t units = values.size() / static_cast<std::size_t>(width);
+    std::size_t u = 0;
+    while (u < units && unit_present(values.data() + u * static_cast<std::size_t>(width), static_cast<std::size_t>(width))) ++u;
+    return static_cast<int64_t>(u);
+}
+
+}  // namespace
+
+// Shared by process_tokens and the fused plans: validates like the reference's asserts (AssertionError
+// subclass), then walks. `mask` is a relative chunk mask (absolute=false) or an absolute one (load path).
+std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle mask, bool absolute_mask) {
+    std::vector<WalkedChunk> out;
+    if (p.put_step <= 0) raise(errors().chunk_alignment, "put_step must be positive, got " + std::to_string(p.put_step));
+    if (n_hashes == 0) return out;
+    if (p.token_len % p.hash_block_size != 0) {
+        raise(errors().chunk_alignment, "token_len " + std::to_string(p.token_len) +
+                                            " is not a multiple of hash_block_size " + std::to_string(p.hash_block_size));
+    }
+    if (floor_div(p.token_len, p.hash_block_size) > n_hashes) {
+        raise(errors().chunk_alignment, "token_len " + std::to_string(p.token_len) + " needs " +
+                                            std::to_string(floor_div(p.token_len, p.hash_block_size)) +
+                                            " hashes, got " + std::to_string(n_hashes));
+    }
+    const int64_t first = walk_first_chunk(p);
+    int64_t stop = walk_stop_chunk(p);
+    if (mask.is_none()) {
+        walk_chunks(p, first, stop, [](int64_t) { return true; }, &out);
+        return out;
+    }
+    FastSequence flags(mask.ptr(), "chunk mask");
+    const int64_t n_flags = flags.size();
+    const int64_t offset = absolute_mask ? 0 : first;
+    stop = std::min(stop, offset + n_flags);
+    walk_chunks(p, first, stop, [&](int64_t chunk_id) {
+        const int truth = PyObject_IsTrue(flags.at(static_cast<Py_ssize_t>(chunk_id - offset)).ptr());
+        if (truth < 0) throw py::error_already_set();
+        return truth == 1;
+    }, &out);
+    return out;
+}
+
+namespace {
+
+py::tuple chunk_walk(int64_t token_len, int64_t n_hashes, int64_t block_size, int64_t hash_block_size,
+                     int64_t mask_num, py::handle chunk_mask, int64_t put_step, int64_t put_step_rank) {
+    if (block_size <= 0 || hash_block_size <= 0) raise(PyExc_ValueError, "block sizes must be positive");
+    WalkParams p{token_len, block_size, hash_block_size, mask_num, put_step, put_step_rank};
+    const std::vector<WalkedChunk> chunks = walk(p, n_hashes, chunk_mask, false);
+    py::list starts(chunks.size()), ends(chunks.size()), hash_indices(chunks.size());
+    for (std::size_t i = 0; i < chunks.size(); ++i) {
+        const auto at = static_cast<Py_ssize_t>(i);
+        PyList_SET_ITEM(starts.ptr(), at, py::int_(chunks[i].start).release().ptr());
+        PyList_SET_ITEM(ends.ptr(), at, py::int_(chunks[i].end).release().ptr());
+        PyList_SET_ITEM(hash_indices.ptr(), at, py::int_(chunks[i].hash_index).release().ptr());
+    }
+    return py::make_tuple(std::move(starts), std::move(ends), std::move(hash_indices));
+}
+
+}  // namespace
+
+void register_keys(py::module_& m) {
+    m.def("build_key", &build_key, py::arg("prefix"), py::arg("chunk_hash"));
+    m.def("build_keys", &build_keys, py::arg("prefix"), py::arg("hashes"), py::arg("hash_len") = py::none());
+    m.def("build_lookup_keys", &build_lookup_keys, py::arg("prefixes"), py::arg("hashes"),
+          py::arg("hash_len") = py::none());
+    m.def("reduce_exists", &reduce_exists, py::arg("results"), py::arg("widths"));
+    m.def("leading_present", &leading_present, py::arg("results"), py::arg("width"));
+    m.def("chunk_walk", &chunk_walk, py::arg("token_len"), py::arg("n_hashes"), py::arg("block_size"),
+          py::arg("hash_block_size"), py::arg("mask_num"), py::arg("chunk_mask"), py::arg("put_step"),
+          py::arg("put_step_rank"));
+}
+
+}  // namespace kvaddr::py_bindings

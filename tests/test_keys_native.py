@@ -1,0 +1,261 @@
+"""Native keys, lookup namespaces and reduction, chunk walk and fused plans vs the oracle (SPEC.md §1, §2.3,
+§3.2–3.5, §5)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvaddr_testing import oracle_regions, paired
+
+from mooncake_kvaddr import BlobBlockHashes, ChunkedTokenDatabase, KeyMetadata, PoolKey
+from mooncake_kvaddr.keys import (
+    SpecKind,
+    build_keys,
+    build_lookup_keys,
+    full_attention_hit,
+    lookup_namespaces,
+    lookup_prefixes,
+    mooncake_group_ids,
+    reduce_exists,
+    replication_factor,
+)
+
+prefixes = st.text(min_size=0, max_size=40)  # includes non-ASCII, astral and surrogate code points
+hash_lists = st.integers(1, 40).flatmap(
+    lambda n: st.lists(st.binary(min_size=n, max_size=n), min_size=0, max_size=30).map(lambda hs: (n, hs))
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(prefixes, hash_lists)
+def test_build_keys_equal_fstrings(prefix: str, sized: tuple[int, list[bytes]]) -> None:
+    n, hashes = sized
+    expected = [f"{prefix}@{h.hex()}" for h in hashes]
+    assert build_keys(prefix, hashes) == expected
+    assert build_keys(prefix, hashes, n) == expected
+    assert build_keys(prefix, b"".join(hashes), n) == expected
+    assert build_keys(prefix, memoryview(bytearray(b"".join(hashes))), n) == expected
+    assert build_keys(prefix, BlobBlockHashes(memoryview(b"".join(hashes)), n)) == expected
+    assert build_keys(prefix, [memoryview(h) for h in hashes]) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(prefixes, min_size=0, max_size=8), hash_lists)
+def test_build_lookup_keys_hash_major(prefix_list: list[str], sized: tuple[int, list[bytes]]) -> None:
+    n, hashes = sized
+    expected = [f"{p}@{h.hex()}" for h in hashes for p in prefix_list]
+    assert build_lookup_keys(prefix_list, hashes) == expected
+    assert build_lookup_keys(prefix_list, b"".join(hashes), n) == expected
+
+
+def test_key_for_non_ascii_model_name() -> None:
+    md = KeyMetadata("Модель-ü😀", 0, 0, 0, 0, cache_prefix="dépA")
+    db = ChunkedTokenDatabase(md, 16)
+    assert db.key_for(b"\x00\xff") == f"{PoolKey.build_prefix(md)}@00ff"
+    assert db.keys_for([b"\x01", b"\x02"]) == [db.key_for(b"\x01"), db.key_for(b"\x02")]
+
+
+def test_key_errors() -> None:
+    with pytest.raises(ValueError):
+        build_keys("p", b"abc", 2)  # blob not a multiple of hash_len
+    with pytest.raises(ValueError):
+        build_keys("p", b"abcd")  # blob without hash_len
+    with pytest.raises(ValueError):
+        build_keys("p", [b"ab", b"abc"], 2)
+    with pytest.raises(ValueError):
+        build_keys("p", b"abcd", 0)
+    with pytest.raises(TypeError):
+        build_keys("p", ["ab"])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        build_keys("p", [1])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        build_keys("p", "abcd")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        build_keys(b"p", [b"a"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        build_lookup_keys("ab", [b"a"])
+    with pytest.raises(TypeError):
+        ChunkedTokenDatabase(KeyMetadata("t", 0, 0, 0, 0), 16).key_for("ab")  # type: ignore[arg-type]
+
+
+# Lookup namespaces (SPEC.md §5 lookup cases).
+def prefixes_for(md: KeyMetadata, tp: int, pcp: int, dcp: int, pp: int, factor: int) -> list[str]:
+    return lookup_prefixes(md, lookup_namespaces(tp, pcp, dcp, pp, factor))
+
+
+def test_dcp_namespaces() -> None:
+    md = KeyMetadata("m", 0, 0, 0, 0)
+    factor = replication_factor(SpecKind.ATTENTION, tp_size=4, dcp_size=4, num_kv_heads=1)
+    assert factor == 1
+    assert prefixes_for(md, 4, 1, 4, 1, factor) == [
+        f"m@tp_rank:{i}@pcp0@dcp{i}@pp_rank:0@group:0" for i in range(4)
+    ]
+    # One namespace missing → the unit is absent → hit 0.
+    assert reduce_exists([1, 1, 0, 1], 4) == [False]
+    assert full_attention_hit([1, 1, 0, 1], 4, 16, 16) == 0
+
+
+def test_pcp_namespaces() -> None:
+    md = KeyMetadata("m", 0, 0, 0, 0)
+    factor = replication_factor("attention", tp_size=4, dcp_size=1, num_kv_heads=1)
+    assert prefixes_for(md, 4, 2, 1, 1, factor) == [
+        "m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",
+        "m@tp_rank:0@pcp1@dcp0@pp_rank:0@group:0",
+    ]
+
+
+def test_replication_factors() -> None:
+    assert [replication_factor(k, 4, 1, 2) for k in ("mla", "attention", "mamba")] == [4, 2, 1]
+    assert replication_factor(["mla", "attention"], 4, 1, 2) == 2
+    assert replication_factor(["attention", "mla"], 4, 1, 2) == 2
+    assert replication_factor(["mla", "mamba"], 4, 1, 2) == 1
+    assert replication_factor("attention", 2, 1, 1) == 2
+    assert replication_factor("mla", 4, 2, 1) == 1
+    counts = [len(lookup_namespaces(4, 1, 1, 1, f)) for f in (4, 2, 1)]
+    assert counts == [1, 2, 4]
+    with pytest.raises(ValueError):
+        replication_factor("gqa", 4, 1, 2)
+    with pytest.raises(ValueError):
+        lookup_namespaces(0, 1, 1, 1, 1)
+
+
+def test_fa_plus_mamba_prefixes() -> None:
+    g0 = KeyMetadata("m", 0, 0, 0, 0, group_id=0)
+    g1 = KeyMetadata("m", 0, 0, 0, 0, group_id=1)
+    assert prefixes_for(g0, 2, 1, 1, 1, replication_factor("attention", 2, 1, 1)) == [
+        "m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"
+    ]
+    assert prefixes_for(g1, 2, 1, 1, 1, replication_factor("mamba", 2, 1, 1)) == [
+        "m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:1",
+        "m@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "results", "expected"),
+    [(48, [1, 1, 0], 32), (33, [1, 1], 32), (32, [1, 1], 16), (16, [0], 0), (64, [1, 1, 1, 1], 48)],
+)
+def test_full_attention_hit(num_tokens: int, results: list[int], expected: int) -> None:
+    assert full_attention_hit(results, 1, 16, num_tokens) == expected
+
+
+def test_reduce_exists_variable_widths_and_values() -> None:
+    assert reduce_exists([1, 1, 1, -900, 1, 2, 1 << 70], [2, 2, 1, 0, 2]) == [True, False, True, True, False]
+    with pytest.raises(ValueError):
+        reduce_exists([1, 1, 1], 2)
+    with pytest.raises(ValueError):
+        reduce_exists([1, 1, 1], [1, 1])
+
+
+def test_group_ids() -> None:
+    md = KeyMetadata("m", 3, 0, 0, 0, group_id=2, cache_prefix="dep")
+    keys = ChunkedTokenDatabase(md, 16).keys_for([b"\xab", b"\xcd"])
+    assert mooncake_group_ids(keys, md) == ["vllm-mooncake-store:dep@m@ab", "vllm-mooncake-store:dep@m@cd"]
+
+
+# The chunk walk and the fused plans against the oracle's composition.
+walks = st.fixed_dictionaries(
+    {
+        "bs_hbs": st.sampled_from([(16, 16), (32, 8), (16, 4), (128, 16), (4, 4)]),
+        "chunks": st.integers(0, 30),
+        "tail": st.integers(0, 3),
+        "mask_num": st.integers(-40, 600),
+        "mask": st.none() | st.lists(st.booleans(), max_size=40),
+        "put_step": st.integers(1, 4),
+        "rank": st.integers(-1, 4),
+        "n_ids": st.integers(0, 40),
+    }
+)
+
+
+def walk_setup(w: dict[str, Any]) -> tuple[ChunkedTokenDatabase, Any, list[bytes], int, list[int]]:
+    bs, hbs = w["bs_hbs"]
+    token_len = w["chunks"] * bs + min(w["tail"], bs // hbs - 1) * hbs
+    hashes = [os.urandom(8) for _ in range(token_len // hbs + 1)]
+    native, oracle = paired(*oracle_regions(5, 3), bs, hbs)
+    block_ids = [(i * 7) % 11 for i in range(w["n_ids"])]
+    return native, oracle, hashes, token_len, block_ids
+
+
+@settings(max_examples=400, deadline=None)
+@given(walks)
+def test_process_tokens_matches_oracle(w: dict[str, Any]) -> None:
+    native, oracle, hashes, token_len, _ = walk_setup(w)
+    kwargs = dict(chunk_mask=w["mask"], put_step=w["put_step"], put_step_rank=w["rank"])
+    assert list(native.process_tokens(token_len, hashes, w["mask_num"], **kwargs)) == list(
+        oracle.process_tokens(token_len, hashes, w["mask_num"], **kwargs)
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(walks)
+def test_plan_load_matches_composition(w: dict[str, Any]) -> None:
+    native, oracle, hashes, token_len, block_ids = walk_setup(w)
+    mask = w["mask"]
+    chunks, keys = [], []
+    for start, end, h in oracle.process_tokens(token_len, hashes, w["mask_num"]):
+        index = start // native.block_size
+        if mask is None or (index < len(mask) and mask[index]):
+            chunks.append((start, end))
+            keys.append(oracle.key_for(h))
+    try:
+        expected: Any = (keys, *oracle.prepare_values(chunks, block_ids))
+    except IndexError:
+        expected = IndexError
+    for hashes_arg, hash_len in ((hashes, None), (b"".join(hashes), 8)):
+        if expected is IndexError:
+            with pytest.raises(IndexError):
+                native.plan_load(token_len, hashes_arg, block_ids, w["mask_num"], mask, hash_len=hash_len)
+        else:
+            plan = native.plan_load(token_len, hashes_arg, block_ids, w["mask_num"], mask, hash_len=hash_len)
+            assert tuple(plan) == tuple(expected)
+
+
+@settings(max_examples=400, deadline=None)
+@given(walks, st.booleans())
+def test_plan_store_matches_composition(w: dict[str, Any], skip_null: bool) -> None:
+    native, oracle, hashes, token_len, block_ids = walk_setup(w)
+    kwargs = dict(chunk_mask=w["mask"], put_step=w["put_step"], put_step_rank=w["rank"])
+    keys, chunks, ids = [], [], []
+    for start, end, h in oracle.process_tokens(token_len, hashes, w["mask_num"], **kwargs):
+        index = start // native.block_size
+        if index >= len(block_ids) or (skip_null and block_ids[index] == 0):
+            continue
+        keys.append(oracle.key_for(h))
+        chunks.append((start, end))
+        ids.append(block_ids[index])
+    plan = native.plan_store(token_len, hashes, block_ids, w["mask_num"], w["mask"], put_step=w["put_step"],
+                             put_step_rank=w["rank"], skip_null_block=skip_null)
+    assert tuple(plan) == (keys, chunks, ids)
+
+
+def test_plan_asserts_like_process_tokens() -> None:
+    db = ChunkedTokenDatabase(KeyMetadata("t", 0, 0, 0, 0), 32, 8)
+    with pytest.raises(AssertionError):
+        db.plan_load(33, [b"a"] * 8, [0])
+    with pytest.raises(AssertionError):
+        db.plan_load(64, [b"a"] * 4, [0, 1])
+    with pytest.raises(AssertionError):
+        db.plan_store(32, [b"a"] * 4, [0], put_step=0)
+    assert tuple(db.plan_load(64, [], [0])) == ([], [], [], [])
+
+
+@pytest.mark.parametrize("dcp", [1, 4])
+def test_put_striding_covers_every_get(dcp: int) -> None:
+    tp, kv_heads, bs = 4, 1, 16
+    hashes = [bytes([i]) for i in range(12)]
+    block_ids = list(range(1, 13))
+    factor = replication_factor("attention", tp, dcp, kv_heads)
+    puts: set[str] = set()
+    gets: set[str] = set()
+    for rank in range(tp):
+        md = KeyMetadata("m", rank // factor, 0, rank % dcp, 0)
+        db = ChunkedTokenDatabase(md, bs)
+        puts.update(db.plan_store(len(hashes) * bs, hashes, block_ids, put_step=factor,
+                                  put_step_rank=rank % factor).keys)
+        gets.update(db.plan_load(len(hashes) * bs, hashes, block_ids).keys)
+    assert gets <= puts
