@@ -1,0 +1,224 @@
+// Bindings of the staging gather/scatter kernels (kvaddr/staging.hpp, issue 6).
+//
+// Arguments are converted and checked with the GIL held: int64 C-contiguous numpy arrays only (the arrays
+// prepare_values_array returns), so no Python object is created or read per slice. Validation and the copy
+// then run in one GIL release for large jobs (PERF.md point 5: release once, for work long enough to be
+// worth a possible switch-interval wait to get the GIL back).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings/common.hpp"
+#include "kvaddr/staging.hpp"
+
+namespace kvaddr::py_bindings {
+
+namespace {
+
+namespace st = kvaddr::staging;
+
+// Below this many slices validation is done with the GIL held (~1 ns per slice), and below this many bytes
+// the copy too (~0.1 ms at memory bandwidth): shorter than one GIL switch interval could cost to get back.
+constexpr std::size_t kGilReleaseMinSlices = 1u << 15;
+constexpr int64_t kGilReleaseMinBytes = int64_t{1} << 20;
+
+std::string shape_text(const py::array& arr) {
+    std::string text = "(";
+    for (py::ssize_t i = 0; i < arr.ndim(); ++i) {
+        if (i > 0) text += ", ";
+        text += std::to_string(arr.shape(i));
+    }
+    return text + (arr.ndim() == 1 ? ",)" : ")");
+}
+
+// `obj` as an int64 C-contiguous array of `ndim` dimensions. TypeError for non-arrays and other dtypes
+// (no silent conversion: a cast copy of a 225,800-cell matrix would cost more than the checks it saves);
+// ValueError for the wrong number of dimensions or a non-contiguous layout.
+py::array int64_array(py::handle obj, const char* what, py::ssize_t ndim) {
+    if (!py::isinstance<py::array>(obj)) {
+        raise(PyExc_TypeError, std::string(what) + " must be a numpy int64 array, not " + type_name(obj.ptr()));
+    }
+    auto arr = py::reinterpret_borrow<py::array>(obj);
+    if (!py::array_t<int64_t>::check_(arr)) {
+        raise(PyExc_TypeError, std::string(what) + " must have dtype int64, not " +
+                                   py::str(arr.dtype()).cast<std::string>());
+    }
+    if (arr.ndim() != ndim) {
+        raise(PyExc_ValueError, std::string(what) + " must be " + std::to_string(ndim) + "-D, got shape " +
+                                    shape_text(arr));
+    }
+    if (!(arr.flags() & py::array::c_style)) {
+        raise(PyExc_ValueError, std::string(what) + " must be C-contiguous (use numpy.ascontiguousarray)");
+    }
+    return arr;
+}
+
+// The optional per-key selection: None, or a bool/uint8 C-contiguous vector of one flag per key.
+std::optional<py::array> selection(py::handle obj, std::size_t keys) {
+    if (obj.is_none()) return std::nullopt;
+    if (!py::isinstance<py::array>(obj)) {
+        raise(PyExc_TypeError, "select must be None or a numpy bool/uint8 array, not " + type_name(obj.ptr()));
+    }
+    auto arr = py::reinterpret_borrow<py::array>(obj);
+    if (!py::array_t<bool>::check_(arr) && !py::array_t<uint8_t>::check_(arr)) {
+        raise(PyExc_TypeError, "select must have dtype bool or uint8, not " + py::str(arr.dtype()).cast<std::string>());
+    }
+    if (arr.ndim() != 1 || static_cast<std::size_t>(arr.shape(0)) != keys) {
+        raise(PyExc_ValueError, "select must have shape (" + std::to_string(keys) + ",) (one flag per key), got " +
+                                    shape_text(arr));
+    }
+    if (!(arr.flags() & py::array::c_style)) {
+        raise(PyExc_ValueError, "select must be C-contiguous (use numpy.ascontiguousarray)");
+    }
+    return arr;
+}
+
+// allowed_ranges: any sequence of (ptr, nbytes) pairs, e.g. [(base, length) for each registered buffer].
+st::MemoryRanges memory_ranges(py::handle obj) {
+    FastSequence items(obj.ptr(), "allowed_ranges");
+    st::MemoryRanges ranges;
+    for (Py_ssize_t i = 0; i < items.size(); ++i) {
+        const std::string what = "allowed_ranges[" + std::to_string(i) + "]";
+        FastSequence pair(items.at(i).ptr(), what.c_str());
+        if (pair.size() != 2) {
+            raise(PyExc_ValueError, what + " must be a (ptr, nbytes) pair, got " + std::to_string(pair.size()) +
+                                        " items");
+        }
+        const int64_t ptr = as_int64(pair.at(0).ptr(), (what + " ptr").c_str());
+        const int64_t nbytes = as_int64(pair.at(1).ptr(), (what + " nbytes").c_str());
+        if (!ranges.add(ptr, nbytes)) {
+            raise(PyExc_ValueError, what + " = (" + std::to_string(ptr) + ", " + std::to_string(nbytes) +
+                                        ") is not a valid memory range (negative, or its end overflows int64)");
+        }
+    }
+    ranges.finalize();
+    return ranges;
+}
+
+unsigned thread_request(int64_t threads) {
+    if (threads < 0) raise(PyExc_ValueError, "threads must be >= 0 (0 = auto), got " + std::to_string(threads));
+    return static_cast<unsigned>(std::min<int64_t>(threads, st::kMaxThreads));
+}
+
+// The shared body of gather and scatter. Returns the number of bytes copied.
+int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_obj, int64_t staging_ptr,
+                int64_t staging_len, py::handle offsets_obj, py::handle allowed_obj, py::handle select_obj,
+                int64_t threads, bool streaming) {
+    // These references keep every buffer alive while the GIL is released.
+    const py::array addrs = int64_array(addrs_obj, "addrs", 2);
+    const py::array sizes = int64_array(sizes_obj, "sizes", 2);
+    if (addrs.shape(0) != sizes.shape(0) || addrs.shape(1) != sizes.shape(1)) {
+        raise(PyExc_ValueError, "addrs " + shape_text(addrs) + " and sizes " + shape_text(sizes) +
+                                    " must have the same (keys, regions) shape");
+    }
+    const auto keys = static_cast<std::size_t>(addrs.shape(0));
+    const auto regions = static_cast<std::size_t>(addrs.shape(1));
+    const py::array offsets = int64_array(offsets_obj, "offsets", 1);
+    if (static_cast<std::size_t>(offsets.shape(0)) != keys) {
+        raise(PyExc_ValueError, "offsets must have shape (" + std::to_string(keys) + ",) (one slot per key), got " +
+                                    shape_text(offsets));
+    }
+    const std::optional<py::array> select = selection(select_obj, keys);
+    const st::MemoryRanges allowed = memory_ranges(allowed_obj);
+    const unsigned thread_count = thread_request(threads);
+
+    st::Job job;
+    job.direction = direction;
+    job.addrs = static_cast<const int64_t*>(addrs.data());
+    job.sizes = static_cast<const int64_t*>(sizes.data());
+    job.offsets = static_cast<const int64_t*>(offsets.data());
+    job.select = select ? static_cast<const uint8_t*>(select->data()) : nullptr;
+    job.keys = keys;
+    job.regions = regions;
+    job.staging = staging_ptr;
+    job.staging_len = staging_len;
+
+    st::Validated validated;
+    st::Problem problem;
+    int64_t copied = 0;
+    {
+        // Safe without the GIL: the kernel touches only C++ objects of this frame and the arrays' buffers,
+        // which the references above keep alive; it re-checks every slice as it copies, so a Python thread
+        // writing the arrays meanwhile can garble bytes but never direct a write outside the allowed ranges.
+        std::optional<py::gil_scoped_release> release;
+        if (keys * regions >= kGilReleaseMinSlices) release.emplace();
+        problem = st::validate(job, allowed, &validated);
+        if (problem.ok()) {
+            if (!release && validated.total_bytes >= kGilReleaseMinBytes) release.emplace();
+            problem = st::copy(job, allowed, validated, thread_count, streaming, &copied);
+        }
+    }
+    if (problem.fault == st::Fault::changed_during_copy) raise(PyExc_RuntimeError, st::describe(problem, job));
+    if (!problem.ok()) raise(PyExc_ValueError, st::describe(problem, job));
+    return copied;
+}
+
+py::tuple plan_slots(py::handle sizes_obj, int64_t alignment) {
+    if (alignment <= 0 || (alignment & (alignment - 1)) != 0) {
+        raise(PyExc_ValueError, "alignment must be a positive power of two, got " + std::to_string(alignment));
+    }
+    const py::array sizes = int64_array(sizes_obj, "sizes", 2);
+    const auto keys = static_cast<std::size_t>(sizes.shape(0));
+    const auto regions = static_cast<std::size_t>(sizes.shape(1));
+    py::array_t<int64_t> offsets(static_cast<py::ssize_t>(keys));
+    py::array_t<int64_t> object_sizes(static_cast<py::ssize_t>(keys));
+    int64_t total = 0;
+    // K × R additions: microseconds even at the headline shape, so the GIL stays held.
+    const st::PlanProblem problem =
+        st::plan_slots(static_cast<const int64_t*>(sizes.data()), keys, regions, alignment,
+                       offsets.mutable_data(), object_sizes.mutable_data(), &total);
+    switch (problem.fault) {
+        case st::PlanFault::none:
+            break;
+        case st::PlanFault::negative_size:
+            raise(PyExc_ValueError, "key " + std::to_string(problem.key) + " region " +
+                                        std::to_string(problem.region) + ": negative size " +
+                                        std::to_string(problem.value));
+        case st::PlanFault::object_overflow:
+            raise(PyExc_OverflowError, "key " + std::to_string(problem.key) +
+                                           ": object size (sum of its region sizes) overflows int64");
+        case st::PlanFault::offset_overflow:
+            raise(PyExc_OverflowError, "key " + std::to_string(problem.key) +
+                                           ": staging offset overflows int64");
+    }
+    return py::make_tuple(std::move(offsets), std::move(object_sizes), total);
+}
+
+}  // namespace
+
+void register_staging(py::module_& m) {
+    m.attr("STAGING_SLOT_ALIGNMENT") = st::kDefaultSlotAlignment;
+    m.attr("STAGING_STREAMING_STORES") = static_cast<bool>(KVADDR_STREAMING_STORES);
+    m.def("staging_plan_slots", &plan_slots, py::arg("sizes"), py::arg("alignment") = st::kDefaultSlotAlignment,
+          "Slot offsets (each aligned), per-key object sizes and total staging bytes for a sizes matrix.");
+    m.def(
+        "staging_gather",
+        [](py::handle addrs, py::handle sizes, int64_t staging_ptr, int64_t staging_len, py::handle offsets,
+           py::handle allowed_ranges, py::handle select, int64_t threads, bool streaming) {
+            return run_job(st::Direction::gather, addrs, sizes, staging_ptr, staging_len, offsets, allowed_ranges,
+                           select, threads, streaming);
+        },
+        py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
+        py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
+        py::arg("streaming") = true,
+        "Copy each selected key's slices, in region order, into its staging slot. Returns bytes copied.");
+    m.def(
+        "staging_scatter",
+        [](py::handle addrs, py::handle sizes, int64_t staging_ptr, int64_t staging_len, py::handle offsets,
+           py::handle allowed_ranges, py::handle select, int64_t threads, bool streaming) {
+            return run_job(st::Direction::scatter, addrs, sizes, staging_ptr, staging_len, offsets, allowed_ranges,
+                           select, threads, streaming);
+        },
+        py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
+        py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
+        py::arg("streaming") = true,
+        "Copy each selected key's staging slot back out to its slices, in region order. Returns bytes copied.");
+}
+
+}  // namespace kvaddr::py_bindings
