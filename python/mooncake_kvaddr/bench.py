@@ -2,7 +2,8 @@
 
 Every variant of a section runs interleaved in one process (round-robin, after a warm-up), so machine noise
 hits all of them alike; we report medians, p10/p90 and each variant's speed-up over the numpy anchor (vLLM's
-current vectorised ``prepare_values``). Times include freeing the result, which is GIL time too.
+current vectorised ``prepare_values``) or over the Python code a native path replaces. Times include freeing
+the result, which is GIL time too.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, __version__
+from mooncake_kvaddr.keys import build_lookup_keys
 from mooncake_kvaddr.oracle import OracleChunkedTokenDatabase, numpy_prepare_values
 
 ANCHOR = "numpy + tolist (anchor)"
+ANCHOR_PLAN = "Python path (walk + key_for + numpy)"
+LOOKUP_ANCHOR = "lookup keys: Python f-strings"
+ANCHORS = (ANCHOR, ANCHOR_PLAN, LOOKUP_ANCHOR, "keys: Python key_for per chunk")
 
 
 @dataclass(frozen=True)
@@ -160,16 +165,80 @@ def address_section(shape: Shape, reps: int) -> list[Result]:
     return run_interleaved(variants, reps)
 
 
+def key_section(shape: Shape, reps: int, namespaces: int = 8) -> tuple[list[Result], list[Result]]:
+    """Key strings for one request's sha256 hashes: Python f-strings vs the native writer."""
+    native, oracle = make_databases(shape)
+    rng = random.Random(1)
+    hashes = [rng.randbytes(32) for _ in range(shape.chunks)]
+    blob = b"".join(hashes)
+    prefix = native.key_prefix
+    prefixes = [prefix.replace("tp_rank:0", f"tp_rank:{i}") for i in range(namespaces)]
+
+    def python_lookup_keys() -> list[str]:
+        keys = []
+        for h in hashes:
+            hex_ = h.hex()
+            keys.extend(f"{p}@{hex_}" for p in prefixes)
+        return keys
+
+    if build_lookup_keys(prefixes, blob, 32) != python_lookup_keys():
+        raise AssertionError("native lookup keys differ from f-strings")
+    variants: dict[str, Callable[[int], object]] = {
+        "keys: Python key_for per chunk": lambda rep: [oracle.key_for(h) for h in hashes],
+        "keys: Python f-string list": lambda rep: [f"{prefix}@{h.hex()}" for h in hashes],
+        "keys: native build_keys (list)": lambda rep: native.keys_for(hashes),
+        "keys: native build_keys (blob)": lambda rep: native.keys_for(blob, 32),
+        LOOKUP_ANCHOR: lambda rep: python_lookup_keys(),
+        "lookup keys: native (blob)": lambda rep: build_lookup_keys(prefixes, blob, 32),
+    }
+    results = run_interleaved(variants, reps)
+    split = [r.name.startswith("lookup") for r in results]
+    return ([r for r, s in zip(results, split) if not s], [r for r, s in zip(results, split) if s])
+
+
+def plan_section(shape: Shape, reps: int) -> list[Result]:
+    """A receive thread's per-group preparation: the Python path (process_tokens + key_for + numpy
+    prepare_values) vs the fused native plan, on never-seen and on repeated block ids."""
+    native, oracle = make_databases(shape)
+    rng = random.Random(2)
+    hashes = [rng.randbytes(32) for _ in range(shape.tokens // shape.hash_block_size)]
+    warm_ids = rng.sample(range(1 << 20), shape.chunks)
+    token_len = shape.tokens // shape.hash_block_size * shape.hash_block_size
+    bases, lens = native.kv_caches_base_addr, native.block_len
+
+    def python_path(block_ids: list[int]) -> object:
+        keys, chunks = [], []
+        for start, end, h in oracle.process_tokens(token_len, hashes, 0):
+            keys.append(oracle.key_for(h))
+            chunks.append((start, end))
+        rows = numpy_prepare_values(chunks, block_ids, bases, lens, shape.block_size, shape.hash_block_size)
+        return keys, rows
+
+    def cold_ids(rep: int) -> list[int]:
+        first = (1 << 22) + (rep + 8) * shape.chunks
+        return list(range(first, first + shape.chunks))
+
+    keys, rows = python_path(warm_ids)  # type: ignore[misc]
+    if tuple(native.plan_load(token_len, hashes, warm_ids)) != (keys, *rows):
+        raise AssertionError("fused plan differs from the Python path")
+    variants: dict[str, Callable[[int], object]] = {
+        ANCHOR_PLAN: lambda rep: python_path(warm_ids),
+        "fused plan_load, cold block ids": lambda rep: native.plan_load(token_len, hashes, cold_ids(rep)),
+        "fused plan_load, warm block ids": lambda rep: native.plan_load(token_len, hashes, warm_ids),
+    }
+    return run_interleaved(variants, reps)
+
+
 def print_table(title: str, results: list[Result]) -> dict[str, Any]:
     """Print one section and return its JSON form."""
-    anchor = next((r.median for r in results if r.name == ANCHOR), None)
+    anchor = next((r.median for r in results if r.name in ANCHORS), None)
     print(f"\n{title}")
-    print(f"  {'variant':<36} {'median ms':>10} {'p10':>8} {'p90':>8} {'vs numpy':>9}")
+    print(f"  {'variant':<40} {'median ms':>10} {'p10':>8} {'p90':>8} {'speed-up':>9}")
     rows = {}
     for r in results:
         s = r.summary(anchor)
         ratio = f"{s['speedup_vs_anchor']:.1f}x" if s["speedup_vs_anchor"] else "-"
-        print(f"  {r.name:<36} {s['median_ms']:>10.3f} {s['p10_ms']:>8.3f} {s['p90_ms']:>8.3f} {ratio:>9}")
+        print(f"  {r.name:<40} {s['median_ms']:>10.3f} {s['p10_ms']:>8.3f} {s['p90_ms']:>8.3f} {ratio:>9}")
         rows[r.name] = s
     return rows
 
@@ -192,6 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     title = f"Addresses and sizes per request: {shape.describe()}"
     report["sections"]["addresses"] = {"shape": shape.describe(), "rows": print_table(title,
                                                                                     address_section(shape, reps))}
+    keys, lookup = key_section(shape, reps)
+    title = f"Key strings for {shape.chunks} sha256 hashes (speed-up vs Python key_for)"
+    report["sections"]["keys"] = {"shape": shape.describe(), "rows": print_table(title, keys)}
+    title = f"Lookup keys: {shape.chunks} sha256 hashes x 8 namespaces"
+    report["sections"]["lookup_keys"] = {"shape": shape.describe(), "rows": print_table(title, lookup)}
+    title = f"Fused load plan per group vs the Python path: {shape.describe()}"
+    report["sections"]["plan"] = {"shape": shape.describe(), "rows": print_table(title, plan_section(shape, reps))}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

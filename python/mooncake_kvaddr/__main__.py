@@ -1,0 +1,30 @@
+"""``python -m mooncake_kvaddr demo|bench ...``: the end-to-end demo (the main job) or the benchmark."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to a sub-command."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: python -m mooncake_kvaddr {demo,bench} [options]\n"
+              "  demo   store, look up and load one request through a real Mooncake store (embedded master)\n"
+              "  bench  side-by-side benchmark against the oracle and the numpy approach")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "demo":
+        from mooncake_kvaddr.demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "bench":
+        from mooncake_kvaddr.bench import main as bench_main
+
+        return bench_main(rest)
+    print(f"unknown command {command!r}: expected demo or bench", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

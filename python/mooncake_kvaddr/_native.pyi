@@ -1,0 +1,75 @@
+"""Type stubs of the native extension (csrc/bindings). Use the mooncake_kvaddr package, not this module."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+_Int64Array = npt.NDArray[np.int64]
+_Hashes = Any  # a sequence of bytes-like objects, or one bytes-like blob (with hash_len)
+
+class ChunkAlignmentError(ValueError, AssertionError):
+    """A chunk's span is not a multiple of hash_block_size (or a process_tokens assert failed)."""
+
+class BlockLenError(ValueError, ZeroDivisionError):
+    """block_len is empty while KV-cache regions are registered."""
+
+class AddressTable:
+    """Address/size matrix of one KV-cache group over the registered regions."""
+
+    cache_capacity: int
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hash_block_size(self) -> int: ...
+    def __init__(self, block_size: int, hash_block_size: int, cache_bytes: int) -> None: ...
+    def set_regions(self, kv_caches_base_addr: Sequence[int], block_len: Sequence[int]) -> None: ...
+    def prepare_values(
+        self, chunks: Sequence[Sequence[int]], block_ids: Sequence[int] | _Int64Array
+    ) -> tuple[list[list[int]], list[list[int]], list[int]]: ...
+    def prepare_values_array(
+        self, chunks: Any, block_ids: Sequence[int] | _Int64Array
+    ) -> tuple[_Int64Array, _Int64Array, _Int64Array]: ...
+    def prepare_value_for_block(self, block_id: int) -> tuple[list[int], list[int]]: ...
+    def plan_load(
+        self,
+        prefix: str,
+        hashes: _Hashes,
+        hash_len: int | None,
+        token_len: int,
+        mask_num: int,
+        load_mask: Sequence[bool] | None,
+        block_ids: Sequence[int] | _Int64Array,
+    ) -> tuple[list[str], list[list[int]], list[list[int]], list[int]]: ...
+    def plan_store(
+        self,
+        prefix: str,
+        hashes: _Hashes,
+        hash_len: int | None,
+        token_len: int,
+        mask_num: int,
+        chunk_mask: Sequence[bool] | None,
+        put_step: int,
+        put_step_rank: int,
+        block_ids: Sequence[int] | _Int64Array,
+        skip_null: bool,
+    ) -> tuple[list[str], list[tuple[int, int]], list[int]]: ...
+    def cache_info(self) -> dict[str, int]: ...
+    def clear_cache(self) -> None: ...
+
+def build_key(prefix: str, chunk_hash: Any) -> str: ...
+def build_keys(prefix: str, hashes: _Hashes, hash_len: int | None = None) -> list[str]: ...
+def build_lookup_keys(prefixes: Sequence[str], hashes: _Hashes, hash_len: int | None = None) -> list[str]: ...
+def reduce_exists(results: Sequence[int], widths: int | Sequence[int]) -> list[bool]: ...
+def leading_present(results: Sequence[int], width: int) -> int: ...
+def chunk_walk(
+    token_len: int,
+    n_hashes: int,
+    block_size: int,
+    hash_block_size: int,
+    mask_num: int,
+    chunk_mask: Sequence[bool] | None,
+    put_step: int,
+    put_step_rank: int,
+) -> tuple[list[int], list[int], list[int]]: ...
