@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvaddr_testing import assert_native_ints, paired
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1

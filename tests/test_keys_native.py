@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvaddr_testing import oracle_regions, paired
 
+from kvaddr_testing import oracle_regions, paired
 from mooncake_kvaddr import BlobBlockHashes, ChunkedTokenDatabase, KeyMetadata, PoolKey
 from mooncake_kvaddr.keys import (
     SpecKind,

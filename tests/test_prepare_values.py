@@ -7,8 +7,8 @@ import random
 
 import numpy as np
 import pytest
-from kvaddr_testing import assert_native_ints, oracle_regions, paired
 
+from kvaddr_testing import assert_native_ints, oracle_regions, paired
 from mooncake_kvaddr import BlockLenError, ChunkAlignmentError, ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.oracle import numpy_prepare_values
 
@@ -201,7 +201,7 @@ def test_array_output_matches_lists() -> None:
 
 def test_inputs_never_mutated_and_results_never_change() -> None:
     bases, lens = oracle_regions(8, 2)
-    native, oracle = paired(bases, lens, 16)
+    native, _oracle = paired(bases, lens, 16)
     chunks = [(0, 16), (16, 48), (64, 80)]
     block_ids = [9, 8, 7, 6, 5, 4]
     inputs = copy.deepcopy((chunks, block_ids, native.kv_caches_base_addr, native.block_len))

@@ -29,7 +29,7 @@ def test_concurrent_prepare_values_equal_serial() -> None:
                     assert native.prepare_values(chunks, block_ids) == expected
                     arrays = native.prepare_values_array(chunks, block_ids)
                     assert arrays[0].tolist() == expected[0]
-            except BaseException as exc:  # noqa: BLE001 - reported to the main thread
+            except BaseException as exc:
                 errors.append(exc)
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]

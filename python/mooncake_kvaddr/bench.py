@@ -175,7 +175,7 @@ def key_section(shape: Shape, reps: int, namespaces: int = 8) -> tuple[list[Resu
     prefixes = [prefix.replace("tp_rank:0", f"tp_rank:{i}") for i in range(namespaces)]
 
     def python_lookup_keys() -> list[str]:
-        keys = []
+        keys: list[str] = []
         for h in hashes:
             hex_ = h.hex()
             keys.extend(f"{p}@{hex_}" for p in prefixes)
@@ -206,8 +206,9 @@ def plan_section(shape: Shape, reps: int) -> list[Result]:
     token_len = shape.tokens // shape.hash_block_size * shape.hash_block_size
     bases, lens = native.kv_caches_base_addr, native.block_len
 
-    def python_path(block_ids: list[int]) -> object:
-        keys, chunks = [], []
+    def python_path(block_ids: list[int]) -> tuple[list[str], tuple[list[list[int]], list[list[int]], list[int]]]:
+        keys: list[str] = []
+        chunks: list[tuple[int, int]] = []
         for start, end, h in oracle.process_tokens(token_len, hashes, 0):
             keys.append(oracle.key_for(h))
             chunks.append((start, end))
@@ -218,7 +219,7 @@ def plan_section(shape: Shape, reps: int) -> list[Result]:
         first = (1 << 22) + (rep + 8) * shape.chunks
         return list(range(first, first + shape.chunks))
 
-    keys, rows = python_path(warm_ids)  # type: ignore[misc]
+    keys, rows = python_path(warm_ids)
     if tuple(native.plan_load(token_len, hashes, warm_ids)) != (keys, *rows):
         raise AssertionError("fused plan differs from the Python path")
     variants: dict[str, Callable[[int], object]] = {

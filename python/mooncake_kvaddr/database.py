@@ -200,7 +200,7 @@ class ChunkedTokenDatabase:
         multiple of ``hash_block_size``, ``IndexError`` for a block index past ``block_ids``, ``TypeError``
         for non-integers and ``OverflowError`` when an address does not fit in 64 bits.
         """
-        return self._table.prepare_values(chunks, block_ids)  # type: ignore[no-any-return]
+        return self._table.prepare_values(chunks, block_ids)
 
     def prepare_value(
         self, start: int, end: int, block_ids: Sequence[int]
@@ -217,11 +217,11 @@ class ChunkedTokenDatabase:
         No Python object per element; ``chunks`` may also be an ``(n, 2)`` integer array. The GIL is released
         around the arithmetic of large requests.
         """
-        return self._table.prepare_values_array(chunks, block_ids)  # type: ignore[no-any-return]
+        return self._table.prepare_values_array(chunks, block_ids)
 
     def prepare_value_for_block(self, block_id: int) -> tuple[list[int], list[int]]:
         """Address and size (one block) of every region for one physical block (partial-tail offload)."""
-        return self._table.prepare_value_for_block(block_id)  # type: ignore[no-any-return]
+        return self._table.prepare_value_for_block(block_id)
 
     # The chunk walk.
     def process_tokens(

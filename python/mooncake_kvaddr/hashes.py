@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Union, overload
+from typing import overload
 
 #: A block hash: ``bytes``, or a ``memoryview`` slice of a lookup blob. Both hex identically.
-BlockHash = Union[bytes, memoryview]
+BlockHash = bytes | memoryview
 
 
 class _HashView(Sequence[BlockHash]):

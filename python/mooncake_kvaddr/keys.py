@@ -34,13 +34,13 @@ def build_keys(prefix: str, hashes: Hashes, hash_len: int | None = None) -> list
     when ``hash_len`` is given) and ``TypeError`` for non-bytes hashes.
     """
     data, length = _unwrap(hashes, hash_len)
-    return _native.build_keys(prefix, data, length)  # type: ignore[no-any-return]
+    return _native.build_keys(prefix, data, length)
 
 
 def build_lookup_keys(prefixes: Sequence[str], hashes: Hashes, hash_len: int | None = None) -> list[str]:
     """Every hash under every prefix: hash-major, then prefixes in the given order (SPEC.md §1.4)."""
     data, length = _unwrap(hashes, hash_len)
-    return _native.build_lookup_keys(prefixes, data, length)  # type: ignore[no-any-return]
+    return _native.build_lookup_keys(prefixes, data, length)
 
 
 class SpecKind(str, Enum):
@@ -97,7 +97,7 @@ def lookup_prefixes(metadata: KeyMetadata, namespaces: Sequence[tuple[int, int, 
 def reduce_exists(results: Sequence[int], widths: int | Sequence[int]) -> list[bool]:
     """Which lookup units are present: unit ``u`` covers ``widths[u]`` consecutive ``batch_is_exist``
     results (an int: every unit) and is present only if each of them is exactly 1."""
-    return _native.reduce_exists(results, widths)  # type: ignore[no-any-return]
+    return _native.reduce_exists(results, widths)
 
 
 def full_attention_hit(
