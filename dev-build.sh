@@ -5,4 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 cmake --build build
 dest=$(python3 -c "import importlib.util,os; print(os.path.dirname(importlib.util.find_spec('mooncake_kvaddr._native').origin))")
-cp build/_native*.so "$dest/"
+# Copy, then rename into place: overwriting the loaded file in place would crash running Python processes.
+for so in build/_native*.so; do
+    cp "$so" "$dest/.tmp.$(basename "$so")"
+    mv -f "$dest/.tmp.$(basename "$so")" "$dest/$(basename "$so")"
+done

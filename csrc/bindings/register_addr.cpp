@@ -26,8 +26,11 @@ namespace kvaddr::py_bindings {
 namespace {
 
 // Below this many matrix cells the array output keeps the GIL: re-acquiring it after a release can cost a
-// whole switch interval when other threads are busy (PERF.md point 5), which dwarfs a short loop.
-constexpr std::size_t kGilReleaseMinCells = 1u << 15;
+// whole switch interval when other threads are busy (PERF.md point 5), which dwarfs a short loop. Measured on
+// the 2-core box beside a spinning Python thread: from ~100K cells (~0.08 ms) releasing left our call's
+// median unchanged and gave the other thread 2-4x more progress; below ~16K cells there was nothing to gain.
+// Settable for experiments (set_gil_release_min_cells).
+std::size_t g_gil_release_min_cells = std::size_t{1} << 16;
 // Distinct block counts whose size rows are kept across calls (production chunks all have count 1).
 constexpr std::size_t kMaxSharedSizeRows = 64;
 
@@ -242,7 +245,7 @@ public:
             // Safe without the GIL: only C++ data is touched — `regions` is an immutable snapshot kept alive by
             // this shared_ptr, `plans` is local, and the output arrays are not yet visible to Python.
             std::unique_ptr<py::gil_scoped_release> release;
-            if (n * n_regions >= kGilReleaseMinCells) release = std::make_unique<py::gil_scoped_release>();
+            if (n * n_regions >= g_gil_release_min_cells) release = std::make_unique<py::gil_scoped_release>();
             for (std::size_t c = 0; c < n; ++c) id_out[c] = plans[c].block_id;
             failed = fill_matrix(*regions, plans, addr_out, size_out);
         }
@@ -500,6 +503,10 @@ private:
 }  // namespace
 
 void register_addr(py::module_& m) {
+    m.def("gil_release_min_cells", []() { return g_gil_release_min_cells; },
+          "Matrix cells from which prepare_values_array releases the GIL.");
+    m.def("set_gil_release_min_cells", [](std::size_t cells) { g_gil_release_min_cells = cells; },
+          py::arg("cells"), "Change the threshold (benchmarks and experiments).");
     py::class_<AddressTable>(m, "AddressTable",
                              "Address/size matrix of one KV-cache group over the registered regions.")
         .def(py::init<int64_t, int64_t, std::size_t>(), py::arg("block_size"), py::arg("hash_block_size"),
