@@ -25,12 +25,12 @@ namespace kvaddr::py_bindings {
 
 namespace {
 
-// Below this many matrix cells the array output keeps the GIL: re-acquiring it after a release can cost a
-// whole switch interval when other threads are busy (PERF.md point 5), which dwarfs a short loop. Measured on
-// the 2-core box beside a spinning Python thread: from ~100K cells (~0.08 ms) releasing left our call's
-// median unchanged and gave the other thread 2-4x more progress; below ~16K cells there was nothing to gain.
+// Below this many matrix cells the array output keeps the GIL. Re-acquiring it after a release waits up to a
+// whole switch interval (5 ms) when another Python thread is busy (PERF.md point 5); beside a spinning thread
+// the headline request (225,800 cells, ~0.2 ms of work) took ~5.5 ms per call with the release and ~0.3 ms
+// without. So release only for work that is itself of the order of a switch interval (~4M cells, ~3 ms).
 // Settable for experiments (set_gil_release_min_cells).
-std::size_t g_gil_release_min_cells = std::size_t{1} << 16;
+std::size_t g_gil_release_min_cells = std::size_t{1} << 22;
 // Distinct block counts whose size rows are kept across calls (production chunks all have count 1).
 constexpr std::size_t kMaxSharedSizeRows = 64;
 

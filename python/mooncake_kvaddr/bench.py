@@ -16,6 +16,7 @@ import platform
 import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -230,6 +231,107 @@ def plan_section(shape: Shape, reps: int) -> list[Result]:
     return run_interleaved(variants, reps)
 
 
+def _beside_spinner(fn: Callable[[], object], seconds: float) -> tuple[float, float, float]:
+    """Call ``fn`` repeatedly for ``seconds`` beside a pure-Python thread that timestamps every iteration.
+
+    Returns (median ms per call, the thread's longest stall in ms, the thread's iterations per second in
+    millions). A call that holds the GIL stalls the thread for at least its own duration."""
+    stop = threading.Event()
+    stats = {"stall": 0.0, "count": 0}
+
+    def spin() -> None:
+        n, longest = 0, 0.0
+        last = time.perf_counter()
+        while not stop.is_set():
+            now = time.perf_counter()
+            longest = max(longest, now - last)
+            last = now
+            n += 1
+        stats["stall"], stats["count"] = longest, n
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    samples = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        c0 = time.perf_counter()
+        out = fn()
+        del out
+        samples.append((time.perf_counter() - c0) * 1e3)
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    thread.join()
+    return statistics.median(samples), stats["stall"] * 1e3, stats["count"] / elapsed / 1e6
+
+
+def gil_section(shape: Shape, seconds: float) -> dict[str, Any]:
+    """How much each variant slows a co-resident pure-Python thread (GIL held = thread stalled)."""
+    native, oracle = make_databases(shape)
+    chunks = request_chunks(shape)
+    rng = random.Random(3)
+    ids = rng.sample(range(1 << 20), shape.chunks)
+    bases, lens = native.kv_caches_base_addr, native.block_len
+    native.prepare_values(chunks, ids)
+    cold = (list(range(first, first + shape.chunks)) for first in range(1 << 23, 1 << 62, shape.chunks))
+    variants: dict[str, Callable[[], object]] = {
+        "idle (no calls, sleep 1 ms)": lambda: time.sleep(0.001),
+        ANCHOR: lambda: numpy_prepare_values(chunks, ids, bases, lens, shape.block_size, shape.hash_block_size),
+        "native lists, warm block ids": lambda: native.prepare_values(chunks, ids),
+        "native lists, cold block ids": lambda: native.prepare_values(chunks, next(cold)),
+        "native arrays": lambda: native.prepare_values_array(chunks, ids),
+    }
+    rows: dict[str, Any] = {}
+    print(f"\nGIL: a pure-Python thread beside each variant called for {seconds:.1f} s ({shape.describe()}); "
+          f"switch interval {sys.getswitchinterval() * 1e3:.0f} ms")
+    print(f"  {'variant':<40} {'ms/call':>9} {'thread stall ms':>16} {'thread M it/s':>14}")
+    for name, fn in variants.items():
+        per_call, stall, rate = _beside_spinner(fn, seconds)
+        rows[name] = {"ms_per_call": per_call, "thread_longest_stall_ms": stall, "thread_mits": rate}
+        print(f"  {name:<40} {per_call:>9.3f} {stall:>16.2f} {rate:>14.2f}")
+    return rows
+
+
+def threads_section(shape: Shape, requests: int) -> dict[str, Any]:
+    """1, 2 and 4 receive threads preparing different requests: wall time vs doing them serially."""
+    native, _ = make_databases(shape)
+    chunks = request_chunks(shape)
+    bases, lens = native.kv_caches_base_addr, native.block_len
+    rng = random.Random(4)
+    id_sets = [rng.sample(range(1 << 20), shape.chunks) for _ in range(requests)]
+    for ids in id_sets:
+        native.prepare_values(chunks, ids)
+    variants: dict[str, Callable[[list[int]], object]] = {
+        ANCHOR: lambda ids: numpy_prepare_values(chunks, ids, bases, lens, shape.block_size,
+                                                 shape.hash_block_size),
+        "native lists, warm block ids": lambda ids: native.prepare_values(chunks, ids),
+        "native arrays": lambda ids: native.prepare_values_array(chunks, ids),
+    }
+    print(f"\nReceive threads: {requests} requests split over N threads, wall time vs serial")
+    print(f"  {'variant':<40} {'serial ms':>10} {'N=2':>8} {'N=4':>8}")
+    rows: dict[str, Any] = {}
+    for name, fn in variants.items():
+        walls = {}
+        for n_threads in (1, 2, 4):
+            def worker(part: list[list[int]]) -> None:
+                for ids in part:
+                    out = fn(ids)
+                    del out
+            parts = [id_sets[i::n_threads] for i in range(n_threads)]
+            samples = []
+            for _ in range(3):
+                threads = [threading.Thread(target=worker, args=(p,)) for p in parts]
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                samples.append((time.perf_counter() - t0) * 1e3)
+            walls[n_threads] = statistics.median(samples)
+        rows[name] = {"wall_ms": walls, "speedup_2": walls[1] / walls[2], "speedup_4": walls[1] / walls[4]}
+        print(f"  {name:<40} {walls[1]:>10.2f} {walls[1] / walls[2]:>7.2f}x {walls[1] / walls[4]:>7.2f}x")
+    return rows
+
+
 def print_table(title: str, results: list[Result]) -> dict[str, Any]:
     """Print one section and return its JSON form."""
     anchor = next((r.median for r in results if r.name in ANCHORS), None)
@@ -269,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     report["sections"]["lookup_keys"] = {"shape": shape.describe(), "rows": print_table(title, lookup)}
     title = f"Fused load plan per group vs the Python path: {shape.describe()}"
     report["sections"]["plan"] = {"shape": shape.describe(), "rows": print_table(title, plan_section(shape, reps))}
+    report["sections"]["gil"] = gil_section(shape, seconds=0.3 if args.quick else 1.5)
+    report["sections"]["threads"] = threads_section(shape, requests=8 if args.quick else 16)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
