@@ -266,7 +266,7 @@ def _beside_spinner(fn: Callable[[], object], seconds: float) -> tuple[float, fl
 
 def gil_section(shape: Shape, seconds: float) -> dict[str, Any]:
     """How much each variant slows a co-resident pure-Python thread (GIL held = thread stalled)."""
-    native, oracle = make_databases(shape)
+    native, _ = make_databases(shape)
     chunks = request_chunks(shape)
     rng = random.Random(3)
     ids = rng.sample(range(1 << 20), shape.chunks)
@@ -312,9 +312,9 @@ def threads_section(shape: Shape, requests: int) -> dict[str, Any]:
     for name, fn in variants.items():
         walls = {}
         for n_threads in (1, 2, 4):
-            def worker(part: list[list[int]]) -> None:
+            def worker(part: list[list[int]], call: Callable[[list[int]], object] = fn) -> None:
                 for ids in part:
-                    out = fn(ids)
+                    out = call(ids)
                     del out
             parts = [id_sets[i::n_threads] for i in range(n_threads)]
             samples = []
