@@ -75,3 +75,34 @@ def chunk_walk(
 ) -> tuple[list[int], list[int], list[int]]: ...
 def gil_release_min_cells() -> int: ...
 def set_gil_release_min_cells(cells: int) -> None: ...
+
+STAGING_SLOT_ALIGNMENT: int
+STAGING_STREAMING_STORES: bool
+
+def staging_plan_slots(
+    sizes: _Int64Array, alignment: int = 64
+) -> tuple[_Int64Array, _Int64Array, int]: ...
+def staging_gather(
+    addrs: _Int64Array,
+    sizes: _Int64Array,
+    staging_ptr: int,
+    staging_len: int,
+    offsets: _Int64Array,
+    allowed_ranges: Sequence[tuple[int, int]],
+    *,
+    select: npt.NDArray[np.bool_] | npt.NDArray[np.uint8] | None = None,
+    threads: int = 0,
+    streaming: bool = True,
+) -> int: ...
+def staging_scatter(
+    addrs: _Int64Array,
+    sizes: _Int64Array,
+    staging_ptr: int,
+    staging_len: int,
+    offsets: _Int64Array,
+    allowed_ranges: Sequence[tuple[int, int]],
+    *,
+    select: npt.NDArray[np.bool_] | npt.NDArray[np.uint8] | None = None,
+    threads: int = 0,
+    streaming: bool = True,
+) -> int: ...

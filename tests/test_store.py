@@ -1,0 +1,606 @@
+"""MooncakeStore against a real master on loopback: safety, round trips, splitting, failures, recovery.
+
+Tests without the ``mooncake`` mark use a stand-in client and run without the Mooncake wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_kvaddr import store as store_module
+from mooncake_kvaddr.config import StoreConfig
+from mooncake_kvaddr.master import EmbeddedMaster, free_ports
+from mooncake_kvaddr.store import (
+    BatchResult,
+    Health,
+    MooncakeStore,
+    Outcome,
+    StoreClosedError,
+    StoreError,
+    StoreSetupError,
+    _Op,
+    _plan,
+)
+
+mooncake = pytest.mark.mooncake
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+class Regions:
+    """A host buffer cut into ``n_keys`` objects of ``per_key`` regions of ``region`` bytes each."""
+
+    def __init__(self, n_keys: int, per_key: int, region: int, *, seed: int | None = None) -> None:
+        self.n_keys, self.per_key, self.region = n_keys, per_key, region
+        if seed is None:
+            self.data = np.zeros((n_keys, per_key, region), dtype=np.uint8)
+        else:
+            self.data = np.random.default_rng(seed).integers(0, 256, (n_keys, per_key, region), dtype=np.uint8)
+        base = self.data.ctypes.data
+        self.addrs = [[base + (k * per_key + j) * region for j in range(per_key)] for k in range(n_keys)]
+        self.sizes = [[region] * per_key for _ in range(n_keys)]
+
+    @property
+    def object_size(self) -> int:
+        return self.per_key * self.region
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+class CallSpy:
+    """Wraps the Mooncake client of a store and records (method, number of keys, regions) per call."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.calls: list[tuple[str, int, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._client, name)
+        if not callable(target):
+            return target
+
+        def recorded(*args: Any) -> Any:
+            keys = args[0] if args else []
+            regions = sum(len(row) for row in args[1]) if name.endswith("multi_buffers") else len(keys)
+            self.calls.append((name, len(keys), regions))
+            return target(*args)
+
+        return recorded
+
+
+@pytest.fixture
+def spy(store: MooncakeStore, monkeypatch: pytest.MonkeyPatch) -> CallSpy:
+    """Record what reaches Mooncake through the shared store during one test."""
+    recorder = CallSpy(store._client)
+    monkeypatch.setattr(store, "_client", recorder)
+    return recorder
+
+
+# ------------------------------------------------------------------------------------------- pure logic
+
+
+def test_plan_splits_by_region_budget_in_order() -> None:
+    assert _plan([], 10) == [(0, 0)]
+    assert _plan([3, 3, 3], 10) == [(0, 3)]
+    assert _plan([4, 4, 4], 10) == [(0, 2), (2, 3)]
+    # A key over the budget goes alone; order and coverage are kept.
+    assert _plan([2, 15, 2, 2], 10) == [(0, 1), (1, 2), (2, 4)]
+    assert _plan([1] * 5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert _plan([10, 10], 10) == [(0, 1), (1, 2)]
+
+
+def test_batch_result_maps_codes_per_operation() -> None:
+    get = BatchResult._build(_Op.GET, [4096, -704, -200, -800, -600, -900, -706, -1])
+    assert get.outcomes == (
+        Outcome.OK,
+        Outcome.NOT_FOUND,
+        Outcome.NO_SPACE,
+        Outcome.TRANSFER_FAILED,
+        Outcome.INVALID_PARAMS,
+        Outcome.MASTER_UNREACHABLE,
+        Outcome.HAS_LEASE,
+        Outcome.OTHER,
+    )
+    assert get.failed == [1, 2, 3, 4, 5, 6, 7] and not get.ok and get.back_pressure
+    assert get.bytes_transferred == 4096 and get.count(Outcome.NOT_FOUND) == 1
+    assert get.summary()["ok"] == 1 and len(get) == 8 and get[0] is Outcome.OK
+
+    exist = BatchResult._build(_Op.EXIST, [1, 0, -900])
+    assert exist.present == [True, False, False]
+    assert list(exist) == [Outcome.OK, Outcome.NOT_FOUND, Outcome.MASTER_UNREACHABLE]
+
+    put = BatchResult._build(_Op.PUT, [0, 0, 7])
+    assert put.outcomes == (Outcome.OK, Outcome.OK, Outcome.OTHER) and not put.back_pressure
+    assert BatchResult._build(_Op.PUT, []).ok
+
+
+def test_missing_extra_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_mooncake(name: str) -> Any:
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(store_module.importlib, "import_module", no_mooncake)
+    with pytest.raises(ImportError, match=r"pip install 'mooncake_kvaddr\[mooncake\]'"):
+        MooncakeStore(master_server_address="127.0.0.1:1").setup()
+
+
+class BlockingClient:
+    """Stand-in for MooncakeDistributedStore whose batch_is_exist blocks until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.events: list[str] = []
+
+    def setup(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        self.entered.set()
+        assert self.release.wait(timeout=30)
+        self.events.append("call returned")
+        return [1] * len(keys)
+
+    def close(self) -> int:
+        self.events.append("close")
+        return 0
+
+
+def test_close_waits_for_calls_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = BlockingClient()
+    fake = SimpleNamespace(MooncakeDistributedStore=lambda: client)
+    monkeypatch.setattr(store_module, "load_mooncake", lambda: fake)
+    store = MooncakeStore(master_server_address="127.0.0.1:1", close_timeout_s=0.3).setup()
+
+    results: list[BatchResult] = []
+    caller = threading.Thread(target=lambda: results.append(store.batch_is_exist(["a", "b"])))
+    caller.start()
+    assert client.entered.wait(timeout=10)
+
+    started = time.monotonic()
+    with pytest.raises(StoreError, match="1 call"):
+        store.close()
+    assert 0.25 < time.monotonic() - started < 5
+    assert store.state == "closing" and client.events == []
+    with pytest.raises(StoreClosedError, match="closing"):
+        store.batch_is_exist(["c"])  # no new calls while closing
+
+    client.release.set()
+    caller.join(timeout=10)
+    store.close()
+    assert store.state == "closed"
+    assert client.events == ["call returned", "close"]  # close never overlapped the call
+    assert results[0].present == [True, True]
+    store.close()  # idempotent
+
+
+def test_setup_from_not_new_states_and_close_of_a_never_setup_store() -> None:
+    store = MooncakeStore(master_server_address="127.0.0.1:1")
+    assert store.health_check() is Health.NOT_READY and store.state == "new"
+    store.close()
+    assert store.state == "closed"
+    with pytest.raises(StoreClosedError, match="closed"):
+        store.setup()
+
+
+# ------------------------------------------------------------------------------------------- safety
+
+
+def all_calls(store: MooncakeStore) -> dict[str, Callable[[], object]]:
+    buf = Regions(1, 1, 64)
+    return {
+        "batch_is_exist": lambda: store.batch_is_exist(["k"]),
+        "batch_put_from_multi_buffers": lambda: store.batch_put_from_multi_buffers(["k"], buf.addrs, buf.sizes),
+        "batch_get_into_multi_buffers": lambda: store.batch_get_into_multi_buffers(["k"], buf.addrs, buf.sizes),
+        "batch_put_from": lambda: store.batch_put_from(["k"], [buf.addrs[0][0]], [64]),
+        "batch_get_into": lambda: store.batch_get_into(["k"], [buf.addrs[0][0]], [64]),
+        "batch_remove": lambda: store.batch_remove(["k"]),
+        "remove_all": lambda: store.remove_all(),
+        "register_buffer": lambda: store.register_buffer(buf.addrs[0][0], 64),
+        "unregister_buffer": lambda: store.unregister_buffer(buf.addrs[0][0]),
+        "time_argument_conversion": lambda: store.time_argument_conversion(buf.addrs, buf.sizes),
+    }
+
+
+@mooncake
+def test_use_before_setup_and_after_close_raises_instead_of_crashing(store_config: StoreConfig) -> None:
+    # Before setup() and after close(), these calls SIGSEGV inside Mooncake's binding; here they raise.
+    store = MooncakeStore(store_config)
+    for name, call in all_calls(store).items():
+        with pytest.raises(StoreClosedError, match="not set up"):
+            call()
+        assert store.state == "new", name
+    assert store.health_check() is Health.NOT_READY
+
+    with store:
+        assert store.ready and store.health_check() is Health.OK
+        assert store.setup() is store  # no second client
+    assert store.state == "closed"
+    for name, call in all_calls(store).items():
+        with pytest.raises(StoreClosedError, match="closed"):
+            call()
+        assert store.state == "closed", name
+    assert store.health_check() is Health.NOT_READY
+    store.close()
+
+
+# ------------------------------------------------------------------------------------------- data path
+
+
+@mooncake
+def test_put_exist_get_round_trip_bytes(store: MooncakeStore, key_prefix: str, spy: CallSpy) -> None:
+    src = Regions(40, 5, 1 * KiB, seed=1)
+    keys = [f"{key_prefix}/{i}" for i in range(40)]
+    assert store.batch_is_exist(keys).present == [False] * 40
+
+    put = store.batch_put_from_multi_buffers(keys, src.addrs, src.sizes)
+    assert put.ok and put.codes == (0,) * 40
+    assert store.batch_is_exist(keys).ok
+
+    dst = Regions(40, 5, 1 * KiB)
+    got = store.batch_get_into_multi_buffers(keys, dst.addrs, dst.sizes)
+    assert got.ok and got.codes == (src.object_size,) * 40
+    assert got.bytes_transferred == src.data.nbytes
+    np.testing.assert_array_equal(dst.data, src.data)
+
+    # 200 regions with a budget of 64: every data call was split, none exceeded the budget.
+    data_calls = [c for c in spy.calls if c[0].endswith("multi_buffers")]
+    assert len(data_calls) == 2 * 4 and all(regions <= 64 for _, _, regions in data_calls)
+
+    # numpy 2-D rows are accepted too, and the object can be read back with another region split.
+    dst2 = Regions(40, 10, 512)
+    addrs = np.asarray(dst2.addrs, dtype=np.uint64)
+    sizes = np.asarray(dst2.sizes, dtype=np.uint64)
+    assert store.batch_get_into_multi_buffers(keys, addrs, sizes).ok
+    np.testing.assert_array_equal(dst2.data.reshape(40, -1), src.data.reshape(40, -1))
+
+
+@mooncake
+def test_contiguous_put_from_and_get_into(store: MooncakeStore, key_prefix: str) -> None:
+    src = Regions(100, 1, 2 * KiB, seed=2)
+    keys = [f"{key_prefix}/{i}" for i in range(100)]
+    ptrs = [row[0] for row in src.addrs]
+    assert store.batch_put_from(keys, ptrs, [2 * KiB] * 100).ok
+    dst = Regions(100, 1, 2 * KiB)
+    got = store.batch_get_into(
+        [*keys, f"{key_prefix}/missing"], [*(row[0] for row in dst.addrs), ptrs[0]], [2 * KiB] * 101
+    )
+    assert got.codes[:100] == (2 * KiB,) * 100 and got[100] is Outcome.NOT_FOUND
+    np.testing.assert_array_equal(dst.data, src.data)
+
+
+@mooncake
+def test_missing_keys_are_not_found_per_key(store: MooncakeStore, key_prefix: str) -> None:
+    src = Regions(6, 3, 256, seed=3)
+    keys = [f"{key_prefix}/{i}" for i in range(6)]
+    present = [0, 2, 5]
+    assert store.batch_put_from_multi_buffers(
+        [keys[i] for i in present], [src.addrs[i] for i in present], [src.sizes[i] for i in present]
+    ).ok
+
+    exist = store.batch_is_exist(keys)
+    assert exist.present == [i in present for i in range(6)]
+    assert exist.failed == [1, 3, 4] and exist.count(Outcome.NOT_FOUND) == 3
+
+    dst = Regions(6, 3, 256)
+    got = store.batch_get_into_multi_buffers(keys, dst.addrs, dst.sizes)
+    expected = [Outcome.OK if i in present else Outcome.NOT_FOUND for i in range(6)]
+    assert list(got) == expected and got.codes[1] == -704
+    for i in range(6):
+        if i in present:
+            np.testing.assert_array_equal(dst.data[i], src.data[i])
+        else:
+            assert not dst.data[i].any()  # a missing key leaves its destination untouched
+
+
+@mooncake
+def test_splitting_preserves_order_and_results(store: MooncakeStore, key_prefix: str, spy: CallSpy) -> None:
+    # Region counts around the budget of 64, including keys that must go alone (> 64).
+    counts = [1, 30, 40, 64, 70, 5, 5, 100, 2, 63, 1, 33]
+    region = 128
+    keys = [f"{key_prefix}/{i}" for i in range(len(counts))]
+    rng = np.random.default_rng(4)
+    src = [rng.integers(0, 256, c * region, dtype=np.uint8) for c in counts]
+    addrs = [[a.ctypes.data + j * region for j in range(c)] for a, c in zip(src, counts, strict=True)]
+    sizes = [[region] * c for c in counts]
+    stored = [i for i in range(len(counts)) if i % 3 != 1]
+    put = store.batch_put_from_multi_buffers(
+        [keys[i] for i in stored], [addrs[i] for i in stored], [sizes[i] for i in stored]
+    )
+    assert put.ok
+
+    spy.calls.clear()
+    dst = [np.zeros(c * region, dtype=np.uint8) for c in counts]
+    dst_addrs = [[a.ctypes.data + j * region for j in range(c)] for a, c in zip(dst, counts, strict=True)]
+    got = store.batch_get_into_multi_buffers(keys, dst_addrs, sizes)
+    assert got.codes == tuple(c * region if i in stored else -704 for i, c in enumerate(counts))
+    for i in stored:
+        np.testing.assert_array_equal(dst[i], src[i])
+
+    # Calls covered the keys in order; each within budget unless it carried a single oversized key.
+    assert sum(n for _, n, _ in spy.calls) == len(keys)
+    assert all(regions <= 64 or n == 1 for _, n, regions in spy.calls)
+    assert [n for _, n, _ in spy.calls] == [b - a for a, b in _plan(counts, 64)]
+
+
+@mooncake
+def test_threads_share_one_store(store: MooncakeStore, key_prefix: str) -> None:
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            src = Regions(10, 4, 512, seed=10 + t)
+            keys = [f"{key_prefix}/{t}/{i}" for i in range(10)]
+            for _ in range(3):
+                assert store.batch_put_from_multi_buffers(keys, src.addrs, src.sizes).ok
+                dst = Regions(10, 4, 512)
+                assert store.batch_get_into_multi_buffers(keys, dst.addrs, dst.sizes).ok
+                np.testing.assert_array_equal(dst.data, src.data)
+        except BaseException as exc:  # reported by the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+
+
+@mooncake
+def test_validation_errors_never_reach_mooncake(store: MooncakeStore, key_prefix: str, spy: CallSpy) -> None:
+    buf = Regions(2, 2, 64)
+    k = [f"{key_prefix}/a", f"{key_prefix}/b"]
+    cases: list[tuple[Callable[[], object], type[Exception], str]] = [
+        (
+            lambda: store.batch_put_from_multi_buffers(k, buf.addrs[:1], buf.sizes),
+            ValueError,
+            "2 keys but 1 address",
+        ),
+        (lambda: store.batch_get_into_multi_buffers(k, buf.addrs, buf.sizes[:1]), ValueError, "1 size rows"),
+        # The case Mooncake's get turns into an out-of-bounds read: more addresses than sizes.
+        (
+            lambda: store.batch_get_into_multi_buffers(k, buf.addrs, [buf.sizes[0], [64]]),
+            ValueError,
+            "key 1: 2 addresses but 1 sizes",
+        ),
+        (
+            lambda: store.batch_put_from_multi_buffers(k, [buf.addrs[0], []], [buf.sizes[0], []]),
+            ValueError,
+            "key 1: no regions",
+        ),
+        (
+            lambda: store.batch_put_from_multi_buffers(k, [buf.addrs[0], [-5, 1]], buf.sizes),
+            ValueError,
+            r"key 1: address \[0\] is negative",
+        ),
+        (
+            lambda: store.batch_get_into_multi_buffers(k, buf.addrs, [[64, -1], [64, 64]]),
+            ValueError,
+            r"key 0: size \[1\] is negative",
+        ),
+        (lambda: store.batch_is_exist("one-key"), TypeError, "single str"),
+        (lambda: store.batch_get_into(k, [1], [1, 2]), ValueError, "1 pointers"),
+        (lambda: store.batch_put_from(k, [1, -1], [1, 2]), ValueError, "key 1: pointer is negative"),
+        (lambda: store.register_buffer(-1, 10), ValueError, "ptr"),
+        (lambda: store.register_buffer(1.5, 10), TypeError, "ptr"),  # type: ignore[arg-type]
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+    assert spy.calls == []
+
+    # Elements only Mooncake's converter rejects come back as TypeError naming Mooncake.
+    with pytest.raises(TypeError, match="Mooncake rejected"):
+        store.batch_get_into_multi_buffers(k, [[1.5, 2.5], [1.5, 2.5]], buf.sizes)  # type: ignore[list-item]
+
+    # Empty batches never call Mooncake.
+    spy.calls.clear()
+    assert len(store.batch_is_exist([])) == 0
+    assert store.batch_get_into_multi_buffers([], [], []).ok
+    assert spy.calls == []
+
+
+@mooncake
+def test_register_unregister_remove(store: MooncakeStore, key_prefix: str) -> None:
+    buf = np.zeros(64 * KiB, dtype=np.uint8)
+    store.register_buffer(buf.ctypes.data, buf.nbytes)
+    with pytest.raises(StoreError, match="overlaps") as info:
+        store.register_buffer(buf.ctypes.data, buf.nbytes)
+    assert info.value.code == -600
+    store.unregister_buffer(buf.ctypes.data)
+    with pytest.raises(StoreError, match="not a registered"):
+        store.unregister_buffer(buf.ctypes.data)
+
+    src = Regions(3, 1, 256, seed=5)
+    keys = [f"{key_prefix}/{i}" for i in range(3)]
+    assert store.batch_put_from_multi_buffers(keys, src.addrs, src.sizes).ok
+    assert store.batch_remove(keys[:1]).ok
+    assert store.batch_is_exist(keys[1:]).ok  # grants read leases
+    removed = store.batch_remove(keys)
+    assert list(removed) == [Outcome.NOT_FOUND, Outcome.HAS_LEASE, Outcome.HAS_LEASE]
+    assert store.batch_remove(keys[1:], force=True).ok
+    assert store.batch_is_exist(keys).present == [False] * 3
+
+
+@mooncake
+def test_conversion_probe_transfers_nothing(store: MooncakeStore) -> None:
+    rows = Regions(50, 20, 64)
+    seconds = store.time_argument_conversion(rows.addrs, rows.sizes)
+    assert 0 <= seconds < 5
+
+
+# ------------------------------------------------------------------------------------------- failures
+
+
+@mooncake
+def test_setup_without_master_fails_fast_and_clearly() -> None:
+    (port,) = free_ports(1)
+    store = MooncakeStore(master_server_address=f"127.0.0.1:{port}", setup_retries=1, global_segment_size=0)
+    started = time.monotonic()
+    with pytest.raises(StoreSetupError, match=f"127.0.0.1:{port}") as info:
+        store.setup()
+    assert time.monotonic() - started < 20
+    assert info.value.code is not None and info.value.code != 0
+    assert store.state == "new"
+    with pytest.raises(StoreClosedError):
+        store.batch_is_exist(["k"])
+    store.close()
+
+
+@pytest.fixture
+def private_master() -> Iterator[EmbeddedMaster]:
+    """A master of the test's own (for tests that fill the pool or kill the master)."""
+    with EmbeddedMaster() as running:
+        yield running
+
+
+@mooncake
+def test_pool_full_is_back_pressure_then_recovers(private_master: EmbeddedMaster) -> None:
+    config = StoreConfig(
+        master_server_address=private_master.rpc_address, global_segment_size="16MiB", local_buffer_size=0
+    )
+    with MooncakeStore(config) as store:
+        src = Regions(24, 1, 1 * MiB, seed=6)
+        keys = [f"full/{i}" for i in range(24)]
+        put = store.batch_put_from_multi_buffers(keys, src.addrs, src.sizes)
+        assert put.back_pressure and put.count(Outcome.NO_SPACE) >= 8
+        assert put.count(Outcome.OK) >= 8
+
+        # The master evicts unleased objects in the background: a new put fits again soon.
+        extra = Regions(1, 1, 1 * MiB, seed=7)
+        assert wait_until(
+            lambda: store.batch_put_from_multi_buffers(["full/extra"], extra.addrs, extra.sizes).ok,
+            timeout=10,
+        )
+
+        # Removing everything makes room for a full batch at once.
+        assert store.remove_all(force=True) > 0
+        put = store.batch_put_from_multi_buffers(keys[:12], src.addrs[:12], src.sizes[:12])
+        assert put.ok and not put.back_pressure
+        dst = Regions(12, 1, 1 * MiB)
+        assert store.batch_get_into_multi_buffers(keys[:12], dst.addrs, dst.sizes).ok
+        np.testing.assert_array_equal(dst.data, src.data[:12])
+
+
+@mooncake
+def test_master_killed_then_restarted(private_master: EmbeddedMaster) -> None:
+    config = StoreConfig(
+        master_server_address=private_master.rpc_address,
+        global_segment_size="32MiB",
+        local_buffer_size=0,
+        max_regions_per_batch=64,
+    )
+    with MooncakeStore(config) as store:
+        src = Regions(20, 8, 1 * KiB, seed=8)
+        keys = [f"kill/{i}" for i in range(20)]
+        assert store.batch_put_from_multi_buffers(keys, src.addrs, src.sizes).ok
+
+        private_master.kill()
+        started = time.monotonic()
+        exist = store.batch_is_exist(keys)
+        dst = Regions(20, 8, 1 * KiB)
+        got = store.batch_get_into_multi_buffers(keys, dst.addrs, dst.sizes)  # 3 sub-batches
+        put = store.batch_put_from_multi_buffers([f"kill/new/{i}" for i in range(20)], src.addrs, src.sizes)
+        elapsed = time.monotonic() - started
+        for result in (exist, got, put):
+            assert result.failed == list(range(20)), result.summary()
+            assert result.count(Outcome.MASTER_UNREACHABLE) == 20, result.summary()
+        # ~4.3 s per call; the get stopped after its first failed sub-batch instead of paying it thrice.
+        assert elapsed < 25
+        assert wait_until(lambda: store.health_check() is Health.MASTER_UNREACHABLE, timeout=10)
+
+        private_master.restart()
+        assert wait_until(lambda: store.health_check() is Health.OK, timeout=20)
+        # The new master knows nothing of the old objects; the client re-mounted its segment.
+        assert wait_until(lambda: store.batch_is_exist(keys[:1]).count(Outcome.NOT_FOUND) == 1, timeout=10)
+        assert store.batch_is_exist(keys).present == [False] * 20
+        assert wait_until(lambda: store.batch_put_from_multi_buffers(keys, src.addrs, src.sizes).ok, timeout=10)
+        dst = Regions(20, 8, 1 * KiB)
+        assert store.batch_get_into_multi_buffers(keys, dst.addrs, dst.sizes).ok
+        np.testing.assert_array_equal(dst.data, src.data)
+
+
+# ------------------------------------------------------------------------------------------- two processes
+
+CHILD = """
+import json, sys
+import numpy as np
+from mooncake_kvaddr.config import StoreConfig
+from mooncake_kvaddr.store import MooncakeStore
+
+address, prefix, n, per_key, region, expected_path = sys.argv[1:7]
+n, per_key, region = int(n), int(per_key), int(region)
+expected = np.fromfile(expected_path, dtype=np.uint8).reshape(n, per_key, region)
+# No segment of its own: every byte it reads or writes crosses TCP to the parent's segment.
+config = StoreConfig(master_server_address=address, global_segment_size=0, local_buffer_size=0)
+with MooncakeStore(config) as store:
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    dst = np.zeros_like(expected)
+    base = dst.ctypes.data
+    addrs = [[base + (k * per_key + j) * region for j in range(per_key)] for k in range(n)]
+    sizes = [[region] * per_key for _ in range(n)]
+    got = store.batch_get_into_multi_buffers(keys, addrs, sizes)
+    mine = (255 - expected).copy()
+    base = mine.ctypes.data
+    my_addrs = [[base + (k * per_key + j) * region for j in range(per_key)] for k in range(n)]
+    put = store.batch_put_from_multi_buffers([f"{prefix}/child/{i}" for i in range(n)], my_addrs, sizes)
+    print(json.dumps({"get": got.summary(), "equal": bool((dst == expected).all()), "put": put.summary()}))
+"""
+
+
+@mooncake
+def test_second_process_reads_and_writes_over_tcp(
+    store: MooncakeStore, master: EmbeddedMaster, key_prefix: str, tmp_path: Path
+) -> None:
+    src = Regions(16, 4, 2 * KiB, seed=9)
+    keys = [f"{key_prefix}/{i}" for i in range(16)]
+    assert store.batch_put_from_multi_buffers(keys, src.addrs, src.sizes).ok
+    expected = tmp_path / "expected.bin"
+    src.data.tofile(expected)
+
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(CHILD),
+            master.rpc_address,
+            key_prefix,
+            "16",
+            "4",
+            str(2 * KiB),
+            str(expected),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    assert report == {"get": {"ok": 16}, "equal": True, "put": {"ok": 16}}, child.stderr[-3000:]
+
+    # What the child wrote (into this process's segment, over TCP) reads back here.
+    dst = Regions(16, 4, 2 * KiB)
+    assert store.batch_get_into_multi_buffers([f"{key_prefix}/child/{i}" for i in range(16)], dst.addrs, dst.sizes).ok
+    np.testing.assert_array_equal(dst.data, 255 - src.data)

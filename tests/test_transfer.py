@@ -1,0 +1,257 @@
+"""KVTransfer on a real store: store -> lookup -> load with byte checks, threads, failures (SPEC.md §3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
+from mooncake_kvaddr.config import StoreConfig
+from mooncake_kvaddr.master import EmbeddedMaster
+from mooncake_kvaddr.store import MooncakeStore
+from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+
+mooncake = pytest.mark.mooncake
+
+
+class Cache:
+    """A host KV cache: ``regions`` arrays of ``num_blocks`` blocks of ``block_bytes`` (random or zero)."""
+
+    def __init__(self, regions: int, num_blocks: int, block_bytes: int, seed: int | None = None) -> None:
+        rng = np.random.default_rng(seed) if seed is not None else None
+        self.num_blocks = num_blocks
+        self.regions: list[Any] = [
+            rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8)
+            if rng is not None
+            else np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+            for _ in range(regions)
+        ]
+
+    def blocks(self, block_ids: list[int]) -> list[Any]:
+        return [region[block_ids] for region in self.regions]
+
+
+def hashes(tag: str, count: int) -> list[bytes]:
+    return [f"{tag}:{i}".encode() for i in range(count)]
+
+
+def transfer(
+    store: MooncakeStore, model: str, cache: Cache, block_size: int, *, groups: int = 1, **kwargs: Any
+) -> KVTransfer:
+    dbs = [ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0, group_id=g), block_size) for g in range(groups)]
+    xfer = KVTransfer(store, dbs, **kwargs)
+    xfer.register_kv_caches(cache.regions, cache.num_blocks)
+    return xfer
+
+
+@pytest.fixture
+def model(key_prefix: str) -> str:
+    """A model name unique to the test: its keys never collide with another test's."""
+    return key_prefix.replace("@", "_")
+
+
+# ------------------------------------------------------------------------------------------- round trip
+
+
+@mooncake
+def test_store_lookup_load_round_trip(store: MooncakeStore, model: str) -> None:
+    bs, chunks = 16, 12
+    src, dst = Cache(6, chunks + 1, 512, seed=1), Cache(6, chunks + 1, 512)
+    h = hashes(model, chunks)
+    ids_src = list(range(1, chunks + 1))
+    ids_dst = list(reversed(ids_src))
+    with transfer(store, model, src, bs) as writer, transfer(store, model, dst, bs, tp_rank=3) as reader:
+        assert reader.lookup(chunks * bs + 1, h) == 0
+
+        stored = writer.submit_store(TransferRequest("r1", chunks * bs, h, [ids_src])).result(timeout=60)
+        assert stored.ok and stored.chunks == chunks and stored.stored == chunks
+        assert stored.saved_tokens == chunks * bs and stored.bytes == chunks * 6 * 512
+        assert set(stored.timings) == {"keys", "exist", "prepare", "put"}
+
+        # Storing again puts nothing: every chunk is already present.
+        again = writer.store(TransferRequest("r1", chunks * bs, h, [ids_src]))
+        assert again.ok and again.already_present == chunks and again.stored == 0
+
+        assert reader.lookup(chunks * bs + 1, h) == chunks * bs
+        assert reader.lookup(chunks * bs, h) == (chunks - 1) * bs  # full hit: recompute the last block
+
+        loaded = reader.submit_load(TransferRequest("r1", chunks * bs, h, [ids_dst])).result(timeout=60)
+        assert loaded.ok and loaded.chunks == chunks and loaded.bytes == chunks * 6 * 512
+        assert loaded.loaded_block_ids == set(ids_dst) and not loaded.failed_block_ids
+        for a, b in zip(src.blocks(ids_src), dst.blocks(ids_dst), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert not dst.regions[0][0].any()  # the null block was never written
+
+
+@mooncake
+def test_skip_tokens_and_null_blocks_are_not_transferred(store: MooncakeStore, model: str) -> None:
+    bs, chunks = 16, 6
+    src, dst = Cache(2, chunks + 1, 256, seed=2), Cache(2, chunks + 1, 256)
+    h = hashes(model, chunks)
+    ids = [1, 2, 0, 4, 5, 6]  # chunk 2 maps to the null block: never stored
+    with transfer(store, model, src, bs) as writer, transfer(store, model, dst, bs) as reader:
+        stored = writer.store(TransferRequest("r", chunks * bs, h, [ids], skip_tokens=2 * bs))
+        assert stored.chunks == 3 and stored.stored == 3  # chunks 0, 1 skipped; chunk 2 is null
+        present = reader.mooncake_store.batch_is_exist([reader.databases[0].key_for(x) for x in h]).present
+        assert present == [False, False, False, True, True, True]
+        assert reader.lookup(chunks * bs + 1, h) == 0  # the prefix is missing
+
+        loaded = reader.load(TransferRequest("r", chunks * bs, h, [ids], skip_tokens=3 * bs))
+        assert loaded.ok and loaded.loaded_block_ids == {4, 5, 6}
+        for a, b in zip(src.blocks([4, 5, 6]), dst.blocks([4, 5, 6]), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert not any(region[[1, 2]].any() for region in dst.regions)
+
+
+@mooncake
+def test_lookup_rules_pinned_by_spec(store: MooncakeStore, model: str) -> None:
+    bs = 16
+    cache = Cache(1, 4, 64, seed=3)
+    with transfer(store, model, cache, bs) as xfer:
+        a = [b"a0", b"a1", b"a2"]
+        model_hashes = [model.encode() + x for x in a]
+        xfer.store(TransferRequest("r", 32, model_hashes, [[1, 2, 3]]))  # a0, a1 present; a2 not
+        assert xfer.lookup(48, model_hashes) == 32
+        assert xfer.lookup(33, model_hashes[:2]) == 32
+        assert xfer.lookup(32, model_hashes[:2]) == 16  # full hit re-derivation
+        assert xfer.lookup(15, model_hashes) == 0  # less than one block
+        assert xfer.lookup(48, []) == 0
+        assert xfer.lookup(1000, model_hashes) == 32  # hashes cover only 48 tokens
+
+
+@mooncake
+def test_two_groups_hit_only_where_both_have_the_chunk(store: MooncakeStore, model: str) -> None:
+    bs, chunks = 16, 4
+    src, dst = Cache(2, 2 * chunks + 1, 128, seed=4), Cache(2, 2 * chunks + 1, 128)
+    h = hashes(model, chunks)
+    ids = [[1, 2, 3, 4], [5, 6, 7, 8]]  # the groups share the regions but use different blocks
+    with transfer(store, model, src, bs, groups=2) as writer, transfer(store, model, dst, bs, groups=2) as reader:
+        assert writer.store(TransferRequest("r", chunks * bs, h, ids)).stored == 2 * chunks
+        assert reader.lookup(chunks * bs + 1, h) == chunks * bs
+        # Drop group 1's third chunk: both groups are needed, so the hit stops before it.
+        key = writer.databases[1].key_for(h[2])
+        assert writer.mooncake_store.batch_remove([key], force=True).ok
+        assert reader.lookup(chunks * bs + 1, h) == 2 * bs
+
+        loaded = reader.load(TransferRequest("r", chunks * bs, h, ids))
+        assert loaded.failed_block_ids == {7}
+        assert loaded.loaded_block_ids == {1, 2, 3, 4, 5, 6, 8}
+        good = [1, 2, 3, 4, 5, 6, 8]
+        for a, b in zip(src.blocks(good), dst.blocks(good), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------- failures
+
+
+@mooncake
+@pytest.mark.parametrize("tp_rank", [0, 1, 5])
+def test_missing_keys_report_failed_block_ids(store: MooncakeStore, model: str, tp_rank: int) -> None:
+    bs, chunks = 16, 8
+    src, dst = Cache(3, chunks + 1, 256, seed=5), Cache(3, chunks + 1, 256)
+    h = hashes(f"{model}/{tp_rank}", chunks)
+    ids_src = list(range(1, chunks + 1))
+    ids_dst = [8, 1, 7, 2, 6, 3, 5, 4]
+    with transfer(store, model, src, bs) as writer, transfer(store, model, dst, bs, tp_rank=tp_rank) as reader:
+        writer.store(TransferRequest("r", 5 * bs, h, [ids_src]))  # chunks 0..4 only
+        loaded = reader.load(TransferRequest("r", chunks * bs, h, [ids_dst]))
+        assert loaded.failed_block_ids == set(ids_dst[5:])
+        assert loaded.loaded_block_ids == set(ids_dst[:5])
+        assert loaded.outcomes == {"ok": 5, "not_found": 3} and not loaded.ok
+        for a, b in zip(src.blocks(ids_src[:5]), dst.blocks(ids_dst[:5]), strict=True):
+            np.testing.assert_array_equal(a, b)
+        # Nothing claimed loaded was skipped: the failed blocks are still zero.
+        assert not any(region[ids_dst[5:]].any() for region in dst.regions)
+
+
+@mooncake
+def test_concurrent_loads_on_several_receive_threads(store: MooncakeStore, model: str) -> None:
+    bs, chunks, requests = 16, 10, 6
+    src = Cache(4, requests * chunks + 1, 512, seed=6)
+    dst = Cache(4, requests * chunks + 1, 512)
+    reqs = []
+    for r in range(requests):
+        ids = list(range(1 + r * chunks, 1 + (r + 1) * chunks))
+        reqs.append((hashes(f"{model}/{r}", chunks), ids))
+    with transfer(store, model, src, bs) as writer, transfer(store, model, dst, bs, num_recv_threads=3) as reader:
+        stores = [
+            writer.submit_store(TransferRequest(f"r{r}", chunks * bs, h, [ids])) for r, (h, ids) in enumerate(reqs)
+        ]
+        assert all(f.result(timeout=60).ok for f in stores)
+        # Each load writes other blocks than it reads from: reversed block order per request.
+        loads = [
+            reader.submit_load(TransferRequest(f"r{r}", chunks * bs, h, [ids[::-1]])) for r, (h, ids) in enumerate(reqs)
+        ]
+        results = [f.result(timeout=60) for f in loads]
+        assert all(res.ok for res in results)
+        for _h, ids in reqs:
+            for a, b in zip(src.blocks(ids), dst.blocks(ids[::-1]), strict=True):
+                np.testing.assert_array_equal(a, b)
+        served_by = {t.name for t in reader._threads if t.name.startswith("KVCacheStoreRecvingThread")}
+        assert len(served_by) == 3
+
+
+def test_closed_store_lookup_is_a_miss_and_load_reports_every_block() -> None:
+    # Never set up: calls raise StoreClosedError, which lookup and load absorb as failures.
+    store = MooncakeStore(master_server_address="127.0.0.1:1")
+    cache = Cache(1, 4, 64)
+    db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
+    db.set_kv_caches_base_addr([cache.regions[0].ctypes.data])
+    db.set_block_len([64])
+    with KVTransfer(store, [db], num_recv_threads=2) as xfer:
+        h = hashes("closed", 3)
+        assert xfer.lookup(48, h) == 0
+        loaded = xfer.submit_load(TransferRequest("r", 48, h, [[1, 2, 3]])).result(timeout=10)
+        assert loaded.failed_block_ids == {1, 2, 3} and not loaded.loaded_block_ids
+        assert loaded.error is not None and "not set up" in loaded.error
+        with pytest.raises(Exception, match="not set up"):
+            xfer.submit_store(TransferRequest("r", 48, h, [[1, 2, 3]])).result(timeout=10)
+    with pytest.raises(RuntimeError, match="closed"):
+        xfer.submit_load(TransferRequest("r", 48, h, [[1, 2, 3]]))
+    assert not any(t.is_alive() for t in xfer._threads)
+
+
+def test_argument_checks() -> None:
+    store = MooncakeStore(master_server_address="127.0.0.1:1")
+    db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
+    with pytest.raises(ValueError, match="databases"):
+        KVTransfer(store, [])
+    with pytest.raises(ValueError, match="num_recv_threads"):
+        KVTransfer(store, [db], num_recv_threads=0)
+    xfer = KVTransfer(store, [db], start_threads=False)
+    with pytest.raises(RuntimeError, match="not started"):
+        xfer.submit_load(TransferRequest("r", 16, [b"x"], [[1]]))
+    with pytest.raises(ValueError, match="multiple of 3 blocks"):
+        xfer.register_kv_caches([np.zeros(10, dtype=np.uint8)], 3)
+    with pytest.raises(TypeError, match="C-contiguous"):
+        xfer.register_kv_caches([np.zeros((4, 4), dtype=np.uint8)[:, ::2]], 2)
+    xfer.close()
+
+
+# ------------------------------------------------------------------------------------------- back-pressure
+
+
+@pytest.fixture
+def small_pool() -> Iterator[MooncakeStore]:
+    """A store whose pool (its own master, one 16 MiB segment, Mooncake's minimum) fills quickly."""
+    with EmbeddedMaster() as master:
+        config = StoreConfig(master_server_address=master.rpc_address, global_segment_size="16MiB", local_buffer_size=0)
+        with MooncakeStore(config) as client:
+            yield client
+
+
+@mooncake
+def test_full_pool_sets_back_pressure_until_a_store_succeeds(small_pool: MooncakeStore) -> None:
+    bs, chunks = 16, 24
+    cache = Cache(2, chunks + 1, 512 << 10, seed=7)  # 1 MiB per chunk: 24 MiB into a 16 MiB pool
+    with transfer(small_pool, "pressure", cache, bs) as xfer:
+        full = xfer.store(TransferRequest("big", chunks * bs, hashes("big", chunks), [list(range(1, chunks + 1))]))
+        assert full.back_pressure and xfer.back_pressure
+        assert full.failed_keys and full.saved_tokens == 0 and full.stored < chunks
+
+        assert small_pool.remove_all(force=True) > 0
+        small = xfer.store(TransferRequest("small", 2 * bs, hashes("small", 2), [[1, 2]]))
+        assert small.ok and not small.back_pressure and not xfer.back_pressure
