@@ -89,7 +89,6 @@ public:
         int64_t end = 0;
         if (ptr < 0 || nbytes < 0 || !add_checked(ptr, nbytes, &end)) return false;
         if (nbytes > 0) ranges_.push_back({ptr, end});
-        finalized_ = false;
         return true;
     }
 
@@ -104,10 +103,8 @@ public:
         for (std::size_t i = 0; i < ranges_.size(); ++i) {
             furthest_[i] = (i > 0 && ranges_[furthest_[i - 1]].end >= ranges_[i].end) ? furthest_[i - 1] : i;
         }
-        finalized_ = true;
     }
 
-    bool finalized() const noexcept { return finalized_; }
     std::size_t size() const noexcept { return ranges_.size(); }
 
     // Index of a range containing [begin, end) (begin <= end), or npos. `hint` is tried first.
@@ -127,7 +124,6 @@ private:
     };
     std::vector<Range> ranges_;
     std::vector<std::size_t> furthest_;
-    bool finalized_ = true;
 };
 
 // ---------------------------------------------------------------------------------------------------------

@@ -4,23 +4,49 @@ Drop-in for vLLM's Mooncake store connector data classes (``KeyMetadata``, ``Poo
 ``ChunkedTokenDatabase``), with the per-request address matrix and key strings computed in C++.
 """
 
+from mooncake_kvaddr.config import StoreConfig
 from mooncake_kvaddr.database import DEFAULT_ADDRESS_CACHE_BYTES, ChunkedTokenDatabase
 from mooncake_kvaddr.errors import BlockLenError, ChunkAlignmentError
 from mooncake_kvaddr.hashes import BlobBlockHashes, BlockHash, CompactChunkHashes, chunk_hashes_for_block_size
+from mooncake_kvaddr.master import EmbeddedMaster, MasterError
 from mooncake_kvaddr.metadata import KeyMetadata, PoolKey, model_name_from_path
+from mooncake_kvaddr.store import (
+    BatchResult,
+    Health,
+    MooncakeStore,
+    Outcome,
+    StoreClosedError,
+    StoreError,
+    StoreSetupError,
+)
+from mooncake_kvaddr.transfer import KVTransfer, LoadResult, StoreResult, TransferRequest
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_ADDRESS_CACHE_BYTES",
+    "BatchResult",
     "BlobBlockHashes",
     "BlockHash",
     "BlockLenError",
     "ChunkAlignmentError",
     "ChunkedTokenDatabase",
     "CompactChunkHashes",
+    "EmbeddedMaster",
+    "Health",
+    "KVTransfer",
     "KeyMetadata",
+    "LoadResult",
+    "MasterError",
+    "MooncakeStore",
+    "Outcome",
     "PoolKey",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreError",
+    "StoreResult",
+    "StoreSetupError",
+    "TransferRequest",
     "__version__",
     "chunk_hashes_for_block_size",
     "model_name_from_path",
