@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.oracle import OracleChunkedTokenDatabase
 
@@ -43,3 +46,13 @@ def assert_native_ints(result: tuple[list[list[int]], list[list[int]], list[int]
         assert type(row) is list
         assert all(type(v) is int for v in row)
     assert all(type(v) is int for v in ids)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass; the final answer of ``condition``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()

@@ -12,11 +12,11 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from kvaddr_testing import wait_until
 from mooncake_kvaddr import master as master_module
 from mooncake_kvaddr.master import (
     EmbeddedMaster,
@@ -27,15 +27,6 @@ from mooncake_kvaddr.master import (
 )
 
 pytestmark = pytest.mark.mooncake
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
 
 
 def health_status(port: int) -> int:

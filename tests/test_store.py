@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvaddr_testing import wait_until
 from mooncake_kvaddr import store as store_module
 from mooncake_kvaddr.config import StoreConfig
 from mooncake_kvaddr.master import EmbeddedMaster, free_ports
@@ -58,15 +59,6 @@ class Regions:
     @property
     def object_size(self) -> int:
         return self.per_key * self.region
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
 
 
 class CallSpy:

@@ -391,6 +391,7 @@ private:
             fresh->blen[static_cast<std::size_t>(r)] = seen_lens[static_cast<std::size_t>(r % n_lens)];
         }
         fresh->finalize();
+        synced_ = true;
         clear_cache();
         seen_lens_ = std::move(seen_lens);
         regions_ = std::move(fresh);
@@ -399,10 +400,7 @@ private:
     }
 
     bool regions_changed(const FastSequence& base, const FastSequence& block_len) const {
-        if (!synced_once_) {
-            synced_once_ = true;
-            return true;
-        }
+        if (!synced_) return true;
         const Regions& current = *regions_;
         if (static_cast<std::size_t>(base.size()) != current.size() ||
             static_cast<std::size_t>(block_len.size()) != seen_lens_.size()) {
@@ -487,7 +485,7 @@ private:
     py::object block_len_source_;
     std::shared_ptr<const Regions> regions_;
     std::vector<int64_t> seen_lens_;
-    mutable bool synced_once_ = false;
+    bool synced_ = false;  // regions_ reflects a successful read of the caller's lists
     uint64_t generation_ = 0;  // bumped whenever cached rows are dropped
     std::size_t row_cost_ = row_cost(0);
 
