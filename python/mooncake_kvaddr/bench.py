@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -18,7 +20,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +103,13 @@ def run_interleaved(variants: dict[str, Callable[[int], object]], reps: int, war
     return list(results.values())
 
 
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def machine() -> dict[str, Any]:
     """Where the numbers come from."""
     cpu = platform.processor() or ""
@@ -114,6 +123,7 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "python": sys.version.split()[0],
         "numpy": np.__version__,
+        "mooncake": _dist_version("mooncake-transfer-engine-non-cuda") or _dist_version("mooncake-transfer-engine"),
         "mooncake_kvaddr": __version__,
         "platform": platform.platform(),
     }
@@ -137,7 +147,7 @@ def request_chunks(shape: Shape) -> list[tuple[int, int]]:
     return [(s, min(s + shape.block_size, shape.tokens)) for s in range(0, shape.tokens, shape.block_size)]
 
 
-def address_section(shape: Shape, reps: int) -> list[Result]:
+def address_section(shape: Shape, reps: int, include_oracle: bool = True) -> list[Result]:
     """The address/size matrix of one request, every variant on the same chunks."""
     native, oracle = make_databases(shape)
     chunks = request_chunks(shape)
@@ -160,6 +170,8 @@ def address_section(shape: Shape, reps: int) -> list[Result]:
         "native lists, warm block ids": lambda rep: native.prepare_values(chunks, warm_ids),
         "native arrays (no Python ints)": lambda rep: native.prepare_values_array(chunks, warm_ids),
     }
+    if not include_oracle:
+        del variants["oracle (pure Python loop)"]
     expected = oracle.prepare_values(chunks, warm_ids)
     if native.prepare_values(chunks, warm_ids) != expected:
         raise AssertionError("native result differs from the oracle on the benchmark shape")
@@ -332,6 +344,185 @@ def threads_section(shape: Shape, requests: int) -> dict[str, Any]:
     return rows
 
 
+SCALING_TOKENS = (1_024, 4_096, 16_384, 65_536, 262_144, 1_048_576)
+SCALING_REGIONS = (1, 61, 96, 160)
+
+
+def scaling_section(tokens: Sequence[int], regions: Sequence[int], reps: int) -> dict[str, Any]:
+    """Each address variant over request lengths and region counts: median ms and speed-up vs numpy."""
+    rows: dict[str, Any] = {}
+    print(f"\nScaling: median ms per request (speed-up vs numpy), block_size {HEADLINE.block_size}")
+    header = f"  {'tokens':>9} {'R':>4}"
+    names = None
+    for n_regions in regions:
+        for n_tokens in tokens:
+            shape = Shape(tokens=n_tokens, regions=n_regions)
+            results = address_section(shape, reps, include_oracle=n_tokens * n_regions <= 65_536 * 160)
+            anchor = next(r.median for r in results if r.name == ANCHOR)
+            if names is None:
+                names = [r.name for r in results if r.name != "oracle (pure Python loop)"]
+                print(header + "".join(f" {short(n):>20}" for n in names))
+            by_name = {r.name: r for r in results}
+            cells = "".join(
+                f" {by_name[n].median:>11.3f} ({anchor / by_name[n].median:>5.1f}x)" for n in names
+            )
+            print(f"  {n_tokens:>9} {n_regions:>4}{cells}")
+            rows[f"{n_tokens}x{n_regions}"] = {
+                "tokens": n_tokens,
+                "regions": n_regions,
+                "chunks": shape.chunks,
+                "variants": {r.name: r.summary(anchor) for r in results},
+            }
+    return rows
+
+
+def short(name: str) -> str:
+    """A column title for a variant."""
+    return {
+        ANCHOR: "numpy",
+        "native lists, cold block ids": "lists cold",
+        "native lists, warm block ids": "lists warm",
+        "native arrays (no Python ints)": "arrays",
+        "oracle (pure Python loop)": "oracle",
+    }.get(name, name)
+
+
+def e2e_section(shape: Shape, reps: int) -> dict[str, Any] | None:
+    """One load request through a real Mooncake store on loopback (embedded master, in-process copy).
+
+    Splits each request's GIL-held time into our preparation (keys + address rows) and Mooncake's conversion
+    of the argument lists, and times the transfer, for the numpy-era path and the native plan."""
+    if importlib.util.find_spec("mooncake") is None:
+        print("\nEnd to end through Mooncake: skipped (no mooncake wheel; pip install mooncake_kvaddr[mooncake])")
+        return None
+    from mooncake_kvaddr.config import StoreConfig
+    from mooncake_kvaddr.store import MooncakeStore
+
+    block_bytes = 2048
+    native, oracle = make_databases(Shape(shape.tokens, shape.regions, shape.block_size, shape.hash_block_size,
+                                          block_bytes))
+    num_blocks = shape.chunks + 1
+    source = [np.random.default_rng(r).integers(0, 256, num_blocks * block_bytes, dtype=np.uint8)
+              for r in range(shape.regions)]
+    target = [np.zeros(num_blocks * block_bytes, dtype=np.uint8) for _ in range(shape.regions)]
+    rng = random.Random(5)
+    hashes = [rng.randbytes(32) for _ in range(shape.tokens // shape.hash_block_size)]
+    token_len = len(hashes) * shape.hash_block_size
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    data_bytes = shape.chunks * shape.regions * block_bytes
+    config = StoreConfig(global_segment_size=data_bytes + data_bytes // 4 + (64 << 20), local_buffer_size=0,
+                         max_regions_per_batch=1 << 30)
+    lens = [block_bytes] * shape.regions
+
+    def use(db: Any, arrays: list[Any]) -> list[int]:
+        bases = [int(a.ctypes.data) for a in arrays]
+        db.set_kv_caches_base_addr(bases)
+        db.set_block_len(list(lens))
+        return bases
+
+    with MooncakeStore(config) as store:
+        use(native, source)
+        put_plan = native.plan_load(token_len, hashes, ids)
+        if not store.batch_put_from_multi_buffers(put_plan.keys, put_plan.addrs, put_plan.sizes).ok:
+            raise RuntimeError("benchmark put failed")
+        target_bases = use(native, target)
+        use(oracle, target)
+
+        def numpy_prep() -> tuple[list[str], list[list[int]], list[list[int]]]:
+            keys, chunks = [], []
+            for start, end, h in oracle.process_tokens(token_len, hashes, 0):
+                keys.append(oracle.key_for(h))
+                chunks.append((start, end))
+            addrs, sizes, _ = numpy_prepare_values(chunks, ids, target_bases, lens, shape.block_size,
+                                                   shape.hash_block_size)
+            return keys, addrs, sizes
+
+        samples: dict[str, list[float]] = {k: [] for k in (
+            "numpy-era prep", "native prep (cold rows)", "native prep (warm rows)", "mooncake conversion",
+            "get (conversion + transfer)")}
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            keys, addrs, sizes = numpy_prep()
+            t1 = time.perf_counter()
+            native.clear_address_cache()
+            t2 = time.perf_counter()
+            native.plan_load(token_len, hashes, ids)
+            t3 = time.perf_counter()
+            plan = native.plan_load(token_len, hashes, ids)
+            t4 = time.perf_counter()
+            conversion = store.time_argument_conversion(plan.addrs, plan.sizes)
+            for a in target:
+                a.fill(0)
+            t5 = time.perf_counter()
+            got = store.batch_get_into_multi_buffers(plan.keys, plan.addrs, plan.sizes, check_values=False)
+            t6 = time.perf_counter()
+            if not got.ok or (keys, addrs, sizes) != (plan.keys, plan.addrs, plan.sizes):
+                raise RuntimeError("benchmark get failed or the paths disagree")
+            if rep == 0:  # warm-up
+                continue
+            for name, value in zip(samples, (t1 - t0, t3 - t2, t4 - t3, conversion, t6 - t5)):
+                samples[name].append(value * 1e3)
+        # Block 0 is never loaded (ids start at 1): compare the blocks the request covers.
+        verified = all(np.array_equal(s_[block_bytes:], t_[block_bytes:]) for s_, t_ in zip(source, target))
+
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    old_gil = med["numpy-era prep"] + med["mooncake conversion"]
+    new_cold = med["native prep (cold rows)"] + med["mooncake conversion"]
+    new_warm = med["native prep (warm rows)"] + med["mooncake conversion"]
+    transfer = max(0.0, med["get (conversion + transfer)"] - med["mooncake conversion"])
+    print(f"\nEnd to end through Mooncake (embedded master, in-process copy): {shape.chunks} keys x "
+          f"{shape.regions} regions x {block_bytes} B = {data_bytes / 2**20:.0f} MiB per load; bytes verified: "
+          f"{verified}")
+    for name, value in med.items():
+        print(f"  {name:<40} {value:>10.3f} ms")
+    print(f"  {'transfer (get minus conversion)':<40} {transfer:>10.3f} ms")
+    print(f"  GIL-held per load, numpy-era (prep + conversion)      {old_gil:>8.3f} ms")
+    print(f"  GIL-held per load, native cold (prep + conversion)    {new_cold:>8.3f} ms  "
+          f"({new_cold / old_gil:.2f}x of numpy-era)")
+    print(f"  GIL-held per load, native warm (prep + conversion)    {new_warm:>8.3f} ms  "
+          f"({new_warm / old_gil:.2f}x of numpy-era)")
+    return {"medians_ms": med, "transfer_ms": transfer, "gil_held_ms": {
+        "numpy_era": old_gil, "native_cold": new_cold, "native_warm": new_warm},
+        "ratio_cold": new_cold / old_gil, "ratio_warm": new_warm / old_gil, "verified": verified,
+        "bytes": data_bytes}
+
+
+def plot(report: dict[str, Any], path: str) -> bool:
+    """Speed-up over numpy vs request length, one line per variant (one panel per region count)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed (pip install mooncake_kvaddr[bench]); no plot written")
+        return False
+    rows = report["sections"].get("scaling", {})
+    regions = sorted({r["regions"] for r in rows.values()})
+    fig, axes = plt.subplots(1, len(regions), figsize=(4.2 * len(regions), 3.8), squeeze=False, sharey=True)
+    for ax, n_regions in zip(axes[0], regions):
+        points = sorted((r for r in rows.values() if r["regions"] == n_regions), key=lambda r: r["tokens"])
+        for name in points[0]["variants"]:
+            xs = [r["tokens"] for r in points if name in r["variants"]]
+            ys = [r["variants"][name]["speedup_vs_anchor"] for r in points if name in r["variants"]]
+            ax.plot(xs, ys, marker="o", label=short(name))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"R = {n_regions} regions")
+        ax.set_xlabel("request length (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("speed-up vs numpy + tolist")
+    axes[0][-1].legend(fontsize=8)
+    machine_ = report["machine"]
+    fig.suptitle(f"mooncake_kvaddr {machine_['mooncake_kvaddr']} prepare_values, {machine_['cpu']} "
+                 f"({machine_['cores']} cores)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+    return True
+
+
 def print_table(title: str, results: list[Result]) -> dict[str, Any]:
     """Print one section and return its JSON form."""
     anchor = next((r.median for r in results if r.name in ANCHORS), None)
@@ -352,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few repetitions: a smoke run under a minute")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of speed-up vs request length (matplotlib)")
+    parser.add_argument("--no-mooncake", action="store_true", help="skip the end-to-end Mooncake section")
     args = parser.parse_args(argv)
     reps = args.reps or (5 if args.quick else 30)
 
@@ -373,6 +566,16 @@ def main(argv: list[str] | None = None) -> int:
     report["sections"]["plan"] = {"shape": shape.describe(), "rows": print_table(title, plan_section(shape, reps))}
     report["sections"]["gil"] = gil_section(shape, seconds=0.3 if args.quick else 1.5)
     report["sections"]["threads"] = threads_section(shape, requests=8 if args.quick else 16)
+    if args.quick:
+        scaling = scaling_section((1_024, 16_384, 262_144), (1, 96), reps=3)
+    else:
+        scaling = scaling_section(SCALING_TOKENS, SCALING_REGIONS, reps=max(5, reps // 4))
+    report["sections"]["scaling"] = scaling
+    if not args.no_mooncake:
+        e2e_shape = Shape(tokens=32_768) if args.quick else HEADLINE
+        report["sections"]["end_to_end"] = e2e_section(e2e_shape, reps=3 if args.quick else 10)
+    if args.plot:
+        plot(report, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
