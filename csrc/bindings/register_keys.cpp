@@ -293,10 +293,11 @@ std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle 
 namespace {
 
 py::tuple chunk_walk(int64_t token_len, int64_t n_hashes, int64_t block_size, int64_t hash_block_size,
-                     int64_t mask_num, py::handle chunk_mask, int64_t put_step, int64_t put_step_rank) {
+                     int64_t mask_num, py::handle chunk_mask, int64_t put_step, int64_t put_step_rank,
+                     bool absolute_mask) {
     if (block_size <= 0 || hash_block_size <= 0) raise(PyExc_ValueError, "block sizes must be positive");
     WalkParams p{token_len, block_size, hash_block_size, mask_num, put_step, put_step_rank};
-    const std::vector<WalkedChunk> chunks = walk(p, n_hashes, chunk_mask, false);
+    const std::vector<WalkedChunk> chunks = walk(p, n_hashes, chunk_mask, absolute_mask);
     py::list starts(chunks.size()), ends(chunks.size()), hash_indices(chunks.size());
     for (std::size_t i = 0; i < chunks.size(); ++i) {
         const auto at = static_cast<Py_ssize_t>(i);
@@ -318,7 +319,9 @@ void register_keys(py::module_& m) {
     m.def("leading_present", &leading_present, py::arg("results"), py::arg("width"));
     m.def("chunk_walk", &chunk_walk, py::arg("token_len"), py::arg("n_hashes"), py::arg("block_size"),
           py::arg("hash_block_size"), py::arg("mask_num"), py::arg("chunk_mask"), py::arg("put_step"),
-          py::arg("put_step_rank"));
+          py::arg("put_step_rank"), py::arg("absolute_mask") = false,
+          "(starts, ends, hash indices) of the chunks process_tokens yields; with absolute_mask the mask is "
+          "indexed by absolute chunk id and ends the walk at its end (the load path's rule).");
 }
 
 }  // namespace kvaddr::py_bindings
