@@ -16,7 +16,6 @@ from mooncake_kvaddr.keys import (
     SpecKind,
     build_keys,
     build_lookup_keys,
-    full_attention_hit,
     lookup_namespaces,
     lookup_prefixes,
     mooncake_group_ids,
@@ -94,9 +93,8 @@ def test_dcp_namespaces() -> None:
     assert prefixes_for(md, 4, 1, 4, 1, factor) == [
         f"m@tp_rank:{i}@pcp0@dcp{i}@pp_rank:0@group:0" for i in range(4)
     ]
-    # One namespace missing → the unit is absent → hit 0.
+    # One namespace missing → the unit is absent (the lookup's hit is then 0: tests/test_lookup.py).
     assert reduce_exists([1, 1, 0, 1], 4) == [False]
-    assert full_attention_hit([1, 1, 0, 1], 4, 16, 16) == 0
 
 
 def test_pcp_namespaces() -> None:
@@ -133,14 +131,6 @@ def test_fa_plus_mamba_prefixes() -> None:
         "m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:1",
         "m@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1",
     ]
-
-
-@pytest.mark.parametrize(
-    ("num_tokens", "results", "expected"),
-    [(48, [1, 1, 0], 32), (33, [1, 1], 32), (32, [1, 1], 16), (16, [0], 0), (64, [1, 1, 1, 1], 48)],
-)
-def test_full_attention_hit(num_tokens: int, results: list[int], expected: int) -> None:
-    assert full_attention_hit(results, 1, 16, num_tokens) == expected
 
 
 def test_reduce_exists_variable_widths_and_values() -> None:

@@ -245,16 +245,6 @@ py::list reduce_exists(py::handle results, py::handle widths) {
     return present;
 }
 
-// Leading present units of a full-attention group: the number of chunks hit from token 0.
-int64_t leading_present(py::handle results, int64_t width) {
-    if (width <= 0) raise(PyExc_ValueError, "width must be positive, got " + std::to_string(width));
-    const std::vector<int64_t> values = exist_values(results);
-    const std::size_t units = values.size() / static_cast<std::size_t>(width);
-    std::size_t u = 0;
-    while (u < units && unit_present(values.data() + u * static_cast<std::size_t>(width), static_cast<std::size_t>(width))) ++u;
-    return static_cast<int64_t>(u);
-}
-
 }  // namespace
 
 // Shared by process_tokens and the fused plans: validates like the reference's asserts (AssertionError
@@ -316,7 +306,6 @@ void register_keys(py::module_& m) {
     m.def("build_lookup_keys", &build_lookup_keys, py::arg("prefixes"), py::arg("hashes"),
           py::arg("hash_len") = py::none());
     m.def("reduce_exists", &reduce_exists, py::arg("results"), py::arg("widths"));
-    m.def("leading_present", &leading_present, py::arg("results"), py::arg("width"));
     m.def("chunk_walk", &chunk_walk, py::arg("token_len"), py::arg("n_hashes"), py::arg("block_size"),
           py::arg("hash_block_size"), py::arg("mask_num"), py::arg("chunk_mask"), py::arg("put_step"),
           py::arg("put_step_rank"), py::arg("absolute_mask") = false,

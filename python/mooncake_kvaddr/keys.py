@@ -100,27 +100,6 @@ def reduce_exists(results: Sequence[int], widths: int | Sequence[int]) -> list[b
     return _native.reduce_exists(results, widths)
 
 
-def full_attention_hit(
-    results: Sequence[int], width: int, block_size: int, num_tokens: int, alignment: int | None = None
-) -> int:
-    """Hit length of a full-attention group from its exist results (SPEC.md §3.5).
-
-    ``results`` holds ``width`` results per probed chunk, chunks from 0 in order. The hit is the longest
-    prefix of present chunks, capped at ``num_tokens`` aligned down to ``alignment`` (default
-    ``block_size``); a full hit is re-derived with ``num_tokens - 1`` so the last token is recomputed.
-    """
-    align = alignment or block_size
-    present = _native.leading_present(results, width)
-
-    def capped(max_tokens: int) -> int:
-        return max(0, min(present, max_tokens // block_size) * block_size)
-
-    hit = capped(num_tokens // align * align)
-    if hit >= num_tokens:
-        hit = capped((num_tokens - 1) // align * align)
-    return hit
-
-
 def mooncake_group_ids(keys: Sequence[str], metadata: KeyMetadata) -> list[str]:
     """Mooncake group-id strings aligned with ``keys`` (SPEC.md §1.3): the lifecycle unit is the prefix
     chunk, so no rank or group fields — ``vllm-mooncake-store:[cache_prefix@]model@<hash hex>``."""
