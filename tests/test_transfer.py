@@ -57,19 +57,33 @@ def model(key_prefix: str) -> str:
 
 
 @mooncake
-def test_store_lookup_load_round_trip(store: MooncakeStore, model: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "resolved", "store_phases", "load_phases"),
+    [
+        ("multi_buffer", "multi_buffer", {"keys", "exist", "prepare", "put"}, {"plan", "rotate", "get"}),
+        ("auto", "staged", {"keys", "exist", "prepare", "staging_wait", "gather", "put"},
+         {"plan", "staging_wait", "get", "scatter"}),
+    ],
+)
+def test_store_lookup_load_round_trip(
+    store: MooncakeStore, model: str, mode: str, resolved: str, store_phases: set[str], load_phases: set[str]
+) -> None:
     bs, chunks = 16, 12
     src, dst = Cache(6, chunks + 1, 512, seed=1), Cache(6, chunks + 1, 512)
     h = hashes(model, chunks)
     ids_src = list(range(1, chunks + 1))
     ids_dst = list(reversed(ids_src))
-    with transfer(store, model, src, bs) as writer, transfer(store, model, dst, bs, tp_rank=3) as reader:
+    with (
+        transfer(store, model, src, bs, transfer_mode=mode) as writer,
+        transfer(store, model, dst, bs, tp_rank=3, transfer_mode=mode) as reader,
+    ):
+        assert writer.mode == reader.mode == resolved
         assert reader.lookup(chunks * bs + 1, h) == 0
 
         stored = writer.submit_store(TransferRequest("r1", chunks * bs, h, [ids_src])).result(timeout=60)
-        assert stored.ok and stored.chunks == chunks and stored.stored == chunks
+        assert stored.ok and stored.chunks == chunks and stored.stored == chunks and stored.mode == resolved
         assert stored.saved_tokens == chunks * bs and stored.bytes == chunks * 6 * 512
-        assert set(stored.timings) == {"keys", "exist", "prepare", "put"}
+        assert set(stored.timings) == store_phases
 
         # Storing again puts nothing: every chunk is already present.
         again = writer.store(TransferRequest("r1", chunks * bs, h, [ids_src]))
@@ -80,6 +94,7 @@ def test_store_lookup_load_round_trip(store: MooncakeStore, model: str) -> None:
 
         loaded = reader.submit_load(TransferRequest("r1", chunks * bs, h, [ids_dst])).result(timeout=60)
         assert loaded.ok and loaded.chunks == chunks and loaded.bytes == chunks * 6 * 512
+        assert loaded.mode == resolved and set(loaded.timings) == load_phases
         assert loaded.loaded_block_ids == set(ids_dst) and not loaded.failed_block_ids
         for a, b in zip(src.blocks(ids_src), dst.blocks(ids_dst), strict=True):
             np.testing.assert_array_equal(a, b)

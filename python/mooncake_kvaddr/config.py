@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["DEFAULT_CONFIG_ENV", "MIN_GLOBAL_SEGMENT_SIZE", "StoreConfig", "parse_size"]
+__all__ = ["DEFAULT_CONFIG_ENV", "MIN_GLOBAL_SEGMENT_SIZE", "TRANSFER_MODES", "StoreConfig", "parse_size"]
 
 #: Environment variable naming the JSON config file (the one vLLM's connector reads).
 DEFAULT_CONFIG_ENV: Final = "MOONCAKE_CONFIG_PATH"
@@ -30,6 +30,11 @@ _PROTOCOLS: Final = ("tcp", "rdma")
 # Over TCP a single batch of more than ~1-2 k regions fails with -800 (per-peer queue of 1024 transfers,
 # MOONCAKE.md section 2); RDMA has no such queue, so its budget only bounds one call's argument lists.
 _DEFAULT_REGION_BUDGET: Final = {"tcp": 1000, "rdma": 1 << 20}
+
+#: How KVTransfer moves a key with several regions: ``"multi_buffer"`` hands Mooncake every region (its
+#: ``batch_*_multi_buffers`` calls), ``"staged"`` copies the regions natively through one contiguous staging
+#: slot per key, ``"auto"`` stages host-memory layouts with more than one region per key.
+TRANSFER_MODES: Final = ("auto", "staged", "multi_buffer")
 
 # Mooncake refuses a smaller non-zero segment at setup ("Total size must be at least 16777216" -> -600).
 MIN_GLOBAL_SEGMENT_SIZE: Final = 16 << 20
@@ -153,6 +158,13 @@ class StoreConfig:
     """How long to wait for the embedded master's ``/health`` to answer 200."""
     master_args: tuple[str, ...] = ()
     """Extra command-line flags for the embedded master, e.g. ``("-default_kv_lease_ttl=2000",)``."""
+    transfer_mode: str = "auto"
+    """How KVTransfer moves keys with several regions: ``"auto"``, ``"staged"`` or ``"multi_buffer"``
+    (see :data:`TRANSFER_MODES`). One-region layouts always use the contiguous calls unless
+    ``"multi_buffer"`` is asked for."""
+    staging_buffer_size: int = 512 << 20
+    """Bytes of the staging pool of a staged KVTransfer (registered with Mooncake once, pre-faulted at
+    start-up, never larger than the KV cache needs). A request larger than the pool moves in batches."""
 
     def __post_init__(self) -> None:
         # A frozen dataclass cannot assign normally; normalise in place so that every instance that exists
@@ -182,6 +194,14 @@ class StoreConfig:
             )
         put("global_segment_size", segment)
         put("local_buffer_size", parse_size(self.local_buffer_size, "local_buffer_size"))
+        mode = _check_str("transfer_mode", self.transfer_mode).strip().lower().replace("-", "_")
+        if mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
+        put("transfer_mode", mode)
+        staging = parse_size(self.staging_buffer_size, "staging_buffer_size")
+        if staging == 0:
+            raise ValueError("staging_buffer_size: must be > 0 (use transfer_mode='multi_buffer' to stage nothing)")
+        put("staging_buffer_size", staging)
         if self.max_regions_per_batch is not None:
             _check_positive_int("max_regions_per_batch", self.max_regions_per_batch)
         if self.setup_retries is not None:

@@ -38,6 +38,14 @@ class LoadPlan(NamedTuple):
     block_ids: list[int]
 
 
+class LoadWalk(NamedTuple):
+    """One group's load chunks without rows: index-aligned keys and an ``(n, 2)`` int64 ``(start, end)`` array
+    (the input of :meth:`ChunkedTokenDatabase.prepare_values_array`)."""
+
+    keys: list[str]
+    chunks: Int64Array
+
+
 class StorePlan(NamedTuple):
     """One group's store candidates: index-aligned keys, ``(start, end)`` chunks and block ids."""
 
@@ -161,6 +169,29 @@ class ChunkedTokenDatabase:
             self._key_prefix, data, length, token_len, mask_num, load_mask, block_ids
         )
         return LoadPlan(keys, addrs, sizes, ids)
+
+    def walk_load(
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash],
+        mask_num: int = 0,
+        load_mask: Sequence[bool] | None = None,
+    ) -> LoadWalk:
+        """The chunks and keys of :meth:`plan_load`, with the chunks as an array and no rows.
+
+        For the staged transfer path, which wants the address matrix as int64 arrays
+        (:meth:`prepare_values_array`) rather than lists. Same walk, same keys, same order as
+        :meth:`plan_load` with the same arguments.
+        """
+        starts, ends, hash_indices = chunk_walk(
+            token_len, len(block_hashes), self.block_size, self.hash_block_size, mask_num, load_mask, 1, 0,
+            absolute_mask=True,
+        )
+        keys = self.keys_for([block_hashes[i] for i in hash_indices])
+        chunks = np.empty((len(starts), 2), dtype=np.int64)
+        chunks[:, 0] = starts
+        chunks[:, 1] = ends
+        return LoadWalk(keys, chunks)
 
     def plan_store(
         self,

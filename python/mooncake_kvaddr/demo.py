@@ -1,13 +1,15 @@
 """End-to-end demo: store one request's KV cache in Mooncake, look it up, load it elsewhere, verify.
 
-``python -m mooncake_kvaddr demo [--tokens N] [--regions R] [--block-size B] [--json PATH]``
+``python -m mooncake_kvaddr demo [--tokens N] [--regions R] [--block-size B] [--mode M] [--json PATH]``
 
 A synthetic KV cache lives in host memory: ``R`` regions (K and V of ``R/2`` layers), each an array of
 blocks. One request's chunks go from cache A to the store (embedded master on loopback unless configured),
 ``lookup`` reports the hit, and the chunks come back into cache B at other block ids; every byte is
 compared. The timing breakdown separates our work (keys, address rows; fused into one native "plan" pass
-on the load path and also timed apart) from Mooncake's: its binding's argument conversion (GIL held,
-measured on its own with an empty key list) and the transfer.
+on the load path and also timed apart) from Mooncake's. ``--mode`` picks the transfer mode (see
+:mod:`mooncake_kvaddr.transfer`): staged runs report the native copy (``store_gather``, ``load_scatter``)
+apart from Mooncake's transfer (``store_put``, ``load_get``); multi-buffer runs report the binding's argument
+conversion (GIL held, measured on its own with an empty key list) apart from the rest of the get.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from .config import StoreConfig
+from .config import TRANSFER_MODES, StoreConfig
 from .database import ChunkedTokenDatabase
 from .hashes import chunk_hashes_for_block_size
 from .metadata import KeyMetadata
+from .staging import SLOT_ALIGNMENT, StagingPool
 from .store import MooncakeStore, StoreError
 from .transfer import KVTransfer, TransferRequest
 
@@ -56,6 +59,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="regions per Mooncake call (default: the config's; 1000 on tcp, which real TCP needs; "
         "a single-process run takes Mooncake's memcpy path and is faster with no splitting)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=TRANSFER_MODES,
+        default="auto",
+        help="transfer mode: staged (one contiguous staging slot per key, native gather/scatter), multi_buffer "
+        "(every region handed to Mooncake), auto (staged for more than one region per key; default)",
     )
     parser.add_argument("--config", type=Path, default=None, help="StoreConfig JSON (else env / embedded)")
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
@@ -124,10 +134,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     store = MooncakeStore(config).setup()
     timings["setup"] = time.perf_counter() - started
+    pool = None
+    if args.mode != "multi_buffer" and args.regions > 1:
+        # One pool for both sides (as a worker's send and receive threads share one), pre-faulted here.
+        started = time.perf_counter()
+        pool = StagingPool(min(config.staging_buffer_size, data_bytes + chunks * SLOT_ALIGNMENT))
+        timings["staging_pool"] = time.perf_counter() - started
     try:
-        writer = KVTransfer(store, [ChunkedTokenDatabase(metadata, block_size, hbs)])
+        writer = KVTransfer(
+            store, [ChunkedTokenDatabase(metadata, block_size, hbs)], transfer_mode=args.mode, staging_pool=pool
+        )
         reader_db = ChunkedTokenDatabase(metadata, block_size, hbs)
-        reader = KVTransfer(store, [reader_db], tp_rank=args.tp_rank, num_recv_threads=args.recv_threads)
+        reader = KVTransfer(
+            store,
+            [reader_db],
+            tp_rank=args.tp_rank,
+            num_recv_threads=args.recv_threads,
+            transfer_mode=args.mode,
+            staging_pool=pool,
+        )
         try:
             writer.register_kv_caches(cache_a, num_blocks)
             reader.register_kv_caches(cache_b, num_blocks)
@@ -155,10 +180,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 [(c * block_size, (c + 1) * block_size) for c in range(chunks)], ids_b
             )
             timings["address_rows_only"] = time.perf_counter() - started
-            # Mooncake's own share of the get: converting the argument lists (GIL held), measured apart.
-            conversion = statistics.median(store.time_argument_conversion(addrs, sizes) for _ in range(3))
-            timings["mooncake_argument_conversion"] = conversion
-            timings["load_get_transfer_only"] = max(0.0, loaded.timings.get("get", 0.0) - conversion)
+            if loaded.mode == "multi_buffer":
+                # Mooncake's own share of the get: converting the argument lists (GIL held), measured apart.
+                conversion = statistics.median(store.time_argument_conversion(addrs, sizes) for _ in range(3))
+                timings["mooncake_argument_conversion"] = conversion
+                timings["load_get_transfer_only"] = max(0.0, loaded.timings.get("get", 0.0) - conversion)
 
             started = time.perf_counter()
             verified = (
@@ -177,8 +203,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store.close()
         timings["close"] = time.perf_counter() - started
 
+    def ms(seconds: float) -> float:
+        return round(seconds * 1e3, 3)
+
     return {
         "verified": bool(verified),
+        "mode": {"requested": args.mode, "store": stored.mode, "load": loaded.mode},
+        # The native copy between the KV cache and staging, apart from Mooncake's transfer (staged mode).
+        "copy_ms": {"gather": ms(stored.timings.get("gather", 0.0)), "scatter": ms(loaded.timings.get("scatter", 0.0))},
+        "transfer_ms": {"put": ms(stored.timings.get("put", 0.0)), "get": ms(loaded.timings.get("get", 0.0))},
+        "staging_pool_bytes": pool.capacity if pool is not None else 0,
         "chunks": chunks,
         "regions": args.regions,
         "bytes": data_bytes,
@@ -191,7 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "failed_block_ids": sorted(loaded.failed_block_ids),
         "master": "embedded" if config.embedded_master else config.master_server_address,
         "region_budget": config.region_budget,
-        "timings_ms": {name: round(seconds * 1e3, 3) for name, seconds in timings.items()},
+        "timings_ms": {name: ms(seconds) for name, seconds in timings.items()},
     }
 
 
@@ -202,13 +236,22 @@ def _print_report(report: dict[str, Any]) -> None:
         f"= {mib:.1f} MiB ({report['tokens']} tokens, block size {report['block_size']}, "
         f"master {report['master']}, <= {report['region_budget']} regions per Mooncake call)"
     )
+    mode = report["mode"]
+    pool_mib = report["staging_pool_bytes"] / (1 << 20)
+    staging = f", staging pool {pool_mib:.1f} MiB" if pool_mib else ""
+    print(f"transfer mode: {mode['requested']} -> store {mode['store']}, load {mode['load']}{staging}")
     timings = report["timings_ms"]
     width = max(len(name) for name in timings)
     for name, ms in timings.items():
         rate = ""
-        if name in ("store_put", "load_get", "load_get_transfer_only") and ms > 0:
+        if name in ("store_put", "load_get", "load_get_transfer_only", "store_gather", "load_scatter") and ms > 0:
             rate = f"  ({mib / (ms / 1e3):.0f} MiB/s)"
         print(f"  {name:<{width}} {ms:10.2f} ms{rate}")
+    copy, transfer = report["copy_ms"], report["transfer_ms"]
+    print(
+        f"copy (native gather + scatter): {copy['gather'] + copy['scatter']:.2f} ms; "
+        f"Mooncake transfer (put + get): {transfer['put'] + transfer['get']:.2f} ms"
+    )
     print(f"lookup hit: {report['lookup_hit_tokens']} tokens; loaded {report['loaded_bytes']} bytes")
     print("verified: every byte identical" if report["verified"] else "NOT VERIFIED")
 

@@ -18,11 +18,44 @@ Typical use (``addrs``/``sizes`` from ``ChunkedTokenDatabase.prepare_values_arra
     backend = HostCopyBackend(kv_buffers)            # [(ptr, nbytes), ...] of the KV caches
     backend.gather(addrs, sizes, staging.range, plan.offsets)
     # store.batch_put_from(keys, staging.ptr + plan.offsets, plan.object_sizes)
+
+:class:`~mooncake_kvaddr.transfer.KVTransfer` does this per request in its ``"staged"`` mode, with a
+:class:`StagingPool` shared by its threads: each request leases one span (the whole request when it fits),
+and :func:`plan_batches` cuts the request into as few batches as the span allows.
+
+Design for GPU KV caches (not built here; the host path is the one implemented)
+-------------------------------------------------------------------------------
+
+The driver only talks to a :class:`CopyBackend` and a :class:`StagingPool`; a device backend plugs in by
+providing both for device memory:
+
+* **Staging in device memory** (or pinned host memory next to the GPU). :class:`StagingPool` needs nothing of
+  its buffer but ``(ptr, nbytes)`` and a one-time touch: a device pool is the same span allocator over one
+  ``cudaMalloc`` range, registered with Mooncake once as one range (with its device location, so that RDMA
+  reads and writes it directly, GPUDirect). Leases, batch planning and slot alignment are unchanged; align
+  slots to 256 B for coalesced device copies.
+* **A device** :class:`CopyBackend` (``memory_kind == "device"``): one gather/scatter kernel launch per
+  batch (a thread block per key walking its slices in region order) or one copy-engine batch
+  (``cudaMemcpyBatchAsync``-style, one descriptor per slice); never one Python-level call per key or slice.
+  The ``(keys, regions)`` address/size matrices, the slot offsets and the ``select`` mask go to the device
+  once per batch through a small pinned buffer.
+* **The same contract as the host backend**: all-or-nothing validation on the host before the launch (a
+  kernel cannot raise), bytes returned, ``select`` honoured so a failed key's blocks are never written.
+* **Stream ordering**: ``gather`` runs on a stream ordered after the model's writes to the blocks (vLLM
+  records one event per step) and returns once the copy is complete, because Mooncake reads the staging
+  next; ``scatter`` is ordered after the get and completes before the blocks are handed back to the engine.
+  Waiting for the device happens with the GIL released.
+* **Mode choice**: ``"auto"`` stages only host memory today; with a device backend registered for device
+  regions, ``register_kv_caches`` would pick the backend by the regions' memory kind (until then device
+  regions use the multi-buffer calls, which Mooncake's CUDA build can read from device memory).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Final, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -38,7 +71,10 @@ __all__ = [
     "MemoryRange",
     "SlotPlan",
     "StagingBuffer",
+    "StagingLease",
+    "StagingPool",
     "gather",
+    "plan_batches",
     "plan_slots",
     "scatter",
 ]
@@ -77,6 +113,46 @@ def plan_slots(sizes: Int64Array, alignment: int = SLOT_ALIGNMENT) -> SlotPlan:
     """
     offsets, object_sizes, total = _native.staging_plan_slots(sizes, alignment)
     return SlotPlan(offsets, object_sizes, total)
+
+
+def plan_batches(plan: SlotPlan, span_bytes: int, max_keys: int | None = None) -> list[tuple[int, int]]:
+    """Split a plan's keys into consecutive ``[start, end)`` batches whose slots fit in ``span_bytes``.
+
+    A batch keeps the plan's layout, shifted to start at 0 (``plan.offsets[start:end] - plan.offsets[start]``,
+    still aligned because every offset is), so it fits when its last slot ends within ``span_bytes`` of its
+    first slot's start. Batches are as large as the span allows: one batch when the whole plan fits.
+    ``max_keys`` caps the keys of a batch. Raises ``ValueError`` if one key's object alone is larger than
+    ``span_bytes``.
+    """
+    if span_bytes < 0:
+        raise ValueError(f"span_bytes must be >= 0, got {span_bytes}")
+    if max_keys is not None and max_keys < 1:
+        raise ValueError(f"max_keys must be >= 1, got {max_keys}")
+    n = len(plan.offsets)
+    if n == 0:
+        return []
+    if plan.total_bytes <= span_bytes and (max_keys is None or n <= max_keys):
+        return [(0, n)]
+    too_big = np.flatnonzero(plan.object_sizes > span_bytes)
+    if too_big.size:
+        key = int(too_big[0])
+        raise ValueError(
+            f"key {key}: its {int(plan.object_sizes[key])}-byte object does not fit in a {span_bytes}-byte "
+            "staging span; raise the staging buffer size"
+        )
+    # Slot ends never decrease (each slot starts at or after the previous one's end), so the last key of a
+    # batch is found by binary search.
+    ends = plan.offsets + plan.object_sizes
+    batches: list[tuple[int, int]] = []
+    start = 0
+    while start < n:
+        end = int(np.searchsorted(ends, int(plan.offsets[start]) + span_bytes, side="right"))
+        if max_keys is not None:
+            end = min(end, start + max_keys)
+        end = max(end, start + 1)
+        batches.append((start, end))
+        start = end
+    return batches
 
 
 class StagingBuffer:
@@ -129,6 +205,176 @@ class StagingBuffer:
 
     def __repr__(self) -> str:
         return f"StagingBuffer(ptr={self.ptr:#x}, nbytes={self.nbytes})"
+
+
+class BufferRegistrar(Protocol):
+    """What a staging pool registers itself with: a Mooncake store (:class:`~mooncake_kvaddr.MooncakeStore`)."""
+
+    def register_buffer(self, ptr: int, size: int) -> None: ...
+
+    def unregister_buffer(self, ptr: int) -> None: ...
+
+
+class StagingLease:
+    """One request's contiguous share of a :class:`StagingPool`, held until :meth:`release` (or the ``with``
+    block ends). Slot offsets of the request are relative to :attr:`ptr`; :attr:`range` is what
+    :func:`gather`/:func:`scatter` take as ``staging``."""
+
+    def __init__(self, pool: StagingPool, offset: int, nbytes: int) -> None:
+        self._pool = pool
+        self.offset = offset
+        self.nbytes = nbytes
+        self._held = True
+
+    @property
+    def ptr(self) -> int:
+        """Address of the lease's first byte (a multiple of :data:`SLOT_ALIGNMENT`)."""
+        return self._pool.buffer.ptr + self.offset
+
+    @property
+    def range(self) -> MemoryRange:
+        """``(ptr, nbytes)`` of the lease."""
+        return (self.ptr, self.nbytes)
+
+    @property
+    def held(self) -> bool:
+        """True until released."""
+        return self._held
+
+    def release(self) -> None:
+        """Give the bytes back to the pool (idempotent)."""
+        if self._held:
+            self._held = False
+            self._pool._release(self.offset, self.nbytes)
+
+    def __enter__(self) -> StagingLease:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"StagingLease(offset={self.offset}, nbytes={self.nbytes}, held={self._held})"
+
+
+def _align_up(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+class StagingPool:
+    """A bounded, pre-faulted staging area that concurrent requests share without ever sharing a slot.
+
+    Each request leases one contiguous span with :meth:`acquire` (as much as it can use, up to what is free,
+    and at least the bytes of its largest key), moves its batches through it and releases it; a request that cannot
+    get its minimum waits until another releases. A request holds one lease at a time, so waiting cannot
+    deadlock. Register the buffer with each Mooncake store once, as one range (:meth:`register_with`;
+    a second, overlapping registration would fail with -600).
+    """
+
+    def __init__(self, nbytes: int, *, prefault: bool = True) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        self.buffer = StagingBuffer(nbytes, prefault=prefault)
+        self._capacity = nbytes // SLOT_ALIGNMENT * SLOT_ALIGNMENT
+        self._cond = threading.Condition(threading.Lock())
+        # Free spans as (offset, nbytes), sorted by offset, disjoint and never adjacent (merged on release).
+        self._free: list[tuple[int, int]] = [(0, self._capacity)] if self._capacity else []
+        self._registration_lock = threading.Lock()
+        self._registrations: dict[int, tuple[BufferRegistrar, int]] = {}
+
+    @property
+    def capacity(self) -> int:
+        """Bytes that leases can hold (the buffer, rounded down to the slot alignment)."""
+        return self._capacity
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not leased right now."""
+        with self._cond:
+            return sum(size for _, size in self._free)
+
+    @property
+    def range(self) -> MemoryRange:
+        """``(ptr, nbytes)`` of the whole buffer: the one range registered with Mooncake."""
+        return self.buffer.range
+
+    def acquire(self, min_bytes: int, max_bytes: int | None = None, *, timeout: float | None = None) -> StagingLease:
+        """Lease one contiguous span of at least ``min_bytes`` and at most ``max_bytes`` (both rounded up to
+        the slot alignment), the largest the free space allows; wait while no free span holds ``min_bytes``.
+
+        Raises ``ValueError`` if ``min_bytes`` exceeds the pool's capacity (it could never be granted) and
+        ``TimeoutError`` after ``timeout`` seconds of waiting (``None``: wait as long as it takes).
+        """
+        need = _align_up(max(min_bytes, 1))
+        want = need if max_bytes is None else max(need, _align_up(max_bytes))
+        if need > self._capacity:
+            raise ValueError(
+                f"a key needs {need} bytes of staging but the pool holds {self._capacity}: "
+                "raise staging_buffer_size"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                best = max(range(len(self._free)), key=lambda i: self._free[i][1], default=None)
+                if best is not None and self._free[best][1] >= need:
+                    offset, size = self._free[best]
+                    take = min(size, want)
+                    if take == size:
+                        del self._free[best]
+                    else:
+                        self._free[best] = (offset + take, size - take)
+                    return StagingLease(self, offset, take)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"no {need}-byte staging span freed within {timeout} s "
+                        f"({self.capacity}-byte pool, other requests hold it)"
+                    )
+                self._cond.wait(remaining)
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        with self._cond:
+            free = self._free
+            i = 0
+            while i < len(free) and free[i][0] < offset:
+                i += 1
+            start, end = offset, offset + nbytes
+            if i < len(free) and free[i][0] == end:  # merge with the span after
+                end += free[i][1]
+                del free[i]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == start:  # and the one before
+                start = free[i - 1][0]
+                i -= 1
+                del free[i]
+            free.insert(i, (start, end - start))
+            self._cond.notify_all()
+
+    def register_with(self, store: BufferRegistrar) -> None:
+        """Register the whole buffer with ``store`` once; later calls for the same store only count."""
+        with self._registration_lock:
+            entry = self._registrations.get(id(store))
+            if entry is None:
+                store.register_buffer(self.buffer.ptr, self.buffer.nbytes)
+                self._registrations[id(store)] = (store, 1)
+            else:
+                self._registrations[id(store)] = (store, entry[1] + 1)
+
+    def unregister_from(self, store: BufferRegistrar) -> None:
+        """Undo one :meth:`register_with`; the last one unregisters the buffer from ``store``."""
+        with self._registration_lock:
+            entry = self._registrations.get(id(store))
+            if entry is None:
+                return
+            if entry[1] > 1:
+                self._registrations[id(store)] = (store, entry[1] - 1)
+                return
+            del self._registrations[id(store)]
+            store.unregister_buffer(self.buffer.ptr)
+
+    def __repr__(self) -> str:
+        return f"StagingPool(capacity={self.capacity}, free={self.free_bytes})"
 
 
 def _staging_range(staging: StagingBuffer | MemoryRange) -> MemoryRange:
@@ -235,7 +481,8 @@ class HostCopyBackend:
     :meth:`set_allowed_ranges` when the caches are re-registered. ``threads`` and ``streaming`` are passed to
     :func:`gather`/:func:`scatter`. Safe to share between threads (it holds no per-call state).
 
-    A device (GPU) backend would implement the same protocol with ``memory_kind == "device"`` and needs:
+    A device (GPU) backend would implement the same protocol with ``memory_kind == "device"`` (see the module
+    docstring for how it fits the driver) and needs:
 
     * staging in device memory (or pinned host memory), registered with Mooncake once, so that RDMA reads
       and writes it directly (GPUDirect); allowed ranges are the device KV-cache allocations;

@@ -1,0 +1,471 @@
+"""Lookup across rank namespaces and group types (SPEC.md §1.4, §3.5, §5 "Lookup").
+
+Most tests drive :meth:`KVTransfer.lookup` against a scripted fake store (no master needed); the last ones
+store from several simulated ranks into a real master and look up across their namespaces.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_kvaddr import BlobBlockHashes, ChunkedTokenDatabase, KeyMetadata
+from mooncake_kvaddr.config import StoreConfig
+from mooncake_kvaddr.lookup import GroupSpec, ParallelLayout, StoreLookup
+from mooncake_kvaddr.store import BatchResult, MooncakeStore, Outcome, StoreError
+from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+
+mooncake = pytest.mark.mooncake
+
+Answer = Sequence[int] | BatchResult | Callable[[list[str]], Sequence[int]] | BaseException
+
+
+class FakeStore:
+    """Records every ``batch_is_exist`` call and answers from a script: fixed codes, a function of the keys,
+    or an exception to raise."""
+
+    ready = False  # KVTransfer.close() skips unregistering buffers
+    config = StoreConfig()  # what KVTransfer reads of a store's configuration
+
+    def __init__(self, answer: Answer = ()) -> None:
+        self.answer = answer
+        self.calls: list[list[str]] = []
+
+    def batch_is_exist(self, keys: list[str]) -> Sequence[int] | BatchResult:
+        self.calls.append(list(keys))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        if callable(self.answer):
+            return self.answer(keys)
+        return self.answer
+
+    @property
+    def keys(self) -> list[str]:
+        """The keys of the only call."""
+        assert len(self.calls) == 1, f"expected one batch_is_exist call, got {len(self.calls)}"
+        return self.calls[0]
+
+
+class RecordingHashes(Sequence[bytes]):
+    """Block hashes that record which indices were read."""
+
+    def __init__(self, values: list[bytes]) -> None:
+        self.values = values
+        self.accessed: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self.values)
+        if not 0 <= index < len(self.values):
+            raise IndexError(index)
+        self.accessed.append(index)
+        return self.values[index]
+
+
+def hs(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}{i}".encode() for i in range(n)]
+
+
+def worker(
+    store: Any,
+    block_sizes: Sequence[int] = (16,),
+    *,
+    hbs: int | None = None,
+    specs: Sequence[Any] | None = None,
+    layout: ParallelLayout | None = None,
+    tp_ranks: Sequence[int] | None = None,
+    model: str = "test-model",
+) -> KVTransfer:
+    """A lookup-only transfer (no threads, no regions) over one database per block size."""
+    ranks = tp_ranks or [0] * len(block_sizes)
+    dbs = [
+        ChunkedTokenDatabase(KeyMetadata(model, ranks[g], 0, 0, 0, group_id=g), bs, hbs)
+        for g, bs in enumerate(block_sizes)
+    ]
+    return KVTransfer(store, dbs, start_threads=False, layout=layout, group_specs=specs)
+
+
+def prefix(tp: int, group: int = 0, pcp: int = 0, dcp: int = 0) -> str:
+    return f"test-model@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:0@group:{group}"
+
+
+# ------------------------------------------------------------------ single full-attention group (bs 16)
+
+
+def test_partial_prefix_returns_the_first_hit_length() -> None:
+    store = FakeStore([1, 1, 0])
+    assert worker(store).lookup(48, [b"a0", b"a1", b"a2"]) == 32
+    assert store.keys == [f"{prefix(0)}@{h}" for h in ("6130", "6131", "6132")]
+
+
+def test_partial_last_block_is_not_probed() -> None:
+    store = FakeStore([1, 1])
+    assert worker(store).lookup(33, [b"a0", b"a1"]) == 32
+    assert len(store.calls) == 1 and len(store.keys) == 2
+
+
+def test_full_hit_is_re_derived_without_a_second_rpc() -> None:
+    store = FakeStore([1, 1])
+    assert worker(store).lookup(32, [b"h0", b"h1"]) == 16
+    assert len(store.calls) == 1
+
+
+def test_nothing_to_probe_makes_no_rpc() -> None:
+    store = FakeStore([1])
+    xfer = worker(store)
+    assert xfer.lookup(15, [b"a0"]) == 0  # less than one block
+    assert xfer.lookup(48, []) == 0
+    assert xfer.lookup(16, [b"a0"]) == 0  # a full hit of one block leaves nothing below the last token
+    assert len(store.calls) == 1
+    assert store.calls == [[f"{prefix(0)}@6130"]]
+
+
+def test_hashes_shorter_than_the_prompt_bound_the_probe() -> None:
+    store = FakeStore([1, 1, 1])
+    assert worker(store).lookup(1000, hs("a", 3)) == 48
+    assert len(store.keys) == 3
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        StoreError("master unreachable"),
+        RuntimeError("connection reset"),
+        [1, 1],  # fewer results than keys
+        [1, 1, 1, 1],  # more results than keys
+        ["1", "1", "1"],  # not ints
+    ],
+)
+def test_store_errors_are_a_miss(answer: Answer) -> None:
+    assert worker(FakeStore(answer)).lookup(64, hs("a", 3)) == 0
+
+
+def test_batch_result_and_raw_codes_are_both_understood() -> None:
+    codes = (1, 1, -704)
+    outcomes = (Outcome.OK, Outcome.OK, Outcome.NOT_FOUND)
+    raw = worker(FakeStore(codes)).lookup(64, hs("a", 3))
+    wrapped = worker(FakeStore(BatchResult(codes, outcomes))).lookup(64, hs("a", 3))
+    assert raw == wrapped == 32
+
+
+@pytest.mark.parametrize("value", [2, -1, 0, 1 << 40])
+def test_only_an_exact_one_counts_as_present(value: int) -> None:
+    assert worker(FakeStore([1, value, 1])).lookup(64, hs("a", 3)) == 16
+
+
+def test_blob_hashes_probe_the_same_keys() -> None:
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    a, b = FakeStore([1] * 5), FakeStore([1] * 5)
+    assert worker(a).lookup(81, hashes) == worker(b).lookup(81, BlobBlockHashes(b"".join(hashes), 16)) == 80
+    assert a.keys == b.keys
+
+
+# ------------------------------------------------------------------ rank namespaces (SPEC.md §1.4)
+
+
+def test_default_layout_keeps_the_groups_own_namespace() -> None:
+    store = FakeStore([1])
+    worker(store, tp_ranks=[3]).lookup(17, [b"a0"])
+    assert store.keys == [f"{prefix(3)}@6130"]
+    store = FakeStore([1])
+    worker(store, tp_ranks=[3], layout=ParallelLayout()).lookup(17, [b"a0"])
+    assert store.keys == [f"{prefix(0)}@6130"]  # an explicit single-rank layout names shard 0
+
+
+def test_dcp_probes_every_rank_and_needs_all_of_them() -> None:
+    store = FakeStore([1, 1, 0, 1])
+    xfer = worker(store, layout=ParallelLayout(tp_size=4, dcp_size=4, num_kv_heads=1))
+    assert xfer.store_lookup.prefixes[0] == tuple(prefix(i, dcp=i) for i in range(4))
+    assert xfer.lookup(16, [b"a0"]) == 0
+    assert store.keys == [f"{prefix(i, dcp=i)}@6130" for i in range(4)]
+
+
+def test_dcp_hit_when_every_rank_has_the_chunk() -> None:
+    store = FakeStore([1] * 8)
+    xfer = worker(store, layout=ParallelLayout(tp_size=4, dcp_size=4, num_kv_heads=1))
+    assert xfer.lookup(33, [b"a0", b"a1"]) == 32
+    # All namespaces of a unit are next to each other, units ascending.
+    assert store.keys == [f"{prefix(i, dcp=i)}@{h}" for h in ("6130", "6131") for i in range(4)]
+
+
+def test_pcp_namespaces() -> None:
+    xfer = worker(FakeStore(), layout=ParallelLayout(tp_size=4, pcp_size=2, num_kv_heads=1))
+    assert xfer.store_lookup.prefixes[0] == (prefix(0, pcp=0), prefix(0, pcp=1))
+
+
+def test_pp_namespaces_follow_the_shards() -> None:
+    xfer = worker(FakeStore(), layout=ParallelLayout(tp_size=2, pp_size=2, num_kv_heads=2))
+    assert xfer.store_lookup.prefixes[0] == tuple(
+        f"test-model@tp_rank:{tp}@pcp0@dcp0@pp_rank:{pp}@group:0" for tp in range(2) for pp in range(2)
+    )
+
+
+def test_full_attention_and_mamba_shards() -> None:
+    layout = ParallelLayout(tp_size=2, num_kv_heads=1)
+    store = FakeStore(lambda keys: [1] * len(keys))
+    xfer = worker(store, (16, 16), specs=["attention", "mamba"], layout=layout, tp_ranks=[0, 1])
+    assert xfer.store_lookup.prefixes == [(prefix(0, 0),), (prefix(0, 1), prefix(1, 1))]
+    assert xfer.lookup(33, [b"h0", b"h1"]) == 32
+    assert store.keys == [
+        f"{prefix(0, 0)}@6830", f"{prefix(0, 0)}@6831",
+        f"{prefix(0, 1)}@6830", f"{prefix(1, 1)}@6830", f"{prefix(0, 1)}@6831", f"{prefix(1, 1)}@6831",
+    ]
+
+    store.answer = lambda keys: [0 if "tp_rank:1" in k and "group:1" in k else 1 for k in keys]
+    assert xfer.lookup(33, [b"h0", b"h1"]) == 0
+
+
+def test_replication_factors_of_mla_gqa_and_mamba() -> None:
+    xfer = worker(FakeStore(), (16, 16, 16), specs=["mla", "attention", "mamba"],
+                  layout=ParallelLayout(tp_size=4, num_kv_heads=2))
+    assert xfer.store_lookup.factors == [4, 2, 1]
+    assert [len(p) for p in xfer.store_lookup.prefixes] == [1, 2, 4]
+    assert xfer.store_lookup.prefixes[2] == tuple(prefix(i, 2) for i in range(4))
+
+
+@pytest.mark.parametrize("kinds", [["mla", "attention"], ["attention", "mla"]])
+def test_uniform_mla_and_gqa_group_uses_the_common_factor(kinds: list[str]) -> None:
+    xfer = worker(FakeStore(), specs=[kinds], layout=ParallelLayout(tp_size=4, num_kv_heads=2))
+    assert xfer.store_lookup.factors == [2]
+    assert xfer.store_lookup.prefixes[0] == (prefix(0), prefix(1))
+
+
+# ------------------------------------------------------------------ hybrid groups, coarse mode
+
+
+def test_two_full_attention_groups_need_both() -> None:
+    store = FakeStore([1, 1, 1, 1, 0, 1])  # group 1 misses its second chunk
+    assert worker(store, (16, 16)).lookup(49, hs("a", 3)) == 16
+
+
+def test_full_attention_and_mamba_take_the_last_state_inside_the_full_hit() -> None:
+    # Group 0: chunks 0..2 present (48 tokens); group 1 (Mamba): states after chunks 0 and 3 only.
+    store = FakeStore([1, 1, 1, 0, 1, 0, 0, 1])
+    assert worker(store, (16, 16), specs=["attention", "mamba"]).lookup(65, hs("h", 4)) == 16
+
+
+def test_mamba_probes_only_states_on_scheduler_boundaries() -> None:
+    # Full attention bs 32, Mamba bs 16: the scheduler block is 32, so only Mamba's odd chunks can end a hit.
+    hashes = RecordingHashes(hs("h", 4))
+    store = FakeStore([1, 1, 1, 0])
+    xfer = worker(store, (32, 16), hbs=16, specs=["attention", "mamba"])
+    assert xfer.lookup(65, hashes) == 32
+    assert hashes.accessed == [1, 3, 1, 3]
+    assert store.keys == [f"{prefix(0, g)}@{h}" for g in (0, 1) for h in ("6831", "6833")]
+
+
+def test_sliding_window_single_group() -> None:
+    store = FakeStore([0, 0, 1, 1])
+    xfer = worker(store, specs=[GroupSpec("attention", sliding_window=32)])
+    # 64 tokens: the window before 64 is stored, but a full hit is re-derived at 48, whose window is not.
+    assert xfer.lookup(64, hs("h", 4)) == 0
+    assert len(store.calls) == 1
+    store.calls.clear()
+    assert xfer.lookup(65, hs("h", 4)) == 64
+
+
+def test_full_attention_and_sliding_window_probe_only_window_chunks() -> None:
+    hashes = RecordingHashes(hs("h", 12))
+    store = FakeStore([1, 0, 0, 1, 0, 0])
+    xfer = worker(store, (32, 8), hbs=8, specs=["attention", GroupSpec("attention", sliding_window=8)])
+    assert xfer.lookup(96, hashes) == 32
+    assert hashes.accessed == [3, 7, 11, 3, 7, 11]
+    assert [k.rpartition("@")[2] for k in store.keys[3:]] == ["6833", "6837", "683131"]
+
+
+def test_sliding_window_run_back_to_the_start_is_a_hit() -> None:
+    # Window 48 needs 3 blocks before the hit's end, but blocks back to the start are enough.
+    store = FakeStore([1, 1, 0, 0])
+    assert worker(store, specs=[GroupSpec("attention", sliding_window=48)]).lookup(65, hs("h", 4)) == 32
+
+
+def test_caller_masks_are_read_before_the_hashes() -> None:
+    hashes = RecordingHashes(hs("a", 4))
+    store = FakeStore([1])
+    xfer = worker(store, (16, 16), specs=["attention", "mamba"])
+    assert xfer.lookup(65, hashes, lookup_masks=[[False, True], [False, False, False]]) == 0
+    assert hashes.accessed == [1]  # group 1's mask is all False and shorter than its chunks
+    with pytest.raises(ValueError, match="lookup_masks"):
+        xfer.lookup(65, hashes, lookup_masks=[None])
+
+
+# ------------------------------------------------------------------ fine-grained mode
+
+
+def fine_worker(store: FakeStore) -> KVTransfer:
+    return worker(store, (16, 16), hbs=4, specs=["attention", GroupSpec("mamba", mamba_cache_mode="align")])
+
+
+def test_fine_grained_partial_tail_hit() -> None:
+    store = FakeStore([0, 0, 1, 0, 0, 1])
+    xfer = fine_worker(store)
+    assert xfer.store_lookup.partial_hash_hits and xfer.store_lookup.alignment == 4
+    assert xfer.lookup(13, [b"h0", b"h1", b"h2"]) == 12
+    assert [k.rpartition("@")[2] for k in store.keys] == ["6830", "6831", "6832"] * 2
+
+
+def test_fine_grained_needs_the_full_attention_key_at_the_mamba_boundary() -> None:
+    present = {0: {3, 5}, 1: {3, 4}}  # full attention: block 0 and a 24-token tail; Mamba: states at 16, 20
+
+    def answer(keys: list[str]) -> list[int]:
+        return [int(int(k[-1]) in present[int(k.split("@group:")[1][0])]) for k in keys]
+
+    store = FakeStore(answer)
+    # Mamba's 20 ends inside full attention's block 1, where only the 24-token tail is stored: back to 16.
+    assert fine_worker(store).lookup(33, [f"{i}".encode() for i in range(8)]) == 16
+    present[1].add(5)
+    assert fine_worker(FakeStore(answer)).lookup(33, [f"{i}".encode() for i in range(8)]) == 24
+
+
+def test_align_mamba_with_block_equal_to_hash_size_stays_coarse() -> None:
+    xfer = worker(FakeStore(), (16, 16), hbs=16, specs=["attention", "mamba"])
+    assert not xfer.store_lookup.partial_hash_hits and xfer.store_lookup.alignment == 16
+    with_dcp = worker(FakeStore(), (16, 16), hbs=16, specs=["attention", "mamba"],
+                      layout=ParallelLayout(tp_size=2, dcp_size=2))
+    assert with_dcp.store_lookup.partial_hash_hits  # DCP enables it at block == hash size too
+
+
+def test_non_align_mamba_stays_coarse() -> None:
+    xfer = worker(FakeStore(), (16, 16), hbs=4, specs=["attention", GroupSpec("mamba", mamba_cache_mode="all")])
+    assert not xfer.store_lookup.partial_hash_hits and xfer.store_lookup.alignment == 16
+
+
+# ------------------------------------------------------------------ against a brute-force model
+
+
+def brute_force(fa: list[int], mamba: list[int], bs: int, num_tokens: int) -> int:
+    """FA + Mamba of one block size: the highest end <= limit with a Mamba state and full attention up to it."""
+
+    def best(limit: int) -> int:
+        ends = [(i + 1) * bs for i in range(len(mamba)) if mamba[i] == 1 and (i + 1) * bs <= limit]
+        ok = [e for e in ends if all(x == 1 for x in fa[: e // bs])]
+        return max(ok, default=0)
+
+    hit = best(num_tokens // bs * bs)
+    return best((num_tokens - 1) // bs * bs) if hit >= num_tokens else hit
+
+
+def test_random_full_attention_and_mamba_match_the_brute_force_model() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        fa = [rng.choice([1, 1, 1, 0, -704]) for _ in range(n)]
+        mamba = [rng.choice([1, 0]) for _ in range(n)]
+        num_tokens = rng.randint(1, 16 * n + 20)
+        store = FakeStore(lambda keys, fa=fa, mamba=mamba: (fa[: len(keys) // 2] + mamba)[: len(keys)])
+        got = worker(store, (16, 16), specs=["attention", "mamba"]).lookup(num_tokens, hs("h", n))
+        assert got == brute_force(fa, mamba[: min(n, -(-(num_tokens // 16 * 16) // 16))], 16, num_tokens)
+
+
+# ------------------------------------------------------------------ configuration checks
+
+
+def test_configuration_errors() -> None:
+    with pytest.raises(ValueError, match="tp_size"):
+        ParallelLayout(tp_size=0)
+    with pytest.raises(ValueError, match="unknown spec kind"):
+        GroupSpec("gqa")
+    with pytest.raises(ValueError, match="either Mamba or attention"):
+        GroupSpec(["mla", "mamba"])
+    with pytest.raises(ValueError, match="sliding_window"):
+        GroupSpec("mamba", sliding_window=8)
+    with pytest.raises(ValueError, match="sliding_window"):
+        GroupSpec("attention", sliding_window=0)
+    with pytest.raises(ValueError, match="mamba_cache_mode"):
+        GroupSpec("mamba", mamba_cache_mode="aligned")
+    with pytest.raises(ValueError, match="specs"):
+        worker(FakeStore(), (16, 16), specs=["attention"])
+    # Groups that disagree on the hash unit still store and load, but cannot be looked up together.
+    dbs = [ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0, group_id=g), 16, hbs) for g, hbs in enumerate((16, 8))]
+    with pytest.raises(ValueError, match="hash_block_size"):
+        StoreLookup(dbs).lookup(FakeStore(), 32, hs("h", 4))
+
+
+# ------------------------------------------------------------------ real master: several simulated ranks
+
+
+class Ranks:
+    """Simulated ranks writing one model's chunks into a shared store, one KVTransfer each."""
+
+    def __init__(self, store: MooncakeStore, model: str, block_size: int, blocks: int) -> None:
+        self.store, self.model, self.bs, self.blocks = store, model, block_size, blocks
+        self.regions: list[Any] = []
+        self.transfers: list[KVTransfer] = []
+
+    def writer(self, metadata: Sequence[KeyMetadata]) -> KVTransfer:
+        dbs = [ChunkedTokenDatabase(md, self.bs) for md in metadata]
+        xfer = KVTransfer(self.store, dbs, start_threads=False)
+        region = np.random.default_rng(len(self.transfers)).integers(0, 256, (self.blocks + 1, 64), dtype=np.uint8)
+        xfer.register_kv_caches([region], self.blocks + 1)
+        self.regions.append(region)
+        self.transfers.append(xfer)
+        return xfer
+
+    def put(self, xfer: KVTransfer, hashes: list[bytes], chunks: int) -> None:
+        ids = list(range(1, self.blocks + 1))
+        result = xfer.store(TransferRequest("r", chunks * self.bs, hashes, [ids] * len(xfer.databases)))
+        assert result.ok and result.saved_tokens == chunks * self.bs
+
+    def close(self) -> None:
+        for xfer in self.transfers:
+            xfer.close()
+
+
+@pytest.fixture
+def ranks(store: MooncakeStore, key_prefix: str) -> Iterator[Ranks]:
+    sim = Ranks(store, key_prefix.replace("@", "_"), 16, 4)
+    yield sim
+    sim.close()
+
+
+@mooncake
+def test_dcp_ranks_on_a_real_master(store: MooncakeStore, ranks: Ranks) -> None:
+    bs, h = ranks.bs, hs(ranks.model, 4)
+    rank0 = ranks.writer([KeyMetadata(ranks.model, 0, 0, 0, 0)])
+    rank1 = ranks.writer([KeyMetadata(ranks.model, 1, 0, 1, 0)])
+    reader = KVTransfer(store, [ChunkedTokenDatabase(KeyMetadata(ranks.model, 0, 0, 0, 0), bs)],
+                        start_threads=False, layout=ParallelLayout(tp_size=2, dcp_size=2, num_kv_heads=1))
+    own_namespace = KVTransfer(store, [ChunkedTokenDatabase(KeyMetadata(ranks.model, 0, 0, 0, 0), bs)],
+                               start_threads=False)
+
+    ranks.put(rank0, h, 4)
+    assert own_namespace.lookup(4 * bs + 1, h) == 4 * bs
+    assert reader.lookup(4 * bs + 1, h) == 0  # DCP rank 1 holds nothing yet
+
+    ranks.put(rank1, h, 2)
+    assert reader.lookup(4 * bs + 1, h) == 2 * bs
+    ranks.put(rank1, h, 4)
+    assert reader.lookup(4 * bs + 1, h) == 4 * bs
+    assert reader.lookup(4 * bs, h) == 3 * bs  # full hit: the last block is recomputed
+
+
+@mooncake
+def test_hybrid_shards_on_a_real_master(store: MooncakeStore, ranks: Ranks) -> None:
+    # tp 2, one KV head: full attention is replicated (one shard), Mamba state is per rank.
+    bs, h, model = ranks.bs, hs(ranks.model, 4), ranks.model
+    rank0 = ranks.writer([KeyMetadata(model, 0, 0, 0, 0, group_id=0), KeyMetadata(model, 0, 0, 0, 0, group_id=1)])
+    rank1 = ranks.writer([KeyMetadata(model, 1, 0, 0, 0, group_id=1)])
+    dbs = [ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0, group_id=g), bs) for g in range(2)]
+    reader = KVTransfer(store, dbs, start_threads=False, layout=ParallelLayout(tp_size=2, num_kv_heads=1),
+                        group_specs=["attention", "mamba"])
+
+    ranks.put(rank0, h, 4)
+    assert reader.lookup(4 * bs + 1, h) == 0  # rank 1's Mamba shard is missing everywhere
+
+    ranks.put(rank1, h, 2)
+    assert reader.lookup(4 * bs + 1, h) == 2 * bs  # the last state both shards hold
+    assert rank1.mooncake_store.batch_remove([dbs[0].key_for(h[1])], force=True).ok
+    assert reader.lookup(4 * bs + 1, h) == bs  # full attention now stops after chunk 0
+
+    ranks.put(rank0, h, 4)  # restores the removed chunk
+    ranks.put(rank1, h, 4)
+    assert reader.lookup(4 * bs + 1, h) == 4 * bs
