@@ -243,37 +243,63 @@ def plan_section(shape: Shape, reps: int) -> list[Result]:
     return run_interleaved(variants, reps)
 
 
-def _beside_spinner(fn: Callable[[], object], seconds: float) -> tuple[float, float, float]:
-    """Call ``fn`` repeatedly for ``seconds`` beside a pure-Python thread that timestamps every iteration.
+class StallCounter:
+    """A busy pure-Python thread that timestamps every iteration: while another thread holds the GIL it
+    cannot run, so its gaps measure GIL-held time. ``reset()`` opens a window; read ``longest`` (s),
+    ``stalled`` (s, summed gaps over 0.5 ms) and ``iterations`` afterwards."""
 
-    Returns (median ms per call, the thread's longest stall in ms, the thread's iterations per second in
-    millions). A call that holds the GIL stalls the thread for at least its own duration."""
-    stop = threading.Event()
-    stats = {"stall": 0.0, "count": 0}
+    STALL = 0.0005
 
-    def spin() -> None:
-        n, longest = 0, 0.0
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self.reset()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def reset(self) -> None:
+        self.longest = 0.0
+        self.stalled = 0.0
+        self.iterations = 0
+
+    def _run(self) -> None:
         last = time.perf_counter()
-        while not stop.is_set():
+        while not self._stop.is_set():
             now = time.perf_counter()
-            longest = max(longest, now - last)
+            gap = now - last
+            if gap > self.longest:
+                self.longest = gap
+            if gap > self.STALL:
+                self.stalled += gap
+            self.iterations += 1
             last = now
-            n += 1
-        stats["stall"], stats["count"] = longest, n
 
-    thread = threading.Thread(target=spin)
-    thread.start()
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> StallCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _beside_spinner(fn: Callable[[], object], seconds: float) -> tuple[float, float, float]:
+    """Call ``fn`` repeatedly for ``seconds`` beside a :class:`StallCounter`; returns (median ms per call,
+    the thread's longest stall in ms, its iterations per second in millions)."""
     samples = []
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        c0 = time.perf_counter()
-        out = fn()
-        del out
-        samples.append((time.perf_counter() - c0) * 1e3)
-    elapsed = time.perf_counter() - t0
-    stop.set()
-    thread.join()
-    return statistics.median(samples), stats["stall"] * 1e3, stats["count"] / elapsed / 1e6
+    with StallCounter() as counter:
+        time.sleep(0.01)
+        counter.reset()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            c0 = time.perf_counter()
+            out = fn()
+            del out
+            samples.append((time.perf_counter() - c0) * 1e3)
+        elapsed = time.perf_counter() - t0
+        longest, iterations = counter.longest, counter.iterations
+    return statistics.median(samples), longest * 1e3, iterations / elapsed / 1e6
 
 
 def gil_section(shape: Shape, seconds: float) -> dict[str, Any]:
@@ -488,6 +514,106 @@ def e2e_section(shape: Shape, reps: int) -> dict[str, Any] | None:
         "bytes": data_bytes}
 
 
+def transfer_section(chunks: int, regions: int, block_bytes: int, reps: int,
+                     concurrency: Sequence[int] = (1, 2, 4)) -> dict[str, Any] | None:
+    """Staged vs multi-buffer loads and stores of one request through a real Mooncake store (embedded master,
+    in-process copy), interleaved: total time, GIL-held time beside a busy Python thread, and N concurrent
+    loads on N receive threads. Bytes are verified once per mode."""
+    if importlib.util.find_spec("mooncake") is None:
+        print("\nTransfer modes: skipped (no mooncake wheel; pip install mooncake_kvaddr[mooncake])")
+        return None
+    from mooncake_kvaddr.config import StoreConfig
+    from mooncake_kvaddr.staging import SLOT_ALIGNMENT, StagingPool
+    from mooncake_kvaddr.store import MooncakeStore
+    from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+
+    block_size = 128
+    data = chunks * regions * block_bytes
+    num_blocks = chunks + 1  # block 0 is the null block
+    rng = np.random.default_rng(0)
+    source = [rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8) for _ in range(regions)]
+    target = [np.ones((num_blocks, block_bytes), dtype=np.uint8) for _ in range(regions)]  # resident pages
+    ids = list(range(1, num_blocks))
+    hashes = [i.to_bytes(8, "little") * 4 for i in range(chunks)]
+    request = TransferRequest("bench", chunks * block_size, hashes, [ids])
+    most = max(concurrency)
+    # No region-budget splitting: in one process Mooncake copies in memory (MOONCAKE.md), so a whole request
+    # is one call in either mode.
+    config = StoreConfig(global_segment_size=data + data // 4 + (64 << 20), local_buffer_size=0,
+                         max_regions_per_batch=1 << 30)
+    modes = ("multi_buffer", "staged")
+    samples: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
+
+    def record(mode: str, name: str, seconds: float) -> None:
+        samples[mode].setdefault(name, []).append(seconds * 1e3)
+
+    with MooncakeStore(config) as store:
+        pool = StagingPool(most * (data + chunks * SLOT_ALIGNMENT))
+        pairs: dict[str, tuple[Any, Any]] = {}
+        for mode in modes:
+            md = KeyMetadata("bench", 0, 0, 0, 0)
+            kw: dict[str, Any] = {"transfer_mode": mode}
+            if mode == "staged":
+                kw["staging_pool"] = pool
+            writer = KVTransfer(store, [ChunkedTokenDatabase(md, block_size)], **kw)
+            reader = KVTransfer(store, [ChunkedTokenDatabase(md, block_size)], num_recv_threads=most, **kw)
+            writer.register_kv_caches(source, num_blocks)
+            reader.register_kv_caches(target, num_blocks)
+            pairs[mode] = (writer, reader)
+        verified = {}
+        for mode, (writer, reader) in pairs.items():  # warm the segment, check every byte once per mode
+            store.remove_all(force=True)
+            stored_ok = writer.store(request).ok
+            for region in target:
+                region[:] = 1
+            loaded_ok = reader.load(request).ok
+            verified[mode] = stored_ok and loaded_ok and all(
+                np.array_equal(a[1:], b[1:]) for a, b in zip(source, target))
+        for rep in range(reps):
+            for mode, (writer, reader) in (pairs.items() if rep % 2 == 0 else reversed(pairs.items())):
+                t0 = time.perf_counter()
+                ok = reader.load(request).ok
+                record(mode, "load", time.perf_counter() - t0)
+                store.remove_all(force=True)
+                t0 = time.perf_counter()
+                ok &= writer.store(request).ok
+                record(mode, "store", time.perf_counter() - t0)
+                with StallCounter() as counter:
+                    time.sleep(0.01)
+                    counter.reset()
+                    ok &= reader.load(request).ok
+                    record(mode, "load GIL longest stall", counter.longest)
+                    record(mode, "load GIL stalled total", counter.stalled)
+                    store.remove_all(force=True)
+                    counter.reset()
+                    ok &= writer.store(request).ok
+                    record(mode, "store GIL longest stall", counter.longest)
+                    record(mode, "store GIL stalled total", counter.stalled)
+                for n in concurrency:
+                    t0 = time.perf_counter()
+                    futures = [reader.submit_load(request) for _ in range(n)]
+                    ok &= all(f.result(600).ok for f in futures)
+                    record(mode, f"{n} concurrent loads (wall)", time.perf_counter() - t0)
+                if not ok:
+                    raise RuntimeError(f"a {mode} transfer failed during the benchmark")
+        for writer, reader in pairs.values():
+            writer.close()
+            reader.close()
+
+    title = (f"Transfer modes: {chunks} keys x {regions} regions x {block_bytes} B = {data / 2**20:.0f} MiB per "
+             f"request, embedded master, in-process copy; medians of {reps}; bytes verified: {verified}")
+    print(f"\n{title}")
+    print(f"  {'':<34} {'multi_buffer ms':>16} {'staged ms':>10} {'staged/mb':>10}")
+    rows: dict[str, Any] = {}
+    for name in samples["multi_buffer"]:
+        mb = statistics.median(samples["multi_buffer"][name])
+        st = statistics.median(samples["staged"][name])
+        rows[name] = {"multi_buffer_ms": mb, "staged_ms": st, "ratio": st / mb if mb else None}
+        print(f"  {name:<34} {mb:>16.2f} {st:>10.2f} {st / mb if mb else float('nan'):>10.2f}")
+    return {"shape": {"chunks": chunks, "regions": regions, "block_bytes": block_bytes, "bytes": data},
+            "verified": verified, "rows": rows}
+
+
 def plot(report: dict[str, Any], path: str) -> bool:
     """Speed-up over numpy vs request length, one line per variant (one panel per region count)."""
     try:
@@ -574,6 +700,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_mooncake:
         e2e_shape = Shape(tokens=32_768) if args.quick else HEADLINE
         report["sections"]["end_to_end"] = e2e_section(e2e_shape, reps=3 if args.quick else 10)
+        if args.quick:
+            shapes = [(256, 100, 2048)]
+        else:  # equal payloads at 2 and 8 KiB; 32 KiB at a quarter of the chunks to fit in memory
+            shapes = [(2258, 100, 2048), (2258, 100, 8192), (565, 100, 32768)]
+        report["sections"]["transfer_modes"] = [
+            transfer_section(c, r, b, reps=3 if args.quick else 7) for c, r, b in shapes
+        ]
     if args.plot:
         plot(report, args.plot)
     if args.json:
