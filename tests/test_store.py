@@ -443,6 +443,19 @@ def test_conversion_probe_transfers_nothing(store: MooncakeStore) -> None:
     assert 0 <= seconds < 5
 
 
+@mooncake
+def test_contiguous_conversion_probe_transfers_nothing(store: MooncakeStore, key_prefix: str) -> None:
+    src = Regions(10, 1, 512, seed=4)
+    keys = [f"{key_prefix}/{i}" for i in range(10)]
+    assert store.batch_put_from(keys, [row[0] for row in src.addrs], [512] * 10).ok
+    dst = Regions(10, 1, 512)  # zeros
+    seconds = store.time_contiguous_argument_conversion(keys, [row[0] for row in dst.addrs], [512] * 10)
+    assert 0 <= seconds < 5
+    assert not dst.data.any()  # the stored objects were not copied
+    with pytest.raises(ValueError):
+        store.time_contiguous_argument_conversion(keys, [], [])
+
+
 # ------------------------------------------------------------------------------------------- failures
 
 

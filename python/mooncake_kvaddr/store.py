@@ -678,6 +678,25 @@ class MooncakeStore:
             raise StoreError(f"conversion probe unexpectedly returned {list(out)[:4]}")
         return elapsed
 
+    def time_contiguous_argument_conversion(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> float:
+        """Seconds Mooncake's binding spends on a ``batch_get_into`` call's arguments (GIL held), no transfer.
+
+        Passes one pointer and size fewer than keys: the binding converts everything, then rejects every key
+        (-600) without moving a byte. An upper bound: it includes that length check and the result list.
+        For benchmarks.
+        """
+        if not (len(keys) == len(ptrs) == len(sizes)) or not keys:
+            raise ValueError("keys, ptrs and sizes must be non-empty and of equal length")
+        with self._admitted() as client:
+            start = time.perf_counter()
+            out = client.batch_get_into(keys, ptrs[:-1], sizes[:-1])
+            elapsed = time.perf_counter() - start
+        if any(code >= 0 for code in out):
+            raise StoreError(f"conversion probe unexpectedly transferred: {list(out)[:4]}")
+        return elapsed
+
     # ------------------------------------------------------------------ internals
 
     def _replicate_default(self) -> Any:
