@@ -17,6 +17,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -634,6 +635,91 @@ def transfer_section(chunks: int, regions: int, block_bytes: int, reps: int,
             "verified": verified, "rows": rows}
 
 
+def tcp_section(chunks: int, regions: int, block_bytes: int, reps: int) -> dict[str, Any] | None:
+    """Staged vs multi-buffer over real TCP: the pool's only segment is held by a separate ``mooncake_client``
+    process, this process is a pure client (global segment 0) with the default TCP region budget."""
+    if importlib.util.find_spec("mooncake") is None:
+        print("\nReal TCP: skipped (no mooncake wheel; pip install mooncake_kvaddr[mooncake])")
+        return None
+    from mooncake_kvaddr.config import StoreConfig
+    from mooncake_kvaddr.master import EmbeddedMaster, find_master_binary, free_ports, pdeathsig_preexec
+    from mooncake_kvaddr.store import MooncakeStore
+    from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+
+    block_size = 128
+    data = chunks * regions * block_bytes
+    num_blocks = chunks + 1
+    rng = np.random.default_rng(1)
+    source = [rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8) for _ in range(regions)]
+    target = [np.ones((num_blocks, block_bytes), dtype=np.uint8) for _ in range(regions)]
+    request = TransferRequest("tcp", chunks * block_size, [i.to_bytes(8, "little") * 4 for i in range(chunks)],
+                              [list(range(1, num_blocks))])
+    client_binary = find_master_binary().with_name("mooncake_client")
+    rows: dict[str, Any] = {}
+    with EmbeddedMaster() as master:
+        (port,) = free_ports(1)
+        holder = subprocess.Popen(
+            [str(client_binary), "-host=127.0.0.1", f"-port={port}",
+             f"-global_segment_size={(2 * data >> 20) + 64}MB", f"-master_server_address={master.rpc_address}",
+             "-metadata_server=P2PHANDSHAKE", "-protocol=tcp"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pdeathsig_preexec(),
+        )
+        try:
+            config = StoreConfig(master_server_address=master.rpc_address, global_segment_size=0,
+                                 local_buffer_size=0)
+            with MooncakeStore(config) as store:
+                # Ready when the holder's segment is mounted: a small put then finds space (bounded wait).
+                probe = [source[0][1].ctypes.data]
+                deadline = time.monotonic() + 15
+                while not store.batch_put_from(["tcp-ready-probe"], probe, [block_bytes]).ok:
+                    if time.monotonic() > deadline or holder.poll() is not None:
+                        raise RuntimeError("the mooncake_client segment holder did not come up")
+                    time.sleep(0.1)
+                for mode in ("staged", "multi_buffer"):
+                    md = KeyMetadata(f"tcp-{mode}", 0, 0, 0, 0)
+                    writer = KVTransfer(store, [ChunkedTokenDatabase(md, block_size)], transfer_mode=mode,
+                                        start_threads=False)
+                    reader = KVTransfer(store, [ChunkedTokenDatabase(md, block_size)], transfer_mode=mode,
+                                        start_threads=False)
+                    writer.register_kv_caches(source, num_blocks)
+                    reader.register_kv_caches(target, num_blocks)
+                    loads, stores, verified = [], [], True
+                    for _ in range(reps):
+                        store.remove_all(force=True)
+                        t0 = time.perf_counter()
+                        stored = writer.store(request)
+                        stores.append((time.perf_counter() - t0) * 1e3)
+                        for region in target:
+                            region[:] = 1
+                        t0 = time.perf_counter()
+                        loaded = reader.load(request)
+                        loads.append((time.perf_counter() - t0) * 1e3)
+                        verified &= stored.ok and loaded.ok and all(
+                            np.array_equal(a[1:], b[1:]) for a, b in zip(source, target))
+                    writer.close()
+                    reader.close()
+                    rows[mode] = {"store_ms": statistics.median(stores), "load_ms": statistics.median(loads),
+                                  "verified": verified}
+                budget = config.region_budget
+        finally:
+            holder.terminate()
+            try:
+                holder.wait(10)
+            except subprocess.TimeoutExpired:
+                holder.kill()
+                holder.wait()
+    print(f"\nReal TCP across processes: {chunks} keys x {regions} regions x {block_bytes} B = "
+          f"{data / 2**20:.0f} MiB, segment in a separate mooncake_client, region budget {budget}; "
+          f"medians of {reps}")
+    print(f"  {'mode':<14} {'store ms':>10} {'load ms':>10}  verified")
+    for mode, row in rows.items():
+        print(f"  {mode:<14} {row['store_ms']:>10.1f} {row['load_ms']:>10.1f}  {row['verified']}")
+    speedup = {op: rows["multi_buffer"][f"{op}_ms"] / rows["staged"][f"{op}_ms"] for op in ("store", "load")}
+    print(f"  staged speed-up: store {speedup['store']:.1f}x, load {speedup['load']:.1f}x")
+    return {"shape": {"chunks": chunks, "regions": regions, "block_bytes": block_bytes, "bytes": data},
+            "rows": rows, "speedup": speedup}
+
+
 def plot(report: dict[str, Any], path: str) -> bool:
     """Speed-up over numpy vs request length, one line per variant (one panel per region count)."""
     try:
@@ -724,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
             shapes = [(256, 100, 2048)]
         else:  # equal payloads at 2 and 8 KiB; 32 KiB at a quarter of the chunks to fit in memory
             shapes = [(2258, 100, 2048), (2258, 100, 8192), (565, 100, 32768)]
+        report["sections"]["tcp"] = tcp_section(100 if args.quick else 1000, 100, 2048, reps=1 if args.quick else 3)
         report["sections"]["transfer_modes"] = [
             transfer_section(c, r, b, reps=3 if args.quick else 7) for c, r, b in shapes
         ]

@@ -100,7 +100,7 @@ def process_is_running(pid: int) -> bool:
 # --------------------------------------------------------------------------------------------- spawning
 
 
-def _make_pdeathsig_preexec() -> Callable[[], None]:
+def pdeathsig_preexec() -> Callable[[], None]:
     """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies.
 
     Everything is looked up here, in the parent, so the forked child only makes two system calls.
@@ -407,7 +407,7 @@ class EmbeddedMaster:
 
     def _launch(self, binary: Path) -> None:
         command = self._command(binary)
-        preexec = _make_pdeathsig_preexec()
+        preexec = pdeathsig_preexec()
         with self._proc.lock:
             if self._proc.stderr is None:
                 # A file, not a pipe: nobody drains a pipe while the master runs, and a full pipe would
