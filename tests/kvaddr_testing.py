@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.oracle import OracleChunkedTokenDatabase
@@ -56,3 +57,24 @@ def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 
             return True
         time.sleep(interval)
     return condition()
+
+
+class RecordingHashes(Sequence[bytes]):
+    """Block hashes that record which indices were read."""
+
+    def __init__(self, values: list[bytes]) -> None:
+        self.values = values
+        self.accessed: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self.values)
+        if not 0 <= index < len(self.values):
+            raise IndexError(index)
+        self.accessed.append(index)
+        return self.values[index]

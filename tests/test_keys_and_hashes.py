@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 
+from kvaddr_testing import RecordingHashes
 from mooncake_kvaddr import (
     BlobBlockHashes,
     ChunkedTokenDatabase,
@@ -60,21 +59,6 @@ def test_key_for_hex_and_prefix(db_class: type) -> None:
     assert db.key_for(b"a0") == "t@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0@6130"
     assert db.key_for(memoryview(b"h11")) == "t@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0@683131"
     assert db.key_for(bytes(range(250, 256))) .endswith("@fafbfcfdfeff")
-
-
-class RecordingHashes(Sequence[bytes]):
-    """Hash list that records which indices were read (the upstream tests pin them)."""
-
-    def __init__(self, hashes: list[bytes]) -> None:
-        self.hashes = hashes
-        self.accessed: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.hashes)
-
-    def __getitem__(self, index):  # type: ignore[no-untyped-def]
-        self.accessed.append(index)
-        return self.hashes[index]
 
 
 DB_CLASSES = [ChunkedTokenDatabase, OracleChunkedTokenDatabase]

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvaddr_testing import RecordingHashes
 from mooncake_kvaddr import BlobBlockHashes, ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.config import StoreConfig
 from mooncake_kvaddr.lookup import GroupSpec, ParallelLayout, StoreLookup
@@ -48,27 +49,6 @@ class FakeStore:
         """The keys of the only call."""
         assert len(self.calls) == 1, f"expected one batch_is_exist call, got {len(self.calls)}"
         return self.calls[0]
-
-
-class RecordingHashes(Sequence[bytes]):
-    """Block hashes that record which indices were read."""
-
-    def __init__(self, values: list[bytes]) -> None:
-        self.values = values
-        self.accessed: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self.values)
-        if not 0 <= index < len(self.values):
-            raise IndexError(index)
-        self.accessed.append(index)
-        return self.values[index]
 
 
 def hs(tag: str, n: int) -> list[bytes]:
