@@ -8,8 +8,10 @@ from mooncake_kvaddr.config import StoreConfig
 from mooncake_kvaddr.database import DEFAULT_ADDRESS_CACHE_BYTES, ChunkedTokenDatabase
 from mooncake_kvaddr.errors import BlockLenError, ChunkAlignmentError
 from mooncake_kvaddr.hashes import BlobBlockHashes, BlockHash, CompactChunkHashes, chunk_hashes_for_block_size
+from mooncake_kvaddr.lookup import GroupSpec, ParallelLayout, StoreLookup
 from mooncake_kvaddr.master import EmbeddedMaster, MasterError
 from mooncake_kvaddr.metadata import KeyMetadata, PoolKey, model_name_from_path
+from mooncake_kvaddr.staging import CopyBackend, HostCopyBackend, StagingBuffer, StagingPool
 from mooncake_kvaddr.store import (
     BatchResult,
     Health,
@@ -32,18 +34,25 @@ __all__ = [
     "ChunkAlignmentError",
     "ChunkedTokenDatabase",
     "CompactChunkHashes",
+    "CopyBackend",
     "EmbeddedMaster",
+    "GroupSpec",
     "Health",
+    "HostCopyBackend",
     "KVTransfer",
     "KeyMetadata",
     "LoadResult",
     "MasterError",
     "MooncakeStore",
     "Outcome",
+    "ParallelLayout",
     "PoolKey",
+    "StagingBuffer",
+    "StagingPool",
     "StoreClosedError",
     "StoreConfig",
     "StoreError",
+    "StoreLookup",
     "StoreResult",
     "StoreSetupError",
     "TransferRequest",
