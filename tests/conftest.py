@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kvaddr.config import StoreConfig
-from mooncake_kvaddr.master import EmbeddedMaster, process_is_running
-from mooncake_kvaddr.store import MooncakeStore
+from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.master import EmbeddedMaster, process_is_running
+from mooncake_kvaddr.driver.store import MooncakeStore
 
 # Room for every shared-store test at once (the pool is the sum of all mounted segments).
 SHARED_SEGMENT = "256MiB"
@@ -28,7 +28,7 @@ SHARED_REGION_BUDGET = 64
 @functools.cache
 def mooncake_import_error() -> str | None:
     """Why ``mooncake.store`` cannot be imported, or None if it can."""
-    from mooncake_kvaddr.store import load_mooncake
+    from mooncake_kvaddr.driver.store import load_mooncake
 
     try:
         load_mooncake()

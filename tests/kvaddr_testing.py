@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
-from mooncake_kvaddr.oracle import OracleChunkedTokenDatabase
+from mooncake_kvaddr.core.oracle import OracleChunkedTokenDatabase
 
 #: The upstream oracle test's layout: a 48-layer K/V model, 1 GiB apart, growing block lengths.
 ORACLE_BASE = 0x7F00_0000_0000

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_kvaddr.config import DEFAULT_CONFIG_ENV, StoreConfig, parse_size
+from mooncake_kvaddr.driver.config import DEFAULT_CONFIG_ENV, StoreConfig, parse_size
 
 MiB = 1 << 20
 GiB = 1 << 30

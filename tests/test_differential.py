@@ -104,7 +104,7 @@ def test_prepare_value_for_block_matches_oracle(layout: dict[str, Any], block_id
 @settings(max_examples=200, deadline=None)
 @given(layouts())
 def test_numpy_anchor_agrees_where_it_does_not_wrap(layout: dict[str, Any]) -> None:
-    from mooncake_kvaddr.oracle import numpy_prepare_values
+    from mooncake_kvaddr.core.oracle import numpy_prepare_values
 
     _, oracle = paired(layout["bases"], layout["lens"], layout["block_size"], layout["hbs"])
     want_kind, want = outcome(oracle.prepare_values, layout["chunks"], layout["block_ids"])

@@ -14,7 +14,7 @@ from mooncake_kvaddr import (
     chunk_hashes_for_block_size,
     model_name_from_path,
 )
-from mooncake_kvaddr.oracle import OracleChunkedTokenDatabase
+from mooncake_kvaddr.core.oracle import OracleChunkedTokenDatabase
 
 
 def test_pinned_key_strings() -> None:

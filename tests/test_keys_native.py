@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvaddr_testing import oracle_regions, paired
 from mooncake_kvaddr import BlobBlockHashes, ChunkedTokenDatabase, KeyMetadata, PoolKey
-from mooncake_kvaddr.keys import (
+from mooncake_kvaddr.core.keys import (
     SpecKind,
     build_keys,
     build_lookup_keys,

@@ -15,10 +15,10 @@ import pytest
 
 from kvaddr_testing import RecordingHashes
 from mooncake_kvaddr import BlobBlockHashes, ChunkedTokenDatabase, KeyMetadata
-from mooncake_kvaddr.config import StoreConfig
-from mooncake_kvaddr.lookup import GroupSpec, ParallelLayout, StoreLookup
-from mooncake_kvaddr.store import BatchResult, MooncakeStore, Outcome, StoreError
-from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.lookup import GroupSpec, ParallelLayout, StoreLookup
+from mooncake_kvaddr.driver.store import BatchResult, MooncakeStore, Outcome, StoreError
+from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
 mooncake = pytest.mark.mooncake
 

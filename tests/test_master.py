@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from kvaddr_testing import wait_until
-from mooncake_kvaddr import master as master_module
-from mooncake_kvaddr.master import (
+from mooncake_kvaddr.driver import master as master_module
+from mooncake_kvaddr.driver.master import (
     EmbeddedMaster,
     MasterError,
     find_master_binary,
@@ -200,7 +200,7 @@ def test_parent_sigkill_leaves_no_master_behind() -> None:
     child = run_child(
         """
         import sys, time
-        from mooncake_kvaddr.master import EmbeddedMaster
+        from mooncake_kvaddr.driver.master import EmbeddedMaster
         m = EmbeddedMaster().start()
         print(m.pid, flush=True)
         time.sleep(120)
@@ -226,7 +226,7 @@ def test_parent_sigkill_leaves_no_master_behind() -> None:
 def test_interpreter_exit_without_close_stops_the_master() -> None:
     child = run_child(
         """
-        from mooncake_kvaddr.master import EmbeddedMaster
+        from mooncake_kvaddr.driver.master import EmbeddedMaster
         m = EmbeddedMaster().start()
         print(m.pid, flush=True)
         """

@@ -10,7 +10,7 @@ import pytest
 
 from kvaddr_testing import assert_native_ints, oracle_regions, paired
 from mooncake_kvaddr import BlockLenError, ChunkAlignmentError, ChunkedTokenDatabase, KeyMetadata
-from mooncake_kvaddr.oracle import numpy_prepare_values
+from mooncake_kvaddr.core.oracle import numpy_prepare_values
 
 BLOCK_SIZE = 128
 

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, StoreConfig
-from mooncake_kvaddr.master import EmbeddedMaster
-from mooncake_kvaddr.staging import SLOT_ALIGNMENT, StagingPool, plan_batches, plan_slots
-from mooncake_kvaddr.store import MooncakeStore
-from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+from mooncake_kvaddr.driver.master import EmbeddedMaster
+from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, StagingPool, plan_batches, plan_slots
+from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
 mooncake = pytest.mark.mooncake
 
@@ -569,7 +569,7 @@ def test_shared_pool_is_registered_once_and_released_by_the_last_user(
 @mooncake
 def test_mode_choice_is_logged_once(store: MooncakeStore, model: str, caplog: pytest.LogCaptureFixture) -> None:
     cache = Cache(2, 3, 64, seed=12)
-    with caplog.at_level(logging.INFO, logger="mooncake_kvaddr.transfer"):
+    with caplog.at_level(logging.INFO, logger="mooncake_kvaddr.driver.transfer"):
         with transfer(store, model, cache, 16) as xfer:
             h = hashes(model, 2)
             xfer.store(TransferRequest("r", 32, h, [[1, 2]]))
@@ -584,8 +584,8 @@ CHILD = """
 import json, sys
 import numpy as np
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, StoreConfig
-from mooncake_kvaddr.store import MooncakeStore
-from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
 address, model, get_mode, put_mode = sys.argv[1:5]
 chunks, regions, block_bytes = (int(x) for x in sys.argv[5:8])

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_kvaddr import _native
-from mooncake_kvaddr.staging import (
+from mooncake_kvaddr.driver.staging import (
     SLOT_ALIGNMENT,
     CopyBackend,
     HostCopyBackend,

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from kvaddr_testing import wait_until
-from mooncake_kvaddr import store as store_module
-from mooncake_kvaddr.config import StoreConfig
-from mooncake_kvaddr.master import EmbeddedMaster, free_ports
-from mooncake_kvaddr.store import (
+from mooncake_kvaddr.driver import store as store_module
+from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.master import EmbeddedMaster, free_ports
+from mooncake_kvaddr.driver.store import (
     BatchResult,
     Health,
     MooncakeStore,
@@ -552,8 +552,8 @@ def test_master_killed_then_restarted(private_master: EmbeddedMaster) -> None:
 CHILD = """
 import json, sys
 import numpy as np
-from mooncake_kvaddr.config import StoreConfig
-from mooncake_kvaddr.store import MooncakeStore
+from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.store import MooncakeStore
 
 address, prefix, n, per_key, region, expected_path = sys.argv[1:7]
 n, per_key, region = int(n), int(per_key), int(region)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
-from mooncake_kvaddr.config import StoreConfig
-from mooncake_kvaddr.master import EmbeddedMaster
-from mooncake_kvaddr.store import MooncakeStore
-from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.master import EmbeddedMaster
+from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
 mooncake = pytest.mark.mooncake
 

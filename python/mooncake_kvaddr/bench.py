@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, __version__
-from mooncake_kvaddr.keys import build_lookup_keys
-from mooncake_kvaddr.oracle import OracleChunkedTokenDatabase, numpy_prepare_values
+from mooncake_kvaddr.core.keys import build_lookup_keys
+from mooncake_kvaddr.core.oracle import OracleChunkedTokenDatabase, numpy_prepare_values
 
 ANCHOR = "numpy + tolist (anchor)"
 ANCHOR_PLAN = "Python path (walk + key_for + numpy)"
@@ -422,9 +422,9 @@ def e2e_section(shape: Shape, reps: int) -> dict[str, Any] | None:
     if importlib.util.find_spec("mooncake") is None:
         print("\nEnd to end through Mooncake: skipped (no mooncake wheel; pip install mooncake_kvaddr[mooncake])")
         return None
-    from mooncake_kvaddr.config import StoreConfig
-    from mooncake_kvaddr.store import MooncakeStore
-    from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+    from mooncake_kvaddr.driver.config import StoreConfig
+    from mooncake_kvaddr.driver.store import MooncakeStore
+    from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
     block_bytes = 2048
     native, oracle = make_databases(Shape(shape.tokens, shape.regions, shape.block_size, shape.hash_block_size,
@@ -543,10 +543,10 @@ def transfer_section(chunks: int, regions: int, block_bytes: int, reps: int,
     if importlib.util.find_spec("mooncake") is None:
         print("\nTransfer modes: skipped (no mooncake wheel; pip install mooncake_kvaddr[mooncake])")
         return None
-    from mooncake_kvaddr.config import StoreConfig
-    from mooncake_kvaddr.staging import SLOT_ALIGNMENT, StagingPool
-    from mooncake_kvaddr.store import MooncakeStore
-    from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+    from mooncake_kvaddr.driver.config import StoreConfig
+    from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, StagingPool
+    from mooncake_kvaddr.driver.store import MooncakeStore
+    from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
     block_size = 128
     data = chunks * regions * block_bytes
@@ -641,10 +641,10 @@ def tcp_section(chunks: int, regions: int, block_bytes: int, reps: int) -> dict[
     if importlib.util.find_spec("mooncake") is None:
         print("\nReal TCP: skipped (no mooncake wheel; pip install mooncake_kvaddr[mooncake])")
         return None
-    from mooncake_kvaddr.config import StoreConfig
-    from mooncake_kvaddr.master import EmbeddedMaster, find_master_binary, free_ports, pdeathsig_preexec
-    from mooncake_kvaddr.store import MooncakeStore
-    from mooncake_kvaddr.transfer import KVTransfer, TransferRequest
+    from mooncake_kvaddr.driver.config import StoreConfig
+    from mooncake_kvaddr.driver.master import EmbeddedMaster, find_master_binary, free_ports, pdeathsig_preexec
+    from mooncake_kvaddr.driver.store import MooncakeStore
+    from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
     block_size = 128
     data = chunks * regions * block_bytes

@@ -7,7 +7,7 @@ blocks. One request's chunks go from cache A to the store (embedded master on lo
 ``lookup`` reports the hit, and the chunks come back into cache B at other block ids; every byte is
 compared. The timing breakdown separates our work (keys, address rows; fused into one native "plan" pass
 on the load path and also timed apart) from Mooncake's. ``--mode`` picks the transfer mode (see
-:mod:`mooncake_kvaddr.transfer`): staged runs report the native copy (``store_gather``, ``load_scatter``)
+:mod:`mooncake_kvaddr.driver.transfer`): staged runs report the native copy (``store_gather``, ``load_scatter``)
 apart from Mooncake's transfer (``store_put``, ``load_get``); multi-buffer runs report the binding's argument
 conversion (GIL held, measured on its own with an empty key list) apart from the rest of the get.
 """
@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from .config import TRANSFER_MODES, StoreConfig
-from .database import ChunkedTokenDatabase
-from .hashes import chunk_hashes_for_block_size
-from .metadata import KeyMetadata
-from .staging import SLOT_ALIGNMENT, StagingPool
-from .store import MooncakeStore, StoreError
-from .transfer import KVTransfer, TransferRequest
+from mooncake_kvaddr.core.database import ChunkedTokenDatabase
+from mooncake_kvaddr.core.hashes import chunk_hashes_for_block_size
+from mooncake_kvaddr.core.metadata import KeyMetadata
+from mooncake_kvaddr.driver.config import TRANSFER_MODES, StoreConfig
+from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, StagingPool
+from mooncake_kvaddr.driver.store import MooncakeStore, StoreError
+from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
 __all__ = ["main"]
 

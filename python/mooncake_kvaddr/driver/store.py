@@ -30,8 +30,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from .config import StoreConfig
-from .master import EmbeddedMaster
+from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.master import EmbeddedMaster
 
 __all__ = [
     "BatchResult",

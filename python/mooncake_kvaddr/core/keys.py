@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 from enum import Enum
 
 from mooncake_kvaddr import _native
-from mooncake_kvaddr.hashes import BlobBlockHashes, BlockHash
-from mooncake_kvaddr.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.core.hashes import BlobBlockHashes, BlockHash
+from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 
 Hashes = Sequence[BlockHash] | bytes | bytearray | memoryview
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from mooncake_kvaddr.hashes import BlockHash
-from mooncake_kvaddr.metadata import KeyMetadata
+from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.core.metadata import KeyMetadata
 
 
 class OracleChunkedTokenDatabase:

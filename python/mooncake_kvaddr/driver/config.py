@@ -127,7 +127,7 @@ class StoreConfig:
 
     The first eight fields are vLLM's ``MooncakeStoreConfig`` (a JSON file written for vLLM loads as is);
     the others tune this package. ``master_server_address=None`` means "start an embedded master on
-    127.0.0.1" (see :class:`mooncake_kvaddr.master.EmbeddedMaster`).
+    127.0.0.1" (see :class:`mooncake_kvaddr.driver.master.EmbeddedMaster`).
     """
 
     local_hostname: str = "127.0.0.1"

@@ -8,7 +8,7 @@
 * :meth:`KVTransfer.load` - the receive thread's per-request work (§3.3): keys and regions per group,
   tp-rank rotation, one get, and the block ids of every chunk that failed;
 * :meth:`KVTransfer.lookup` - how many leading tokens every group can load from the store, probing every rank
-  namespace of the parallel layout (§1.4, §3.5; see :mod:`mooncake_kvaddr.lookup`);
+  namespace of the parallel layout (§1.4, §3.5; see :mod:`mooncake_kvaddr.driver.lookup`);
 * :meth:`KVTransfer.submit_store` / :meth:`KVTransfer.submit_load` hand requests to one send thread and
   ``num_recv_threads`` receive threads that share one queue; each returns a ``Future``.
 
@@ -45,11 +45,11 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .config import TRANSFER_MODES
-from .database import ChunkedTokenDatabase
-from .hashes import BlockHash
-from .lookup import GroupSpecLike, ParallelLayout, StoreLookup
-from .staging import (
+from mooncake_kvaddr.core.database import ChunkedTokenDatabase
+from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.driver.config import TRANSFER_MODES
+from mooncake_kvaddr.driver.lookup import GroupSpecLike, ParallelLayout, StoreLookup
+from mooncake_kvaddr.driver.staging import (
     SLOT_ALIGNMENT,
     CopyBackend,
     HostCopyBackend,
@@ -58,7 +58,7 @@ from .staging import (
     plan_batches,
     plan_slots,
 )
-from .store import CODE_MASTER_UNREACHABLE, BatchResult, MooncakeStore, Outcome, StoreError
+from mooncake_kvaddr.driver.store import CODE_MASTER_UNREACHABLE, BatchResult, MooncakeStore, Outcome, StoreError
 
 __all__ = ["KVTransfer", "LoadResult", "StoreResult", "TransferRequest"]
 
@@ -165,12 +165,12 @@ class KVTransfer:
         start_threads: start the send/receive threads now (they are only needed by ``submit_*``).
         layout: the parallel layout (tp/pcp/dcp/pp sizes, KV heads) whose rank namespaces a lookup must all
             find a chunk in; ``None`` (default) looks only in each group's own namespace (single rank).
-        group_specs: per group, what it caches for lookup: a :class:`~mooncake_kvaddr.lookup.GroupSpec` or a
+        group_specs: per group, what it caches for lookup: a :class:`~mooncake_kvaddr.driver.lookup.GroupSpec` or a
             kind (``"attention"``, ``"mla"``, ``"mamba"``, or a list of kinds for a uniform group); default:
             full attention everywhere.
         transfer_mode: ``"auto"``, ``"staged"`` or ``"multi_buffer"`` (see the module docstring); default
             ``store.config.transfer_mode``. Resolved by :meth:`register_kv_caches` (see :attr:`mode`).
-        staging_pool: a :class:`~mooncake_kvaddr.staging.StagingPool` to share with other transfers (the
+        staging_pool: a :class:`~mooncake_kvaddr.driver.staging.StagingPool` to share with other transfers (the
             caller owns it); default: a staged transfer makes its own of ``store.config.staging_buffer_size``
             bytes, capped at what one request over these caches can need.
     """
@@ -246,7 +246,7 @@ class KVTransfer:
     @property
     def copy_backend(self) -> CopyBackend | None:
         """The backend that gathers and scatters staged keys (``None`` unless the mode is ``"staged"``); a
-        :class:`~mooncake_kvaddr.staging.HostCopyBackend` whose ``threads``/``streaming`` may be tuned."""
+        :class:`~mooncake_kvaddr.driver.staging.HostCopyBackend` whose ``threads``/``streaming`` may be tuned."""
         return self._copy if self._mode == "staged" else None
 
     # ------------------------------------------------------------------ regions

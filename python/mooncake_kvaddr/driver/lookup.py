@@ -2,7 +2,7 @@
 
 Lookup runs on one rank for the whole deployment, so a chunk counts as stored only when every rank
 namespace that will load it holds it. Per group, the namespaces come from the parallel layout and the
-group's replication factor (:func:`~mooncake_kvaddr.keys.lookup_namespaces`); their key prefixes are
+group's replication factor (:func:`~mooncake_kvaddr.core.keys.lookup_namespaces`); their key prefixes are
 built once, at construction. A lookup then
 
 1. floors the prompt to the lookup alignment (the scheduler block size, or ``hash_block_size`` when
@@ -33,10 +33,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .database import ChunkedTokenDatabase
-from .hashes import BlobBlockHashes, BlockHash, chunk_hashes_for_block_size
-from .keys import SpecKind, build_lookup_keys, lookup_namespaces, lookup_prefixes, reduce_exists, replication_factor
-from .store import BatchResult
+from mooncake_kvaddr.core.database import ChunkedTokenDatabase
+from mooncake_kvaddr.core.hashes import BlobBlockHashes, BlockHash, chunk_hashes_for_block_size
+from mooncake_kvaddr.core.keys import (
+    SpecKind,
+    build_lookup_keys,
+    lookup_namespaces,
+    lookup_prefixes,
+    reduce_exists,
+    replication_factor,
+)
+from mooncake_kvaddr.driver.store import BatchResult
 
 __all__ = ["ExistenceStore", "GroupSpec", "GroupSpecLike", "LookupPlan", "ParallelLayout", "StoreLookup"]
 

@@ -1,7 +1,7 @@
 """The chunk database: drop-in for vLLM's ``ChunkedTokenDatabase`` with a native address/size matrix.
 
 Semantics are SPEC.md §2 exactly (results equal, value for value and type for type, to
-:mod:`mooncake_kvaddr.oracle`); the differences are speed and strictness: errors where the reference would
+:mod:`mooncake_kvaddr.core.oracle`); the differences are speed and strictness: errors where the reference would
 wrap silently or crash.
 
 Read-only results: rows returned by :meth:`ChunkedTokenDatabase.prepare_values` are shared — every chunk of
@@ -18,9 +18,9 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr._native import AddressTable, build_key, chunk_walk
-from mooncake_kvaddr.hashes import BlockHash
-from mooncake_kvaddr.keys import Hashes, _unwrap, build_keys
-from mooncake_kvaddr.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.core.keys import Hashes, _unwrap, build_keys
+from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 
 #: Default memory cap of the per-block-id address-row cache (~16K blocks at 100 regions).
 DEFAULT_ADDRESS_CACHE_BYTES = 64 << 20
@@ -227,7 +227,7 @@ class ChunkedTokenDatabase:
 
         ``addr[c][r] = base[r] + block_ids[start // block_size] * blen[r]`` and
         ``size[c][r] = blen[r] * ceil((end - start) / block_size)``. Rows are shared and read-only (see the
-        module docstring). Raises :class:`~mooncake_kvaddr.errors.ChunkAlignmentError` for a span that is not a
+        module docstring). Raises :class:`~mooncake_kvaddr.core.errors.ChunkAlignmentError` for a span that is not a
         multiple of ``hash_block_size``, ``IndexError`` for a block index past ``block_ids``, ``TypeError``
         for non-integers and ``OverflowError`` when an address does not fit in 64 bits.
         """

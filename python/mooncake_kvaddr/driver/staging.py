@@ -19,7 +19,7 @@ Typical use (``addrs``/``sizes`` from ``ChunkedTokenDatabase.prepare_values_arra
     backend.gather(addrs, sizes, staging.range, plan.offsets)
     # store.batch_put_from(keys, staging.ptr + plan.offsets, plan.object_sizes)
 
-:class:`~mooncake_kvaddr.transfer.KVTransfer` does this per request in its ``"staged"`` mode, with a
+:class:`~mooncake_kvaddr.driver.transfer.KVTransfer` does this per request in its ``"staged"`` mode, with a
 :class:`StagingPool` shared by its threads: each request leases one span (the whole request when it fits),
 and :func:`plan_batches` cuts the request into as few batches as the span allows.
 

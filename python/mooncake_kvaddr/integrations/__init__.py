@@ -1,0 +1,1 @@
+"""Adapters that plug mooncake_kvaddr into serving engines (vLLM)."""
