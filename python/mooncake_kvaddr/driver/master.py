@@ -4,6 +4,8 @@ The master binary ships inside the Mooncake wheel. It is started on 127.0.0.1 wi
 P2P-handshake mode (no HTTP metadata server: that one binds 0.0.0.0 whatever it is told), and is always
 stopped again: on :meth:`EmbeddedMaster.close`, when the object is garbage-collected, at interpreter exit,
 and - through ``PR_SET_PDEATHSIG`` - when the process that started it dies, even by SIGKILL or a segfault.
+Start, stop and close are serialized per master; readiness means our child answers ``/health`` and owns
+both of its listening ports. Nothing here touches the process environment. See ``docs/configuration.md``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import http.client
+import math
 import os
 import queue
 import signal
@@ -26,7 +29,39 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Final
 
-__all__ = ["EmbeddedMaster", "MasterError", "find_master_binary", "free_ports", "process_is_running"]
+__all__ = [
+    "MOONCAKE_VARIANTS",
+    "EmbeddedMaster",
+    "MasterError",
+    "find_master_binary",
+    "free_ports",
+    "mooncake_install_hint",
+    "process_is_running",
+]
+
+#: The PyPI distributions that ship the ``mooncake`` package (one per hardware flavour; any one will do).
+MOONCAKE_VARIANTS: Final = (
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine-rocm",
+    "mooncake-transfer-engine-efa",
+    "mooncake-transfer-engine-efa-non-cuda",
+    "mooncake-transfer-engine-efa-cuda13",
+    "mooncake-transfer-engine-musa",
+    "mooncake-transfer-engine-npu",
+)
+
+
+def mooncake_install_hint() -> str:
+    """How to install Mooncake: the variants, which one fits a CPU-only machine, the system libraries."""
+    return (
+        "install the Mooncake wheel that matches your hardware, one of: "
+        + ", ".join(MOONCAKE_VARIANTS)
+        + " (CPU-only machines and CI: mooncake-transfer-engine-non-cuda; CUDA 12: mooncake-transfer-engine; "
+        "CUDA 13: mooncake-transfer-engine-cuda13). On Debian/Ubuntu it also needs: "
+        "apt-get install libibverbs1 libnuma1 libcurl4"
+    )
 
 LOOPBACK: Final = "127.0.0.1"
 _PR_SET_PDEATHSIG: Final = 1
@@ -54,8 +89,11 @@ def find_master_binary() -> Path:
         candidate = Path(location) / "mooncake_master"
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
+    if spec is None:
+        raise MasterError(f"mooncake_master not found: Mooncake is not installed; {mooncake_install_hint()}")
     raise MasterError(
-        "mooncake_master not found: the Mooncake wheel is not installed (pip install 'mooncake_kvaddr[mooncake]')"
+        f"mooncake_master not found in the installed Mooncake package ({', '.join(locations) or '?'}): "
+        "this variant ships no master binary; start a master yourself and set master_server_address"
     )
 
 
@@ -242,22 +280,35 @@ class EmbeddedMaster:
         log_level: int = 1,
         port_attempts: int = 3,
     ) -> None:
-        """Configure (nothing starts until :meth:`start` or ``with``).
+        """Configure (nothing starts until :meth:`start` or ``with``); every argument is checked here.
 
         Args:
-            rpc_port, metrics_port: fixed ports; ``None`` picks free ones on each start attempt.
+            rpc_port, metrics_port: fixed ports (1..65535, different from each other); ``None`` picks free
+                ones on each start attempt.
             extra_args: extra ``-flag=value`` arguments for the master.
-            start_timeout_s: bound on the wait for ``GET /health`` == 200.
+            start_timeout_s: bound on the wait for readiness.
             binary: master executable (default: the one in the Mooncake wheel).
-            log_level: glog ``-minloglevel`` (0 INFO, 1 WARNING, 2 ERROR); the log is kept for error messages.
+            log_level: glog ``-minloglevel`` (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL); the log goes to a private
+                temporary file, kept for error messages, never to this process's output.
             port_attempts: how many times to retry with new ports when auto-picked ports were taken.
         """
-        if isinstance(extra_args, str):
+        if isinstance(extra_args, str) or not isinstance(extra_args, Sequence):
             raise TypeError("extra_args: expected a sequence of strings, not one string")
-        if start_timeout_s <= 0:
+        for arg in extra_args:
+            if not isinstance(arg, str):
+                raise TypeError(f"extra_args: expected strings, got {type(arg).__name__}")
+        _check_port("rpc_port", rpc_port)
+        _check_port("metrics_port", metrics_port)
+        if rpc_port is not None and rpc_port == metrics_port:
+            raise ValueError(f"rpc_port and metrics_port must differ, both are {rpc_port}")
+        if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, (int, float)):
+            raise TypeError(f"start_timeout_s: expected seconds, got {type(start_timeout_s).__name__}")
+        if not math.isfinite(start_timeout_s) or start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
-        if port_attempts < 1:
-            raise ValueError(f"port_attempts: must be >= 1, got {port_attempts}")
+        if isinstance(log_level, bool) or not isinstance(log_level, int) or not 0 <= log_level <= 3:
+            raise ValueError(f"log_level: must be 0..3 (glog INFO..FATAL), got {log_level!r}")
+        if isinstance(port_attempts, bool) or not isinstance(port_attempts, int) or port_attempts < 1:
+            raise ValueError(f"port_attempts: must be >= 1, got {port_attempts!r}")
         self._binary = Path(binary) if binary is not None else None
         self._auto_rpc_port = rpc_port is None
         self._auto_metrics_port = metrics_port is None
@@ -266,9 +317,13 @@ class EmbeddedMaster:
         self._metrics_port = metrics_port
         self._extra_args = tuple(extra_args)
         self._start_timeout_s = float(start_timeout_s)
-        self._log_level = int(log_level)
+        self._log_level = log_level
         self._port_attempts = port_attempts
         self._proc = _Process()
+        # One lifecycle operation at a time: two threads starting one master must not spawn two, and a
+        # close() that races a start() waits for it and then stops what it started.
+        self._lifecycle = threading.RLock()
+        self._closed = False
         # Runs at garbage collection and (atexit=True by default) at interpreter exit.
         self._finalizer = weakref.finalize(self, self._proc.release)
 
@@ -326,55 +381,67 @@ class EmbeddedMaster:
         """Start the master and wait until it is ready; returns ``self``. No-op if already running.
 
         Ports not given to the constructor are picked on the first start and kept afterwards, so a
-        stopped master comes back at the address its clients know.
+        stopped master comes back at the address its clients know. Thread-safe: concurrent calls start
+        one process.
         """
-        if not self._finalizer.alive:
-            raise MasterError("this EmbeddedMaster was closed; create a new one")
-        if self.alive:
-            return self
-        binary = self._binary or find_master_binary()
-        pick_ports = not self._ports_chosen and (self._auto_rpc_port or self._auto_metrics_port)
-        attempts = self._port_attempts if pick_ports else 1
-        for attempt in range(1, attempts + 1):
-            if pick_ports:
-                rpc, metrics = free_ports(2)
-                self._rpc_port = rpc if self._auto_rpc_port else self._rpc_port
-                self._metrics_port = metrics if self._auto_metrics_port else self._metrics_port
-            try:
-                self._launch(binary)
-            except _EarlyExit as exc:
-                # The usual reason is a port taken between free_ports() and the master's bind: retry.
-                if attempt == attempts:
-                    raise MasterError(str(exc)) from None
-                continue
-            self._ports_chosen = True
-            return self
-        raise AssertionError("unreachable")
+        with self._lifecycle:
+            if self._closed or not self._finalizer.alive:
+                raise MasterError("this EmbeddedMaster was closed; create a new one")
+            if self.alive:
+                return self
+            binary = self._binary or find_master_binary()
+            pick_ports = not self._ports_chosen and (self._auto_rpc_port or self._auto_metrics_port)
+            attempts = self._port_attempts if pick_ports else 1
+            for attempt in range(1, attempts + 1):
+                if pick_ports:
+                    self._pick_ports()
+                try:
+                    self._launch(binary)
+                except _EarlyExit as exc:
+                    # The usual reason is a port taken between free_ports() and the master's bind: retry.
+                    if attempt == attempts:
+                        raise MasterError(str(exc)) from None
+                    continue
+                self._ports_chosen = True
+                return self
+            raise AssertionError("unreachable")
 
     def restart(self) -> EmbeddedMaster:
         """Stop the master (SIGTERM) and start a new one on the **same ports**; old objects are lost."""
-        self._proc.stop()
-        deadline = time.monotonic() + self._start_timeout_s
-        while True:
-            try:
-                return self.start()
-            except MasterError:
-                # The old sockets may linger for a moment after the previous process exited.
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
+        with self._lifecycle:
+            self._proc.stop()
+            deadline = time.monotonic() + self._start_timeout_s
+            while True:
+                try:
+                    return self.start()
+                except MasterError:
+                    # The old sockets may linger for a moment after the previous process exited.
+                    if self._closed or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
 
     def kill(self) -> None:
         """SIGKILL the master (simulates a crash; used by reliability tests). Safe if not running."""
-        self._proc.stop(kill=True)
+        with self._lifecycle:
+            self._proc.stop(kill=True)
 
     def stop(self) -> None:
         """SIGTERM the master, SIGKILL after a bounded grace period; it can be started again."""
-        self._proc.stop()
+        with self._lifecycle:
+            self._proc.stop()
 
-    def close(self) -> None:
-        """Stop the master for good and release its log file. Idempotent."""
-        self._finalizer()
+    def close(self, *, kill: bool = False) -> None:
+        """Stop the master for good and release its log file. Idempotent; waits for a concurrent start().
+
+        ``kill=True`` skips the graceful shutdown (SIGTERM takes the master ~0.9 s): for owners that know
+        nothing needs it any more, e.g. a store whose client is already closed. The master keeps its
+        objects in memory only, so they are lost either way.
+        """
+        with self._lifecycle:
+            self._closed = True
+            if kill:
+                self._proc.stop(kill=True)
+            self._finalizer()
 
     def __enter__(self) -> EmbeddedMaster:
         return self.start()
@@ -390,6 +457,17 @@ class EmbeddedMaster:
         return f"EmbeddedMaster({ports}, {state})"
 
     # ------------------------------------------------------------------ internals
+
+    def _pick_ports(self) -> None:
+        rpc, metrics = free_ports(2)
+        if not self._auto_rpc_port:
+            # One port fixed: the free one must not be it (the kernel may hand out a fixed port that is free).
+            rpc = self.rpc_port
+            metrics = metrics if metrics != rpc else next(p for p in free_ports(3) if p != rpc)
+        elif not self._auto_metrics_port:
+            metrics = self.metrics_port
+            rpc = rpc if rpc != metrics else next(p for p in free_ports(3) if p != metrics)
+        self._rpc_port, self._metrics_port = rpc, metrics
 
     def _command(self, binary: Path) -> list[str]:
         return [
@@ -448,8 +526,13 @@ class EmbeddedMaster:
                     f"log tail:\n{self.stderr_tail() or '<empty>'}"
                 )
             # /health answers before the RPC server binds: a master that lost its RPC port to someone
-            # else reports healthy and exits a moment later. Ready = healthy AND it owns the RPC port.
-            if _health_ok(self.metrics_port) and _owns_listener(popen.pid, self.rpc_port):
+            # else reports healthy and exits a moment later, and a /health answer may come from another
+            # process holding the metrics port. Ready = healthy AND our child owns both listening ports.
+            if (
+                _health_ok(self.metrics_port)
+                and _owns_listener(popen.pid, self.rpc_port)
+                and _owns_listener(popen.pid, self.metrics_port)
+            ):
                 return
             if time.monotonic() >= deadline:
                 raise MasterError(
@@ -459,6 +542,16 @@ class EmbeddedMaster:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
+
+
+def _check_port(name: str, port: object) -> None:
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"{name}: expected an int port or None, got {type(port).__name__}")
+    if not 1 <= port <= 65535:
+        # 0 would mean "the master's default port" to mooncake_master, not "any free port".
+        raise ValueError(f"{name}: must be 1..65535 (None picks a free one), got {port}")
 
 
 class _EarlyExit(MasterError):
