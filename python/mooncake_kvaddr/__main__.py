@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
             "  demo   store, look up and load one request through a real Mooncake store (embedded master\n"
             "         unless --config / $MOONCAKE_CONFIG_PATH names one); --verbose shows Mooncake's logs\n"
             "  bench  side-by-side benchmark against the oracle and the numpy approach\n"
-            "Mooncake's own log lines are hidden unless --verbose or MOONCAKE_KVADDR_VERBOSE=1 is given."
+            "The demo hides Mooncake's own log lines unless --verbose or MOONCAKE_KVADDR_VERBOSE=1 is given."
         )
         return 0 if args else 2
     command, rest = args[0], args[1:]
