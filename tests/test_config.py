@@ -4,6 +4,9 @@ with vLLM's own parser when vLLM is installed), and no process-wide side effects
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -11,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -409,6 +413,43 @@ def test_replace_validates_and_keeps_mode_derived() -> None:
         config.replace(segment=1)
 
 
+@functools.cache
+def _load_vllm_mooncake_store() -> Any:
+    """vLLM's ``vllm/distributed/mooncake_store.py`` (its config class and size parser), or None.
+
+    The module needs nothing from the rest of vLLM, so it is loaded on its own when it can be (importing the
+    ``vllm`` package pulls in torch: ~20 s here); otherwise through the package.
+    """
+    spec = importlib.util.find_spec("vllm")  # locates the package without importing it
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "distributed" / "mooncake_store.py"
+    if path.is_file():
+        standalone = importlib.util.spec_from_file_location("_vllm_mooncake_store_under_test", path)
+        if standalone is not None and standalone.loader is not None:
+            module = importlib.util.module_from_spec(standalone)
+            try:
+                standalone.loader.exec_module(module)
+            except ImportError:
+                pass
+            else:
+                return module
+    return importlib.import_module("vllm.distributed.mooncake_store")
+
+
+def vllm_mooncake_store() -> Any:
+    module = _load_vllm_mooncake_store()
+    if module is None:
+        pytest.skip("vLLM is not installed")
+    return module
+
+
+def test_vllm_module_under_test_is_the_installed_one() -> None:
+    module = vllm_mooncake_store()
+    assert module.MooncakeStoreConfig.from_file.__qualname__ == "MooncakeStoreConfig.from_file"
+    assert Path(module.__file__).parts[-3:] == ("vllm", "distributed", "mooncake_store.py")
+
+
 @given(
     st.fixed_dictionaries(
         {
@@ -438,7 +479,7 @@ def test_replace_validates_and_keeps_mode_derived() -> None:
 )
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_reading_matches_vllms_own_parser(tmp_path: Path, data: dict[str, object]) -> None:
-    vllm_store = pytest.importorskip("vllm.distributed.mooncake_store")
+    vllm_store = vllm_mooncake_store()
     path = write_json(tmp_path, data)
     ours = StoreConfig.from_json(path)
     theirs = vllm_store.MooncakeStoreConfig.from_file(str(path))
