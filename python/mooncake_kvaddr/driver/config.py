@@ -17,14 +17,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
-import re
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+from mooncake_kvaddr.driver.values import (
+    check_bool,
+    check_int,
+    check_str,
+    check_timeout,
+    parse_address,
+    parse_host_port,
+    parse_size,
+    show,
+)
 
 __all__ = [
     "DEFAULT_CONFIG_ENV",
@@ -79,189 +87,8 @@ TRANSFER_MODES: Final = ("auto", "staged", "multi_buffer")
 
 # Mooncake refuses a smaller non-zero segment at setup ("Total size must be at least 16777216" -> -600).
 MIN_GLOBAL_SEGMENT_SIZE: Final = 16 << 20
-# Mooncake takes sizes as C++ size_t.
-_SIZE_LIMIT: Final = 1 << 64
 _MAX_SETUP_RETRIES: Final = 1000
 _DEFAULT_TENANT: Final = "default"
-
-_UNITS: Final = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 1 << 40,
-    "tib": 1 << 40,
-}
-# re.ASCII: "\d" is [0-9] only, so full-width or Arabic-Indic digits are rejected, not read as numbers.
-_SIZE_RE: Final = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", re.ASCII)
-_PORT_RE: Final = re.compile(r"[0-9]{1,5}", re.ASCII)
-# A DNS name or an IPv4 address: letters, digits, '-', '.', '_' (no spaces, no scheme, no path).
-_HOST_RE: Final = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?", re.ASCII)
-_IPV6_RE: Final = re.compile(r"\[[0-9A-Fa-f:.]+(?:%[A-Za-z0-9_.-]+)?\]", re.ASCII)
-
-# Error messages show values through this: bounded length and depth, so a huge or deeply nested value can
-# neither flood the message nor overflow the stack while it is formatted.
-_REPR: Final = reprlib.Repr()
-_REPR.maxlevel = 3
-_REPR.maxstring = 80
-_REPR.maxother = 80
-
-
-def _show(value: object) -> str:
-    try:
-        return _REPR.repr(value)
-    except Exception:  # a broken __repr__ must not hide the real error
-        return f"<{type(value).__name__}>"
-
-
-def parse_size(value: object, field: str = "size") -> int:
-    """Return ``value`` as a number of bytes.
-
-    Accepts a non-negative ``int``, an integral ``float`` (JSON numbers), or a string made of an ASCII
-    number and an optional binary unit (``B``, ``K``/``KB``/``KiB``, ``M``…, ``G``…, ``T``…;
-    case-insensitive, spaces allowed). A fractional byte count from a decimal string is truncated
-    (``"1.5 GB"`` is exact anyway), as vLLM's parser does. Sizes must be below 2**64 (Mooncake's ``size_t``).
-
-    Raises:
-        TypeError: ``value`` is neither an int, a float nor a string (``bool`` is rejected too).
-        ValueError: the string cannot be parsed, the unit is unknown, or the size is negative or >= 2**64.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{field}: expected a size (int or string like '4GB'), got bool {value!r}")
-    if isinstance(value, int):
-        size = int(value)
-    elif isinstance(value, float):
-        if not math.isfinite(value) or not value.is_integer():
-            raise ValueError(f"{field}: a float size must be a whole number of bytes, got {value!r}")
-        size = int(value)
-    elif isinstance(value, str):
-        match = _SIZE_RE.fullmatch(value)
-        if match is None:
-            raise ValueError(
-                f"{field}: cannot parse size {_show(value)}; use an int or a number with a unit, "
-                "e.g. '4GB', '512MiB'"
-            )
-        number, unit = match.groups()
-        multiplier = _UNITS.get(unit.lower())
-        if multiplier is None:
-            raise ValueError(
-                f"{field}: unknown size unit {unit!r} in {_show(value)}; use B, KB, MB, GB, TB (or KiB, MiB, ...)"
-            )
-        if number.isdigit():
-            size = int(number) * multiplier  # exact: no float rounding for "4398046511104"
-        else:
-            scaled = float(number) * multiplier
-            if not math.isfinite(scaled):
-                raise ValueError(f"{field}: size {_show(value)} is too large")
-            size = int(scaled)
-    else:
-        raise TypeError(f"{field}: expected a size (int or string like '4GB'), got {type(value).__name__}")
-    if size < 0:
-        raise ValueError(f"{field}: size must be >= 0, got {_show(value)}")
-    if size >= _SIZE_LIMIT:
-        raise ValueError(f"{field}: size must be below 2**64 bytes (Mooncake's size_t), got {_show(value)}")
-    return size
-
-
-def _parse_port(text: str, where: str) -> int:
-    if not _PORT_RE.fullmatch(text):
-        raise ValueError(f"{where}: port must be a decimal number 1..65535, got {text!r}")
-    port = int(text)
-    if not 1 <= port <= 65535:
-        raise ValueError(f"{where}: port must be 1..65535, got {port}")
-    return port
-
-
-def _parse_host_port(text: str, field: str, *, port_required: bool) -> tuple[str, int | None]:
-    if _IPV6_RE.match(text) and text.startswith("["):
-        close = text.index("]")
-        host, rest = text[: close + 1], text[close + 1 :]
-        if rest and not rest.startswith(":"):
-            raise ValueError(f"{field}: expected '[ipv6]:port', got {text!r}")
-        port_text = rest[1:] if rest else None
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    elif ":" in text:
-        raise ValueError(f"{field}: an IPv6 address must be written in brackets, '[::1]:50051'; got {text!r}")
-    else:
-        host, port_text = text, None
-    if not (_IPV6_RE.fullmatch(host) or _HOST_RE.fullmatch(host)):
-        raise ValueError(f"{field}: {host!r} is not a host name or IP address (in {text!r})")
-    if port_text is None:
-        if port_required:
-            raise ValueError(f"{field}: expected 'host:port', got {text!r} (no port)")
-        return host, None
-    return host, _parse_port(port_text, field)
-
-
-def parse_address(value: str, field: str = "master_server_address") -> list[tuple[str, int]]:
-    """Parse a master address into its ``(host, port)`` endpoints, without connecting to anything.
-
-    Accepted: ``"host:port"`` (IPv4, DNS name, or ``[ipv6]``), and Mooncake's high-availability form
-    ``"etcd://host:port;host:port"`` (the etcd endpoints that elect the master). Ports are 1..65535.
-
-    Raises:
-        ValueError: anything else (missing or bad port, a scheme other than ``etcd://``, a path, spaces).
-    """
-    text = value.strip()
-    if not text:
-        raise ValueError(f"{field}: must be 'host:port' (or 'etcd://host:port;...'), got an empty string")
-    if "://" in text:
-        scheme, _, rest = text.partition("://")
-        if scheme.lower() != "etcd":
-            raise ValueError(f"{field}: unsupported scheme {scheme!r} in {text!r}; use 'host:port' or 'etcd://…'")
-        parts = [p.strip() for p in rest.split(";")]
-        if not any(parts):
-            raise ValueError(f"{field}: no etcd endpoint in {text!r}")
-        return [_endpoint(p, field) for p in parts if p]
-    return [_endpoint(text, field)]
-
-
-def _endpoint(text: str, field: str) -> tuple[str, int]:
-    host, port = _parse_host_port(text, field, port_required=True)
-    assert port is not None  # port_required
-    return host, port
-
-
-def _check_str(field: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{field}: expected str, got {type(value).__name__} {_show(value)}")
-    return value
-
-
-def _check_int(field: str, value: object, *, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{field}: expected int, got {type(value).__name__} {_show(value)}")
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in {low}..{high}"
-        raise ValueError(f"{field}: must be {bound}, got {value}")
-    return int(value)
-
-
-def _check_timeout(field: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{field}: expected a number of seconds, got {type(value).__name__} {_show(value)}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{field}: must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
-def _check_bool(field: str, value: object) -> bool:
-    # JSON true/false, or 0/1. A string is refused: vLLM reads "false" as true (any non-empty string), so
-    # accepting one would make the same file mean different things to the two readers.
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise TypeError(f"{field}: expected true or false, got {type(value).__name__} {_show(value)}")
 
 
 @dataclass(frozen=True)
@@ -331,18 +158,18 @@ class StoreConfig:
             object.__setattr__(self, name, value)
 
         for name in ("local_hostname", "metadata_server", "device_name"):
-            _check_str(name, getattr(self, name))
+            check_str(name, getattr(self, name))
         hostname = self.local_hostname.strip()
         if not hostname:
             raise ValueError("local_hostname: must not be empty (use '127.0.0.1' for loopback)")
-        _parse_host_port(hostname, "local_hostname", port_required=False)
+        parse_host_port(hostname, "local_hostname", port_required=False)
         put("local_hostname", hostname)
         if not self.metadata_server.strip():
             raise ValueError("metadata_server: must not be empty (use 'P2PHANDSHAKE')")
         put("metadata_server", self.metadata_server.strip())
-        put("embedded_master", _check_bool("embedded_master", self.embedded_master))
+        put("embedded_master", check_bool("embedded_master", self.embedded_master))
         if self.master_server_address is not None:
-            address = _check_str("master_server_address", self.master_server_address).strip()
+            address = check_str("master_server_address", self.master_server_address).strip()
             parse_address(address)  # a malformed address fails here, not after minutes of setup retries
             if self.embedded_master:
                 raise ValueError(
@@ -350,9 +177,9 @@ class StoreConfig:
                     "(an address names a running master; embedded_master starts a private one)"
                 )
             put("master_server_address", address)
-        protocol = _check_str("protocol", self.protocol).strip().lower()
+        protocol = check_str("protocol", self.protocol).strip().lower()
         if protocol not in _PROTOCOLS:
-            raise ValueError(f"protocol: must be one of {_PROTOCOLS}, got {_show(self.protocol)}")
+            raise ValueError(f"protocol: must be one of {_PROTOCOLS}, got {show(self.protocol)}")
         put("protocol", protocol)
         segment = parse_size(self.global_segment_size, "global_segment_size")
         if 0 < segment < MIN_GLOBAL_SEGMENT_SIZE:
@@ -363,33 +190,33 @@ class StoreConfig:
         put("local_buffer_size", parse_size(self.local_buffer_size, "local_buffer_size"))
         put("tenant_id", _normalize_tenant(self.tenant_id))
         if self.mode is not None:
-            mode = _check_str("mode", self.mode).strip().lower()
+            mode = check_str("mode", self.mode).strip().lower()
             if mode not in MODES:
-                raise ValueError(f"mode: must be one of {MODES}, got {_show(self.mode)}")
+                raise ValueError(f"mode: must be one of {MODES}, got {show(self.mode)}")
             if mode == "embedded" and segment == 0:
                 raise ValueError("mode 'embedded' needs global_segment_size > 0 (use 'standalone-store' for 0)")
             if mode == "standalone-store" and segment != 0:
                 raise ValueError(f"mode 'standalone-store' needs global_segment_size 0, got {segment}")
             put("mode", mode)
-        put("enable_offload", _check_bool("enable_offload", self.enable_offload))
-        mode_name = _check_str("transfer_mode", self.transfer_mode).strip().lower().replace("-", "_")
+        put("enable_offload", check_bool("enable_offload", self.enable_offload))
+        mode_name = check_str("transfer_mode", self.transfer_mode).strip().lower().replace("-", "_")
         if mode_name not in TRANSFER_MODES:
-            raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {_show(self.transfer_mode)}")
+            raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {show(self.transfer_mode)}")
         put("transfer_mode", mode_name)
         staging = parse_size(self.staging_buffer_size, "staging_buffer_size")
         if staging == 0:
             raise ValueError("staging_buffer_size: must be > 0 (use transfer_mode='multi_buffer' to stage nothing)")
         put("staging_buffer_size", staging)
         if self.max_regions_per_batch is not None:
-            _check_int("max_regions_per_batch", self.max_regions_per_batch, low=1)
+            check_int("max_regions_per_batch", self.max_regions_per_batch, low=1)
         if self.setup_retries is not None:
-            _check_int("setup_retries", self.setup_retries, low=1, high=_MAX_SETUP_RETRIES)
-        put("close_timeout_s", _check_timeout("close_timeout_s", self.close_timeout_s))
-        put("master_start_timeout_s", _check_timeout("master_start_timeout_s", self.master_start_timeout_s))
+            check_int("setup_retries", self.setup_retries, low=1, high=_MAX_SETUP_RETRIES)
+        put("close_timeout_s", check_timeout("close_timeout_s", self.close_timeout_s))
+        put("master_start_timeout_s", check_timeout("master_start_timeout_s", self.master_start_timeout_s))
         args = self.master_args
         if isinstance(args, str) or not isinstance(args, (list, tuple)):
             raise TypeError(f"master_args: expected a list of strings, got {type(args).__name__}")
-        put("master_args", tuple(_check_str("master_args[]", a) for a in args))
+        put("master_args", tuple(check_str("master_args[]", a) for a in args))
 
     # ------------------------------------------------------------------ derived values
 
@@ -434,13 +261,13 @@ class StoreConfig:
         merged: dict[str, Any] = {}
         for key, value in (*data.items(), *overrides.items()):
             if not isinstance(key, str):
-                raise TypeError(f"config: keys must be strings, got {type(key).__name__} {_show(key)}")
+                raise TypeError(f"config: keys must be strings, got {type(key).__name__} {show(key)}")
             merged[key] = value
         if "tenant" in merged:
             alias = merged.pop("tenant")
             if "tenant_id" in merged and _normalize_tenant(merged["tenant_id"]) != _normalize_tenant(alias):
                 raise ValueError(
-                    f"config: 'tenant' ({_show(alias)}) and 'tenant_id' ({_show(merged['tenant_id'])}) disagree; "
+                    f"config: 'tenant' ({show(alias)}) and 'tenant_id' ({show(merged['tenant_id'])}) disagree; "
                     "they are one setting (tenant is an alias), give one"
                 )
             merged.setdefault("tenant_id", alias)
@@ -510,5 +337,5 @@ def _normalize_tenant(value: object) -> str:
     # vLLM's rule: null or blank means "default"; surrounding spaces are dropped.
     if value is None:
         return _DEFAULT_TENANT
-    text = _check_str("tenant_id", value).strip()
+    text = check_str("tenant_id", value).strip()
     return text or _DEFAULT_TENANT
