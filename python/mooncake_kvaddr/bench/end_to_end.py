@@ -46,7 +46,8 @@ def run(shape: Shape, reps: int) -> dict[str, Any]:
     rng.shuffle(ids)
     data_bytes = shape.chunks * shape.regions * block_bytes
     # One call per request: in one process Mooncake copies in memory, no TCP budget applies (docs/benchmarks.md).
-    config = StoreConfig(global_segment_size=data_bytes + data_bytes // 4 + (64 << 20), local_buffer_size=0,
+    config = StoreConfig(embedded_master=True, global_segment_size=data_bytes + data_bytes // 4 + (64 << 20),
+                         local_buffer_size=0,
                          max_regions_per_batch=1 << 30)
     lens = [block_bytes] * shape.regions
 

@@ -44,7 +44,7 @@ def run(chunks: int, regions: int, block_bytes: int, reps: int,
     most = max(concurrency)
     # No region-budget splitting: in one process Mooncake copies in memory (docs/benchmarks.md), so a whole
     # request is one call in either mode.
-    config = StoreConfig(global_segment_size=data + data // 4 + (64 << 20), local_buffer_size=0,
+    config = StoreConfig(embedded_master=True, global_segment_size=data + data // 4 + (64 << 20), local_buffer_size=0,
                          max_regions_per_batch=1 << 30)
     modes = ("multi_buffer", "staged")
     samples: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
