@@ -11,7 +11,9 @@ the protocol only. The commands drive the project's :class:`~mooncake_kvaddr.dri
 ``fill``        fill a cache with the bytes of data set ``seed``
 ``store``       store ``chunks`` chunks (blocks 1..chunks) under key tag ``tag``
 ``load``        sentinel-fill blocks 1..chunks, load them, verify every chunk against data set ``seed``
-``load_loop``   ``load`` repeatedly (alternating data sets) until ``duration_s`` has passed
+``load_loop``   ``load`` repeatedly (alternating data sets) until ``duration_s`` has passed; optional
+                ``pause`` ``{"iteration", "call", "seconds"}``: announce ``paused`` before that Mooncake call
+                of that load and wait, so that a test can inject a fault in the middle of the load
 ``exist``, ``remove_all``, ``health``, ``close``, ``exit``
 
 Verification of a load (:func:`verify`): a chunk reported loaded must hold exactly the bytes of its data
@@ -135,6 +137,33 @@ class _Cache:
         self.xfer.close()
 
 
+class _CallHook:
+    """Stands in for a store's Mooncake client: forwards everything, and reports each transfer call first.
+
+    This is how a test aims a fault at the middle of a load: the worker counts the Mooncake calls of the
+    current load and, at the requested one, announces ``paused`` and waits a moment before making it.
+    """
+
+    _CALLS = frozenset(
+        ("batch_get_into", "batch_get_into_multi_buffers", "batch_put_from", "batch_put_from_multi_buffers")
+    )
+
+    def __init__(self, client: Any, before_call: Callable[[str], None]) -> None:
+        self._client = client
+        self._before_call = before_call
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if name not in self._CALLS:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._before_call(name)
+            return attr(*args, **kwargs)
+
+        return call
+
+
 class Worker:
     """The command loop's state: named stores and caches."""
 
@@ -142,6 +171,16 @@ class Worker:
         self.out = out
         self.stores: dict[str, MooncakeStore] = {}
         self.caches: dict[str, _Cache] = {}
+        self.calls = 0  # Mooncake transfer calls of the current load
+        self.iteration = -1  # index of the current load in a load_loop
+        self.pause: dict[str, Any] | None = None  # {"iteration", "call", "seconds"}
+
+    def before_call(self, name: str) -> None:
+        self.calls += 1
+        pause = self.pause
+        if pause is not None and pause["iteration"] == self.iteration and pause["call"] == self.calls:
+            self.emit({"event": "paused", "iteration": self.iteration, "call": self.calls, "t": time.time()})
+            time.sleep(float(pause["seconds"]))
 
     def emit(self, message: dict[str, Any]) -> None:
         self.out.write(json.dumps(message) + "\n")
@@ -163,7 +202,10 @@ class Worker:
             close_timeout_s=float(args.get("close_timeout_s", 120.0)),
         )
         t0 = time.perf_counter()
-        self.stores[name] = MooncakeStore(config).setup()
+        store = MooncakeStore(config).setup()
+        # Test-only: count the transfer calls (see _CallHook); the store hands this object to every call.
+        store._client = _CallHook(store._client, self.before_call)
+        self.stores[name] = store
         return {"seconds": time.perf_counter() - t0}
 
     def op_cache(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -205,13 +247,15 @@ class Worker:
         for region in cache.regions:
             region[1 : chunks + 1] = sentinel
         expected = cache.data(seed)
-        self.emit({"event": "load_started", "index": index, "tag": tag, "t": time.time()})
+        self.iteration, self.calls = index, 0
+        t_start = time.time()
+        self.emit({"event": "load_started", "index": index, "tag": tag, "t": t_start})
         t0 = time.perf_counter()
         result = cache.xfer.load(request)
         seconds = time.perf_counter() - t0
         report = verify(cache.regions, expected, list(ids), result, sentinel)
-        report.update(seconds=seconds, index=index, tag=tag, t_end=time.time(), bytes=result.bytes,
-                      timings=dict(result.timings))
+        report.update(seconds=seconds, index=index, tag=tag, t_start=t_start, t_end=t_start + seconds, bytes=result.bytes,
+                      timings=dict(result.timings), calls=self.calls)
         return report
 
     def op_load(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -227,12 +271,14 @@ class Worker:
         sentinel = int(args.get("sentinel", 0xA5))
         deadline = time.monotonic() + float(args["duration_s"])
         max_iters = int(args.get("max_iters", 1 << 30))
+        self.pause = args.get("pause")
         reports: list[dict[str, Any]] = []
         while time.monotonic() < deadline and len(reports) < max_iters:
             tag, seed = sets[len(reports) % len(sets)]
             report = self._load_once(cache, tag, chunks, seed, sentinel, len(reports))
             self.emit({"event": "iteration", **report})
             reports.append(report)
+        self.pause, self.iteration = None, -1
         return {"iterations": reports}
 
     def op_exist(self, args: dict[str, Any]) -> dict[str, Any]:
