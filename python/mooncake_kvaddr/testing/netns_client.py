@@ -37,12 +37,12 @@ import numpy as np
 # Set before the driver imports mooncake.store (read at load time).
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
-from mooncake_kvaddr.core.database import ChunkedTokenDatabase  # noqa: E402
-from mooncake_kvaddr.core.metadata import KeyMetadata  # noqa: E402
-from mooncake_kvaddr.driver.config import StoreConfig  # noqa: E402
-from mooncake_kvaddr.driver.staging import StagingPool  # noqa: E402
-from mooncake_kvaddr.driver.store import MooncakeStore  # noqa: E402
-from mooncake_kvaddr.driver.transfer import KVTransfer, LoadResult, TransferRequest  # noqa: E402
+from mooncake_kvaddr.core.database import ChunkedTokenDatabase
+from mooncake_kvaddr.core.metadata import KeyMetadata
+from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.staging import StagingPool
+from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.transfer import KVTransfer, LoadResult, TransferRequest
 
 __all__ = ["dataset", "main", "verify"]
 
@@ -103,6 +103,9 @@ def verify(
     }
 
 
+_DATASETS: dict[tuple[int, int, int, int], list[Array]] = {}
+
+
 class _Cache:
     """A KV cache of ``regions`` arrays and the KVTransfer that moves it."""
 
@@ -111,7 +114,8 @@ class _Cache:
         self.blocks = int(args["blocks"])
         self.block_bytes = int(args["block_bytes"])
         self.block_size = int(args.get("block_size", 16))
-        self.regions: list[Array] = [np.zeros((self.blocks, self.block_bytes), dtype=np.uint8) for _ in range(self.regions_n)]
+        shape = (self.blocks, self.block_bytes)
+        self.regions: list[Array] = [np.zeros(shape, dtype=np.uint8) for _ in range(self.regions_n)]
         staging = args.get("staging_bytes")
         self.pool = StagingPool(int(staging)) if staging else None
         db = ChunkedTokenDatabase(KeyMetadata(str(args.get("model", "mh")), 0, 0, 0, 0), self.block_size)
@@ -119,14 +123,15 @@ class _Cache:
             store, [db], transfer_mode=str(args["mode"]), start_threads=False, staging_pool=self.pool
         )
         self.xfer.register_kv_caches(self.regions, self.blocks)
-        self._datasets: dict[int, list[Array]] = {}
 
     def data(self, seed: int) -> list[Array]:
-        if seed not in self._datasets:
-            if len(self._datasets) >= 4:
-                self._datasets.clear()
-            self._datasets[seed] = dataset(seed, self.regions_n, self.blocks, self.block_bytes)
-        return self._datasets[seed]
+        """Data set ``seed`` in this cache's shape (the last two generated are kept, for every cache)."""
+        key = (seed, self.regions_n, self.blocks, self.block_bytes)
+        if key not in _DATASETS:
+            while len(_DATASETS) >= 2:
+                del _DATASETS[next(iter(_DATASETS))]
+            _DATASETS[key] = dataset(*key)
+        return _DATASETS[key]
 
     def request(self, tag: str, chunks: int) -> TransferRequest:
         if not 0 < chunks < self.blocks:
@@ -254,8 +259,10 @@ class Worker:
         result = cache.xfer.load(request)
         seconds = time.perf_counter() - t0
         report = verify(cache.regions, expected, list(ids), result, sentinel)
-        report.update(seconds=seconds, index=index, tag=tag, t_start=t_start, t_end=t_start + seconds, bytes=result.bytes,
-                      timings=dict(result.timings), calls=self.calls)
+        report.update(
+            seconds=seconds, index=index, tag=tag, t_start=t_start, t_end=t_start + seconds,
+            bytes=result.bytes, timings=dict(result.timings), calls=self.calls,
+        )  # fmt: skip
         return report
 
     def op_load(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -283,7 +290,8 @@ class Worker:
 
     def op_exist(self, args: dict[str, Any]) -> dict[str, Any]:
         store = self.stores[str(args.get("store", "main"))]
-        result = store.batch_is_exist(hashes_keys(self.caches[str(args["cache"])], str(args["tag"]), int(args["chunks"])))
+        keys = hashes_keys(self.caches[str(args["cache"])], str(args["tag"]), int(args["chunks"]))
+        result = store.batch_is_exist(keys)
         return {"present": sum(result.present), "summary": result.summary()}
 
     def op_remove_all(self, args: dict[str, Any]) -> dict[str, Any]:
