@@ -723,7 +723,9 @@ class NetnsCluster:
         """Start :mod:`mooncake_kvaddr.testing.netns_client` in ``role``'s namespace and wait for its hello.
 
         The worker imports this package from the same location as the caller; ``MC_LOG_LEVEL`` defaults to
-        WARNING; the cluster's ``worker_env`` and then ``env`` are added.
+        WARNING; the cluster's ``worker_env`` and then ``env`` are added. Call it from a thread that outlives
+        the worker (the main thread, typically): ``PR_SET_PDEATHSIG`` fires when the *thread* that started a
+        child exits.
         """
         if role not in ("writer", "reader"):
             raise ValueError(f"role: workers run as 'writer' or 'reader', got {role!r}")
