@@ -108,8 +108,9 @@ def _measure(
     return store_s, load_s, store_status, load_status, verified, refilled
 
 
-def run(quick: bool = False, reps: int | None = None) -> list[dict[str, Any]]:
-    """Measure every path on every shape of :func:`shapes`; one row per (shape, path, operation).
+def run(quick: bool = False, reps: int | None = None, only: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Measure every path on every shape of :func:`shapes` (those named in ``only``, if given); one row per
+    (shape, path, operation).
 
     Row fields: ``shape``, ``chunks``, ``regions``, ``block_bytes``, ``bytes``, ``path``, ``op``
     (``"store"``/``"load"``), ``median_ms``, ``samples_ms``, ``mib_per_s`` (``None`` when failed), ``status``
@@ -121,8 +122,11 @@ def run(quick: bool = False, reps: int | None = None) -> list[dict[str, Any]]:
     if reason is not None:
         raise RuntimeError(f"multi-host bench unavailable: {reason}")
     reps = reps if reps is not None else (1 if quick else 3)
+    selected = [s for s in shapes(quick) if not only or s.name in only]
+    if not selected:
+        raise ValueError(f"no shape named {list(only)}; shapes: {[s.name for s in shapes(quick)]}")
     rows: list[dict[str, Any]] = []
-    largest = max(s.nbytes for s in shapes(quick))
+    largest = max(s.nbytes for s in selected)
     with NetnsCluster() as cluster:
         holder = cluster.spawn_worker("writer")
         # The holder's segment: one request's objects plus headroom; it only serves TCP.
@@ -133,7 +137,7 @@ def run(quick: bool = False, reps: int | None = None) -> list[dict[str, Any]]:
         client.call("setup", 60, master=cluster.master_address, hostname=hostname, segment=0)
         client.call("setup", 60, master=cluster.master_address, hostname=hostname, segment=0,
                     store="single", region_budget=1 << 30)
-        for shape in shapes(quick):
+        for shape in selected:
             geometry = {"regions": shape.regions, "blocks": shape.chunks + 1, "block_bytes": shape.block_bytes,
                         "block_size": 16}
             for path, (store, mode) in PATHS.items():
@@ -184,13 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tenth of each shape, one repetition")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per path (default 3, quick 1)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--shape", action="append", default=[], help="only this shape (repeatable)")
     args = parser.parse_args(argv)
     reason = unavailable_reason()
     if reason is not None:
         print(f"multi-host bench skipped: {reason}")
         return 0
     t0 = time.perf_counter()
-    rows = run(args.quick, args.reps)
+    rows = run(args.quick, args.reps, args.shape)
     print("Cross-namespace TCP (master, segment holder and client in three network namespaces); medians")
     print(format_table(rows))
     print(f"({time.perf_counter() - t0:.0f} s; shared machine, numbers are noisy)")
