@@ -248,6 +248,50 @@ def test_sweep_removes_only_stale_namespaces_with_the_prefix() -> None:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
+def test_verify_catches_every_lie_a_load_could_tell() -> None:
+    """The checker the fault tests rely on: wrong, stale, partial and unaccounted chunks are all seen."""
+    import numpy as np
+
+    from mooncake_kvaddr.driver.transfer import LoadResult
+    from mooncake_kvaddr.testing.netns_client import dataset, verify
+
+    expected = dataset(1, 2, 7, 64)
+    other = dataset(2, 2, 7, 64)
+    regions = [np.full((7, 64), 0xA5, dtype=np.uint8) for _ in range(2)]
+    for region, want, old in zip(regions, expected, other, strict=True):
+        region[1] = want[1]  # 1: loaded, right bytes
+        region[2] = want[2]
+        region[2, 5] ^= 1  # 2: "loaded", one byte wrong
+        region[3] = old[3]  # 3: failed, holds another data set's bytes (stale)
+        region[4, :10] = want[4, :10]  # 4: failed, partly written with the right bytes
+        # 5: failed, untouched; 6: not reported at all
+    result = LoadResult("r", loaded_block_ids={1, 2}, failed_block_ids={3, 4, 5})
+    report = verify(regions, expected, [1, 2, 3, 4, 5, 6], result, 0xA5)
+    assert report["verified"] == 1 and report["wrong"] == 1
+    assert report["stale"] == 2  # block 3, and block 2's flipped byte
+    assert report["partial"] == 2  # blocks 3 and 4 are not all sentinel
+    assert report["unaccounted"] == 1 and report["overlap"] == 0
+
+
+def test_unavailable_reason_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mooncake_kvaddr.testing.netns as netns
+
+    try:
+        netns.unavailable_reason.cache_clear()
+        monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+        assert (netns.unavailable_reason() or "").startswith("not root")
+        netns.unavailable_reason.cache_clear()
+        monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+        monkeypatch.setattr(netns, "_ip_binary", lambda: None)
+        assert "iproute2" in (netns.unavailable_reason() or "")
+        monkeypatch.setattr(netns.sys, "platform", "darwin")
+        netns.unavailable_reason.cache_clear()
+        assert "Linux" in (netns.unavailable_reason() or "")
+    finally:
+        monkeypatch.undo()
+        netns.unavailable_reason.cache_clear()
+
+
 def test_worker_waits_are_bounded(cluster: NetnsCluster) -> None:
     worker = cluster.spawn_worker("reader")
     worker.signal(signal.SIGSTOP)
