@@ -60,7 +60,7 @@ def model(key_prefix: str) -> str:
 @pytest.mark.parametrize(
     ("mode", "resolved", "store_phases", "load_phases"),
     [
-        ("multi_buffer", "multi_buffer", {"keys", "exist", "prepare", "put"}, {"plan", "rotate", "get"}),
+        ("multi_buffer", "multi_buffer", {"keys", "exist", "prepare", "put"}, {"plan", "get"}),
         ("auto", "staged", {"keys", "exist", "prepare", "staging_wait", "gather", "put"},
          {"plan", "staging_wait", "get", "scatter"}),
     ],

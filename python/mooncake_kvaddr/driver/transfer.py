@@ -1,14 +1,15 @@
-"""KV-cache transfer between a worker's KV cache and the Mooncake store (SPEC.md §3).
+"""KV-cache transfer between a worker's KV cache and the Mooncake store (see ``docs/transfer-modes.md``).
 
 :class:`KVTransfer` is the worker side of vLLM's Mooncake store connector, reduced to what moves bytes:
 
-* :meth:`KVTransfer.register_kv_caches` registers the KV-cache regions (shared by every group),
-* :meth:`KVTransfer.store` - the send thread's per-request work (§3.2): walk chunks, build keys, ask which
-  exist, and put only the missing ones, with one ``prepare_values`` per group;
-* :meth:`KVTransfer.load` - the receive thread's per-request work (§3.3): keys and regions per group,
-  tp-rank rotation, one get, and the block ids of every chunk that failed;
+* :meth:`KVTransfer.register_kv_caches` registers the KV-cache regions (shared by every group) and picks
+  the transfer path (:mod:`mooncake_kvaddr.driver.paths`: multi-buffer, direct or staged);
+* :meth:`KVTransfer.store` - the send thread's per-request work: walk chunks, build keys, ask which exist,
+  and put only the missing ones;
+* :meth:`KVTransfer.load` - the receive thread's per-request work: keys and regions per group, tp-rank
+  rotation, the gets, and the block ids of every chunk that failed (a load never raises for store trouble);
 * :meth:`KVTransfer.lookup` - how many leading tokens every group can load from the store, probing every rank
-  namespace of the parallel layout (§1.4, §3.5; see :mod:`mooncake_kvaddr.driver.lookup`);
+  namespace of the parallel layout (see :mod:`mooncake_kvaddr.driver.lookup`);
 * :meth:`KVTransfer.submit_store` / :meth:`KVTransfer.submit_load` hand requests to one send thread and
   ``num_recv_threads`` receive threads that share one queue; each returns a ``Future``.
 
@@ -16,18 +17,10 @@ The caches here are host buffers (numpy arrays); on a GPU host they would be dev
 same way (a base address and a per-block length per region).
 
 Transfer modes (``transfer_mode``, default ``StoreConfig.transfer_mode`` = ``"auto"``), resolved once by
-:meth:`KVTransfer.register_kv_caches` and logged once:
-
-* ``"multi_buffer"``: every key's regions go to Mooncake's ``batch_*_multi_buffers`` calls, whose binding
-  converts each ``(address, size)`` pair with the GIL held and whose TCP path pays per region.
-* ``"staged"``: each key moves through one contiguous slot of a bounded, pre-faulted :class:`StagingPool`
-  (registered with Mooncake once): a native gather (GIL released) then ``batch_put_from``, or
-  ``batch_get_into`` then a native scatter of only the keys that succeeded. Objects are the concatenation
-  of their regions in both modes, so the modes interoperate.
-* ``"auto"``: staged for host-memory caches with more than one region per key.
-
-With one region per key (cross-layer layouts) ``"staged"`` and ``"auto"`` call ``batch_get_into`` /
-``batch_put_from`` on the KV cache directly (mode ``"direct"``): there is nothing to gather.
+:meth:`KVTransfer.register_kv_caches` and logged once: ``"multi_buffer"``, ``"staged"``, ``"auto"`` (staged
+for host-memory caches with more than one region per key); with one region per key ``"staged"`` and
+``"auto"`` use ``"direct"``. Objects are the concatenation of their regions in every mode, so the modes
+interoperate.
 """
 
 from __future__ import annotations
@@ -37,120 +30,36 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.driver.bounds import RegisteredCaches
 from mooncake_kvaddr.driver.config import TRANSFER_MODES
 from mooncake_kvaddr.driver.lookup import GroupSpecLike, ParallelLayout, StoreLookup
-from mooncake_kvaddr.driver.staging import (
-    SLOT_ALIGNMENT,
-    CopyBackend,
-    HostCopyBackend,
-    StagingLease,
-    StagingPool,
-    plan_batches,
-    plan_slots,
+from mooncake_kvaddr.driver.paths import (
+    DirectPath,
+    GetPlan,
+    MultiBufferPath,
+    PathContext,
+    StagedPath,
+    TransferPath,
 )
-from mooncake_kvaddr.driver.store import CODE_MASTER_UNREACHABLE, BatchResult, MooncakeStore, Outcome, StoreError
+from mooncake_kvaddr.driver.results import Clock, LoadResult, StoreResult, TransferRequest, count
+from mooncake_kvaddr.driver.rules import LOAD_ERRORS, OperationRecorder, describe, floor_to
+from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, CopyBackend, HostCopyBackend, StagingPool
+from mooncake_kvaddr.driver.store import MooncakeStore, Outcome, StoreClosedError, StoreError
 
 __all__ = ["KVTransfer", "LoadResult", "StoreResult", "TransferRequest"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-Int64Array = np.ndarray[Any, np.dtype[np.int64]]
-
-# How long a staged request waits for room in a shared staging pool before it fails (a transfer in flight
-# holds its lease for at most Mooncake's 60 s timeout per call).
-_STAGING_WAIT_S = 300.0
-
-
-@dataclass(frozen=True)
-class TransferRequest:
-    """One request's view of the KV cache.
-
-    Attributes:
-        req_id: the caller's request id (echoed in results).
-        token_len: tokens to store or load (floored to the block size for stores and lookups).
-        block_hashes: prefix-chained hashes, one per ``hash_block_size`` tokens.
-        block_ids: per KV-cache group, the physical block id of each ``block_size`` block of the request
-            (block 0 is vLLM's null block: chunks on it are never stored).
-        skip_tokens: tokens at the start that need no transfer (store: already saved; load: computed
-            locally), floored to the block size.
-    """
-
-    req_id: str
-    token_len: int
-    block_hashes: Sequence[BlockHash]
-    block_ids: Sequence[Sequence[int]]
-    skip_tokens: int = 0
-
-
-@dataclass
-class StoreResult:
-    """What :meth:`KVTransfer.store` did for one request."""
-
-    req_id: str
-    chunks: int = 0  # chunks considered (after masking and NULL filtering)
-    already_present: int = 0  # of those, found in the store and skipped
-    stored: int = 0  # put successfully now
-    failed_keys: list[str] = field(default_factory=list)
-    back_pressure: bool = False  # the pool was full (-200): the caller should pause storing
-    saved_tokens: int = 0  # tokens known to be in the store after this call (all or nothing)
-    bytes: int = 0  # bytes put successfully
-    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
-    mode: str = ""  # "multi_buffer", "staged" or "direct" (empty when nothing was put)
-    outcomes: dict[str, int] = field(default_factory=dict)  # per put key: Outcome value (or "gather_failed") -> count
-
-    @property
-    def ok(self) -> bool:
-        """Every chunk is in the store now."""
-        return not self.failed_keys
-
-
-@dataclass
-class LoadResult:
-    """What :meth:`KVTransfer.load` did for one request.
-
-    ``loaded_block_ids`` holds only blocks whose every chunk transfer succeeded; any block id touched by a
-    failed key is in ``failed_block_ids`` instead (vLLM recomputes those blocks).
-    """
-
-    req_id: str
-    chunks: int = 0
-    loaded_block_ids: set[int] = field(default_factory=set)
-    failed_block_ids: set[int] = field(default_factory=set)
-    bytes: int = 0
-    outcomes: dict[str, int] = field(default_factory=dict)  # Outcome value -> count
-    error: str | None = None  # set when a get (or a staged scatter) raised: its keys all count as failed
-    timings: dict[str, float] = field(default_factory=dict)
-    mode: str = ""  # "multi_buffer", "staged" or "direct"
-
-    @property
-    def ok(self) -> bool:
-        """Every chunk was loaded."""
-        return not self.failed_block_ids and self.error is None
-
-
-class _Clock:
-    """Accumulates wall time per phase (seconds)."""
-
-    def __init__(self) -> None:
-        self.timings: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.timings[phase] = self.timings.get(phase, 0.0) + (now - self._last)
-        self._last = now
 
 
 class KVTransfer:
@@ -207,14 +116,14 @@ class KVTransfer:
         self.lcm_block_size = math.lcm(*(db.block_size for db in self.databases))
         #: Lookup over every rank namespace (key prefixes built once, here).
         self.store_lookup = StoreLookup(self.databases, group_specs, layout)
+        self._metrics = OperationRecorder(None)
         self._regions: list[np.ndarray[Any, Any]] = []
         self._registered: list[int] = []
-        # Until register_kv_caches says otherwise (rows set on the databases by hand): today's path.
-        self._mode = "multi_buffer"
+        # Until register_kv_caches says otherwise (rows set on the databases by hand): the multi-buffer path.
+        self._path: TransferPath = MultiBufferPath(self._context(None))
         self._pool = staging_pool
         self._owns_pool = staging_pool is None
         self._pool_registered = False
-        self._copy: CopyBackend | None = None
         self._back_pressure = threading.Event()
         self._send_queue: queue.Queue[tuple[TransferRequest, Future[StoreResult]] | None] = queue.Queue()
         self._recv_queue: queue.Queue[tuple[TransferRequest, Future[LoadResult]] | None] = queue.Queue()
@@ -223,6 +132,9 @@ class KVTransfer:
         self._closed = False
         if start_threads:
             self.start()
+
+    def _context(self, caches: RegisteredCaches | None) -> PathContext:
+        return PathContext(self._store, self.databases, caches, self.replicate_config, self._metrics)
 
     @property
     def mooncake_store(self) -> MooncakeStore:
@@ -236,18 +148,23 @@ class KVTransfer:
         ``"multi_buffer"`` until :meth:`register_kv_caches` resolves :attr:`transfer_mode`: staging needs to
         know the registered buffers (every copy is bounds-checked against them).
         """
-        return self._mode
+        return self._path.name
+
+    @property
+    def path(self) -> TransferPath:
+        """The path object that moves the bytes (see :mod:`mooncake_kvaddr.driver.paths`)."""
+        return self._path
 
     @property
     def staging_pool(self) -> StagingPool | None:
         """The staging pool in use (``None`` unless the mode is ``"staged"``)."""
-        return self._pool if self._mode == "staged" else None
+        return self._path.pool if isinstance(self._path, StagedPath) else None
 
     @property
     def copy_backend(self) -> CopyBackend | None:
         """The backend that gathers and scatters staged keys (``None`` unless the mode is ``"staged"``); a
         :class:`~mooncake_kvaddr.driver.staging.HostCopyBackend` whose ``threads``/``streaming`` may be tuned."""
-        return self._copy if self._mode == "staged" else None
+        return self._path.copy if isinstance(self._path, StagedPath) else None
 
     # ------------------------------------------------------------------ regions
 
@@ -263,34 +180,26 @@ class KVTransfer:
         ``"multi_buffer"`` and ``"direct"`` modes, only the staging pool in the ``"staged"`` mode (the KV
         caches are then touched by the native copy alone, bounds-checked against these buffers).
         """
-        if self._regions:
-            raise RuntimeError("register_kv_caches: regions are already registered")
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
-        bases: list[int] = []
-        block_lens: list[int] = []
-        for i, region in enumerate(regions):
-            if not isinstance(region, np.ndarray) or not region.flags.c_contiguous:
-                raise TypeError(f"regions[{i}]: expected a C-contiguous numpy array")
-            if region.nbytes == 0 or region.nbytes % num_blocks:
-                raise ValueError(f"regions[{i}]: {region.nbytes} bytes is not a multiple of {num_blocks} blocks")
-            bases.append(region.ctypes.data)
-            block_lens.append(region.nbytes // num_blocks)
-        # The same storage may be listed twice (a shared K/V buffer): each buffer counts once.
-        buffers = dict(zip(bases, (region.nbytes for region in regions), strict=True))
-        mode = self._resolve_mode(len(bases))
-        if mode == "staged":
-            self._start_staging(buffers, num_blocks)
-        else:
-            for base, nbytes in buffers.items():
-                self._store.register_buffer(base, nbytes)
-                self._registered.append(base)
-        self._mode = mode
-        self._log_mode(len(bases))
-        self._regions = list(regions)
-        for db in self.databases:
-            db.set_kv_caches_base_addr(bases)
-            db.set_block_len(block_lens)
+        with self._admitted():
+            if self._regions:
+                raise RuntimeError("register_kv_caches: regions are already registered")
+            caches = RegisteredCaches.from_regions(regions, num_blocks)
+            ctx = self._context(caches)
+            mode = self._resolve_mode(caches.regions_per_key)
+            path: TransferPath
+            if mode == "staged":
+                path = self._start_staging(ctx, caches)
+            else:
+                for base, nbytes in caches.buffers:
+                    self._store.register_buffer(base, nbytes)
+                    self._registered.append(base)
+                path = DirectPath(ctx) if mode == "direct" else MultiBufferPath(ctx)
+            self._path = path
+            self._regions = list(regions)
+            for db in self.databases:
+                db.set_kv_caches_base_addr(list(caches.bases))
+                db.set_block_len(list(caches.block_lens))
+            logger.info("KVTransfer: transfer mode %s -> %s (%s)", self.transfer_mode, path.name, path.describe())
 
     def _resolve_mode(self, regions_per_key: int) -> str:
         if self.transfer_mode == "multi_buffer" or regions_per_key == 0:
@@ -300,21 +209,15 @@ class KVTransfer:
         # "staged", or "auto" with host memory (the only kind register_kv_caches takes).
         return "staged"
 
-    def _start_staging(self, buffers: dict[int, int], num_blocks: int) -> None:
+    def _start_staging(self, ctx: PathContext, caches: RegisteredCaches) -> StagedPath:
         """Create (or adopt) the staging pool, register it with the store, set up the host copy backend."""
         if self._pool is None:
             # One request never stages more than every block of every group, plus one slot's padding per key.
-            needed = sum(buffers.values()) + SLOT_ALIGNMENT * num_blocks * len(self.databases)
+            needed = sum(n for _, n in caches.buffers) + SLOT_ALIGNMENT * caches.num_blocks * len(self.databases)
             self._pool = StagingPool(min(self._store.config.staging_buffer_size, needed))
         self._pool.register_with(self._store)
         self._pool_registered = True
-        self._copy = HostCopyBackend(list(buffers.items()))
-
-    def _log_mode(self, regions_per_key: int) -> None:
-        detail = f"{regions_per_key} regions per key, host memory"
-        if self._mode == "staged" and self._pool is not None:
-            detail += f", staging pool {self._pool.capacity / (1 << 20):.1f} MiB"
-        logger.info("KVTransfer: transfer mode %s -> %s (%s)", self.transfer_mode, self._mode, detail)
+        return StagedPath(ctx, self._pool, HostCopyBackend(list(caches.buffers)))
 
     # ------------------------------------------------------------------ the three operations
 
@@ -324,10 +227,15 @@ class KVTransfer:
         return self._back_pressure.is_set()
 
     def store(self, request: TransferRequest) -> StoreResult:
-        """Put the request's chunks that the store does not already hold (SPEC.md §3.2)."""
-        clock = _Clock()
+        """Put the request's chunks that the store does not already hold."""
+        with self._admitted():
+            return self._store_request(request)
+
+    def _store_request(self, request: TransferRequest) -> StoreResult:
+        path = self._path
+        clock = Clock()
         result = StoreResult(request.req_id, timings=clock.timings)
-        token_len = request.token_len // self.lcm_block_size * self.lcm_block_size
+        token_len = floor_to(request.token_len, self.lcm_block_size)
         if token_len <= 0:
             return result
         keys: list[str] = []
@@ -345,7 +253,13 @@ class KVTransfer:
             result.saved_tokens = token_len
             return result
 
-        exists = self._store.batch_is_exist(keys)
+        t0 = time.perf_counter()
+        try:
+            exists = self._store.batch_is_exist(keys)
+        except BaseException:
+            self._metrics.record("save_exists", t0, len(keys), 0, None)
+            raise
+        self._metrics.record("save_exists", t0, len(keys), 0, 0)
         clock.lap("exist")
         missing = exists.failed  # absent or errored: put it (a duplicate put is harmless)
         result.already_present = len(keys) - len(missing)
@@ -354,23 +268,10 @@ class KVTransfer:
             return result
 
         put_keys = [keys[i] for i in missing]
-        put_chunks = [chunks[i] for i in missing]
-        put_groups = [groups[i] for i in missing]
-        result.mode = self._mode
-        if self._mode == "multi_buffer":
-            addrs, sizes, _ = self._prepare(put_chunks, put_groups, request.block_ids)
-            clock.lap("prepare")
-            # Rows come from prepare_values, so the non-negativity scan would only cost time.
-            put = self._store.batch_put_from_multi_buffers(
-                put_keys, addrs, sizes, self.replicate_config, check_values=False
-            )
-            clock.lap("put")
-            ok = put.present
-            key_bytes = [sum(row) for row in sizes]
-            result.outcomes = put.summary()
-            result.back_pressure = put.back_pressure
-        else:
-            ok, key_bytes = self._put_contiguous(put_keys, put_chunks, put_groups, request.block_ids, clock, result)
+        result.mode = path.name
+        ok, key_bytes = path.put(
+            put_keys, [chunks[i] for i in missing], [groups[i] for i in missing], request.block_ids, clock, result
+        )
         result.stored = sum(ok)
         result.failed_keys = [k for k, good in zip(put_keys, ok, strict=True) if not good]
         result.bytes = sum(n for n, good in zip(key_bytes, ok, strict=True) if good)
@@ -391,60 +292,70 @@ class KVTransfer:
         return result
 
     def load(self, request: TransferRequest) -> LoadResult:
-        """Get the request's chunks into their blocks; report which block ids failed (SPEC.md §3.3).
+        """Get the request's chunks into their blocks; report which block ids failed.
 
-        Never raises for store trouble: a failed get (or staged scatter) is reported in ``error`` and
-        every block id of the chunks it covered is in ``failed_block_ids``; no failed chunk's blocks are
-        written from staging.
+        Never raises for store trouble (the error policy of :data:`~mooncake_kvaddr.driver.rules.LOAD_ERRORS`):
+        a failed get (or staged scatter) is reported in ``error`` and every block id of the chunks it covered
+        is in ``failed_block_ids``; no failed chunk's blocks are written from staging. Raises
+        :class:`~mooncake_kvaddr.driver.store.StoreClosedError` after :meth:`close`.
         """
-        if self._mode == "multi_buffer":
-            return self._load_multi_buffer(request)
-        return self._load_contiguous(request)
+        with self._admitted():
+            return self._load_request(request)
 
-    def _load_multi_buffer(self, request: TransferRequest) -> LoadResult:
-        clock = _Clock()
-        result = LoadResult(request.req_id, timings=clock.timings, mode="multi_buffer")
-        keys: list[str] = []
-        addrs: list[Sequence[int]] = []
-        sizes: list[Sequence[int]] = []
-        block_ids: list[int] = []
-        skip = request.skip_tokens // self.lcm_block_size * self.lcm_block_size
-        for g, db in enumerate(self.databases):
-            # The walk, the keys and the address/size rows, in one native pass per group.
-            plan = db.plan_load(request.token_len, request.block_hashes, request.block_ids[g], skip)
-            keys.extend(plan.keys)
-            addrs.extend(plan.addrs)
-            sizes.extend(plan.sizes)
-            block_ids.extend(plan.block_ids)
-        clock.lap("plan")
-        if not keys:
-            return result
-        # Each rank starts at a different key so that ranks spread over the pool's segments.
-        r = self.tp_rank % len(keys)
-        if r:
-            keys = keys[r:] + keys[:r]
-            addrs = addrs[r:] + addrs[:r]
-            sizes = sizes[r:] + sizes[:r]
-            block_ids = block_ids[r:] + block_ids[:r]
-        result.chunks = len(keys)
-        clock.lap("rotate")
+    def _load_request(self, request: TransferRequest) -> LoadResult:
+        path = self._path
+        clock = Clock()
+        result = LoadResult(request.req_id, timings=clock.timings, mode=path.name)
+        skip = floor_to(request.skip_tokens, self.lcm_block_size)
         try:
-            got: BatchResult | None = self._store.batch_get_into_multi_buffers(keys, addrs, sizes, check_values=False)
-        except (StoreError, ValueError, TypeError) as exc:
-            got = None
-            result.error = f"{type(exc).__name__}: {exc}"
-            logger.warning("load %s: get failed: %s", request.req_id, result.error)
-        clock.lap("get")
-        if got is None:
-            result.failed_block_ids = set(block_ids)
+            plan = path.plan_get(request.token_len, request.block_hashes, request.block_ids, skip, self.tp_rank)
+        except LOAD_ERRORS as exc:
+            # Nothing moved; every block the request names is reported failed.
+            self._fail_request(request, result, exc)
+            clock.lap("plan")
             return result
-        result.outcomes = got.summary()
-        result.bytes = got.bytes_transferred
-        for block_id, outcome in zip(block_ids, got.outcomes, strict=True):
-            if outcome is not Outcome.OK:
-                result.failed_block_ids.add(block_id)
-        result.loaded_block_ids = set(block_ids) - result.failed_block_ids
+        clock.lap("plan")
+        if not plan.keys:
+            return result
+        result.chunks = len(plan.keys)
+        loaded = np.zeros(len(plan.keys), dtype=bool)
+        try:
+            self._get_batches(path, plan, [(0, len(plan.keys))], loaded, clock, result)
+        except LOAD_ERRORS as exc:
+            # Keys not yet scattered stay unloaded; a staged get never writes the cache itself.
+            result.error = describe(exc)
+            logger.warning("load %s: %s", request.req_id, result.error)
+            clock.lap("failed")
+        ids = np.asarray(plan.block_ids, dtype=np.int64)
+        failed = set(ids[~loaded].tolist())
+        result.failed_block_ids |= failed
+        result.loaded_block_ids = set(ids.tolist()) - result.failed_block_ids
         return result
+
+    def _get_batches(
+        self,
+        path: TransferPath,
+        plan: GetPlan,
+        batches: list[tuple[int, int]],
+        loaded: np.ndarray[Any, Any],
+        clock: Clock,
+        result: LoadResult,
+    ) -> None:
+        for start, end in batches:
+            got = path.get(plan, start, end, clock, result.outcomes)
+            loaded[start:end] = got.loaded
+            result.bytes += got.nbytes
+            if got.unreachable and end < len(plan.keys):
+                # Each further sub-batch would block only to report the same.
+                count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(plan.keys) - end)
+                return
+
+    @staticmethod
+    def _fail_request(request: TransferRequest, result: LoadResult, exc: BaseException) -> None:
+        result.error = describe(exc)
+        for ids in request.block_ids:
+            result.failed_block_ids.update(b for b in ids if isinstance(b, int) and not isinstance(b, bool))
+        logger.warning("load %s: %s", request.req_id, result.error)
 
     def lookup(
         self,
@@ -453,25 +364,26 @@ class KVTransfer:
         *,
         lookup_masks: Sequence[Sequence[bool] | None] | None = None,
     ) -> int:
-        """Leading tokens of a ``num_tokens`` prompt that every group can load from the store (§3.5).
+        """Leading tokens of a ``num_tokens`` prompt that every group can load from the store.
 
-        Every rank namespace of the layout must hold a chunk (§1.4); all candidate keys go to the store in
-        one ``batch_is_exist``. Groups combine as in vLLM's hybrid coordinator (full attention: the leading
-        run of present chunks; sliding window: the window before the hit; Mamba: the state at the hit). A
-        hit covering the whole prompt is re-derived one token shorter, which the model must recompute,
-        without another RPC. ``lookup_masks`` optionally replaces the per-group chunk masks (absolute chunk
-        ids; a masked chunk is neither read nor probed). Store errors count as a miss (returns 0).
+        Every rank namespace of the layout must hold a chunk; all candidate keys go to the store in one
+        ``batch_is_exist``. Groups combine as in vLLM's hybrid coordinator (full attention: the leading run of
+        present chunks; sliding window: the window before the hit; Mamba: the state at the hit). A hit
+        covering the whole prompt is re-derived one token shorter, which the model must recompute, without
+        another RPC. ``lookup_masks`` optionally replaces the per-group chunk masks (absolute chunk ids; a
+        masked chunk is neither read nor probed). Store errors count as a miss (returns 0).
         """
-        return self.store_lookup.lookup(self._store, num_tokens, block_hashes, lookup_masks=lookup_masks)
+        with self._admitted():
+            return self.store_lookup.lookup(self._store, num_tokens, block_hashes, lookup_masks=lookup_masks)
 
-    # ------------------------------------------------------------------ threads
+    # ------------------------------------------------------------------ threads and lifecycle
 
     def start(self) -> None:
         """Start the send thread and the receive threads (idempotent)."""
         if self._threads:
             return
         if self._closed:
-            raise RuntimeError("KVTransfer is closed")
+            raise StoreClosedError("KVTransfer is closed")
         self._threads.append(
             threading.Thread(
                 target=self._serve,
@@ -527,6 +439,7 @@ class KVTransfer:
                 self._pool.unregister_from(self._store)  # a shared pool stays registered for the others
             except StoreError as exc:
                 logger.warning("KVTransfer.close: staging pool: %s", exc)
+        self._path.close()
         if self._owns_pool:
             self._pool = None  # frees the buffer once no request holds a lease
         self._registered.clear()
@@ -538,13 +451,15 @@ class KVTransfer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ internals
+    @contextmanager
+    def _admitted(self) -> Iterator[None]:
+        yield
 
     def _submit(
         self, jobs: queue.Queue[tuple[TransferRequest, Future[_T]] | None], request: TransferRequest
     ) -> Future[_T]:
         if self._closed:
-            raise RuntimeError("KVTransfer is closed")
+            raise StoreClosedError("KVTransfer is closed")
         if not self._threads:
             raise RuntimeError("KVTransfer threads are not started (start_threads=False): call start()")
         future: Future[_T] = Future()
@@ -566,211 +481,3 @@ class KVTransfer:
                 future.set_result(work(request))
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
-
-    def _prepare(
-        self, chunks: list[tuple[int, int]], groups: list[int], block_ids: Sequence[Sequence[int]]
-    ) -> tuple[list[Sequence[int]], list[Sequence[int]], list[int]]:
-        """Address/size rows and first block ids of group-major chunks: one prepare_values per group."""
-        addrs: list[Sequence[int]] = []
-        sizes: list[Sequence[int]] = []
-        ids: list[int] = []
-        start = 0
-        while start < len(chunks):
-            g = groups[start]
-            end = start
-            while end < len(chunks) and groups[end] == g:
-                end += 1
-            a, s, b = self.databases[g].prepare_values(chunks[start:end], block_ids[g])
-            addrs.extend(a)
-            sizes.extend(s)
-            ids.extend(b)
-            start = end
-        return addrs, sizes, ids
-
-    # ------------------------------------------------------------------ contiguous paths (staged, direct)
-
-    def _prepare_arrays(
-        self, chunks: Sequence[Sequence[int]] | Int64Array, groups: Sequence[int], block_ids: Sequence[Sequence[int]]
-    ) -> tuple[Int64Array, Int64Array, Int64Array]:
-        """The address/size matrix and first block ids as int64 arrays: one native call per run of a group."""
-        parts = [
-            self.databases[g].prepare_values_array(chunks[start:end], block_ids[g])
-            for g, start, end in _group_runs(groups)
-        ]
-        if len(parts) == 1:
-            return parts[0]
-        addrs, sizes, ids = zip(*parts, strict=True)
-        return np.concatenate(addrs), np.concatenate(sizes), np.concatenate(ids)
-
-    def _lease_for(self, object_sizes: Int64Array, total_bytes: int) -> StagingLease:
-        """A lease of the staging pool: the whole request if it fits, else as much as is free (>= one key)."""
-        assert self._pool is not None
-        largest = int(object_sizes.max()) if len(object_sizes) else 0
-        return self._pool.acquire(largest, total_bytes, timeout=_STAGING_WAIT_S)
-
-    def _put_contiguous(
-        self,
-        keys: list[str],
-        chunks: list[tuple[int, int]],
-        groups: list[int],
-        block_ids: Sequence[Sequence[int]],
-        clock: _Clock,
-        result: StoreResult,
-    ) -> tuple[list[bool], list[int]]:
-        """Put through staging slots (or straight from the cache with one region per key).
-
-        Returns per key: stored or not, and its object size. A batch whose gather fails is never put.
-        """
-        addrs, sizes, _ = self._prepare_arrays(chunks, groups, block_ids)
-        clock.lap("prepare")
-        if self._mode == "direct":
-            put = self._store.batch_put_from(
-                keys, addrs[:, 0].tolist(), sizes[:, 0].tolist(), self.replicate_config, check_values=False
-            )
-            clock.lap("put")
-            result.outcomes = put.summary()
-            result.back_pressure = put.back_pressure
-            return put.present, sizes[:, 0].tolist()
-
-        assert self._copy is not None
-        plan = plan_slots(sizes)
-        ok = [False] * len(keys)
-        with self._lease_for(plan.object_sizes, plan.total_bytes) as lease:
-            clock.lap("staging_wait")
-            for start, end in plan_batches(plan, lease.nbytes):
-                slots = plan.offsets[start:end] - plan.offsets[start]
-                try:
-                    self._copy.gather(addrs[start:end], sizes[start:end], lease.range, slots)
-                except (ValueError, RuntimeError) as exc:
-                    clock.lap("gather")
-                    logger.warning("store %s: gather of keys %d..%d failed: %s", result.req_id, start, end - 1, exc)
-                    _count(result.outcomes, "gather_failed", end - start)
-                    continue
-                clock.lap("gather")
-                put = self._store.batch_put_from(
-                    keys[start:end],
-                    (slots + lease.ptr).tolist(),
-                    plan.object_sizes[start:end].tolist(),
-                    self.replicate_config,
-                    check_values=False,
-                )
-                clock.lap("put")
-                ok[start:end] = put.present
-                for outcome, count in put.summary().items():
-                    _count(result.outcomes, outcome, count)
-                result.back_pressure = result.back_pressure or put.back_pressure
-                if CODE_MASTER_UNREACHABLE in put.codes and end < len(keys):
-                    # Every further batch would block only to report the same.
-                    _count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - end)
-                    break
-        return ok, plan.object_sizes.tolist()
-
-    def _plan_load_arrays(
-        self, request: TransferRequest, skip: int
-    ) -> tuple[list[str], Int64Array, Int64Array, Int64Array]:
-        """Keys, address/size matrix and first block ids of a load, in the rank's rotated order."""
-        keys: list[str] = []
-        chunk_parts: list[Int64Array] = []
-        groups: list[int] = []
-        for g, db in enumerate(self.databases):
-            walk = db.walk_load(request.token_len, request.block_hashes, skip)
-            keys.extend(walk.keys)
-            chunk_parts.append(walk.chunks)
-            groups.extend([g] * len(walk.keys))
-        if not keys:
-            empty = np.zeros((0, 0), dtype=np.int64)
-            return keys, empty, empty, np.zeros(0, dtype=np.int64)
-        chunks = chunk_parts[0] if len(chunk_parts) == 1 else np.concatenate(chunk_parts)
-        # Rotate the chunks (two ints each), not the rows: the rows are then computed in the rotated order.
-        r = self.tp_rank % len(keys)
-        if r:
-            keys = keys[r:] + keys[:r]
-            chunks = np.concatenate((chunks[r:], chunks[:r]))
-            groups = groups[r:] + groups[:r]
-        addrs, sizes, block_ids = self._prepare_arrays(chunks, groups, request.block_ids)
-        return keys, addrs, sizes, block_ids
-
-    def _load_contiguous(self, request: TransferRequest) -> LoadResult:
-        clock = _Clock()
-        result = LoadResult(request.req_id, timings=clock.timings, mode=self._mode)
-        skip = request.skip_tokens // self.lcm_block_size * self.lcm_block_size
-        keys, addrs, sizes, block_ids = self._plan_load_arrays(request, skip)
-        clock.lap("plan")
-        if not keys:
-            return result
-        result.chunks = len(keys)
-        loaded = np.zeros(len(keys), dtype=bool)
-        try:
-            if self._mode == "direct":
-                expected = sizes[:, 0]
-                got = self._store.batch_get_into(keys, addrs[:, 0].tolist(), expected.tolist(), check_values=False)
-                clock.lap("get")
-                result.outcomes = got.summary()
-                loaded = _read_whole(got, expected)
-            else:
-                self._get_staged(keys, addrs, sizes, clock, result, loaded)
-        except (StoreError, ValueError, TypeError, TimeoutError, RuntimeError) as exc:
-            # Keys not yet scattered stay unloaded; a staged get never writes the cache itself.
-            result.error = f"{type(exc).__name__}: {exc}"
-            logger.warning("load %s: %s", request.req_id, result.error)
-            clock.lap("failed")
-        result.bytes = int(sizes[loaded].sum())
-        failed = set(block_ids[~loaded].tolist())
-        result.failed_block_ids = failed
-        result.loaded_block_ids = set(block_ids.tolist()) - failed
-        return result
-
-    def _get_staged(
-        self,
-        keys: list[str],
-        addrs: Int64Array,
-        sizes: Int64Array,
-        clock: _Clock,
-        result: LoadResult,
-        loaded: npt.NDArray[np.bool_],
-    ) -> None:
-        """Get into staging slots, then scatter only the keys read whole; marks them in ``loaded``."""
-        assert self._copy is not None
-        plan = plan_slots(sizes)
-        with self._lease_for(plan.object_sizes, plan.total_bytes) as lease:
-            clock.lap("staging_wait")
-            for start, end in plan_batches(plan, lease.nbytes):
-                slots = plan.offsets[start:end] - plan.offsets[start]
-                expected = plan.object_sizes[start:end]
-                got = self._store.batch_get_into(
-                    keys[start:end], (slots + lease.ptr).tolist(), expected.tolist(), check_values=False
-                )
-                clock.lap("get")
-                for outcome, count in got.summary().items():
-                    _count(result.outcomes, outcome, count)
-                whole = _read_whole(got, expected)
-                if whole.any():
-                    # Only keys read whole: a failed key's slot holds stale bytes of an earlier request.
-                    self._copy.scatter(addrs[start:end], sizes[start:end], lease.range, slots, select=whole)
-                loaded[start:end] = whole
-                clock.lap("scatter")
-                if CODE_MASTER_UNREACHABLE in got.codes and end < len(keys):
-                    _count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - end)
-                    break
-
-
-def _group_runs(groups: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(group, start, end)`` of each maximal run of equal group ids, in order."""
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for i in range(1, len(groups) + 1):
-        if i == len(groups) or groups[i] != groups[start]:
-            runs.append((groups[start], start, i))
-            start = i
-    return runs
-
-
-def _read_whole(got: BatchResult, expected: Int64Array) -> npt.NDArray[np.bool_]:
-    """Per key: the get succeeded and read exactly the object size asked for."""
-    codes = np.asarray(got.codes, dtype=np.int64)
-    whole: npt.NDArray[np.bool_] = (codes == expected) & (codes > 0)
-    return whole
-
-
-def _count(counts: dict[str, int], outcome: str, n: int) -> None:
-    counts[outcome] = counts.get(outcome, 0) + n
