@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 import numpy as np
@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
-from mooncake_kvaddr.driver.bounds import RegisteredCaches
+from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
 from mooncake_kvaddr.driver.staging import CopyBackend, StagingLease, StagingPool, plan_batches, plan_slots
@@ -49,7 +49,7 @@ class PathContext:
 
     store: MooncakeStore
     databases: list[ChunkedTokenDatabase]
-    caches: RegisteredCaches | None  # None: rows set on the databases by hand (multi-buffer only)
+    caches: RegisteredCaches
     replicate_config: Any
     metrics: OperationRecorder
 
@@ -62,6 +62,8 @@ class GetPlan:
     addrs: Any
     sizes: Any
     block_ids: Sequence[int]
+    #: Block ids outside the registered blocks (id -> reason): their chunks were dropped from the plan.
+    invalid: dict[int, str] = field(default_factory=dict)
 
     def key_bytes(self) -> list[int]:
         """Each key's object size (the sum of its region sizes)."""
@@ -107,11 +109,15 @@ class TransferPath:
         self,
         token_len: int,
         block_hashes: Sequence[BlockHash],
-        block_ids: Sequence[Sequence[int]],
+        screened: Sequence[Screened],
         skip: int,
         tp_rank: int,
     ) -> GetPlan:
-        """Keys and rows of a load in the rank's rotated order: the walk per group, then :meth:`prepare`."""
+        """Keys and rows of a load in the rank's rotated order: the walk per group, then :meth:`prepare`.
+
+        ``screened`` holds each group's block ids (a snapshot) and the positions of invalid ones: chunks on
+        those are dropped before any row is computed and reported in :attr:`GetPlan.invalid`.
+        """
         keys: list[str] = []
         parts: list[Int64Array] = []
         groups: list[int] = []
@@ -125,8 +131,22 @@ class TransferPath:
         chunks = parts[0] if len(parts) == 1 else np.concatenate(parts)
         # Rotate the chunks (two ints each), not the rows: the rows are then computed in the rotated order.
         keys, chunks, groups = rotate(keys, tp_rank), rotate(chunks, tp_rank), rotate(groups, tp_rank)
-        addrs, sizes, ids = self.prepare(chunks, groups, block_ids)
-        return GetPlan(keys, addrs, sizes, ids)
+        invalid: dict[int, str] = {}
+        if any(s.bad for s in screened):
+            keep = np.ones(len(keys), dtype=bool)
+            for i, (g, start) in enumerate(zip(groups, chunks[:, 0].tolist(), strict=True)):
+                position = start // self.ctx.databases[g].block_size
+                reason = screened[g].bad.get(position)
+                if reason is not None:
+                    keep[i] = False
+                    invalid[screened[g].ids[position]] = reason
+            keys = [k for k, good in zip(keys, keep.tolist(), strict=True) if good]
+            groups = [x for x, good in zip(groups, keep.tolist(), strict=True) if good]
+            chunks = chunks[keep]
+            if not keys:
+                return GetPlan([], [], [], [], invalid)
+        addrs, sizes, ids = self.prepare(chunks, groups, [s.ids for s in screened])
+        return GetPlan(keys, addrs, sizes, ids, invalid)
 
     # ------------------------------------------------------------------ moving bytes
 
@@ -151,8 +171,7 @@ class TransferPath:
 
     def describe(self) -> str:
         """A short description for the log line that announces the mode."""
-        regions = len(self.ctx.databases[0].kv_caches_base_addr)
-        return f"{regions} regions per key, host memory"
+        return f"{self.ctx.caches.regions_per_key} regions per key, host memory"
 
     # ------------------------------------------------------------------ shared helpers
 
@@ -192,17 +211,23 @@ class MultiBufferPath(TransferPath):
         self,
         token_len: int,
         block_hashes: Sequence[BlockHash],
-        block_ids: Sequence[Sequence[int]],
+        screened: Sequence[Screened],
         skip: int,
         tp_rank: int,
     ) -> GetPlan:
-        """The walk, the keys and the rows in one native pass per group (``plan_load``), then rotated."""
+        """The walk, the keys and the rows in one native pass per group (``plan_load``), then rotated.
+
+        A request with an invalid block id takes the shared walk-then-prepare plan instead, which drops the
+        chunks on it before any row is computed.
+        """
+        if any(s.bad for s in screened):
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
         keys: list[str] = []
         addrs: list[Sequence[int]] = []
         sizes: list[Sequence[int]] = []
         ids: list[int] = []
         for g, db in enumerate(self.ctx.databases):
-            plan = db.plan_load(token_len, block_hashes, block_ids[g], skip)
+            plan = db.plan_load(token_len, block_hashes, screened[g].ids, skip)
             keys.extend(plan.keys)
             addrs.extend(plan.addrs)
             sizes.extend(plan.sizes)
@@ -272,6 +297,7 @@ class DirectPath(TransferPath):
         result: StoreResult,
     ) -> tuple[list[bool], list[int]]:
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
+        self._check_slices(addrs, sizes)
         clock.lap("prepare")
         object_sizes = sizes[:, 0].tolist()
         t0 = time.perf_counter()
@@ -289,7 +315,14 @@ class DirectPath(TransferPath):
         result.back_pressure = result.back_pressure or put.back_pressure
         return put.present, object_sizes
 
+    def _check_slices(self, addrs: Int64Array, sizes: Int64Array) -> None:
+        # Mooncake's contiguous calls read and write these ranges with no check of their own.
+        inside = self.ctx.caches.slices_inside(addrs, sizes)
+        if not inside.all():
+            raise ValueError(f"key {int(np.flatnonzero(~inside)[0])}: its region lies outside the registered caches")
+
     def get(self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int]) -> GetOutcome:
+        self._check_slices(plan.addrs[start:end], plan.sizes[start:end])
         expected = plan.sizes[start:end, 0]
         keys = plan.keys[start:end]
         t0 = time.perf_counter()

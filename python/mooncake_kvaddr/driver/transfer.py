@@ -33,13 +33,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
-from mooncake_kvaddr.driver.bounds import RegisteredCaches
+from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.config import TRANSFER_MODES
 from mooncake_kvaddr.driver.lookup import GroupSpecLike, ParallelLayout, StoreLookup
 from mooncake_kvaddr.driver.paths import (
@@ -119,8 +120,8 @@ class KVTransfer:
         self._metrics = OperationRecorder(None)
         self._regions: list[np.ndarray[Any, Any]] = []
         self._registered: list[int] = []
-        # Until register_kv_caches says otherwise (rows set on the databases by hand): the multi-buffer path.
-        self._path: TransferPath = MultiBufferPath(self._context(None))
+        # No path until register_kv_caches: every block id is checked against the registered caches.
+        self._path: TransferPath | None = None
         self._pool = staging_pool
         self._owns_pool = staging_pool is None
         self._pool_registered = False
@@ -129,11 +130,14 @@ class KVTransfer:
         self._recv_queue: queue.Queue[tuple[TransferRequest, Future[LoadResult]] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._num_recv_threads = num_recv_threads
-        self._closed = False
+        self._closed = False  # close() began: new calls are refused
+        self._released = False  # close() finished: caches and staging released
+        self._cond = threading.Condition(threading.Lock())
+        self._in_flight = 0
         if start_threads:
             self.start()
 
-    def _context(self, caches: RegisteredCaches | None) -> PathContext:
+    def _context(self, caches: RegisteredCaches) -> PathContext:
         return PathContext(self._store, self.databases, caches, self.replicate_config, self._metrics)
 
     @property
@@ -145,14 +149,15 @@ class KVTransfer:
     def mode(self) -> str:
         """How keys move: ``"multi_buffer"``, ``"staged"`` or ``"direct"`` (one region per key).
 
-        ``"multi_buffer"`` until :meth:`register_kv_caches` resolves :attr:`transfer_mode`: staging needs to
-        know the registered buffers (every copy is bounds-checked against them).
+        ``"multi_buffer"`` until :meth:`register_kv_caches` resolves :attr:`transfer_mode` (nothing moves
+        before that: every block id is checked against the registered caches).
         """
-        return self._path.name
+        return "multi_buffer" if self._path is None else self._path.name
 
     @property
-    def path(self) -> TransferPath:
-        """The path object that moves the bytes (see :mod:`mooncake_kvaddr.driver.paths`)."""
+    def path(self) -> TransferPath | None:
+        """The path object that moves the bytes (see :mod:`mooncake_kvaddr.driver.paths`); ``None`` until
+        :meth:`register_kv_caches`."""
         return self._path
 
     @property
@@ -181,7 +186,7 @@ class KVTransfer:
         caches are then touched by the native copy alone, bounds-checked against these buffers).
         """
         with self._admitted():
-            if self._regions:
+            if self._path is not None:
                 raise RuntimeError("register_kv_caches: regions are already registered")
             caches = RegisteredCaches.from_regions(regions, num_blocks)
             ctx = self._context(caches)
@@ -232,25 +237,43 @@ class KVTransfer:
             return self._store_request(request)
 
     def _store_request(self, request: TransferRequest) -> StoreResult:
-        path = self._path
+        path = self._registered_path()
         clock = Clock()
         result = StoreResult(request.req_id, timings=clock.timings)
         token_len = floor_to(request.token_len, self.lcm_block_size)
         if token_len <= 0:
             return result
+        block_ids, screened = self._screen(path, request)
         keys: list[str] = []
         chunks: list[tuple[int, int]] = []
         groups: list[int] = []
+        invalid: list[str] = []
         for g, db in enumerate(self.databases):
             # The walk, the NULL-block and past-the-end filters and the keys, in one native pass.
-            plan = db.plan_store(token_len, request.block_hashes, request.block_ids[g], request.skip_tokens)
-            keys.extend(plan.keys)
-            chunks.extend(plan.chunks)
-            groups.extend([g] * len(plan.keys))
-        result.chunks = len(keys)
+            plan = db.plan_store(token_len, request.block_hashes, block_ids[g], request.skip_tokens)
+            if not screened[g].bad:
+                keys.extend(plan.keys)
+                chunks.extend(plan.chunks)
+                groups.extend([g] * len(plan.keys))
+                continue
+            for key, chunk, block_id in zip(plan.keys, plan.chunks, plan.block_ids, strict=True):
+                if block_id < 0:  # a stand-in for an invalid id (see _screen): never put
+                    position = -block_id - 1
+                    result.invalid_block_ids[screened[g].ids[position]] = screened[g].bad[position]
+                    invalid.append(key)
+                else:
+                    keys.append(key)
+                    chunks.append(chunk)
+                    groups.append(g)
+        result.chunks = len(keys) + len(invalid)
         clock.lap("keys")
+        if invalid:
+            count(result.outcomes, "invalid_block_id", len(invalid))
+            logger.warning("store %s: %d chunk(s) not stored: %s", request.req_id, len(invalid),
+                           next(iter(result.invalid_block_ids.values())))
         if not keys:
-            result.saved_tokens = token_len
+            result.failed_keys = invalid
+            result.saved_tokens = 0 if invalid else token_len
             return result
 
         t0 = time.perf_counter()
@@ -264,16 +287,17 @@ class KVTransfer:
         missing = exists.failed  # absent or errored: put it (a duplicate put is harmless)
         result.already_present = len(keys) - len(missing)
         if not missing:
-            result.saved_tokens = token_len
+            result.failed_keys = invalid
+            result.saved_tokens = 0 if invalid else token_len
             return result
 
         put_keys = [keys[i] for i in missing]
         result.mode = path.name
         ok, key_bytes = path.put(
-            put_keys, [chunks[i] for i in missing], [groups[i] for i in missing], request.block_ids, clock, result
+            put_keys, [chunks[i] for i in missing], [groups[i] for i in missing], block_ids, clock, result
         )
         result.stored = sum(ok)
-        result.failed_keys = [k for k, good in zip(put_keys, ok, strict=True) if not good]
+        result.failed_keys = invalid + [k for k, good in zip(put_keys, ok, strict=True) if not good]
         result.bytes = sum(n for n, good in zip(key_bytes, ok, strict=True) if good)
         if result.back_pressure:
             self._back_pressure.set()
@@ -303,18 +327,25 @@ class KVTransfer:
             return self._load_request(request)
 
     def _load_request(self, request: TransferRequest) -> LoadResult:
-        path = self._path
         clock = Clock()
-        result = LoadResult(request.req_id, timings=clock.timings, mode=path.name)
+        result = LoadResult(request.req_id, timings=clock.timings, mode=self.mode)
         skip = floor_to(request.skip_tokens, self.lcm_block_size)
         try:
-            plan = path.plan_get(request.token_len, request.block_hashes, request.block_ids, skip, self.tp_rank)
+            path = self._registered_path()
+            _, screened = self._screen(path, request)
+            plan = path.plan_get(request.token_len, request.block_hashes, screened, skip, self.tp_rank)
         except LOAD_ERRORS as exc:
             # Nothing moved; every block the request names is reported failed.
             self._fail_request(request, result, exc)
             clock.lap("plan")
             return result
         clock.lap("plan")
+        if plan.invalid:
+            result.invalid_block_ids = plan.invalid
+            result.failed_block_ids.update(plan.invalid)
+            count(result.outcomes, "invalid_block_id", len(plan.invalid))
+            logger.warning("load %s: %d block id(s) not loaded: %s", request.req_id, len(plan.invalid),
+                           next(iter(plan.invalid.values())))
         if not plan.keys:
             return result
         result.chunks = len(plan.keys)
@@ -350,6 +381,34 @@ class KVTransfer:
                 count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(plan.keys) - end)
                 return
 
+    def _registered_path(self) -> TransferPath:
+        if self._path is None:
+            raise RuntimeError("no KV caches registered: call register_kv_caches() before transferring")
+        return self._path
+
+    def _screen(self, path: TransferPath, request: TransferRequest) -> tuple[list[list[int]], list[Screened]]:
+        """Snapshot and check each group's block ids before anything is planned (see :mod:`.bounds`).
+
+        Returns the ids to plan with, where each invalid id is replaced by the stand-in ``-(position + 1)``
+        (the store walk passes it through, so the chunk on it is recognised and never put), and the screens.
+        """
+        caches = path.ctx.caches
+        caches.check_databases(self.databases)
+        if len(request.block_ids) < len(self.databases):
+            raise ValueError(
+                f"block_ids: {len(request.block_ids)} group(s) given, {len(self.databases)} KV-cache groups registered"
+            )
+        screened = [caches.screen(request.block_ids[g]) for g in range(len(self.databases))]
+        plan_ids = []
+        for s in screened:
+            ids = s.ids
+            if s.bad:
+                ids = list(ids)
+                for position in s.bad:
+                    ids[position] = -(position + 1)
+            plan_ids.append(ids)
+        return plan_ids, screened
+
     @staticmethod
     def _fail_request(request: TransferRequest, result: LoadResult, exc: BaseException) -> None:
         result.error = describe(exc)
@@ -380,14 +439,14 @@ class KVTransfer:
 
     def start(self) -> None:
         """Start the send thread and the receive threads (idempotent)."""
+        if self._closed:
+            raise StoreClosedError("KVTransfer is closed: no calls after close()")
         if self._threads:
             return
-        if self._closed:
-            raise StoreClosedError("KVTransfer is closed")
         self._threads.append(
             threading.Thread(
                 target=self._serve,
-                args=(self._send_queue, self.store),
+                args=(self._send_queue, partial(self._run_queued, self._store_request)),
                 name="KVCacheStoreSendingThread",
                 daemon=True,
             )
@@ -396,7 +455,7 @@ class KVTransfer:
             self._threads.append(
                 threading.Thread(
                     target=self._serve,
-                    args=(self._recv_queue, self.load),
+                    args=(self._recv_queue, partial(self._run_queued, self._load_request)),
                     name=f"KVCacheStoreRecvingThread-{i}",
                     daemon=True,
                 )
@@ -413,19 +472,33 @@ class KVTransfer:
         return self._submit(self._recv_queue, request)
 
     def close(self, timeout: float = 60.0) -> None:
-        """Finish queued work, stop the threads, unregister the buffers. The store stays open."""
-        if self._closed:
-            return
-        self._closed = True
-        self._send_queue.put(None)
-        for _ in range(self._num_recv_threads):
-            self._recv_queue.put(None)
+        """Finish queued work, stop the threads, wait for calls in flight, unregister the buffers.
+
+        From the moment ``close`` begins every new call (``store``, ``load``, ``lookup``, ``submit_*``,
+        ``register_kv_caches``) raises :class:`~mooncake_kvaddr.driver.store.StoreClosedError`; work already
+        queued still runs. Raises ``TimeoutError`` (keeping the caches registered and alive) if threads or
+        calls are still running after ``timeout`` seconds; call ``close`` again later. The store stays open.
+        """
+        with self._cond:
+            if self._released:
+                return
+            first = not self._closed
+            self._closed = True
+        if first:
+            self._send_queue.put(None)
+            for _ in range(self._num_recv_threads):
+                self._recv_queue.put(None)
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
             raise TimeoutError(f"KVTransfer.close: threads still running after {timeout} s: {stuck}")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._in_flight == 0, max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"KVTransfer.close: {self._in_flight} call(s) still running after {timeout} s")
+            path, self._path = self._path, None
+            self._released = True
         if self._store.ready:
             for base in self._registered:
                 try:
@@ -439,7 +512,8 @@ class KVTransfer:
                 self._pool.unregister_from(self._store)  # a shared pool stays registered for the others
             except StoreError as exc:
                 logger.warning("KVTransfer.close: staging pool: %s", exc)
-        self._path.close()
+        if path is not None:
+            path.close()
         if self._owns_pool:
             self._pool = None  # frees the buffer once no request holds a lease
         self._registered.clear()
@@ -452,14 +526,30 @@ class KVTransfer:
         self.close()
 
     @contextmanager
-    def _admitted(self) -> Iterator[None]:
-        yield
+    def _admitted(self, *, queued: bool = False) -> Iterator[None]:
+        """Count a call in flight so that :meth:`close` releases nothing under it; refuse new calls once
+        closing began (``queued``: a job accepted before ``close``, which still runs)."""
+        with self._cond:
+            if self._closed and (not queued or self._released):
+                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._cond.notify_all()
+
+    def _run_queued(self, work: Callable[[TransferRequest], _T], request: TransferRequest) -> _T:
+        with self._admitted(queued=True):
+            return work(request)
 
     def _submit(
         self, jobs: queue.Queue[tuple[TransferRequest, Future[_T]] | None], request: TransferRequest
     ) -> Future[_T]:
         if self._closed:
-            raise StoreClosedError("KVTransfer is closed")
+            raise StoreClosedError("KVTransfer is closed: no calls after close()")
         if not self._threads:
             raise RuntimeError("KVTransfer threads are not started (start_threads=False): call start()")
         future: Future[_T] = Future()
