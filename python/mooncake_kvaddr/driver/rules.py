@@ -6,6 +6,8 @@
 * :func:`group_runs` - keys are group-major; one database call per run of a group;
 * :data:`LOAD_ERRORS` and :func:`describe` - the one error policy: a load never raises for these, it
   reports every block it could not prove loaded as failed, with the reason;
+* :func:`split_by_staging_budget` - a load's sub-batches when the store offloads to disk and its staging
+  buffer is bounded;
 * :class:`OperationRecorder` - the optional metrics callback in vLLM's ``record_operation`` shape.
 """
 
@@ -22,13 +24,17 @@ import numpy.typing as npt
 from mooncake_kvaddr.driver.store import StoreError
 
 __all__ = [
+    "DIRECT_IO_ALIGNMENT",
+    "DIRECT_IO_PADDING",
     "LOAD_ERRORS",
     "OperationRecorder",
     "RecordOperation",
     "describe",
+    "estimate_staging_bytes",
     "floor_to",
     "group_runs",
     "rotate",
+    "split_by_staging_budget",
 ]
 
 logger = logging.getLogger(__name__)
@@ -74,6 +80,48 @@ def group_runs(groups: Sequence[int]) -> list[tuple[int, int, int]]:
             runs.append((groups[start], start, i))
             start = i
     return runs
+
+
+#: A disk-offloading store reads each object into its staging buffer with direct I/O: object sizes are
+#: rounded up to this alignment, and each object costs this much padding on top.
+DIRECT_IO_ALIGNMENT: Final = 4096
+DIRECT_IO_PADDING: Final = 2 * DIRECT_IO_ALIGNMENT
+
+
+def estimate_staging_bytes(object_size: int) -> int:
+    """Staging bytes a disk-offloading store needs to read one object of ``object_size`` bytes."""
+    return -(-object_size // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT + DIRECT_IO_PADDING
+
+
+def split_by_staging_budget(
+    object_sizes: Sequence[int], usable_bytes: int, budget_bytes: int
+) -> list[tuple[int, int]] | int:
+    """Consecutive ``[start, end)`` sub-batches of a load whose estimated staging bytes fit ``usable_bytes``.
+
+    Keys are packed greedily in order; a key whose estimate exceeds ``usable_bytes`` (but not
+    ``budget_bytes``) goes alone. If any key's estimate exceeds ``budget_bytes`` it can never be read:
+    returns that key's index instead, and the whole request must fail (a partial load of a prefix is useless
+    when a later chunk can never arrive). One batch when everything fits.
+    """
+    estimates = [estimate_staging_bytes(n) for n in object_sizes]
+    for i, need in enumerate(estimates):
+        if need > budget_bytes:
+            return i
+    if sum(estimates) <= usable_bytes:
+        return [(0, len(estimates))] if estimates else []
+    batches: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, need in enumerate(estimates):
+        if i > start and total + need > usable_bytes:
+            batches.append((start, i))
+            start, total = i, 0
+        total += need
+        if need > usable_bytes:  # alone
+            batches.append((start, i + 1))
+            start, total = i + 1, 0
+    if start < len(estimates):
+        batches.append((start, len(estimates)))
+    return batches
 
 
 class RecordOperation(Protocol):

@@ -52,7 +52,15 @@ from mooncake_kvaddr.driver.paths import (
     TransferPath,
 )
 from mooncake_kvaddr.driver.results import Clock, LoadResult, StoreResult, TransferRequest, count
-from mooncake_kvaddr.driver.rules import LOAD_ERRORS, OperationRecorder, describe, floor_to
+from mooncake_kvaddr.driver.rules import (
+    LOAD_ERRORS,
+    OperationRecorder,
+    RecordOperation,
+    describe,
+    estimate_staging_bytes,
+    floor_to,
+    split_by_staging_budget,
+)
 from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, CopyBackend, HostCopyBackend, StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore, Outcome, StoreClosedError, StoreError
 
@@ -83,6 +91,16 @@ class KVTransfer:
         staging_pool: a :class:`~mooncake_kvaddr.driver.staging.StagingPool` to share with other transfers (the
             caller owns it); default: a staged transfer makes its own of ``store.config.staging_buffer_size``
             bytes, capped at what one request over these caches can need.
+        record_operation: optional metrics callback with vLLM's ``record_operation`` keywords (``operation``,
+            ``duration_seconds``, ``num_keys``, ``num_bytes``, ``status``, ``num_failed_keys``), called once per
+            Mooncake call: ``"save_exists"``, ``"save_put"``, ``"load_get"`` (see
+            :class:`~mooncake_kvaddr.driver.rules.OperationRecorder`). vLLM's
+            ``MooncakeStoreConnectorStats().record_operation`` fits as is.
+        disk_offload_buffer_budget_bytes: when the store offloads to disk, the bytes of its staging buffer: a
+            load is then split into sub-batches whose estimated staging bytes fit
+            ``disk_offload_usable_ratio`` of it, and a single key that exceeds the whole budget fails the whole
+            request (see :func:`~mooncake_kvaddr.driver.rules.split_by_staging_budget`). ``None``: no splitting.
+        disk_offload_usable_ratio: the share of the budget one sub-batch may use (vLLM's default 0.9).
     """
 
     def __init__(
@@ -98,6 +116,9 @@ class KVTransfer:
         group_specs: Sequence[GroupSpecLike] | None = None,
         transfer_mode: str | None = None,
         staging_pool: StagingPool | None = None,
+        record_operation: RecordOperation | Callable[..., None] | None = None,
+        disk_offload_buffer_budget_bytes: int | None = None,
+        disk_offload_usable_ratio: float = 0.9,
     ) -> None:
         if not databases:
             raise ValueError("databases: need one ChunkedTokenDatabase per KV-cache group (at least one)")
@@ -108,7 +129,13 @@ class KVTransfer:
         requested = store.config.transfer_mode if transfer_mode is None else transfer_mode
         if requested not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {requested!r}")
+        if disk_offload_buffer_budget_bytes is not None and disk_offload_buffer_budget_bytes <= 0:
+            raise ValueError(f"disk_offload_buffer_budget_bytes: must be > 0, got {disk_offload_buffer_budget_bytes}")
+        if not 0 < disk_offload_usable_ratio <= 1:
+            raise ValueError(f"disk_offload_usable_ratio: must be in (0, 1], got {disk_offload_usable_ratio}")
         self.transfer_mode = requested
+        self.disk_offload_buffer_budget_bytes = disk_offload_buffer_budget_bytes
+        self.disk_offload_usable_ratio = disk_offload_usable_ratio
         self._store = store
         self.databases = list(databases)
         self.tp_rank = tp_rank
@@ -117,7 +144,7 @@ class KVTransfer:
         self.lcm_block_size = math.lcm(*(db.block_size for db in self.databases))
         #: Lookup over every rank namespace (key prefixes built once, here).
         self.store_lookup = StoreLookup(self.databases, group_specs, layout)
-        self._metrics = OperationRecorder(None)
+        self._metrics = OperationRecorder(record_operation)
         self._regions: list[np.ndarray[Any, Any]] = []
         self._registered: list[int] = []
         # No path until register_kv_caches: every block id is checked against the registered caches.
@@ -350,8 +377,9 @@ class KVTransfer:
             return result
         result.chunks = len(plan.keys)
         loaded = np.zeros(len(plan.keys), dtype=bool)
+        batches = self._budget_batches(plan, request, result)
         try:
-            self._get_batches(path, plan, [(0, len(plan.keys))], loaded, clock, result)
+            self._get_batches(path, plan, batches, loaded, clock, result)
         except LOAD_ERRORS as exc:
             # Keys not yet scattered stay unloaded; a staged get never writes the cache itself.
             result.error = describe(exc)
@@ -362,6 +390,26 @@ class KVTransfer:
         result.failed_block_ids |= failed
         result.loaded_block_ids = set(ids.tolist()) - result.failed_block_ids
         return result
+
+    def _budget_batches(self, plan: GetPlan, request: TransferRequest, result: LoadResult) -> list[tuple[int, int]]:
+        """The load's sub-batches: one, or as many as the disk-offload staging budget needs (none at all
+        when one key can never fit: the whole request fails, as nothing later could complete it)."""
+        budget = self.disk_offload_buffer_budget_bytes
+        if budget is None:
+            return [(0, len(plan.keys))]
+        usable = max(1, int(budget * self.disk_offload_usable_ratio))
+        object_sizes = plan.key_bytes()
+        batches = split_by_staging_budget(object_sizes, usable, budget)
+        if isinstance(batches, int):
+            need = estimate_staging_bytes(object_sizes[batches])
+            result.error = (
+                f"key {plan.keys[batches]} needs {need} staging bytes, more than the disk-offload staging budget "
+                f"of {budget}: nothing was loaded"
+            )
+            count(result.outcomes, "staging_budget_exceeded", len(plan.keys))
+            logger.warning("load %s: %s", request.req_id, result.error)
+            return []
+        return batches
 
     def _get_batches(
         self,
