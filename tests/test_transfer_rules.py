@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 
 from kvaddr_testing import Cache, Calls, assert_blocks_equal, hashes
 from kvaddr_testing import make_transfer as transfer
+from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.rules import (
+    choose_auto_mode,
+    copies_in_memory,
     estimate_staging_bytes,
     floor_to,
     group_runs,
@@ -229,3 +232,62 @@ def test_vllm_connector_stats_accept_our_records(store: MooncakeStore, model: st
     assert stats.data["load_get"][0]["num_keys"] == 3 and stats.data["load_get"][0]["num_bytes"] == 3 * 512
     reduced = stats.reduce()
     assert any(key.startswith("load_get") for key in reduced)
+
+
+# ------------------------------------------------------------------------------------------- auto
+
+
+def test_auto_rule_follows_the_measured_crossover() -> None:
+    # Over the network: stage below 32 KiB regions whatever the region count, and objects up to 512 KiB.
+    for regions in (17, 100, 15616):
+        assert choose_auto_mode(regions, 2 << 10) == "staged"
+        assert choose_auto_mode(regions, (32 << 10) - 1) == "staged"
+        assert choose_auto_mode(regions, 32 << 10) == "multi_buffer"
+    assert choose_auto_mode(16, 32 << 10) == "staged"  # exactly 512 KiB
+    assert choose_auto_mode(4, 128 << 10) == "staged"
+    assert choose_auto_mode(16, 64 << 10) == "multi_buffer"
+    # In memory: stage only objects of at most 8 KiB.
+    assert choose_auto_mode(4, 2 << 10, local_copy=True) == "staged"
+    assert choose_auto_mode(4, (2 << 10) + 1, local_copy=True) == "multi_buffer"
+    assert choose_auto_mode(100, 2 << 10, local_copy=True) == "multi_buffer"
+    assert choose_auto_mode(16, 32 << 10, local_copy=True) == "multi_buffer"
+    # One region per key never stages; no region at all has nothing to move.
+    assert choose_auto_mode(1, 2 << 10) == choose_auto_mode(1, 1 << 20, local_copy=True) == "direct"
+    assert choose_auto_mode(0, 0) == "multi_buffer"
+
+
+def test_in_memory_copies_are_inferred_from_the_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MC_STORE_MEMCPY", raising=False)
+    assert copies_in_memory(StoreConfig(global_segment_size="64MiB"))  # embedded master, own segment
+    assert not copies_in_memory(StoreConfig(global_segment_size="64MiB", master_server_address="10.0.0.1:50051"))
+    assert not copies_in_memory(StoreConfig(global_segment_size=0))  # a pure client: every byte crosses
+    assert not copies_in_memory(StoreConfig(global_segment_size="64MiB", protocol="rdma"))
+    monkeypatch.setenv("MC_STORE_MEMCPY", "0")
+    assert not copies_in_memory(StoreConfig(global_segment_size="64MiB"))
+
+
+@mooncake
+@pytest.mark.parametrize(
+    ("regions", "block_bytes", "local_copy", "expected"),
+    [
+        (3, 512, None, "staged"),  # the test store's master is external: network rule
+        (3, 8 << 10, None, "staged"),
+        (3, 32 << 10, None, "staged"),  # 96 KiB objects
+        (20, 32 << 10, None, "multi_buffer"),  # 640 KiB objects of 32 KiB regions
+        (3, 512, True, "staged"),  # 1.5 KiB objects
+        (3, 8 << 10, True, "multi_buffer"),
+        (1, 32 << 10, True, "direct"),
+    ],
+)
+def test_auto_resolves_by_the_rule_and_round_trips(
+    store: MooncakeStore, model: str, regions: int, block_bytes: int, local_copy: bool | None, expected: str
+) -> None:
+    src, dst = Cache(regions, 4, block_bytes, seed=6), Cache(regions, 4, block_bytes)
+    h = hashes(model, 3)
+    kw: dict[str, Any] = {"transfer_mode": "auto", "local_copy": local_copy, "start_threads": False}
+    with transfer(store, model, src, 16, **kw) as writer, transfer(store, model, dst, 16, **kw) as reader:
+        assert writer.mode == writer.store_mode == reader.mode == expected
+        assert writer.store(TransferRequest("r", 48, h, [[1, 2, 3]])).ok
+        loaded = reader.load(TransferRequest("r", 48, h, [[3, 2, 1]]))
+        assert loaded.ok and loaded.mode == expected
+    assert_blocks_equal(src, [1, 2, 3], dst, [3, 2, 1])

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, TypeVar
@@ -21,14 +22,20 @@ from typing import Any, Final, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.store import StoreError
 
 __all__ = [
+    "AUTO_MEMORY_STAGED_MAX",
+    "AUTO_NETWORK_STAGED_BELOW",
+    "AUTO_NETWORK_STAGED_OBJECT_MAX",
     "DIRECT_IO_ALIGNMENT",
     "DIRECT_IO_PADDING",
     "LOAD_ERRORS",
     "OperationRecorder",
     "RecordOperation",
+    "choose_auto_mode",
+    "copies_in_memory",
     "describe",
     "estimate_staging_bytes",
     "floor_to",
@@ -171,3 +178,46 @@ class OperationRecorder:
             )
         except Exception:  # a metrics bug must not break the transfer
             logger.exception("record_operation callback failed for %s", operation)
+
+
+#: Over the network ``auto`` stages keys whose regions are smaller than this many bytes, or whose whole
+#: object is at most :data:`AUTO_NETWORK_STAGED_OBJECT_MAX`. Mooncake pays per region there (~25-45 us on
+#: TCP), so one contiguous object per key wins by 2-10x at 2-8 KiB regions; from ~32 KiB regions a large
+#: staged object (1 MiB and up) moves slower than its regions do in parallel, a small one still does not
+#: (measured with ``bench/transfer_crossover.py``; the table is in ``docs/transfer-modes.md``).
+AUTO_NETWORK_STAGED_BELOW: Final = 32 << 10
+AUTO_NETWORK_STAGED_OBJECT_MAX: Final = 512 << 10
+#: In memory (the segment is in this process) ``auto`` stages only keys whose whole object is at most this
+#: many bytes: staging adds a copy of every byte, which pays off only where per-key overhead dominates.
+AUTO_MEMORY_STAGED_MAX: Final = 8 << 10
+
+
+def choose_auto_mode(regions_per_key: int, region_bytes: int, *, local_copy: bool = False) -> str:
+    """The path ``"auto"`` resolves to for a layout of ``regions_per_key`` regions of ``region_bytes`` (mean)
+    each; ``local_copy``: Mooncake copies in memory (the only segment is in this process) rather than over
+    the network. See ``docs/transfer-modes.md``, "How auto chooses"."""
+    if regions_per_key <= 0:
+        return "multi_buffer"
+    if regions_per_key == 1:
+        return "direct"  # one contiguous region per key: nothing to gather
+    if local_copy:
+        return "staged" if regions_per_key * region_bytes <= AUTO_MEMORY_STAGED_MAX else "multi_buffer"
+    small_regions = region_bytes < AUTO_NETWORK_STAGED_BELOW
+    small_object = regions_per_key * region_bytes <= AUTO_NETWORK_STAGED_OBJECT_MAX
+    return "staged" if small_regions or small_object else "multi_buffer"
+
+
+def copies_in_memory(config: StoreConfig) -> bool:
+    """Whether Mooncake will move a client's objects by an in-process copy rather than over the network.
+
+    Mooncake copies in memory when the object's segment is in the same process (TCP protocol, unless
+    ``MC_STORE_MEMCPY=0``). That is known only when this client holds a segment and started its own master,
+    so that no other client can hold one; anything else (an external master, a pure client, RDMA) counts as
+    network.
+    """
+    return (
+        config.protocol == "tcp"
+        and os.environ.get("MC_STORE_MEMCPY", "") != "0"
+        and config.global_segment_size > 0
+        and config.master_server_address is None
+    )

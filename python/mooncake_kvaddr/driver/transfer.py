@@ -56,6 +56,8 @@ from mooncake_kvaddr.driver.rules import (
     LOAD_ERRORS,
     OperationRecorder,
     RecordOperation,
+    choose_auto_mode,
+    copies_in_memory,
     describe,
     estimate_staging_bytes,
     floor_to,
@@ -101,6 +103,9 @@ class KVTransfer:
             ``disk_offload_usable_ratio`` of it, and a single key that exceeds the whole budget fails the whole
             request (see :func:`~mooncake_kvaddr.driver.rules.split_by_staging_budget`). ``None``: no splitting.
         disk_offload_usable_ratio: the share of the budget one sub-batch may use (vLLM's default 0.9).
+        local_copy: for ``"auto"``: whether Mooncake moves this transfer's bytes by an in-process copy (the
+            only segment is in this process) rather than over the network; ``None`` (default) infers it from
+            the store's configuration (:func:`~mooncake_kvaddr.driver.rules.copies_in_memory`).
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class KVTransfer:
         record_operation: RecordOperation | Callable[..., None] | None = None,
         disk_offload_buffer_budget_bytes: int | None = None,
         disk_offload_usable_ratio: float = 0.9,
+        local_copy: bool | None = None,
     ) -> None:
         if not databases:
             raise ValueError("databases: need one ChunkedTokenDatabase per KV-cache group (at least one)")
@@ -147,8 +153,10 @@ class KVTransfer:
         self._metrics = OperationRecorder(record_operation)
         self._regions: list[np.ndarray[Any, Any]] = []
         self._registered: list[int] = []
+        self._local_copy = local_copy
         # No path until register_kv_caches: every block id is checked against the registered caches.
-        self._path: TransferPath | None = None
+        self._get_path: TransferPath | None = None
+        self._put_path: TransferPath | None = None
         self._pool = staging_pool
         self._owns_pool = staging_pool is None
         self._pool_registered = False
@@ -174,29 +182,48 @@ class KVTransfer:
 
     @property
     def mode(self) -> str:
-        """How keys move: ``"multi_buffer"``, ``"staged"`` or ``"direct"`` (one region per key).
+        """How loads move keys: ``"multi_buffer"``, ``"staged"`` or ``"direct"`` (one region per key).
 
         ``"multi_buffer"`` until :meth:`register_kv_caches` resolves :attr:`transfer_mode` (nothing moves
-        before that: every block id is checked against the registered caches).
+        before that: every block id is checked against the registered caches). With ``"auto"`` stores may
+        use another path (:attr:`store_mode`): the objects are the same bytes either way.
         """
-        return "multi_buffer" if self._path is None else self._path.name
+        return "multi_buffer" if self._get_path is None else self._get_path.name
+
+    @property
+    def store_mode(self) -> str:
+        """How stores move keys (see :attr:`mode`)."""
+        return "multi_buffer" if self._put_path is None else self._put_path.name
 
     @property
     def path(self) -> TransferPath | None:
-        """The path object that moves the bytes (see :mod:`mooncake_kvaddr.driver.paths`); ``None`` until
+        """The load path object (see :mod:`mooncake_kvaddr.driver.paths`); ``None`` until
         :meth:`register_kv_caches`."""
-        return self._path
+        return self._get_path
+
+    @property
+    def store_path(self) -> TransferPath | None:
+        """The store path object; ``None`` until :meth:`register_kv_caches`."""
+        return self._put_path
+
+    def _staged(self) -> StagedPath | None:
+        for path in (self._get_path, self._put_path):
+            if isinstance(path, StagedPath):
+                return path
+        return None
 
     @property
     def staging_pool(self) -> StagingPool | None:
-        """The staging pool in use (``None`` unless the mode is ``"staged"``)."""
-        return self._path.pool if isinstance(self._path, StagedPath) else None
+        """The staging pool in use (``None`` unless a direction is ``"staged"``)."""
+        staged = self._staged()
+        return None if staged is None else staged.pool
 
     @property
     def copy_backend(self) -> CopyBackend | None:
-        """The backend that gathers and scatters staged keys (``None`` unless the mode is ``"staged"``); a
+        """The backend that gathers and scatters staged keys (``None`` unless a direction is ``"staged"``); a
         :class:`~mooncake_kvaddr.driver.staging.HostCopyBackend` whose ``threads``/``streaming`` may be tuned."""
-        return self._path.copy if isinstance(self._path, StagedPath) else None
+        staged = self._staged()
+        return None if staged is None else staged.copy
 
     # ------------------------------------------------------------------ regions
 
@@ -213,33 +240,43 @@ class KVTransfer:
         caches are then touched by the native copy alone, bounds-checked against these buffers).
         """
         with self._admitted():
-            if self._path is not None:
+            if self._get_path is not None:
                 raise RuntimeError("register_kv_caches: regions are already registered")
             caches = RegisteredCaches.from_regions(regions, num_blocks)
             ctx = self._context(caches)
-            mode = self._resolve_mode(caches.regions_per_key)
-            path: TransferPath
-            if mode == "staged":
-                path = self._start_staging(ctx, caches)
-            else:
+            get_mode, put_mode = self._resolve_modes(caches)
+            paths: dict[str, TransferPath] = {}
+            if "staged" in (get_mode, put_mode):
+                paths["staged"] = self._start_staging(ctx, caches)
+            if {get_mode, put_mode} - {"staged"}:
                 for base, nbytes in caches.buffers:
                     self._store.register_buffer(base, nbytes)
                     self._registered.append(base)
-                path = DirectPath(ctx) if mode == "direct" else MultiBufferPath(ctx)
-            self._path = path
+            for mode in (get_mode, put_mode):
+                if mode not in paths:
+                    paths[mode] = DirectPath(ctx) if mode == "direct" else MultiBufferPath(ctx)
+            self._get_path, self._put_path = paths[get_mode], paths[put_mode]
             self._regions = list(regions)
             for db in self.databases:
                 db.set_kv_caches_base_addr(list(caches.bases))
                 db.set_block_len(list(caches.block_lens))
-            logger.info("KVTransfer: transfer mode %s -> %s (%s)", self.transfer_mode, path.name, path.describe())
+            chosen = get_mode if get_mode == put_mode else f"load {get_mode} / store {put_mode}"
+            detail = "; ".join(dict.fromkeys(path.describe() for path in paths.values()))
+            logger.info("KVTransfer: transfer mode %s -> %s (%s)", self.transfer_mode, chosen, detail)
 
-    def _resolve_mode(self, regions_per_key: int) -> str:
-        if self.transfer_mode == "multi_buffer" or regions_per_key == 0:
-            return "multi_buffer"
-        if regions_per_key == 1:
-            return "direct"  # one contiguous region per key: nothing to gather
-        # "staged", or "auto" with host memory (the only kind register_kv_caches takes).
-        return "staged"
+    def _resolve_modes(self, caches: RegisteredCaches) -> tuple[str, str]:
+        """(load mode, store mode) for the registered layout (see ``docs/transfer-modes.md``)."""
+        regions = caches.regions_per_key
+        if self.transfer_mode == "multi_buffer" or regions == 0:
+            return "multi_buffer", "multi_buffer"
+        if regions == 1:
+            return "direct", "direct"  # one contiguous region per key: nothing to gather
+        if self.transfer_mode == "staged":
+            return "staged", "staged"
+        region_bytes = sum(caches.block_lens) // regions
+        local = copies_in_memory(self._store.config) if self._local_copy is None else self._local_copy
+        mode = choose_auto_mode(regions, region_bytes, local_copy=local)
+        return mode, mode
 
     def _start_staging(self, ctx: PathContext, caches: RegisteredCaches) -> StagedPath:
         """Create (or adopt) the staging pool, register it with the store, set up the host copy backend."""
@@ -264,7 +301,7 @@ class KVTransfer:
             return self._store_request(request)
 
     def _store_request(self, request: TransferRequest) -> StoreResult:
-        path = self._registered_path()
+        path = self._registered_path(self._put_path)
         clock = Clock()
         result = StoreResult(request.req_id, timings=clock.timings)
         token_len = floor_to(request.token_len, self.lcm_block_size)
@@ -358,7 +395,7 @@ class KVTransfer:
         result = LoadResult(request.req_id, timings=clock.timings, mode=self.mode)
         skip = floor_to(request.skip_tokens, self.lcm_block_size)
         try:
-            path = self._registered_path()
+            path = self._registered_path(self._get_path)
             _, screened = self._screen(path, request)
             plan = path.plan_get(request.token_len, request.block_hashes, screened, skip, self.tp_rank)
         except LOAD_ERRORS as exc:
@@ -429,10 +466,11 @@ class KVTransfer:
                 count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(plan.keys) - end)
                 return
 
-    def _registered_path(self) -> TransferPath:
-        if self._path is None:
+    @staticmethod
+    def _registered_path(path: TransferPath | None) -> TransferPath:
+        if path is None:
             raise RuntimeError("no KV caches registered: call register_kv_caches() before transferring")
-        return self._path
+        return path
 
     def _screen(self, path: TransferPath, request: TransferRequest) -> tuple[list[list[int]], list[Screened]]:
         """Snapshot and check each group's block ids before anything is planned (see :mod:`.bounds`).
@@ -545,7 +583,8 @@ class KVTransfer:
         with self._cond:
             if not self._cond.wait_for(lambda: self._in_flight == 0, max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"KVTransfer.close: {self._in_flight} call(s) still running after {timeout} s")
-            path, self._path = self._path, None
+            paths = {id(p): p for p in (self._get_path, self._put_path) if p is not None}
+            self._get_path = self._put_path = None
             self._released = True
         if self._store.ready:
             for base in self._registered:
@@ -560,7 +599,7 @@ class KVTransfer:
                 self._pool.unregister_from(self._store)  # a shared pool stays registered for the others
             except StoreError as exc:
                 logger.warning("KVTransfer.close: staging pool: %s", exc)
-        if path is not None:
+        for path in paths.values():
             path.close()
         if self._owns_pool:
             self._pool = None  # frees the buffer once no request holds a lease
