@@ -18,7 +18,7 @@ ORACLE_BASE = 0x7F00_0000_0000
 
 
 def oracle_regions(n_regions: int, n_lens: int) -> tuple[list[int], list[int]]:
-    """Bases and block lengths of SPEC.md §4.2's oracle layout, with ``n_lens`` distinct lengths."""
+    """Bases and block lengths of the upstream oracle test's layout, with ``n_lens`` distinct lengths."""
     bases = [ORACLE_BASE + i * (1 << 30) for i in range(n_regions)]
     lens = [30208 + 512 * i for i in range(n_lens)]
     return bases, lens

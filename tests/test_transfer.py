@@ -1,4 +1,4 @@
-"""KVTransfer on a real store: store -> lookup -> load with byte checks, threads, failures (SPEC.md §3)."""
+"""KVTransfer on a real store: store -> lookup -> load with byte checks, threads, failures (docs/transfer-modes.md)."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def test_concurrent_loads_on_several_receive_threads(store: MooncakeStore, model
         for _h, ids in reqs:
             for a, b in zip(src.blocks(ids), dst.blocks(ids[::-1]), strict=True):
                 np.testing.assert_array_equal(a, b)
-        served_by = {t.name for t in reader._threads if t.name.startswith("KVCacheStoreRecvingThread")}
+        served_by = {t.name for t in reader.threads if t.name.startswith("KVCacheStoreRecvingThread")}
         assert len(served_by) == 3
 
 
@@ -204,7 +204,7 @@ def test_a_store_closed_underneath_is_a_miss_and_load_reports_every_block(store_
             xfer.submit_store(TransferRequest("r", 48, h, [[1, 2, 3]])).result(timeout=10)
     finally:
         xfer.close()
-    assert not any(t.is_alive() for t in xfer._threads)
+    assert not any(t.is_alive() for t in xfer.threads)
 
 
 def test_argument_checks() -> None:

@@ -246,11 +246,9 @@ def test_auto_rule_follows_the_measured_crossover() -> None:
     assert choose_auto_mode(16, 32 << 10) == "staged"  # exactly 512 KiB
     assert choose_auto_mode(4, 128 << 10) == "staged"
     assert choose_auto_mode(16, 64 << 10) == "multi_buffer"
-    # In memory: stage only objects of at most 8 KiB.
-    assert choose_auto_mode(4, 2 << 10, local_copy=True) == "staged"
-    assert choose_auto_mode(4, (2 << 10) + 1, local_copy=True) == "multi_buffer"
-    assert choose_auto_mode(100, 2 << 10, local_copy=True) == "multi_buffer"
-    assert choose_auto_mode(16, 32 << 10, local_copy=True) == "multi_buffer"
+    # In memory: never stage (it adds a copy of every byte and saves no network cost).
+    for regions, region_bytes in ((2, 64), (4, 2 << 10), (100, 2 << 10), (16, 32 << 10)):
+        assert choose_auto_mode(regions, region_bytes, local_copy=True) == "multi_buffer"
     # One region per key never stages; no region at all has nothing to move.
     assert choose_auto_mode(1, 2 << 10) == choose_auto_mode(1, 1 << 20, local_copy=True) == "direct"
     assert choose_auto_mode(0, 0) == "multi_buffer"
@@ -274,8 +272,7 @@ def test_in_memory_copies_are_inferred_from_the_configuration(monkeypatch: pytes
         (3, 8 << 10, None, "staged"),
         (3, 32 << 10, None, "staged"),  # 96 KiB objects
         (20, 32 << 10, None, "multi_buffer"),  # 640 KiB objects of 32 KiB regions
-        (3, 512, True, "staged"),  # 1.5 KiB objects
-        (3, 8 << 10, True, "multi_buffer"),
+        (3, 512, True, "multi_buffer"),  # in memory
         (1, 32 << 10, True, "direct"),
     ],
 )

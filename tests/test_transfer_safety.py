@@ -293,3 +293,32 @@ def test_a_transfer_closed_before_registering_refuses_too() -> None:
         xfer.load(TransferRequest("r", 16, [b"h"], [[1]]))
     with pytest.raises(StoreClosedError):
         xfer.register_kv_caches([np.zeros((2, 64), np.uint8)], 2)
+
+
+@mooncake
+def test_block_id_containers_are_sequences_of_ints(store: MooncakeStore, model: str) -> None:
+    src, dst = Cache(2, 5, 128, seed=7), Cache(2, 5, 128)
+    h = hashes(model, 3)
+    with transfer(store, model, src, 16, transfer_mode="multi_buffer") as writer:
+        with pytest.raises(TypeError, match="dict"):
+            writer.store(TransferRequest("r", 48, h, [{1: 0, 2: 0, 3: 0}]))  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="must be an int|expected an int"):
+            writer.store(TransferRequest("r", 48, h, [[1, 2.0, 3]]))  # type: ignore[list-item]
+        assert writer.store(TransferRequest("r", 48, h, [np.array([1, 2, 3], dtype=np.uint32)])).ok
+    with transfer(store, model, dst, 16, transfer_mode="staged") as reader:
+        loaded = reader.load(TransferRequest("r", 48, h, [{3, 2, 1}]))  # type: ignore[list-item]
+        assert loaded.error is not None and "set" in loaded.error and not loaded.loaded_block_ids
+        loaded = reader.load(TransferRequest("r", 48, h, [np.array([1, 2, 3], dtype=np.int64)]))
+        assert loaded.ok and loaded.loaded_block_ids == {1, 2, 3}
+    assert_blocks_equal(src, [1, 2, 3], dst, [1, 2, 3])
+
+
+def test_num_blocks_accepts_numpy_ints_and_rejects_the_rest() -> None:
+    from mooncake_kvaddr.driver.bounds import RegisteredCaches
+
+    caches = RegisteredCaches.from_regions([np.zeros((4, 64), np.uint8)], np.int64(4))
+    assert caches.num_blocks == 4 and type(caches.num_blocks) is int and caches.block_lens == (64,)
+    with pytest.raises(TypeError, match="num_blocks"):
+        RegisteredCaches.from_regions([np.zeros((4, 64), np.uint8)], 4.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_blocks"):
+        RegisteredCaches.from_regions([np.zeros((4, 64), np.uint8)], 0)

@@ -47,8 +47,11 @@ class RegisteredCaches:
     @classmethod
     def from_regions(cls, regions: Sequence[np.ndarray[Any, Any]], num_blocks: int) -> RegisteredCaches:
         """Validate host regions (C-contiguous arrays, a whole number of blocks each) and describe them."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks: must be an int >= 1, got {num_blocks!r}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
+            raise TypeError(f"num_blocks: expected an int, got {type(num_blocks).__name__}")
+        num_blocks = int(num_blocks)
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         bases: list[int] = []
         lens: list[int] = []
         buffers: dict[int, int] = {}
@@ -75,9 +78,12 @@ class RegisteredCaches:
     def screen(self, block_ids: Sequence[int]) -> Screened:
         """Copy ``block_ids`` (later edits by the caller change nothing) and find the out-of-range ids.
 
-        Non-integer ids raise ``TypeError`` (a caller bug, not a block to report).
+        Non-integer ids, and containers that are not sequences of ids (a dict, a set, a string), raise
+        ``TypeError`` (a caller bug, not a block to report).
         """
-        ids = list(block_ids)
+        if isinstance(block_ids, (dict, set, frozenset, str, bytes, bytearray)):
+            raise TypeError(f"block_ids: expected a sequence of ints, got {type(block_ids).__name__}")
+        ids: list[int] = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
         if not ids:
             return Screened(ids, {})
         try:

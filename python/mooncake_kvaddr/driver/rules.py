@@ -26,7 +26,6 @@ from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.store import StoreError
 
 __all__ = [
-    "AUTO_MEMORY_STAGED_MAX",
     "AUTO_NETWORK_STAGED_BELOW",
     "AUTO_NETWORK_STAGED_OBJECT_MAX",
     "DIRECT_IO_ALIGNMENT",
@@ -187,11 +186,6 @@ class OperationRecorder:
 #: (measured with ``bench/transfer_crossover.py``; the table is in ``docs/transfer-modes.md``).
 AUTO_NETWORK_STAGED_BELOW: Final = 32 << 10
 AUTO_NETWORK_STAGED_OBJECT_MAX: Final = 512 << 10
-#: In memory (the segment is in this process) ``auto`` stages only keys whose whole object is at most this
-#: many bytes: staging adds a copy of every byte, which pays off only where per-key overhead dominates.
-AUTO_MEMORY_STAGED_MAX: Final = 8 << 10
-
-
 def choose_auto_mode(regions_per_key: int, region_bytes: int, *, local_copy: bool = False) -> str:
     """The path ``"auto"`` resolves to for a layout of ``regions_per_key`` regions of ``region_bytes`` (mean)
     each; ``local_copy``: Mooncake copies in memory (the only segment is in this process) rather than over
@@ -201,7 +195,8 @@ def choose_auto_mode(regions_per_key: int, region_bytes: int, *, local_copy: boo
     if regions_per_key == 1:
         return "direct"  # one contiguous region per key: nothing to gather
     if local_copy:
-        return "staged" if regions_per_key * region_bytes <= AUTO_MEMORY_STAGED_MAX else "multi_buffer"
+        # In memory there is no per-region network cost to save, and staging adds a copy of every byte.
+        return "multi_buffer"
     small_regions = region_bytes < AUTO_NETWORK_STAGED_BELOW
     small_object = regions_per_key * region_bytes <= AUTO_NETWORK_STAGED_OBJECT_MAX
     return "staged" if small_regions or small_object else "multi_buffer"

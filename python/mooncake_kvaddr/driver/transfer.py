@@ -21,13 +21,16 @@ Transfer modes (``transfer_mode``, default ``StoreConfig.transfer_mode`` = ``"au
 for host-memory caches with more than one region per key); with one region per key ``"staged"`` and
 ``"auto"`` use ``"direct"``. Objects are the concatenation of their regions in every mode, so the modes
 interoperate.
+
+Size: this module is one class whose store and load request logic, registration and lifecycle are meant to
+be read together (~600 lines, a third of them docstrings); everything else it uses has its own module
+(paths, bounds, rules, results, workers).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -65,6 +68,7 @@ from mooncake_kvaddr.driver.rules import (
 )
 from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, CopyBackend, HostCopyBackend, StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore, Outcome, StoreClosedError, StoreError
+from mooncake_kvaddr.driver.workers import TransferThreads
 
 __all__ = ["KVTransfer", "LoadResult", "StoreResult", "TransferRequest"]
 
@@ -130,8 +134,6 @@ class KVTransfer:
             raise ValueError("databases: need one ChunkedTokenDatabase per KV-cache group (at least one)")
         if tp_rank < 0:
             raise ValueError(f"tp_rank: must be >= 0, got {tp_rank}")
-        if num_recv_threads < 1:
-            raise ValueError(f"num_recv_threads: must be >= 1, got {num_recv_threads}")
         requested = store.config.transfer_mode if transfer_mode is None else transfer_mode
         if requested not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {requested!r}")
@@ -161,10 +163,11 @@ class KVTransfer:
         self._owns_pool = staging_pool is None
         self._pool_registered = False
         self._back_pressure = threading.Event()
-        self._send_queue: queue.Queue[tuple[TransferRequest, Future[StoreResult]] | None] = queue.Queue()
-        self._recv_queue: queue.Queue[tuple[TransferRequest, Future[LoadResult]] | None] = queue.Queue()
-        self._threads: list[threading.Thread] = []
-        self._num_recv_threads = num_recv_threads
+        self._workers: TransferThreads[TransferRequest, StoreResult, LoadResult] = TransferThreads(
+            partial(self._run_queued, self._store_request),
+            partial(self._run_queued, self._load_request),
+            num_recv_threads,
+        )
         self._closed = False  # close() began: new calls are refused
         self._released = False  # close() finished: caches and staging released
         self._cond = threading.Condition(threading.Lock())
@@ -523,39 +526,28 @@ class KVTransfer:
 
     # ------------------------------------------------------------------ threads and lifecycle
 
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The send and receive threads (empty until started)."""
+        return self._workers.threads
+
     def start(self) -> None:
         """Start the send thread and the receive threads (idempotent)."""
         if self._closed:
             raise StoreClosedError("KVTransfer is closed: no calls after close()")
-        if self._threads:
-            return
-        self._threads.append(
-            threading.Thread(
-                target=self._serve,
-                args=(self._send_queue, partial(self._run_queued, self._store_request)),
-                name="KVCacheStoreSendingThread",
-                daemon=True,
-            )
-        )
-        for i in range(self._num_recv_threads):
-            self._threads.append(
-                threading.Thread(
-                    target=self._serve,
-                    args=(self._recv_queue, partial(self._run_queued, self._load_request)),
-                    name=f"KVCacheStoreRecvingThread-{i}",
-                    daemon=True,
-                )
-            )
-        for thread in self._threads:
-            thread.start()
+        self._workers.start()
 
     def submit_store(self, request: TransferRequest) -> Future[StoreResult]:
         """Queue a store on the send thread."""
-        return self._submit(self._send_queue, request)
+        if self._closed:
+            raise StoreClosedError("KVTransfer is closed: no calls after close()")
+        return self._workers.submit_store(request)
 
     def submit_load(self, request: TransferRequest) -> Future[LoadResult]:
         """Queue a load; the first free receive thread takes it."""
-        return self._submit(self._recv_queue, request)
+        if self._closed:
+            raise StoreClosedError("KVTransfer is closed: no calls after close()")
+        return self._workers.submit_load(request)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued work, stop the threads, wait for calls in flight, unregister the buffers.
@@ -568,16 +560,9 @@ class KVTransfer:
         with self._cond:
             if self._released:
                 return
-            first = not self._closed
             self._closed = True
-        if first:
-            self._send_queue.put(None)
-            for _ in range(self._num_recv_threads):
-                self._recv_queue.put(None)
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in self._threads if t.is_alive()]
+        stuck = self._workers.stop(deadline)
         if stuck:
             raise TimeoutError(f"KVTransfer.close: threads still running after {timeout} s: {stuck}")
         with self._cond:
@@ -631,30 +616,3 @@ class KVTransfer:
     def _run_queued(self, work: Callable[[TransferRequest], _T], request: TransferRequest) -> _T:
         with self._admitted(queued=True):
             return work(request)
-
-    def _submit(
-        self, jobs: queue.Queue[tuple[TransferRequest, Future[_T]] | None], request: TransferRequest
-    ) -> Future[_T]:
-        if self._closed:
-            raise StoreClosedError("KVTransfer is closed: no calls after close()")
-        if not self._threads:
-            raise RuntimeError("KVTransfer threads are not started (start_threads=False): call start()")
-        future: Future[_T] = Future()
-        jobs.put((request, future))
-        return future
-
-    @staticmethod
-    def _serve(
-        jobs: queue.Queue[tuple[TransferRequest, Future[_T]] | None], work: Callable[[TransferRequest], _T]
-    ) -> None:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            request, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(work(request))
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
