@@ -302,7 +302,7 @@ def test_block_id_containers_are_sequences_of_ints(store: MooncakeStore, model: 
     with transfer(store, model, src, 16, transfer_mode="multi_buffer") as writer:
         with pytest.raises(TypeError, match="dict"):
             writer.store(TransferRequest("r", 48, h, [{1: 0, 2: 0, 3: 0}]))  # type: ignore[list-item]
-        with pytest.raises(TypeError, match="must be an int|expected an int"):
+        with pytest.raises(TypeError, match=r"must be an int|expected an int"):
             writer.store(TransferRequest("r", 48, h, [[1, 2.0, 3]]))  # type: ignore[list-item]
         assert writer.store(TransferRequest("r", 48, h, [np.array([1, 2, 3], dtype=np.uint32)])).ok
     with transfer(store, model, dst, 16, transfer_mode="staged") as reader:
