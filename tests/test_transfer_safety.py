@@ -109,6 +109,7 @@ def test_load_reports_out_of_range_ids_and_moves_only_the_good_blocks(
     assert set(loaded.invalid_block_ids) == bad and loaded.error is None
     assert all("outside the registered blocks [0, 9)" in r for r in loaded.invalid_block_ids.values())
     assert loaded.outcomes == {"ok": 4, "invalid_block_id": 4} and loaded.bytes == 4 * regions * 256
+    assert loaded.chunks == 8
     assert_blocks_equal(src, [1, 3, 5, 7], dst, [8, 7, 6, 5])
     for region, old in zip(dst.regions, before, strict=True):  # no other byte changed
         np.testing.assert_array_equal(region[:5], old[:5])

@@ -67,6 +67,7 @@ class GetPlan:
     block_ids: Sequence[int]
     #: Block ids outside the registered blocks (id -> reason): their chunks were dropped from the plan.
     invalid: dict[int, str] = field(default_factory=dict)
+    dropped: int = 0  # chunks dropped for an invalid block id
 
     def key_bytes(self) -> list[int]:
         """Each key's object size (the sum of its region sizes)."""
@@ -146,10 +147,13 @@ class TransferPath:
             keys = [k for k, good in zip(keys, keep.tolist(), strict=True) if good]
             groups = [x for x, good in zip(groups, keep.tolist(), strict=True) if good]
             chunks = chunks[keep]
+            dropped = len(keep) - len(keys)
             if not keys:
-                return GetPlan([], [], [], [], invalid)
+                return GetPlan([], [], [], [], invalid, dropped)
+        else:
+            dropped = 0
         addrs, sizes, ids = self.prepare(chunks, groups, [s.ids for s in screened])
-        return GetPlan(keys, addrs, sizes, ids, invalid)
+        return GetPlan(keys, addrs, sizes, ids, invalid, dropped)
 
     # ------------------------------------------------------------------ moving bytes
 

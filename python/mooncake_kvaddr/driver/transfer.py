@@ -410,12 +410,12 @@ class KVTransfer:
         if plan.invalid:
             result.invalid_block_ids = plan.invalid
             result.failed_block_ids.update(plan.invalid)
-            count(result.outcomes, "invalid_block_id", len(plan.invalid))
+            count(result.outcomes, "invalid_block_id", plan.dropped)
             logger.warning("load %s: %d block id(s) not loaded: %s", request.req_id, len(plan.invalid),
                            next(iter(plan.invalid.values())))
+        result.chunks = len(plan.keys) + plan.dropped
         if not plan.keys:
             return result
-        result.chunks = len(plan.keys)
         loaded = np.zeros(len(plan.keys), dtype=bool)
         batches = self._budget_batches(plan, request, result)
         try:
