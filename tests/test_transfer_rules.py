@@ -256,7 +256,8 @@ def test_auto_rule_follows_the_measured_crossover() -> None:
 
 def test_in_memory_copies_are_inferred_from_the_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MC_STORE_MEMCPY", raising=False)
-    assert copies_in_memory(StoreConfig(global_segment_size="64MiB"))  # embedded master, own segment
+    assert copies_in_memory(StoreConfig(global_segment_size="64MiB", embedded_master=True))  # own master + segment
+    assert not copies_in_memory(StoreConfig(global_segment_size="64MiB"))  # no master named: not known
     assert not copies_in_memory(StoreConfig(global_segment_size="64MiB", master_server_address="10.0.0.1:50051"))
     assert not copies_in_memory(StoreConfig(global_segment_size=0))  # a pure client: every byte crosses
     assert not copies_in_memory(StoreConfig(global_segment_size="64MiB", protocol="rdma"))

@@ -214,5 +214,5 @@ def copies_in_memory(config: StoreConfig) -> bool:
         config.protocol == "tcp"
         and os.environ.get("MC_STORE_MEMCPY", "") != "0"
         and config.global_segment_size > 0
-        and config.master_server_address is None
+        and config.embedded_master
     )
