@@ -593,25 +593,30 @@ class StoreLookup:
         return top
 
     def _loadable(self, g: int, present: BoolArray, top: int) -> BoolArray:
-        """``ok[j - 1]``: group ``g`` can load ``j`` steps with the keys a loader derives from that length."""
+        """``ok[j - 1]``: group ``g`` can load ``j`` steps with the keys a loader derives from that length
+        (``top`` steps at most, all within the probed units)."""
         spec, unit = self.specs[g], self._unit(g)
         k, s = self.alignment // unit, self.block_sizes[g] // unit
-        ends = np.arange(1, top + 1, dtype=np.int64) * k  # units up to each candidate end
+        at_end: BoolArray = present[k - 1 : top * k : k]  # the key at each candidate end: unit j * k - 1
         if spec.is_mamba:
-            state: BoolArray = present[ends - 1]  # the state stored at the end
-            return state
+            return at_end  # the state stored at the end
         blocks = present[s - 1 :: s]  # a block's own key is the unit that ends it
         if spec.sliding_window is None:
-            # Every whole block before the end, and the key at the end (a partial tail inside a block).
-            return present[ends - 1] & (ends // s <= _leading_run(blocks))
-        # The window's blocks before a block-aligned end (or every block back to the start).
-        whole = ends % s == 0
-        last = ends // s
-        absent = np.concatenate(([0], np.cumsum(~blocks, dtype=np.int64)))
+            # The key at the end (a partial tail when the end cuts a block) and every whole block before it:
+            # (j * k) // s <= run, i.e. j <= ((run + 1) * s - 1) // k.
+            ok = at_end.copy()
+            ok[((_leading_run(blocks) + 1) * s - 1) // k :] = False
+            return ok
+        # The window's blocks before an end on a block boundary (or every block back to the start). The end
+        # j * k is a whole number of blocks when j is a multiple of q.
+        q = s // math.gcd(s, k)
+        steps = np.arange(q, top + 1, q, dtype=np.int64)
+        last = steps * k // s  # blocks before the end
         first = np.maximum(last - _window_blocks(spec, self.block_sizes[g]), 0)
-        last = np.minimum(last, blocks.size)
-        window: BoolArray = whole & (absent[last] == absent[np.minimum(first, last)])
-        return window
+        absent = np.concatenate(([0], np.cumsum(~blocks, dtype=np.int64)))
+        ok = np.zeros(top, dtype=np.bool_)
+        ok[steps - 1] = absent[last] == absent[first]
+        return ok
 
     # vLLM 0.33's coordinator, for lookup_with_boundaries: each spec group's finder returns its longest
     # hit <= a bound; full-attention finders run once (full attention first), the others until the hit
