@@ -133,7 +133,7 @@ def fill_store(
     p = {"dense": 0.9, "sparse": 0.35, "holes": 0.75, "namespace_holes": 0.95, "odd_codes": 0.8, "prefix": 1.0}[style]
     codes: dict[str, int] = {}
     visible: list[set[int]] = []
-    for g, prefixes in enumerate(lookup.prefixes):
+    for prefixes in lookup.prefixes:
         cut = rng.randint(0, len(hashes)) if style == "prefix" else len(hashes)
         seen: set[int] = set()
         for u, h in enumerate(hashes):
@@ -249,14 +249,20 @@ def test_every_full_attention_group_needs_its_own_partial_tail(seed: int) -> Non
     check_scenario(Scenario(hbs, groups, None, rng.randint(1, 16), None), seed, stores=6)
 
 
+def stored_keys(lookup: StoreLookup, hashes: list[bytes], stored: dict[int, set[int]]) -> DictStore:
+    """A store holding, per group, the keys of the given hash indices under every namespace."""
+    return DictStore({f"{prefix}@{hashes[u].hex()}": 1
+                      for g, prefixes in enumerate(lookup.prefixes) for prefix in prefixes for u in stored[g]})
+
+
 def test_the_issue_false_hit_is_gone() -> None:
     sc = Scenario(2, [Group("full", 2), Group("full", 4), Group("mamba", 4)], None, 4, None)
     lookup = build(sc)
     hashes = hashes_for(4, 7)
     stored = {0: {0, 1, 2, 3}, 1: {1, 3}, 2: {2}}
-    store = DictStore({f"{p}@{hashes[u].hex()}": 1 for g, ps in enumerate(lookup.prefixes) for p in ps for u in stored[g]})
+    store = stored_keys(lookup, hashes, stored)
     assert Reference(sc, [stored[g] for g in range(3)]).lookup(9) == 0
     assert lookup.lookup(store, 9, hashes) == 0  # group 1 holds no key for tokens 4..6
     stored[1].add(2)  # now it does: the partial tail at 6
-    store = DictStore({f"{p}@{hashes[u].hex()}": 1 for g, ps in enumerate(lookup.prefixes) for p in ps for u in stored[g]})
+    store = stored_keys(lookup, hashes, stored)
     assert lookup.lookup(store, 9, hashes) == 6

@@ -604,7 +604,7 @@ class StoreLookup:
         if spec.sliding_window is None:
             # The key at the end (a partial tail when the end cuts a block) and every whole block before it:
             # (j * k) // s <= run, i.e. j <= ((run + 1) * s - 1) // k.
-            ok = at_end.copy()
+            ok: BoolArray = at_end.copy()
             ok[((_leading_run(blocks) + 1) * s - 1) // k :] = False
             return ok
         # The window's blocks before an end on a block boundary (or every block back to the start). The end
