@@ -23,19 +23,19 @@ from test_lookup_model import DictStore, Scenario, build, fill_store, hashes_for
 pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import (  # noqa: E402
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import (
     MooncakeStoreCoordinator,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheGroupSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
 
-from mooncake_kvaddr.driver.lookup import StoreLookup  # noqa: E402
+from mooncake_kvaddr.driver.lookup import StoreLookup
 
 
 def vllm_worker(sc: Scenario, lookup: StoreLookup, store: DictStore) -> Any:
