@@ -553,8 +553,8 @@ def best_of(runs: int, fn: Callable[[], object]) -> float:
 
 
 @pytest.mark.parametrize("specs, block_sizes, hbs", [
-    (["attention", GroupSpec("attention", sliding_window=32)], (16, 64), 16),
-    (["attention", "mamba"], (16, 64), 16),
+    (["attention", GroupSpec("attention", sliding_window=32)], (64, 16), 16),  # window chunks masked
+    (["attention", "mamba"], (64, 16), 16),  # only states on a scheduler block probed
     (["attention", GroupSpec("mamba")], (64, 64), 16),  # fine-grained
 ])
 def test_a_huge_prompt_with_few_hashes_costs_what_the_hashes_cost(
