@@ -1,4 +1,4 @@
-"""Lookup across rank namespaces and group types (SPEC.md §1.4, §3.5, §5 "Lookup").
+"""Lookup across rank namespaces and group types (docs/lookup.md).
 
 Most tests drive :meth:`KVTransfer.lookup` against a scripted fake store (no master needed); the last ones
 store from several simulated ranks into a real master and look up across their namespaces.
@@ -158,7 +158,7 @@ def test_blob_hashes_probe_the_same_keys() -> None:
     assert a.keys == b.keys
 
 
-# ------------------------------------------------------------------ rank namespaces (SPEC.md §1.4)
+# ------------------------------------------------------------------ rank namespaces (docs/lookup.md, "Rank namespaces")
 
 
 def test_default_layout_keeps_the_groups_own_namespace() -> None:
