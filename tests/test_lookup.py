@@ -676,3 +676,22 @@ def test_the_issue_false_hit_on_a_real_master(store: MooncakeStore, key_prefix: 
         store.batch_remove([db.key_for(h) for db in dbs for h in hashes], force=True)
         store.unregister_buffer(buf.ctypes.data)
         reader.close()
+
+
+def test_the_033_walk_is_linear_when_groups_keep_undercutting_each_other() -> None:
+    # Sliding-window hits end at 2 mod 4, Mamba states at 0 mod 4: every round of the walk lowers the hit
+    # by one step, all the way down to 0 (2**16 rounds).
+    units = 1 << 16
+    dbs = [ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0, group_id=g), bs, 1) for g, bs in enumerate((4, 2, 4))]
+    lookup = StoreLookup(dbs, ["attention", GroupSpec("attention", sliding_window=3), GroupSpec("mamba")])
+    attention, window, mamba = np.ones(units, bool), np.zeros(units, bool), np.zeros(units, bool)
+    window[1::4] = True
+    mamba[3::4] = True
+    present = [attention, window, mamba]
+
+    answer = {"hit": -1}
+    elapsed = best_of(1, lambda: answer.update(hit=lookup.lookup_with_boundaries(
+        FakeStore(lambda keys: np.concatenate(present).astype(int).tolist()), units + 1,
+        [i.to_bytes(4, "little") for i in range(units)]).hit_length))
+    assert answer["hit"] == 0 and lookup.hit_length(present, units) == 0
+    assert elapsed < 5.0
