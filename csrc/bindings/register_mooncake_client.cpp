@@ -198,6 +198,12 @@ int64_t row_int(py::handle item, const char* what) { return as_int64(item.ptr(),
 class Rows {
 public:
     Rows(py::handle addrs, py::handle sizes, std::size_t keys) : keys_(keys) {
+        for (const auto& [obj, what] : {std::pair<py::handle, const char*>{addrs, "addrs"}, {sizes, "sizes"}}) {
+            if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr())) {
+                raise(PyExc_TypeError, std::string(what) + " must be a 2-D int64 array or a sequence of rows, not " +
+                                           type_name(obj.ptr()));
+            }
+        }
         if (addrs_.acquire(addrs.ptr()) && sizes_.acquire(sizes.ptr()) && addrs_.view().ndim == 2 &&
             sizes_.view().ndim == 2 && int64_kind(addrs_.view()) != 0 && int64_kind(sizes_.view()) != 0) {
             const auto& a = addrs_.view();

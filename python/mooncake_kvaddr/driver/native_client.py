@@ -133,7 +133,9 @@ class NativeClient:
         if setting in _OFF_VALUES:
             raise NativeClientUnavailable(f"disabled by {ENV_VAR}={os.environ[ENV_VAR]}")
         if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-            raise NativeClientUnavailable(f"implemented for x86-64 Linux only (this is {sys.platform}/{platform.machine()})")
+            raise NativeClientUnavailable(
+                f"implemented for x86-64 Linux only (this is {sys.platform}/{platform.machine()})"
+            )
         try:
             from mooncake_kvaddr import _native
         except ImportError as exc:
