@@ -7,6 +7,7 @@
 // too (converted once, under the GIL). The object and every method are checked before any call
 // (kvaddr/mooncake_client.hpp); inputs are validated so that Mooncake never sees mismatched vectors.
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -37,6 +38,26 @@ constexpr const char* kReplicateConfigName = "N8mooncake15ReplicateConfigE";  //
 
 // Calls made into Mooncake by any MooncakeClient (tests check that refused set-ups call nothing).
 std::atomic<uint64_t> g_calls{0};
+
+// Nanoseconds the calling thread's last call spent with the GIL released (for the benchmark: the rest of the
+// call's wall time is GIL-held work).
+thread_local uint64_t t_released_ns = 0;
+
+// gil_scoped_release that also records how long the GIL was released.
+class TimedRelease {
+public:
+    TimedRelease() : start_(std::chrono::steady_clock::now()) {}
+    TimedRelease(const TimedRelease&) = delete;
+    TimedRelease& operator=(const TimedRelease&) = delete;
+    ~TimedRelease() {
+        t_released_ns = static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count());
+    }
+
+private:
+    std::chrono::steady_clock::time_point start_;  // constructed before the release, read after the re-acquire
+    py::gil_scoped_release release_;
+};
 
 // A std::type_info that names mooncake::ReplicateConfig, for pybind11's cross-module "conduit" protocol:
 // Mooncake's own pybind11 looks the type up by name and hands back the address of the C++ object inside a
@@ -445,7 +466,7 @@ public:
         {
             // Safe without the GIL: the arrays stay exported (alive, unresized) until `rows` is destroyed, and
             // nothing below touches a Python object.
-            py::gil_scoped_release release;
+            TimedRelease release;
             rows.materialise(ptrs, sz, problem);
             if (!problem.found()) {
                 g_calls.fetch_add(1, std::memory_order_relaxed);
@@ -469,7 +490,7 @@ public:
         std::vector<int> codes;
         {
             // `held_config` keeps the ReplicateConfig alive; Mooncake's binding reads it without the GIL too.
-            py::gil_scoped_release release;
+            TimedRelease release;
             rows.materialise(ptrs, sz, problem);
             if (!problem.found()) {
                 g_calls.fetch_add(1, std::memory_order_relaxed);
@@ -489,7 +510,7 @@ public:
         auto client = live();
         std::vector<int64_t> codes;
         {
-            py::gil_scoped_release release;
+            TimedRelease release;
             g_calls.fetch_add(1, std::memory_order_relaxed);
             codes = fns_.get_into(client.get(), k, p, s);
         }
@@ -507,7 +528,7 @@ public:
         auto client = live();
         std::vector<int> codes;
         {
-            py::gil_scoped_release release;
+            TimedRelease release;
             g_calls.fetch_add(1, std::memory_order_relaxed);
             codes = fns_.put_from(client.get(), k, p, s, cfg);
         }
@@ -520,7 +541,7 @@ public:
         auto client = live();
         std::vector<int> codes;
         {
-            py::gil_scoped_release release;
+            TimedRelease release;
             g_calls.fetch_add(1, std::memory_order_relaxed);
             codes = fns_.is_exist(client.get(), k);
         }
@@ -599,6 +620,9 @@ void register_mooncake_client(py::module_& m) {
     m.def(
         "mooncake_client_platform_reason", [] { return std::string(mc::platform_unsupported_reason()); },
         "Why this build cannot call Mooncake's client natively ('' if it can).");
+    m.def(
+        "mooncake_client_last_release_ns", [] { return t_released_ns; },
+        "Nanoseconds this thread's last native Mooncake call ran with the GIL released (for benchmarks).");
     m.def(
         "mooncake_client_call_count", [] { return g_calls.load(std::memory_order_relaxed); },
         "Calls made into Mooncake by native clients in this process (for tests).");
