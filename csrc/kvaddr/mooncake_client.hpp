@@ -14,11 +14,14 @@
 // Pure C++ (POSIX dl*), no Python headers.
 #pragma once
 
+#if defined(__linux__)
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE 1  // dladdr1
 #endif
 #include <dlfcn.h>
 #include <link.h>
+#define KVADDR_MOONCAKE_CLIENT_DL 1
+#endif
 
 #include <cstddef>
 #include <cstdint>
@@ -99,6 +102,7 @@ struct Resolved {
     std::map<std::string, long> slots;   // method -> index in RealClient's vtable
 };
 
+#if defined(KVADDR_MOONCAKE_CLIENT_DL)
 namespace detail {
 
 // Owns one dlopen reference. RTLD_NOLOAD: a handle only if the library is already in the process.
@@ -208,5 +212,11 @@ inline std::string resolve(const void* self, const std::string& library_path, co
     library.keep();
     return "";
 }
+
+#else
+inline std::string resolve(const void*, const std::string&, const SymbolNames&, Resolved&) {
+    return platform_unsupported_reason();
+}
+#endif
 
 }  // namespace kvaddr::mooncake_client

@@ -18,6 +18,7 @@ accounting (as :class:`~mooncake_kvaddr.driver.store.MooncakeStore` does).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import os
@@ -71,18 +72,54 @@ def _split_keys(keys: Keys) -> tuple[Any, Any]:
     return keys, None
 
 
-def mooncake_distribution() -> tuple[str, str] | None:
-    """``(distribution, version)`` of the installed wheel that provides ``mooncake``, if any."""
+# Wheels known to ship mooncake/store.so; asked first because scanning every installed distribution is slow.
+_KNOWN_DISTRIBUTIONS: Final = (
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine-efa",
+    "mooncake-transfer-engine-efa-non-cuda",
+    "mooncake-transfer-engine-efa-cuda13",
+    "mooncake-transfer-engine-musa",
+    "mooncake-transfer-engine-npu",
+    "mooncake-transfer-engine-rocm",
+)
+
+
+def _provides(name: str, library: str | None) -> str | None:
+    """Version of distribution ``name`` if it is installed (and ships ``library``, when given)."""
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if library is not None:
+        located = os.path.realpath(str(dist.locate_file("mooncake/store.so")))
+        if located != os.path.realpath(library):
+            return None
+    return dist.version
+
+
+@functools.cache
+def _distribution_of(library: str | None) -> tuple[str, str] | None:
+    for name in _KNOWN_DISTRIBUTIONS:
+        version = _provides(name, library)
+        if version is not None:
+            return name, version
     try:
         names = importlib.metadata.packages_distributions().get("mooncake", [])
     except Exception:  # metadata of unrelated packages can be broken; then we know nothing
         return None
     for name in sorted(set(names)):
-        try:
-            return name, importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+        version = _provides(name, library)
+        if version is not None:
+            return name, version
     return None
+
+
+def mooncake_distribution() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed wheel whose ``mooncake/store.so`` Python loaded, if known."""
+    module = sys.modules.get("mooncake.store")
+    return _distribution_of(getattr(module, "__file__", None))
 
 
 def _log_once(reason: str) -> None:
