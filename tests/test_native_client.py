@@ -148,11 +148,15 @@ def test_method_not_in_vtable_refuses(raw_store: Any) -> None:
     assert _native.mooncake_client_call_count() == before
 
 
-def test_turned_off_by_env(raw_store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_turned_off_by_env(raw_store: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(ENV_VAR, "0")
     native, reason = NativeClient.probe(raw_store)
     assert native is None and ENV_VAR in reason
-    assert NativeClient.from_store(raw_store) is None
+    monkeypatch.setattr(nc_module, "_logged", set())
+    with caplog.at_level("INFO", logger=nc_module.__name__):
+        assert NativeClient.from_store(raw_store) is None
+        assert NativeClient.from_store(raw_store) is None
+    assert [r.getMessage() for r in caplog.records] == [f"native Mooncake client off: {reason}"]
 
 
 def test_unverified_version_stays_off_unless_asked(raw_store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -458,6 +462,8 @@ def test_gil_is_released_during_the_call(client: NativeClient) -> None:
         done.set()
         spinner.join()
     assert in_call[0] > 0, "the Python thread never ran while Mooncake was transferring"
+    # The C++ records the interval it ran with the GIL released: the copy and the whole transfer.
+    assert _native.mooncake_client_last_release_ns() > 0
     assert layout.dst.tobytes() == layout.src.tobytes()
 
 
