@@ -488,3 +488,29 @@ def test_threads_share_one_client(client: NativeClient) -> None:
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_tcp_transport_equals_bound(master: EmbeddedMaster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With MC_STORE_MEMCPY=0 the local segment is reached over Mooncake's TCP transport: same results."""
+    monkeypatch.setenv("MC_STORE_MEMCPY", "0")
+    store = _raw_store(master, segment=32 << 20)
+    monkeypatch.delenv("MC_STORE_MEMCPY")
+    try:
+        native = NativeClient.from_store(store)
+        assert native is not None
+        layout = Layout(np.full((6, 10), 2048, dtype=np.int64), seed=7)  # 60 regions: within the TCP queue limits
+        keys = _unique("tcp", 6)
+        assert native.batch_put_from_multi_buffers(keys[:3], layout.src_addrs[:3], layout.sizes[:3]) == list(
+            store.batch_put_from_multi_buffers(keys[3:], _lists(layout.src_addrs[3:]), _lists(layout.sizes[3:]))
+        )
+        asked = [*keys, "absent"]
+        addrs = np.vstack([layout.dst_addrs, layout.dst_addrs[:1]])
+        sizes = np.vstack([layout.sizes, layout.sizes[:1]])
+        got = native.batch_get_into_multi_buffers(asked, addrs, sizes)
+        native_bytes = layout.dst.tobytes()
+        layout.dst[:] = 0
+        assert got == list(store.batch_get_into_multi_buffers(asked, _lists(addrs), _lists(sizes)))
+        assert got == [20480] * 6 + [CODE_NOT_FOUND]
+        assert native_bytes == layout.src.tobytes() == layout.dst.tobytes()
+    finally:
+        store.close()
