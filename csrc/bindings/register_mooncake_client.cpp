@@ -120,23 +120,65 @@ int int64_kind(const Py_buffer& view) {
     return 0;
 }
 
-// Keys as std::strings (str -> UTF-8, bytes as is), or a flat blob cut at int64 offsets (n + 1 of them).
-mc::Keys convert_keys(py::handle keys, py::handle offsets) {
-    mc::Keys out;
-    if (!offsets.is_none()) {
-        Export blob;
-        if (!blob.acquire(keys.ptr()) && !PyBytes_Check(keys.ptr())) {
-            raise(PyExc_TypeError, "with key_offsets, keys must be one bytes-like blob, not " + type_name(keys.ptr()));
+// The keys of a call. Under the GIL only their bytes are located (str -> its cached UTF-8, bytes as is, or a
+// flat blob cut at int64 offsets - n + 1 of them) and every key object is kept alive; the std::strings
+// Mooncake takes are built later by build(), which uses no Python API and so runs without the GIL.
+class KeySource {
+public:
+    KeySource(py::handle keys, py::handle offsets) {
+        if (!offsets.is_none()) {
+            cut_blob(keys, offsets);
+            return;
         }
+        if (PyUnicode_Check(keys.ptr()) || PyBytes_Check(keys.ptr())) {
+            raise(PyExc_TypeError, "keys must be a sequence of str or bytes, not a single " + type_name(keys.ptr()));
+        }
+        FastSequence seq(keys.ptr(), "keys");
+        const auto n = static_cast<std::size_t>(seq.size());
+        refs_.reserve(n);
+        views_.reserve(n);
+        for (Py_ssize_t i = 0; i < seq.size(); ++i) {
+            py::object item = seq.at(i);
+            if (PyUnicode_Check(item.ptr())) {
+                Py_ssize_t size = 0;
+                // Valid as long as the str lives: it is cached inside the (immutable) str object.
+                const char* utf8 = PyUnicode_AsUTF8AndSize(item.ptr(), &size);
+                if (utf8 == nullptr) throw py::error_already_set();
+                views_.emplace_back(utf8, static_cast<std::size_t>(size));
+            } else if (PyBytes_Check(item.ptr())) {
+                views_.emplace_back(PyBytes_AS_STRING(item.ptr()), static_cast<std::size_t>(PyBytes_GET_SIZE(item.ptr())));
+            } else {
+                raise(PyExc_TypeError,
+                      "keys[" + std::to_string(i) + "] must be str or bytes, not " + type_name(item.ptr()));
+            }
+            refs_.push_back(std::move(item));
+        }
+    }
+
+    std::size_t size() const noexcept { return views_.size(); }
+
+    // Mooncake's key vector. Needs no GIL: it only reads memory this object keeps alive.
+    mc::Keys build() const {
+        mc::Keys out;
+        out.reserve(views_.size());
+        for (const auto& [data, size] : views_) out.emplace_back(data, size);
+        return out;
+    }
+
+private:
+    void cut_blob(py::handle keys, py::handle offsets) {
         const char* data = nullptr;
         Py_ssize_t length = 0;
         if (PyBytes_Check(keys.ptr())) {
             data = PyBytes_AS_STRING(keys.ptr());
             length = PyBytes_GET_SIZE(keys.ptr());
+        } else if (blob_.acquire(keys.ptr())) {  // exported: cannot be resized or freed until released
+            data = static_cast<const char*>(blob_.view().buf);
+            length = blob_.view().len;
         } else {
-            data = static_cast<const char*>(blob.view().buf);
-            length = blob.view().len;
+            raise(PyExc_TypeError, "with key_offsets, keys must be one bytes-like blob, not " + type_name(keys.ptr()));
         }
+        refs_.push_back(py::reinterpret_borrow<py::object>(keys));
         Export cuts;
         if (!cuts.acquire(offsets.ptr()) || cuts.view().ndim != 1 || int64_kind(cuts.view()) != 1) {
             raise(PyExc_TypeError, "key_offsets must be a 1-D int64 array");
@@ -144,38 +186,22 @@ mc::Keys convert_keys(py::handle keys, py::handle offsets) {
         const auto* cut = static_cast<const int64_t*>(cuts.view().buf);
         const Py_ssize_t count = cuts.view().shape[0];
         if (count < 1) raise(PyExc_ValueError, "key_offsets needs n + 1 entries (at least [0])");
-        out.reserve(static_cast<std::size_t>(count - 1));
         if (cut[0] != 0) raise(PyExc_ValueError, "key_offsets[0] must be 0");
+        views_.reserve(static_cast<std::size_t>(count - 1));
         for (Py_ssize_t i = 1; i < count; ++i) {
             if (cut[i] < cut[i - 1] || cut[i] > length) {
                 raise(PyExc_ValueError, "key_offsets must be non-decreasing and within the blob (entry " +
                                             std::to_string(i) + ")");
             }
-            out.emplace_back(data + cut[i - 1], static_cast<std::size_t>(cut[i] - cut[i - 1]));
+            views_.emplace_back(data + cut[i - 1], static_cast<std::size_t>(cut[i] - cut[i - 1]));
         }
         if (cut[count - 1] != length) raise(PyExc_ValueError, "key_offsets[-1] must equal the blob's length");
-        return out;
     }
-    if (PyUnicode_Check(keys.ptr()) || PyBytes_Check(keys.ptr())) {
-        raise(PyExc_TypeError, "keys must be a sequence of str or bytes, not a single " + type_name(keys.ptr()));
-    }
-    FastSequence seq(keys.ptr(), "keys");
-    out.reserve(static_cast<std::size_t>(seq.size()));
-    for (Py_ssize_t i = 0; i < seq.size(); ++i) {
-        py::object item = seq.at(i);
-        if (PyUnicode_Check(item.ptr())) {
-            Py_ssize_t size = 0;
-            const char* utf8 = PyUnicode_AsUTF8AndSize(item.ptr(), &size);
-            if (utf8 == nullptr) throw py::error_already_set();
-            out.emplace_back(utf8, static_cast<std::size_t>(size));
-        } else if (PyBytes_Check(item.ptr())) {
-            out.emplace_back(PyBytes_AS_STRING(item.ptr()), static_cast<std::size_t>(PyBytes_GET_SIZE(item.ptr())));
-        } else {
-            raise(PyExc_TypeError, "keys[" + std::to_string(i) + "] must be str or bytes, not " + type_name(item.ptr()));
-        }
-    }
-    return out;
-}
+
+    std::vector<py::object> refs_;                                // key objects (or the blob), kept alive
+    std::vector<std::pair<const char*, std::size_t>> views_;      // each key's bytes inside them
+    Export blob_;                                                 // a non-bytes blob, exported
+};
 
 // A value range problem found while copying (possibly without the GIL); raised as ValueError afterwards.
 struct Problem {
@@ -454,19 +480,24 @@ public:
         default_config_ = std::move(default_config);
     }
 
+    // Each call: keys located, arrays exported (or lists converted) and the config resolved under the GIL; then,
+    // with the GIL released, Mooncake's vectors are built, checked, passed, and freed again. Safe without the
+    // GIL: KeySource and Rows keep every object read alive (exported arrays cannot be resized), and nothing in
+    // the released scope touches a Python object. Declared first, `release` is destroyed last: the vectors
+    // are freed before the GIL is taken back.
     py::list get_multi(py::handle keys, py::handle addrs, py::handle sizes, bool prefer_same_node, py::handle offsets) {
-        const mc::Keys k = convert_keys(keys, offsets);
-        Rows rows(addrs, sizes, k.size());
-        if (k.empty()) return py::list();
+        const KeySource source(keys, offsets);
+        const std::size_t n = source.size();
+        Rows rows(addrs, sizes, n);
+        if (n == 0) return py::list();
         auto client = live();
-        mc::PtrRows ptrs;
-        mc::SizeRows sz;
         Problem problem;
         std::vector<int> codes;
         {
-            // Safe without the GIL: the arrays stay exported (alive, unresized) until `rows` is destroyed, and
-            // nothing below touches a Python object.
             TimedRelease release;
+            const mc::Keys k = source.build();
+            mc::PtrRows ptrs;
+            mc::SizeRows sz;
             rows.materialise(ptrs, sz, problem);
             if (!problem.found()) {
                 g_calls.fetch_add(1, std::memory_order_relaxed);
@@ -474,23 +505,25 @@ public:
             }
         }
         if (problem.found()) raise(PyExc_ValueError, problem.message);
-        return to_list(codes, k.size(), "batch_get_into_multi_buffers");
+        return to_list(codes, n, "batch_get_into_multi_buffers");
     }
 
     py::list put_multi(py::handle keys, py::handle addrs, py::handle sizes, py::object config, py::handle offsets) {
-        const mc::Keys k = convert_keys(keys, offsets);
-        Rows rows(addrs, sizes, k.size());
-        py::object held_config = config.is_none() ? default_config_ : config;
+        const KeySource source(keys, offsets);
+        const std::size_t n = source.size();
+        Rows rows(addrs, sizes, n);
+        // `held_config` keeps the ReplicateConfig alive; Mooncake's binding reads it without the GIL too.
+        const py::object held_config = config.is_none() ? default_config_ : config;
         const void* cfg = config_pointer(held_config);
-        if (k.empty()) return py::list();
+        if (n == 0) return py::list();
         auto client = live();
-        mc::PtrRows ptrs;
-        mc::SizeRows sz;
         Problem problem;
         std::vector<int> codes;
         {
-            // `held_config` keeps the ReplicateConfig alive; Mooncake's binding reads it without the GIL too.
             TimedRelease release;
+            const mc::Keys k = source.build();
+            mc::PtrRows ptrs;
+            mc::SizeRows sz;
             rows.materialise(ptrs, sz, problem);
             if (!problem.found()) {
                 g_calls.fetch_add(1, std::memory_order_relaxed);
@@ -498,54 +531,60 @@ public:
             }
         }
         if (problem.found()) raise(PyExc_ValueError, problem.message);
-        return to_list(codes, k.size(), "batch_put_from_multi_buffers");
+        return to_list(codes, n, "batch_put_from_multi_buffers");
     }
 
     py::list get_into(py::handle keys, py::handle ptrs, py::handle sizes, py::handle offsets) {
-        const mc::Keys k = convert_keys(keys, offsets);
+        const KeySource source(keys, offsets);
+        const std::size_t n = source.size();
         mc::Ptrs p;
         mc::Sizes s;
-        convert_flat(ptrs, sizes, k.size(), p, s);
-        if (k.empty()) return py::list();
+        convert_flat(ptrs, sizes, n, p, s);
+        if (n == 0) return py::list();
         auto client = live();
         std::vector<int64_t> codes;
         {
             TimedRelease release;
+            const mc::Keys k = source.build();
             g_calls.fetch_add(1, std::memory_order_relaxed);
             codes = fns_.get_into(client.get(), k, p, s);
         }
-        return to_list(codes, k.size(), "batch_get_into");
+        return to_list(codes, n, "batch_get_into");
     }
 
     py::list put_from(py::handle keys, py::handle ptrs, py::handle sizes, py::object config, py::handle offsets) {
-        const mc::Keys k = convert_keys(keys, offsets);
+        const KeySource source(keys, offsets);
+        const std::size_t n = source.size();
         mc::Ptrs p;
         mc::Sizes s;
-        convert_flat(ptrs, sizes, k.size(), p, s);
-        py::object held_config = config.is_none() ? default_config_ : config;
+        convert_flat(ptrs, sizes, n, p, s);
+        const py::object held_config = config.is_none() ? default_config_ : config;
         const void* cfg = config_pointer(held_config);
-        if (k.empty()) return py::list();
+        if (n == 0) return py::list();
         auto client = live();
         std::vector<int> codes;
         {
             TimedRelease release;
+            const mc::Keys k = source.build();
             g_calls.fetch_add(1, std::memory_order_relaxed);
             codes = fns_.put_from(client.get(), k, p, s, cfg);
         }
-        return to_list(codes, k.size(), "batch_put_from");
+        return to_list(codes, n, "batch_put_from");
     }
 
     py::list is_exist(py::handle keys, py::handle offsets) {
-        const mc::Keys k = convert_keys(keys, offsets);
-        if (k.empty()) return py::list();
+        const KeySource source(keys, offsets);
+        const std::size_t n = source.size();
+        if (n == 0) return py::list();
         auto client = live();
         std::vector<int> codes;
         {
             TimedRelease release;
+            const mc::Keys k = source.build();
             g_calls.fetch_add(1, std::memory_order_relaxed);
             codes = fns_.is_exist(client.get(), k);
         }
-        return to_list(codes, k.size(), "batchIsExist");
+        return to_list(codes, n, "batchIsExist");
     }
 
     // True if `capsule` (a fresh store._get_pyclient_capsule()) holds the client this object calls.
