@@ -330,6 +330,21 @@ def test_replicate_config_is_passed(raw_store: Any, client: NativeClient) -> Non
         raw_store.batch_put_from_multi_buffers(keys[1:], _lists(layout.src_addrs), _lists(layout.sizes), config)
     )
     assert client.batch_put_from(_unique("cfg1", 1), layout.src_addrs[:, 0], np.array([256]), config) == [0]
+    # The config really reaches Mooncake: replica_num=0 is refused (-600) by both paths, the default is not.
+    refused = ms.ReplicateConfig()
+    refused.replica_num = 0
+    zkeys = _unique("cfg0", 4)
+    assert client.batch_put_from_multi_buffers(zkeys[:1], layout.src_addrs, layout.sizes, refused) == list(
+        raw_store.batch_put_from_multi_buffers(zkeys[1:2], _lists(layout.src_addrs), _lists(layout.sizes), refused)
+    )
+    assert client.batch_put_from_multi_buffers(zkeys[:1], layout.src_addrs, layout.sizes, refused) == [
+        CODE_INVALID_PARAMS
+    ]
+    assert client.batch_put_from(zkeys[2:3], layout.src_addrs[:, 0], np.array([512]), refused) == list(
+        raw_store.batch_put_from(zkeys[3:], [int(layout.src_addrs[0, 0])], [512], refused)
+    )
+    assert client.batch_put_from(zkeys[2:3], layout.src_addrs[:, 0], np.array([512]), refused) == [CODE_INVALID_PARAMS]
+    assert client.batch_put_from_multi_buffers(zkeys[:1], layout.src_addrs, layout.sizes) == [0]
     # Anything but a ReplicateConfig is refused before the call (a look-alike object included).
 
     class Fake:
