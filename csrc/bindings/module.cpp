@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 
 #include "bindings/common.hpp"
+#include "bindings/register_mooncake_client.hpp"
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "Native kernels of mooncake_kvaddr (address matrix, keys, lookup). Use the mooncake_kvaddr "
@@ -10,4 +11,5 @@ PYBIND11_MODULE(_native, m) {
     kvaddr::py_bindings::register_addr(m);
     kvaddr::py_bindings::register_keys(m);
     kvaddr::py_bindings::register_staging(m);
+    kvaddr::py_bindings::register_mooncake_client(m);
 }
