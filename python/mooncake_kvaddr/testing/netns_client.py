@@ -98,6 +98,7 @@ def verify(
         "unaccounted": int((~loaded & ~failed).sum()),
         "overlap": int((loaded & failed).sum()),
         "error": result.error,
+        "stopped": result.stopped,
         "outcomes": dict(result.outcomes),
         "mode": result.mode,
     }
