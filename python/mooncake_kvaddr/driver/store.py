@@ -713,7 +713,7 @@ class MooncakeStore:
                 part = self._invoke(call, keys[start:end], addrs[start:end], sizes[start:end], start, end)
             elapsed = _now() - t0
             codes.extend(part)
-            if CODE_MASTER_UNREACHABLE in part:
+            if end < n and CODE_MASTER_UNREACHABLE in part:
                 # Each further sub-batch would block ~4 s only to report the same; fail the rest now.
                 codes.extend([CODE_MASTER_UNREACHABLE] * (n - end))
                 break
