@@ -399,7 +399,7 @@ def test_master_killed_and_restarted_mid_load(cluster: NetnsCluster, mode: str) 
 # docs/multihost.md, "Hung peer"). The reader here runs with a 20 s request deadline.
 HUNG_PEER_BOUND_S = 20.0 + 60.0 + 10.0  # the reader's request deadline + one call in flight + slack
 SLOW = pytest.mark.skipif(
-    not os.environ.get("MULTIHOST_SLOW"), reason="~70 s per case; set MULTIHOST_SLOW=1 to run the hung-peer bounds"
+    not os.environ.get("MULTIHOST_SLOW"), reason="30-90 s per case; set MULTIHOST_SLOW=1 to run the hung-peer bounds"
 )
 
 
