@@ -9,7 +9,10 @@ which keys, existence checks, results); a :class:`TransferPath` owns how the byt
 
 Adding a path is one subclass: :meth:`TransferPath.prepare` (rows for chunks), :meth:`TransferPath.put` and
 :meth:`TransferPath.get`; planning a load is shared (:meth:`TransferPath.plan_get`) and may be overridden
-by a path with a fused plan (:class:`MultiBufferPath` does).
+by a path with a fused plan (:class:`MultiBufferPath` does). Every put and get receives the request's
+:class:`~mooncake_kvaddr.driver.store.RequestDeadline`: it passes it to each store call and checks it before
+each batch of its own; keys it no longer tries are counted ``transfer_failed`` (``docs/transfer-modes.md``,
+"Deadlines").
 
 Size: the three paths are kept in one module (~450 lines) so that their put and get can be compared side by
 side; a new path belongs in a module of its own.
@@ -32,7 +35,13 @@ from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
 from mooncake_kvaddr.driver.staging import CopyBackend, StagingLease, StagingPool, plan_batches, plan_slots
-from mooncake_kvaddr.driver.store import CODE_MASTER_UNREACHABLE, BatchResult, MooncakeStore, Outcome
+from mooncake_kvaddr.driver.store import (
+    CODE_MASTER_UNREACHABLE,
+    BatchResult,
+    MooncakeStore,
+    Outcome,
+    RequestDeadline,
+)
 
 __all__ = ["DirectPath", "GetPlan", "MultiBufferPath", "PathContext", "StagedPath", "TransferPath"]
 
@@ -42,8 +51,10 @@ Int64Array = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 # How long a staged request waits for room in a shared staging pool before it fails (a transfer in flight
-# holds its lease for at most Mooncake's 60 s timeout per call).
+# holds its lease for at most Mooncake's 60 s timeout per call); never longer than the request's deadline.
 STAGING_WAIT_S: Final = 300.0
+#: The outcome of keys a request no longer tries once its deadline has expired.
+NOT_TRIED: Final = Outcome.TRANSFER_FAILED.value
 
 
 @dataclass
@@ -165,12 +176,21 @@ class TransferPath:
         block_ids: Sequence[Sequence[int]],
         clock: Clock,
         result: StoreResult,
+        deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
-        """Put these (missing) keys; per key: stored or not, and its object size. Counts into ``result``."""
+        """Put these (missing) keys; per key: stored or not, and its object size. Counts into ``result``.
+
+        Within ``deadline`` only: keys not tried once it expired are counted ``transfer_failed``.
+        """
         raise NotImplementedError
 
-    def get(self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int]) -> GetOutcome:
-        """Get keys ``[start, end)`` of ``plan`` into the cache; counts their outcomes into ``outcomes``."""
+    def get(
+        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+    ) -> GetOutcome:
+        """Get keys ``[start, end)`` of ``plan`` into the cache; counts their outcomes into ``outcomes``.
+
+        Within ``deadline`` only: keys not tried once it expired are counted ``transfer_failed``, never loaded.
+        """
         raise NotImplementedError
 
     def close(self) -> None:
@@ -250,6 +270,7 @@ class MultiBufferPath(TransferPath):
         block_ids: Sequence[Sequence[int]],
         clock: Clock,
         result: StoreResult,
+        deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
         key_bytes = [sum(row) for row in sizes]
@@ -258,7 +279,7 @@ class MultiBufferPath(TransferPath):
         try:
             # Rows come from prepare_values, so the non-negativity scan would only cost time.
             put = self.ctx.store.batch_put_from_multi_buffers(
-                keys, addrs, sizes, self.ctx.replicate_config, check_values=False
+                keys, addrs, sizes, self.ctx.replicate_config, check_values=False, deadline=deadline
             )
         except BaseException:
             self._record("save_put", start, len(keys), sum(key_bytes), None)
@@ -270,13 +291,17 @@ class MultiBufferPath(TransferPath):
         result.back_pressure = result.back_pressure or put.back_pressure
         return put.present, key_bytes
 
-    def get(self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int]) -> GetOutcome:
+    def get(
+        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+    ) -> GetOutcome:
         keys = plan.keys[start:end]
         sizes = plan.sizes[start:end]
         nbytes = sum(map(sum, sizes)) if self.ctx.metrics.callback is not None else 0
         t0 = time.perf_counter()
         try:
-            got = self.ctx.store.batch_get_into_multi_buffers(keys, plan.addrs[start:end], sizes, check_values=False)
+            got = self.ctx.store.batch_get_into_multi_buffers(
+                keys, plan.addrs[start:end], sizes, check_values=False, deadline=deadline
+            )
         except BaseException:
             self._record("load_get", t0, len(keys), nbytes, None)
             raise
@@ -302,6 +327,7 @@ class DirectPath(TransferPath):
         block_ids: Sequence[Sequence[int]],
         clock: Clock,
         result: StoreResult,
+        deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
         self._check_slices(addrs, sizes)
@@ -310,7 +336,8 @@ class DirectPath(TransferPath):
         t0 = time.perf_counter()
         try:
             put = self.ctx.store.batch_put_from(
-                keys, addrs[:, 0].tolist(), object_sizes, self.ctx.replicate_config, check_values=False
+                keys, addrs[:, 0].tolist(), object_sizes, self.ctx.replicate_config, check_values=False,
+                deadline=deadline,
             )
         except BaseException:
             self._record("save_put", t0, len(keys), sum(object_sizes), None)
@@ -328,14 +355,16 @@ class DirectPath(TransferPath):
         if not inside.all():
             raise ValueError(f"key {int(np.flatnonzero(~inside)[0])}: its region lies outside the registered caches")
 
-    def get(self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int]) -> GetOutcome:
+    def get(
+        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+    ) -> GetOutcome:
         self._check_slices(plan.addrs[start:end], plan.sizes[start:end])
         expected = plan.sizes[start:end, 0]
         keys = plan.keys[start:end]
         t0 = time.perf_counter()
         try:
             got = self.ctx.store.batch_get_into(
-                keys, plan.addrs[start:end, 0].tolist(), expected.tolist(), check_values=False
+                keys, plan.addrs[start:end, 0].tolist(), expected.tolist(), check_values=False, deadline=deadline
             )
         except BaseException:
             self._record("load_get", t0, len(keys), int(expected.sum()), None)
@@ -368,9 +397,17 @@ class StagedPath(TransferPath):
     def describe(self) -> str:
         return f"{super().describe()}, staging pool {self.pool.capacity / (1 << 20):.1f} MiB"
 
-    def _lease(self, object_sizes: Int64Array, total_bytes: int) -> StagingLease:
+    def _lease(self, object_sizes: Int64Array, total_bytes: int, deadline: RequestDeadline) -> StagingLease | None:
+        """A lease for these keys, waiting at most until the deadline (``None`` if it expired meanwhile)."""
+        remaining = deadline.remaining()
         largest = int(object_sizes.max()) if len(object_sizes) else 0
-        return self.pool.acquire(largest, total_bytes, timeout=STAGING_WAIT_S)
+        timeout = STAGING_WAIT_S if remaining is None else min(STAGING_WAIT_S, remaining)
+        try:
+            return self.pool.acquire(largest, total_bytes, timeout=timeout)
+        except TimeoutError:
+            if deadline.expired():
+                return None
+            raise
 
     def put(
         self,
@@ -380,14 +417,22 @@ class StagedPath(TransferPath):
         block_ids: Sequence[Sequence[int]],
         clock: Clock,
         result: StoreResult,
+        deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
         clock.lap("prepare")
         plan = plan_slots(sizes)
         ok = [False] * len(keys)
-        with self._lease(plan.object_sizes, plan.total_bytes) as lease:
-            clock.lap("staging_wait")
+        lease = self._lease(plan.object_sizes, plan.total_bytes, deadline)
+        clock.lap("staging_wait")
+        if lease is None:
+            count(result.outcomes, NOT_TRIED, len(keys))
+            return ok, plan.object_sizes.tolist()
+        with lease:
             for start, end in plan_batches(plan, lease.nbytes):
+                if deadline.expired():
+                    count(result.outcomes, NOT_TRIED, len(keys) - start)
+                    break
                 slots = plan.offsets[start:end] - plan.offsets[start]
                 try:
                     self.copy.gather(addrs[start:end], sizes[start:end], lease.range, slots)
@@ -407,6 +452,7 @@ class StagedPath(TransferPath):
                         object_sizes.tolist(),
                         self.ctx.replicate_config,
                         check_values=False,
+                        deadline=deadline,
                     )
                 except BaseException:
                     self._record("save_put", t0, end - start, nbytes, None)
@@ -423,21 +469,32 @@ class StagedPath(TransferPath):
                     break
         return ok, plan.object_sizes.tolist()
 
-    def get(self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int]) -> GetOutcome:
+    def get(
+        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+    ) -> GetOutcome:
         addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
         keys = plan.keys[start:end]
         loaded = np.zeros(end - start, dtype=bool)
         slots_plan = plan_slots(sizes)
-        with self._lease(slots_plan.object_sizes, slots_plan.total_bytes) as lease:
-            clock.lap("staging_wait")
+        lease = self._lease(slots_plan.object_sizes, slots_plan.total_bytes, deadline)
+        clock.lap("staging_wait")
+        if lease is None:
+            count(outcomes, NOT_TRIED, len(keys))
+            return GetOutcome(loaded, False, 0)
+        with lease:
             for lo, hi in plan_batches(slots_plan, lease.nbytes):
+                if deadline.expired():
+                    # Nothing of these keys reaches the cache: no get, no scatter.
+                    count(outcomes, NOT_TRIED, len(keys) - lo)
+                    break
                 slots = slots_plan.offsets[lo:hi] - slots_plan.offsets[lo]
                 expected = slots_plan.object_sizes[lo:hi]
                 nbytes = int(expected.sum())
                 t0 = time.perf_counter()
                 try:
                     got = self.ctx.store.batch_get_into(
-                        keys[lo:hi], (slots + lease.ptr).tolist(), expected.tolist(), check_values=False
+                        keys[lo:hi], (slots + lease.ptr).tolist(), expected.tolist(), check_values=False,
+                        deadline=deadline,
                     )
                 except BaseException:
                     self._record("load_get", t0, hi - lo, nbytes, None)

@@ -50,6 +50,10 @@ class StoreResult:
     outcomes: dict[str, int] = field(default_factory=dict)  # per put key: Outcome value (or "gather_failed") -> count
     #: Block ids outside the registered blocks, with the reason: their chunks were never put.
     invalid_block_ids: dict[int, str] = field(default_factory=dict)
+    #: Why the request stopped before trying every key: its deadline passed, or a call waited out Mooncake's
+    #: transfer timeout (a hung peer); the keys not tried are in ``failed_keys`` and counted
+    #: ``transfer_failed`` (docs/transfer-modes.md, "Deadlines"). ``None`` when every key was tried.
+    stopped: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -76,6 +80,10 @@ class LoadResult:
     mode: str = ""  # "multi_buffer", "staged" or "direct"
     #: Block ids outside the registered blocks, with the reason: never transferred, also in failed_block_ids.
     invalid_block_ids: dict[int, str] = field(default_factory=dict)
+    #: Why the request stopped before trying every key: its deadline passed, or a call waited out Mooncake's
+    #: transfer timeout (a hung peer); the blocks of the keys not tried are in ``failed_block_ids`` and the
+    #: keys counted ``transfer_failed`` (docs/transfer-modes.md, "Deadlines"). ``None`` when every key was tried.
+    stopped: str | None = None
 
     @property
     def ok(self) -> bool:

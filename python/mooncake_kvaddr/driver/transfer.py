@@ -67,7 +67,7 @@ from mooncake_kvaddr.driver.rules import (
     split_by_staging_budget,
 )
 from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, CopyBackend, HostCopyBackend, StagingPool
-from mooncake_kvaddr.driver.store import MooncakeStore, Outcome, StoreClosedError, StoreError
+from mooncake_kvaddr.driver.store import MooncakeStore, Outcome, RequestDeadline, StoreClosedError, StoreError
 from mooncake_kvaddr.driver.workers import TransferThreads
 
 __all__ = ["KVTransfer", "LoadResult", "StoreResult", "TransferRequest"]
@@ -299,12 +299,17 @@ class KVTransfer:
         return self._back_pressure.is_set()
 
     def store(self, request: TransferRequest) -> StoreResult:
-        """Put the request's chunks that the store does not already hold."""
+        """Put the request's chunks that the store does not already hold.
+
+        Within the request's deadline (``StoreConfig.request_timeout_s``): keys not tried once it passed, or
+        after a call waited out Mooncake's transfer timeout, are in ``failed_keys`` and ``stopped`` says why.
+        """
         with self._admitted():
             return self._store_request(request)
 
     def _store_request(self, request: TransferRequest) -> StoreResult:
         path = self._registered_path(self._put_path)
+        deadline = self._store.deadline()  # from the moment the request runs (not when it was queued)
         clock = Clock()
         result = StoreResult(request.req_id, timings=clock.timings)
         token_len = floor_to(request.token_len, self.lcm_block_size)
@@ -361,8 +366,9 @@ class KVTransfer:
         put_keys = [keys[i] for i in missing]
         result.mode = path.name
         ok, key_bytes = path.put(
-            put_keys, [chunks[i] for i in missing], [groups[i] for i in missing], block_ids, clock, result
+            put_keys, [chunks[i] for i in missing], [groups[i] for i in missing], block_ids, clock, result, deadline
         )
+        result.stopped = deadline.reason
         result.stored = sum(ok)
         result.failed_keys = invalid + [k for k, good in zip(put_keys, ok, strict=True) if not good]
         result.bytes = sum(n for n, good in zip(key_bytes, ok, strict=True) if good)
@@ -374,11 +380,12 @@ class KVTransfer:
             result.saved_tokens = token_len
         else:
             logger.warning(
-                "store %s: %d of %d puts failed: %s",
+                "store %s: %d of %d puts failed: %s%s",
                 request.req_id,
                 len(result.failed_keys),
                 len(put_keys),
                 result.outcomes,
+                "" if result.stopped is None else f" (stopped: {result.stopped})",
             )
         return result
 
@@ -387,13 +394,16 @@ class KVTransfer:
 
         Never raises for store trouble (the error policy of :data:`~mooncake_kvaddr.driver.rules.LOAD_ERRORS`):
         a failed get (or staged scatter) is reported in ``error`` and every block id of the chunks it covered
-        is in ``failed_block_ids``; no failed chunk's blocks are written from staging. Raises
-        :class:`~mooncake_kvaddr.driver.store.StoreClosedError` after :meth:`close`.
+        is in ``failed_block_ids``; no failed chunk's blocks are written from staging. The request has a
+        deadline (``StoreConfig.request_timeout_s``, from when it starts running): keys not tried before it
+        passed, or after a call waited out Mooncake's transfer timeout, fail too, and ``stopped`` says why.
+        Raises :class:`~mooncake_kvaddr.driver.store.StoreClosedError` after :meth:`close`.
         """
         with self._admitted():
             return self._load_request(request)
 
     def _load_request(self, request: TransferRequest) -> LoadResult:
+        deadline = self._store.deadline()  # from the moment the request runs (not when it was queued)
         clock = Clock()
         result = LoadResult(request.req_id, timings=clock.timings, mode=self.mode)
         skip = floor_to(request.skip_tokens, self.lcm_block_size)
@@ -419,12 +429,16 @@ class KVTransfer:
         loaded = np.zeros(len(plan.keys), dtype=bool)
         batches = self._budget_batches(plan, request, result)
         try:
-            self._get_batches(path, plan, batches, loaded, clock, result)
+            self._get_batches(path, plan, batches, loaded, clock, result, deadline)
         except LOAD_ERRORS as exc:
             # Keys not yet scattered stay unloaded; a staged get never writes the cache itself.
             result.error = describe(exc)
             logger.warning("load %s: %s", request.req_id, result.error)
             clock.lap("failed")
+        if deadline.reason is not None:
+            result.stopped = deadline.reason
+            logger.warning("load %s: %d of %d key(s) not loaded, stopped: %s", request.req_id,
+                           int((~loaded).sum()), len(loaded), deadline.reason)
         ids = np.asarray(plan.block_ids, dtype=np.int64)
         failed = set(ids[~loaded].tolist())
         result.failed_block_ids |= failed
@@ -459,9 +473,14 @@ class KVTransfer:
         loaded: np.ndarray[Any, Any],
         clock: Clock,
         result: LoadResult,
+        deadline: RequestDeadline,
     ) -> None:
         for start, end in batches:
-            got = path.get(plan, start, end, clock, result.outcomes)
+            if deadline.expired():
+                # Not tried: never loaded (the path counts what it skips itself; these never reach it).
+                count(result.outcomes, Outcome.TRANSFER_FAILED.value, len(plan.keys) - start)
+                return
+            got = path.get(plan, start, end, clock, result.outcomes, deadline)
             loaded[start:end] = got.loaded
             result.bytes += got.nbytes
             if got.unreachable and end < len(plan.keys):

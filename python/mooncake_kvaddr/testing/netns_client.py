@@ -6,7 +6,8 @@ reported as ``{"event": name, ...}`` lines. Mooncake's own output is moved to st
 the protocol only. The commands drive the project's :class:`~mooncake_kvaddr.driver.store.MooncakeStore` and
 :class:`~mooncake_kvaddr.driver.transfer.KVTransfer` (``docs/multihost.md`` lists them):
 
-``setup``       connect a named store (``master``, ``hostname``, ``segment``, optional ``region_budget``)
+``setup``       connect a named store (``master``, ``hostname``, ``segment``, optional ``region_budget``,
+                ``request_timeout_s``)
 ``cache``       a host KV cache (``regions`` x ``blocks`` x ``block_bytes``) and a KVTransfer in ``mode``
 ``fill``        fill a cache with the bytes of data set ``seed``
 ``store``       store ``chunks`` chunks (blocks 1..chunks) under key tag ``tag``
@@ -39,7 +40,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.metadata import KeyMetadata
-from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.config import DEFAULT_REQUEST_TIMEOUT_S, StoreConfig
 from mooncake_kvaddr.driver.staging import StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import KVTransfer, LoadResult, TransferRequest
@@ -98,6 +99,7 @@ def verify(
         "unaccounted": int((~loaded & ~failed).sum()),
         "overlap": int((loaded & failed).sum()),
         "error": result.error,
+        "stopped": result.stopped,
         "outcomes": dict(result.outcomes),
         "mode": result.mode,
     }
@@ -205,6 +207,7 @@ class Worker:
             max_regions_per_batch=args.get("region_budget"),
             setup_retries=int(args.get("setup_retries", 2)),
             close_timeout_s=float(args.get("close_timeout_s", 120.0)),
+            request_timeout_s=args.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S),
         )
         t0 = time.perf_counter()
         store = MooncakeStore(config).setup()
