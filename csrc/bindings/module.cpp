@@ -3,6 +3,8 @@
 
 #include "bindings/common.hpp"
 
+namespace kvaddr::py_bindings { void register_layout(py::module_& m); }  // register_layout.cpp
+
 PYBIND11_MODULE(_native, m) {
     m.doc() = "Native kernels of mooncake_kvaddr (address matrix, keys, lookup). Use the mooncake_kvaddr "
               "package, not this module, directly.";
@@ -10,4 +12,5 @@ PYBIND11_MODULE(_native, m) {
     kvaddr::py_bindings::register_addr(m);
     kvaddr::py_bindings::register_keys(m);
     kvaddr::py_bindings::register_staging(m);
+    kvaddr::py_bindings::register_layout(m);
 }
