@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -36,7 +37,7 @@ using Templates = std::vector<Segments>;
 std::size_t g_layout_gil_release_min_cells = std::size_t{1} << 22;
 constexpr std::size_t kMaxSizeRows = 64;
 
-// A tuple of new Python ints (the cached, immutable form of a row).
+// A tuple of new Python ints (the cached, immutable form of a row), untracked by the cyclic GC.
 py::object new_int_tuple(const int64_t* values, std::size_t count) {
     PyObject* row = PyTuple_New(static_cast<Py_ssize_t>(count));
     if (row == nullptr) throw py::error_already_set();
@@ -46,6 +47,8 @@ py::object new_int_tuple(const int64_t* values, std::size_t count) {
         if (item == nullptr) throw py::error_already_set();
         PyTuple_SET_ITEM(row, static_cast<Py_ssize_t>(i), item);
     }
+    // Only ints inside: no cycle possible, so keep the cyclic GC from re-scanning cached rows.
+    PyObject_GC_UnTrack(row);
     return owner;
 }
 
@@ -363,6 +366,7 @@ public:
         auto size_rows = std::move(size_rows_);
         size_rows_.clear();
         order_.clear();
+        seen_.clear();
         cache_bytes_ = 0;
         for (auto& shard : rows) {
             for (auto& entry : shard) Py_DECREF(entry.second);
@@ -488,10 +492,14 @@ private:
         for (Py_ssize_t k = 0; k < n; ++k) {
             const KeyPlan& plan = p.plans[static_cast<std::size_t>(k)];
             const Segments& t = (*templates)[plan.shard];
-            py::object addr = address_tuple(t, plan, generation, scratch, k);
-            PyList_SET_ITEM(addr_rows.ptr(), k, list_from_tuple(addr.ptr()));
             py::object size = size_tuple(t, plan, generation, scratch, k);
-            PyList_SET_ITEM(size_rows.ptr(), k, list_from_tuple(size.ptr()));
+            if (immutable_rows_) {
+                PyList_SET_ITEM(addr_rows.ptr(), k, address_tuple(t, plan, generation, scratch, k).release().ptr());
+                PyList_SET_ITEM(size_rows.ptr(), k, size.release().ptr());
+            } else {
+                PyList_SET_ITEM(addr_rows.ptr(), k, address_list(t, plan, generation, scratch, k));
+                PyList_SET_ITEM(size_rows.ptr(), k, list_from_tuple(size.ptr()));
+            }
             py::object id = std::move(p.id_objects[static_cast<std::size_t>(k)]);
             if (!id) id = py::int_(plan.block_id);
             PyList_SET_ITEM(ids.ptr(), k, id.release().ptr());
@@ -523,7 +531,30 @@ private:
         return py::make_tuple(std::move(addrs), std::move(sizes), std::move(ids));
     }
 
-    // The cached (or fresh, then cached) address tuple of (shard, block id).
+    // A fresh list with the address row of (shard, block id): from the cache, or built (and cached when this
+    // is the id's second sighting: never-seen ids — the cold path — pay no caching cost).
+    PyObject* address_list(const Segments& t, const KeyPlan& plan, uint64_t generation, std::vector<int64_t>& scratch,
+                           Py_ssize_t key) {
+        auto& shard = rows_[plan.shard];
+        auto hit = shard.find(plan.block_id);
+        if (hit != shard.end()) {
+            ++hits_;
+            // Own a reference: building the list allocates, and a GC pass may clear the cache meanwhile.
+            py::object row = py::reinterpret_borrow<py::object>(hit->second);
+            return list_from_tuple(row.ptr());
+        }
+        ++misses_;
+        scratch.resize(t.count());
+        if (!layout::address_row(t, plan.block_id, scratch.data())) raise_overflow(static_cast<std::size_t>(key), plan.block_id);
+        if (!admit(plan.shard, plan.block_id, t.count())) return new_int_list(scratch.data(), scratch.size());
+        py::object row = new_int_tuple(scratch.data(), scratch.size());
+        // Creating the ints may have run Python code that re-registered the layout: never cache a stale row.
+        if (generation == generation_) remember(plan.shard, plan.block_id, row.ptr(), t.count());
+        return list_from_tuple(row.ptr());
+    }
+
+    // The immutable form: the cached tuple itself (shared by every call that asks for it, which is safe because
+    // a tuple of ints never changes), or a fresh tuple.
     py::object address_tuple(const Segments& t, const KeyPlan& plan, uint64_t generation,
                              std::vector<int64_t>& scratch, Py_ssize_t key) {
         auto& shard = rows_[plan.shard];
@@ -536,9 +567,22 @@ private:
         scratch.resize(t.count());
         if (!layout::address_row(t, plan.block_id, scratch.data())) raise_overflow(static_cast<std::size_t>(key), plan.block_id);
         py::object row = new_int_tuple(scratch.data(), scratch.size());
-        // Creating the ints may have run Python code that re-registered the layout: never cache a stale row.
-        if (generation == generation_) remember(plan.shard, plan.block_id, row.ptr(), t.count());
+        if (admit(plan.shard, plan.block_id, t.count()) && generation == generation_) {
+            remember(plan.shard, plan.block_id, row.ptr(), t.count());
+        }
         return row;
+    }
+
+    // Whether a missed row should be cached: on its block id's second sighting. The sightings set is bounded
+    // (cleared when it outgrows the number of rows the cache can hold, times four).
+    bool admit(std::size_t shard, int64_t block_id, std::size_t width) {
+        const std::size_t cost = row_cost(width);
+        if (cost > cache_capacity_) return false;
+        const uint64_t id = (static_cast<uint64_t>(shard) << 48) ^ static_cast<uint64_t>(block_id);
+        if (seen_.erase(id) != 0) return true;
+        if (seen_.size() >= 4 * (cache_capacity_ / cost) + 64) seen_.clear();
+        seen_.insert(id);
+        return false;
     }
 
     py::object size_tuple(const Segments& t, const KeyPlan& plan, uint64_t generation, std::vector<int64_t>& scratch,
@@ -639,10 +683,14 @@ private:
     uint64_t generation_ = 0;
     std::vector<std::unordered_map<int64_t, PyObject*>> rows_;  // per local shard: block id → address tuple
     std::deque<Entry> order_;
+    std::unordered_set<uint64_t> seen_;  // (shard, block id) seen once, not yet cached (a hint only)
     std::vector<std::pair<std::pair<std::size_t, int64_t>, PyObject*>> size_rows_;
     std::size_t cache_bytes_ = 0;
     std::size_t cache_capacity_;
     uint64_t hits_ = 0, misses_ = 0;
+
+public:
+    bool immutable_rows_ = false;  // rows as shared tuples instead of fresh lists
 };
 
 }  // namespace
@@ -668,6 +716,8 @@ void register_layout(py::module_& m) {
              py::arg("token_len"), py::arg("mask_num"), py::arg("load_mask"), py::arg("tail_tokens"),
              py::arg("block_ids"), py::arg("arrays") = false)
         .def_property("cache_capacity", &LayoutEngine::cache_capacity, &LayoutEngine::set_cache_capacity)
+        .def_readwrite("immutable_rows", &LayoutEngine::immutable_rows_,
+                       "Rows as shared immutable tuples (no per-call copy) instead of fresh lists.")
         .def("cache_info", &LayoutEngine::cache_info)
         .def("clear_cache", &LayoutEngine::clear_cache)
         .def_property_readonly("segment_count", &LayoutEngine::segment_count);

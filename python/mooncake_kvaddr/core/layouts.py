@@ -160,6 +160,17 @@ class _EngineLayout(StoreLayout):
         return result
 
     @property
+    def immutable_rows(self) -> bool:
+        """When True, ``prepare_values``/``plan_load`` return each row as a tuple of ints shared with the row
+        cache (no per-call copy: the warm path's floor) instead of a fresh list. A tuple never changes, so no
+        returned row can change later; callers that only read rows (vLLM's worker, Mooncake) accept both."""
+        return bool(self._engine.immutable_rows)
+
+    @immutable_rows.setter
+    def immutable_rows(self, value: bool) -> None:
+        self._engine.immutable_rows = bool(value)
+
+    @property
     def row_cache_bytes(self) -> int:
         """Capacity of the per-(shard, block id) address-row cache; 0 turns caching off."""
         return int(self._engine.cache_capacity)
