@@ -326,6 +326,7 @@ public:
             py::tuple r = rows;
             return py::make_tuple(py::list(), r[0], r[1], r[2]);
         }
+        parsed.templates = current_templates();  // vLLM's prepare_values reads the regions after the walk
         validate(parsed);
         resolve(parsed, block_ids);
         // Keys last among the inputs: the hashes are read after every other argument was converted.
@@ -443,6 +444,8 @@ private:
             }
         }
         if (tp_shared_) {
+            // vLLM reads its first shard id here: a rank that owns none (store TP < local TP) fails as it does.
+            if (rows_.empty()) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
             const auto owned = static_cast<int64_t>(rows_.size());
             for (std::size_t k = 0; k < n; ++k) {
                 const int64_t local = p.shards[k] - first_shard_;  // no overflow: both sides are small or checked
