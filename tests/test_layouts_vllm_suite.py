@@ -28,11 +28,11 @@ def _vllm_data() -> Any:
 
 
 @pytest.fixture(params=["mooncake_kvaddr", pytest.param("vllm", marks=pytest.mark.vllm)])
-def D(request: pytest.FixtureRequest) -> Any:  # noqa: N802 - reads like the module it stands for
+def D(request: pytest.FixtureRequest) -> Any:
     return ours if request.param == "mooncake_kvaddr" else _vllm_data()
 
 
-def make_layout(D: Any, regions: int, lens: int) -> Any:  # noqa: N803
+def make_layout(D: Any, regions: int, lens: int) -> Any:
     layout = D.RankLocalStoreLayout(D.KeyMetadata("test-model", 1, 0, 0, 0), BS, BS)
     layout.set_kv_caches_base_addr([0x7F00_0000_0000 + r * (1 << 30) for r in range(regions)])
     layout.set_block_len([30_208 + 512 * i for i in range(lens)])
@@ -40,7 +40,7 @@ def make_layout(D: Any, regions: int, lens: int) -> Any:  # noqa: N803
 
 
 @pytest.mark.parametrize(("regions", "lens"), [(96, 96), (96, 2), (1, 1)])
-def test_rank_local_matches_the_scalar_rule(D: Any, regions: int, lens: int) -> None:  # noqa: N803
+def test_rank_local_matches_the_scalar_rule(D: Any, regions: int, lens: int) -> None:
     layout = make_layout(D, regions, lens)
     rng = random.Random(0)
     block_ids = [rng.randrange(1 << 20) for _ in range(300)]
@@ -61,7 +61,7 @@ def test_rank_local_matches_the_scalar_rule(D: Any, regions: int, lens: int) -> 
         assert all(type(a) is int for a in row)
 
 
-def test_rank_local_empty_and_misaligned(D: Any) -> None:  # noqa: N803
+def test_rank_local_empty_and_misaligned(D: Any) -> None:
     layout = make_layout(D, 4, 4)
     assert layout.prepare_values([], [1, 2, 3], []) == ([], [], [])
     with pytest.raises(AssertionError):
@@ -70,11 +70,11 @@ def test_rank_local_empty_and_misaligned(D: Any) -> None:  # noqa: N803
 
 @pytest.mark.parametrize(("name", "fmt"), [("LBHNCStoreLayout", "tp_shared_lbhnc"),
                                            ("LBNHCStoreLayout", "tp_shared_lbnhc")])
-def test_shared_namespace(D: Any, name: str, fmt: str) -> None:  # noqa: N803
+def test_shared_namespace(D: Any, name: str, fmt: str) -> None:
     assert getattr(D, name).shared_namespace(4, 2) == f"@store_tp:4@store_pp:2@store_format:{fmt}"
 
 
-def test_database_rank_local_surface_rejects_tp_shared(D: Any) -> None:  # noqa: N803
+def test_database_rank_local_surface_rejects_tp_shared(D: Any) -> None:
     md = D.KeyMetadata("test-model", 0, 0, 0, 0)
     layout = D.LBHNCStoreLayout(md, block_size=16, hash_block_size=16, local_tp_size=2, store_tp_size=4, tp_rank=0,
                                 num_kv_heads=8)
@@ -86,7 +86,7 @@ def test_database_rank_local_surface_rejects_tp_shared(D: Any) -> None:  # noqa:
     ("LBHNCStoreLayout", (128, 64, 4, 1), (256, 64, 4, 1)),
     ("LBNHCStoreLayout", (128, 4, 8, 1), (256, 4, 16, 1)),
 ])
-def test_tp_shared_objects_round_trip_from_tp4_to_tp2(D: Any, name: str, writer_strides: tuple[int, ...],  # noqa: N803
+def test_tp_shared_objects_round_trip_from_tp4_to_tp2(D: Any, name: str, writer_strides: tuple[int, ...],
                                                       reader_strides: tuple[int, ...]) -> None:
     torch = pytest.importorskip("torch")
     cls = getattr(D, name)

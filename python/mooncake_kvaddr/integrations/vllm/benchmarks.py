@@ -158,7 +158,7 @@ def _lbnhc(quick: bool, ref_module: Any, ref_name: str) -> list[dict[str, Any]]:
     content = LBNHC_HEAD_DIM * 2  # fp16 bytes
     token_stride = local_heads * content
     block_stride = BLOCK_SIZE * token_stride
-    # Templates as register_kv_caches builds them for 2 × 61 token-major caches (no tensors needed).
+    # Templates as register_kv_caches builds them for 2 x 61 token-major caches (no tensors needed).
     cache_bases = [0x7E00_0000_0000 + c * (1 << 34) for c in range(2 * LBNHC_LAYERS)]
     templates: list[tuple[list[int], list[int], list[int]]] = []
     for local in range(store_tp // local_tp):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mooncake_kvaddr.core.hashes import BlobBlockHashes, BlockHash, chunk_hashes_for_block_size
+from mooncake_kvaddr.core.layouts import LayoutTokenDatabase as ChunkedTokenDatabase
 from mooncake_kvaddr.core.layouts import (
     LBHNCStoreLayout,
     LBNHCStoreLayout,
@@ -26,7 +27,6 @@ from mooncake_kvaddr.core.layouts import (
     TPShardedStoreLayout,
     make_mooncake_group_id,
 )
-from mooncake_kvaddr.core.layouts import LayoutTokenDatabase as ChunkedTokenDatabase
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 
 #: vLLM's private name for the group-id helper (``worker._make_mooncake_group_id``).
