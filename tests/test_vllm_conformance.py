@@ -289,7 +289,8 @@ def test_tp_shared_layouts(md: Any, c: dict[str, Any], rng: random.Random, h: by
         shards.pop()
     block_ids = [rng.randrange(-2 if rng.random() < 0.1 else 0, 1 << 30) for _ in range(num_blocks)]
     for _ in range(2 if warm else 1):
-        same(lambda: ours.prepare_values(chunks, block_ids, shards), lambda: theirs.prepare_values(chunks, block_ids, shards))
+        same(lambda: ours.prepare_values(chunks, block_ids, shards),
+             lambda: theirs.prepare_values(chunks, block_ids, shards))
     same(lambda: ours.prepare_values([], block_ids, []), lambda: theirs.prepare_values([], block_ids, []))
 
 
