@@ -261,3 +261,35 @@ def test_tp_shared_registration_with_fake_tensors() -> None:
         layout.register_kv_caches([lbnhc], 3)
     with pytest.raises(ValueError, match="logical shape"):
         layout.register_kv_caches([lbhnc], 4)
+
+
+def test_threads_reregistering_while_others_prepare_see_one_snapshot_per_call() -> None:
+    import threading
+
+    layout = rank_local([1 << 40, 1 << 41], [4096, 4096])
+    layout.row_cache_bytes = 1 << 16  # small: eviction runs too
+    chunks = [(b * BS, (b + 1) * BS) for b in range(64)]
+    ids = list(range(100, 164))
+    valid = {scale: reference([scale << 40, scale << 41], [4096, 4096], chunks, ids) for scale in (1, 2)}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                addrs, sizes, out = layout.prepare_values(chunks, ids, [0] * len(chunks))
+                rows = [list(r) for r in addrs]
+                assert any(rows == v[0] for v in valid.values()) and out == ids
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for i in range(300):
+        scale = 1 + i % 2
+        layout.set_kv_caches_base_addr([scale << 40, scale << 41])
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
