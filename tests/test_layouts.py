@@ -280,6 +280,7 @@ def test_threads_reregistering_while_others_prepare_see_one_snapshot_per_call() 
                 addrs, sizes, out = layout.prepare_values(chunks, ids, [0] * len(chunks))
                 rows = [list(r) for r in addrs]
                 assert any(rows == v[0] for v in valid.values()) and out == ids
+                assert sizes == valid[1][1]
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
