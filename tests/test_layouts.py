@@ -294,3 +294,22 @@ def test_threads_reregistering_while_others_prepare_see_one_snapshot_per_call() 
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_array_output_with_the_gil_released_matches_and_never_aliases() -> None:
+    from mooncake_kvaddr import _native
+
+    layout = tp_layout()
+    chunks = [(b * BS, (b + 1) * BS) for b in range(4) for _ in (0, 1)]
+    shards, ids = [0, 1] * 4, [9, 8, 7, 6]
+    expected = layout.prepare_values(chunks, ids, shards)
+    before = _native.layout_gil_release_min_cells()
+    _native.set_layout_gil_release_min_cells(0)
+    try:
+        first = layout.prepare_values_array(chunks, ids, shards)
+        second = layout.prepare_values_array(chunks, ids, shards)
+    finally:
+        _native.set_layout_gil_release_min_cells(before)
+    assert [a.tolist() for a in first] == [list(map(list, expected[0])), list(map(list, expected[1])), expected[2]]
+    first[0][0, 0] = -1
+    assert second[0][0, 0] == expected[0][0][0] and not np.shares_memory(first[0], second[0])
