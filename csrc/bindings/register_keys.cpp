@@ -258,6 +258,13 @@ std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle 
                                             std::to_string(floor_div(p.token_len, p.hash_block_size)) +
                                             " hashes, got " + std::to_string(n_hashes));
     }
+    // Positions are int64 with room for one block past the end (docs/errors.md): a walk whose end + block_size
+    // would not fit is refused instead of computed with wrapped arithmetic.
+    int64_t room = 0;
+    if (!add_checked(p.token_len, p.block_size, &room)) {
+        raise(PyExc_OverflowError, "token_len " + std::to_string(p.token_len) + " + block_size " +
+                                       std::to_string(p.block_size) + " overflows int64");
+    }
     const int64_t first = walk_first_chunk(p);
     int64_t stop = walk_stop_chunk(p);
     // Every walked chunk names a distinct hash, so a walk longer than the hashes is refused up front (a lying

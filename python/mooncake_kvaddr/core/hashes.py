@@ -77,7 +77,8 @@ class BlobBlockHashes(_HashView):
     read-only byte ``memoryview`` (items are ``memoryview`` slices of it), which *locks* a resizable buffer:
     a ``bytearray`` cannot change size while the view is alive, or until :meth:`release` is called. In-place
     writes to a mutable buffer are seen by later reads. Raises ``ValueError`` for a ``hash_len`` that is not
-    positive (0 is accepted for an empty blob only), a buffer that is not C-contiguous, or a length that is not a multiple of ``hash_len``.
+    positive (0 is accepted for an empty blob only), a buffer that is not C-contiguous, or a length that is
+    not a multiple of ``hash_len``.
     """
 
     def __init__(self, blob: bytes | bytearray | memoryview, hash_len: int) -> None:

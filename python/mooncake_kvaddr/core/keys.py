@@ -76,7 +76,7 @@ def replication_factor(
 def lookup_namespaces(
     tp_size: int, pcp_size: int, dcp_size: int, pp_size: int, factor: int
 ) -> list[tuple[int, int, int, int]]:
-    """The ``(tp, pcp, dcp, pp)`` namespaces a lookup must probe for one group, in the order docs/address-rows.md gives."""
+    """The ``(tp, pcp, dcp, pp)`` namespaces a lookup must probe for one group (docs/address-rows.md, "Keys")."""
     for name, value in (("tp_size", tp_size), ("pcp_size", pcp_size), ("dcp_size", dcp_size),
                         ("pp_size", pp_size), ("factor", factor)):
         if value <= 0:
