@@ -36,8 +36,10 @@ Snapshot AddressTable::sync_regions() {
     {
         FastSequence base(base_obj.ptr(), "kv_caches_base_addr");
         FastSequence block_len(lens_obj.ptr(), "block_len");
-        for (Py_ssize_t i = 0; i < block_len.size(); ++i) lens.push_back(as_int64(block_len.at(i), "block_len item"));
-        for (Py_ssize_t r = 0; r < base.size(); ++r) {
+        const Py_ssize_t n_lens = block_len.size();
+        const Py_ssize_t n_regions = base.size();
+        for (Py_ssize_t i = 0; i < n_lens; ++i) lens.push_back(as_int64(block_len.at(i), "block_len item"));
+        for (Py_ssize_t r = 0; r < n_regions; ++r) {
             bases.push_back(as_int64(base.at(r), "kv_caches_base_addr item"));
         }
     }

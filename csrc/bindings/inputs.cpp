@@ -89,9 +89,10 @@ std::unique_ptr<FastSequence> chunk_sequence(py::handle chunks) {
 
 ChunkSpans parse_chunk_items(const FastSequence& seq, int64_t block_size, int64_t hash_block_size) {
     ChunkSpans out;
-    out.starts.reserve(static_cast<std::size_t>(seq.size()));
-    out.plans.reserve(static_cast<std::size_t>(seq.size()));
-    for (Py_ssize_t c = 0; c < seq.size(); ++c) {
+    const Py_ssize_t n = seq.size();  // fixed: a list a callback shrinks raises, one it grows is not followed
+    out.starts.reserve(static_cast<std::size_t>(n));
+    out.plans.reserve(static_cast<std::size_t>(n));
+    for (Py_ssize_t c = 0; c < n; ++c) {
         py::object chunk = seq.at(c);
         const auto [start, end] = chunk_bounds(chunk.ptr(), c);
         add_span(c, start, end, block_size, hash_block_size, &out);

@@ -161,7 +161,8 @@ py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle ha
     FastSequence prefix_seq(prefixes.ptr(), "prefixes");
     std::vector<KeyWriter> writers;
     writers.reserve(static_cast<std::size_t>(prefix_seq.size()));
-    for (Py_ssize_t p = 0; p < prefix_seq.size(); ++p) writers.emplace_back(prefix_seq.at(p));
+    const Py_ssize_t n_prefixes = prefix_seq.size();
+    for (Py_ssize_t p = 0; p < n_prefixes; ++p) writers.emplace_back(prefix_seq.at(p));
     HashSource source(hashes, hash_len);
     const Py_ssize_t width = static_cast<Py_ssize_t>(writers.size());
     Py_ssize_t total = 0;
