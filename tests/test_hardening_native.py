@@ -487,7 +487,7 @@ def test_streaming_copy_is_fenced() -> None:
 
 
 def test_plan_load_arrays_equals_plan_load_and_plan_slots() -> None:
-    native, oracle = paired(*oracle_regions(6, 3), 32, 16)
+    native, _ = paired(*oracle_regions(6, 3), 32, 16)
     hashes = [bytes([i]) * 8 for i in range(12)]
     ids = list(range(100, 106))
     mask = [True, False, True, True, False, True]
