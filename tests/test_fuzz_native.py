@@ -507,7 +507,8 @@ def test_random_hostile_storm_never_crashes(seed: int) -> None:
         chunks = [(IndexInt(int(rng.integers(0, 4)) * HBS, acts[int(rng.integers(len(acts)))]),
                    int(rng.integers(0, 6)) * HBS) for _ in range(n)]
         victim[:] = [IndexInt(int(rng.integers(0, 40)), acts[int(rng.integers(len(acts)))]) for _ in range(4)]
-        for fn in (lambda c=chunks: native.prepare_values(c, victim), lambda c=chunks: native.prepare_values_array(c, victim),
+        for fn in (lambda c=chunks: native.prepare_values(c, victim),
+                   lambda c=chunks: native.prepare_values_array(c, victim),
                    lambda: native.plan_load(64, [b"h" * 4] * 4, victim),
                    lambda: native.plan_store(64, [b"h" * 4] * 4, victim)):
             outcome(fn)
