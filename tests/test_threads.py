@@ -69,7 +69,7 @@ def test_one_database_shared_by_a_send_thread_and_receive_threads() -> None:
     def send() -> None:
         try:
             for round_ in range(40):
-                token_len, hashes, ids, keys, chunks, rows = requests[round_ % len(requests)]
+                token_len, hashes, ids, keys, chunks, _ = requests[round_ % len(requests)]
                 plan = native.plan_store(token_len, hashes, ids)
                 assert plan.keys == keys and plan.chunks == chunks
                 missing = plan.chunks[::2]
