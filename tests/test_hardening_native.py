@@ -263,8 +263,11 @@ def test_block_ids_bad_arrays() -> None:
         native.prepare_values([(0, 16)], np.array([1.0]))
     with pytest.raises(TypeError):
         native.prepare_values([(0, 16)], np.array([[1]]))
-    with pytest.raises(OverflowError):
-        native.prepare_values([(0, 16)], np.array([2**63], np.uint64))
+    for value in (2**63, 2**64 - 1):  # 2**64 - 1 would wrap to -1: a valid-looking block id
+        with pytest.raises(OverflowError):
+            native.prepare_values([(0, 16)], np.array([value], np.uint64))
+        with pytest.raises(OverflowError):
+            native.prepare_values_array([(0, 16)], np.array([value], np.uint64))
 
 
 def test_lying_len_is_a_clear_error_and_user_exceptions_propagate() -> None:
