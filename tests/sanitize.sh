@@ -49,7 +49,8 @@ LD_PRELOAD="$libasan:$libubsan" \
 ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:log_path=$work/reports/asan" \
 UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$work/reports/ubsan" \
 KVADDR_SANITIZE=1 PYTHONPATH="$work/pkg:$root/tests" \
-    python3 "$work/run.py" "$work/pkg" -q -p no:cacheprovider -c "$root/pyproject.toml" "${@:-${tests[@]}}" \
+    python3 "$work/run.py" "$work/pkg" -q -p no:cacheprovider -c "$root/pyproject.toml" -W ignore::DeprecationWarning \
+    "${@:-${tests[@]}}" \
     || status=$?
 if compgen -G "$work/reports/*" >/dev/null; then
     echo "sanitizer reports:" >&2
