@@ -42,6 +42,17 @@ class AddressTable:
         load_mask: Sequence[bool] | None,
         block_ids: Sequence[int] | _Int64Array,
     ) -> tuple[list[str], list[list[int]], list[list[int]], list[int]]: ...
+    def plan_load_arrays(
+        self,
+        prefix: str,
+        hashes: _Hashes,
+        hash_len: int | None,
+        token_len: int,
+        mask_num: int,
+        load_mask: Sequence[bool] | None,
+        block_ids: Sequence[int] | _Int64Array,
+        slot_alignment: int = 64,
+    ) -> tuple[list[str], _Int64Array, _Int64Array, _Int64Array, _Int64Array, _Int64Array, int]: ...
     def plan_store(
         self,
         prefix: str,
@@ -73,8 +84,7 @@ def chunk_walk(
     put_step_rank: int,
     absolute_mask: bool = False,
 ) -> tuple[list[int], list[int], list[int]]: ...
-def gil_release_min_cells() -> int: ...
-def set_gil_release_min_cells(cells: int) -> None: ...
+GIL_RELEASE_MIN_WORK_NS: int
 
 STAGING_SLOT_ALIGNMENT: int
 STAGING_STREAMING_STORES: bool
@@ -82,7 +92,7 @@ STAGING_STREAMING_STORES: bool
 def staging_plan_slots(
     sizes: _Int64Array, alignment: int = 64
 ) -> tuple[_Int64Array, _Int64Array, int]: ...
-def staging_gather(
+def _staging_gather(
     addrs: _Int64Array,
     sizes: _Int64Array,
     staging_ptr: int,
@@ -94,7 +104,7 @@ def staging_gather(
     threads: int = 0,
     streaming: bool = True,
 ) -> int: ...
-def staging_scatter(
+def _staging_scatter(
     addrs: _Int64Array,
     sizes: _Int64Array,
     staging_ptr: int,
