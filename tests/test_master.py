@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import signal
@@ -236,3 +237,198 @@ def test_interpreter_exit_without_close_stops_the_master() -> None:
     pid = int(out.split()[0])
     # atexit ran the finalizer (SIGTERM + wait) before the interpreter exited.
     assert not process_is_running(pid)
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"rpc_port": 0}, ValueError, "rpc_port: must be 1..65535"),
+        ({"metrics_port": 70000}, ValueError, "metrics_port: must be 1..65535"),
+        ({"rpc_port": -1}, ValueError, "rpc_port"),
+        ({"rpc_port": True}, TypeError, "rpc_port"),
+        ({"metrics_port": "9003"}, TypeError, "metrics_port"),
+        ({"rpc_port": 50051, "metrics_port": 50051}, ValueError, "must differ"),
+        ({"start_timeout_s": float("nan")}, ValueError, "start_timeout_s"),
+        ({"start_timeout_s": "1"}, TypeError, "start_timeout_s"),
+        ({"log_level": 7}, ValueError, "log_level"),
+        ({"port_attempts": True}, ValueError, "port_attempts"),
+        ({"extra_args": [1]}, TypeError, "extra_args"),
+    ],
+)
+def test_bad_arguments_are_rejected_at_construction(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        EmbeddedMaster(**kwargs)  # type: ignore[arg-type]
+
+
+def test_one_fixed_port_never_collides_with_the_picked_one() -> None:
+    (fixed,) = free_ports(1)
+    for _ in range(20):
+        master = EmbeddedMaster(rpc_port=fixed)
+        master._pick_ports()
+        assert master.rpc_port == fixed and master.metrics_port != fixed
+        master.close()
+
+
+# ------------------------------------------------------------------------------------------- readiness
+
+# A stand-in master: answers GET /health with 200 on its metrics port and never opens its RPC port.
+HEALTH_ONLY = r"""#!{python}
+import http.server, sys
+args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:] if "=" in a)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{{"status":"ok"}}')
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(args["metrics_port"])), H).serve_forever()
+"""
+
+
+def test_readiness_is_not_fooled_by_someone_else_on_the_rpc_port(tmp_path: Path) -> None:
+    script = tmp_path / "health_only_master"
+    script.write_text(HEALTH_ONLY.format(python=sys.executable))
+    script.chmod(0o755)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        (metrics,) = free_ports(1)
+        # /health says 200 and the RPC port accepts connections, but neither proves the child serves RPC.
+        master = EmbeddedMaster(
+            binary=script, rpc_port=squatter.getsockname()[1], metrics_port=metrics, start_timeout_s=2
+        )
+        with pytest.raises(MasterError, match="not ready"):
+            master.start()
+        assert not master.alive
+        master.close()
+
+
+def test_readiness_requires_our_child_to_own_the_health_port(tmp_path: Path) -> None:
+    # Someone else answers /health on the metrics port; the child (which opens nothing) must not be "ready".
+    script = fake_binary(tmp_path, "exec sleep 60")
+    helper = tmp_path / "health_server"
+    helper.write_text(HEALTH_ONLY.format(python=sys.executable))
+    helper.chmod(0o755)
+    rpc, metrics = free_ports(2)
+    server = subprocess.Popen([str(helper), f"-metrics_port={metrics}"])
+    try:
+        assert wait_until(lambda: port_accepts(metrics), timeout=10)
+        with socket.socket() as rpc_listener:
+            rpc_listener.bind(("127.0.0.1", rpc))
+            rpc_listener.listen()
+            master = EmbeddedMaster(binary=script, rpc_port=rpc, metrics_port=metrics, start_timeout_s=1.5)
+            with pytest.raises(MasterError, match="not ready"):
+                master.start()
+            master.close()
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+# ------------------------------------------------------------------------------------------- concurrency
+
+
+def master_children() -> set[int]:
+    """Live ``mooncake_master`` processes whose parent is this process."""
+    me = os.getpid()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat_text = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat_text[stat_text.find("(") + 1 : stat_text.rfind(")")]
+        fields = stat_text[stat_text.rfind(")") + 2 :].split()
+        if name == "mooncake_master" and int(fields[1]) == me and process_is_running(int(entry.name)):
+            found.add(int(entry.name))
+    return found
+
+
+def test_concurrent_starts_spawn_one_master_and_close_stops_it() -> None:
+    before = master_children()
+    master = EmbeddedMaster()
+    barrier = threading.Barrier(4)
+    pids: list[int | None] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            barrier.wait()
+            pids.append(master.start().pid)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    try:
+        assert not errors and len(set(pids)) == 1 and None not in pids
+        assert len(master_children() - before) == 1
+    finally:
+        master.close()
+    assert master_children() - before == set()
+
+
+def start_quietly(master: EmbeddedMaster) -> None:
+    with contextlib.suppress(MasterError):  # "closed" when close() won the race
+        master.start()
+
+
+def test_close_racing_start_leaves_nothing_running() -> None:
+    before = master_children()
+    for _ in range(3):
+        master = EmbeddedMaster()
+        starter = threading.Thread(target=start_quietly, args=(master,))
+        starter.start()
+        time.sleep(0.01)
+        master.close()
+        starter.join(timeout=60)
+        assert not master.alive
+        with pytest.raises(MasterError, match="closed"):
+            master.start()
+    assert master_children() - before == set()
+
+
+def test_threaded_start_stop_stress_leaves_no_master() -> None:
+    """Random start/stop/restart/kill/close from several threads on shared masters: 0 masters afterwards."""
+    before = master_children()
+    masters = [EmbeddedMaster(start_timeout_s=20) for _ in range(2)]
+    rng_seed = 1234
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        import random
+
+        rng = random.Random(rng_seed + index)
+        for _ in range(6):
+            master = rng.choice(masters)
+            action = rng.choice(["start", "start", "stop", "restart", "kill"])
+            try:
+                getattr(master, action)()
+            except MasterError as exc:
+                if "closed" not in str(exc):
+                    errors.append(exc)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+        if index == 0:
+            masters[0].close()  # one master closed while the others still work on it
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    for master in masters:
+        master.close()
+    assert not errors, errors
+    assert all(not m.alive for m in masters)
+    assert master_children() - before == set()

@@ -6,6 +6,7 @@ Tests without the ``mooncake`` mark use a stand-in client and run without the Mo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,7 @@ import pytest
 from kvaddr_testing import wait_until
 from mooncake_kvaddr.driver import store as store_module
 from mooncake_kvaddr.driver.config import StoreConfig
-from mooncake_kvaddr.driver.master import EmbeddedMaster, free_ports
+from mooncake_kvaddr.driver.master import MOONCAKE_VARIANTS, EmbeddedMaster, free_ports, process_is_running
 from mooncake_kvaddr.driver.store import (
     BatchResult,
     Health,
@@ -33,6 +34,7 @@ from mooncake_kvaddr.driver.store import (
     StoreSetupError,
     _Op,
     _plan,
+    load_mooncake,
 )
 
 mooncake = pytest.mark.mooncake
@@ -128,13 +130,118 @@ def test_batch_result_maps_codes_per_operation() -> None:
     assert BatchResult._build(_Op.PUT, []).ok
 
 
-def test_missing_extra_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_mooncake(name: str) -> Any:
-        raise ImportError(f"No module named {name!r}")
-
-    monkeypatch.setattr(store_module.importlib, "import_module", no_mooncake)
-    with pytest.raises(ImportError, match=r"pip install 'mooncake_kvaddr\[mooncake\]'"):
+def test_missing_mooncake_names_the_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # find_spec -> None, import -> ImportError
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(ImportError, match="not installed") as info:
         MooncakeStore(master_server_address="127.0.0.1:1").setup()
+    for variant in MOONCAKE_VARIANTS:
+        assert variant in str(info.value)
+    assert "mooncake-transfer-engine-non-cuda" in str(info.value) and "libibverbs1" in str(info.value)
+
+
+def test_broken_mooncake_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(name: str) -> Any:
+        raise ImportError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(store_module.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(store_module.importlib, "import_module", broken)
+    with pytest.raises(ImportError, match=r"failed to load mooncake\.store \(libcuda[\s\S]*non-cuda"):
+        load_mooncake()
+
+
+def test_a_store_needs_a_master_address_or_an_embedded_master(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    with pytest.raises(ValueError, match=r"no master configured.*embedded_master=True"):
+        MooncakeStore()
+    with pytest.raises(ValueError, match="no master configured"):
+        MooncakeStore(StoreConfig(global_segment_size=0))
+    with pytest.raises(ValueError, match="master_server_address"):
+        MooncakeStore(master_server_address="localhost")  # no port: rejected before anything connects
+    assert MooncakeStore(embedded_master=True).master is None  # nothing starts before setup()
+
+
+class RecordingClient:
+    """Stand-in for MooncakeDistributedStore: records setup() arguments, fails the first ``fail`` setups."""
+
+    calls: list[tuple[Any, ...]] = []
+    kwargs: list[dict[str, Any]] = []
+    fail = 0
+    closed = 0
+
+    def setup(self, *args: Any, **kwargs: Any) -> int:
+        RecordingClient.calls.append(args)
+        RecordingClient.kwargs.append(kwargs)
+        time.sleep(0.05)  # long enough for the watcher thread to look at the environment meanwhile
+        return -1 if len(RecordingClient.calls) <= RecordingClient.fail else 0
+
+    def close(self) -> int:
+        RecordingClient.closed += 1
+        return 0
+
+
+def fake_mooncake(monkeypatch: pytest.MonkeyPatch, fail: int) -> type[RecordingClient]:
+    RecordingClient.calls, RecordingClient.kwargs, RecordingClient.fail, RecordingClient.closed = [], [], fail, 0
+    module = SimpleNamespace(MooncakeDistributedStore=RecordingClient)
+    monkeypatch.setattr(store_module, "load_mooncake", lambda: module)
+    return RecordingClient
+
+
+def test_setup_retries_are_this_calls_own_and_never_touch_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = fake_mooncake(monkeypatch, fail=2)
+    seen: list[dict[str, str]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(dict(os.environ))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    before = dict(os.environ)
+    try:
+        store = MooncakeStore(master_server_address="127.0.0.1:1", setup_retries=3, tenant_id="t9").setup()
+    finally:
+        stop.set()
+        watcher.join()
+    assert store.ready and len(client.calls) == 3 and client.closed == 2  # failed attempts were closed
+    hosts = [call[0] for call in client.calls]
+    # Each attempt pins its own port (Mooncake then makes exactly one attempt), all different.
+    assert all(h.startswith("127.0.0.1:") for h in hosts) and len(set(hosts)) == 3
+    assert client.calls[0][1:] == ("P2PHANDSHAKE", 512 << 20, 16 << 20, "tcp", "", "127.0.0.1:1")
+    assert client.kwargs[0] == {"tenant_id": "t9"}
+    assert seen and all(env == before for env in seen) and dict(os.environ) == before
+
+
+def test_setup_retries_exhausted_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = fake_mooncake(monkeypatch, fail=10)
+    with pytest.raises(StoreSetupError, match=r"code -1 after 2 attempt\(s\) \(master 127\.0\.0\.1:1"):
+        MooncakeStore(master_server_address="127.0.0.1:1", setup_retries=2).setup()
+    assert len(client.calls) == 2 and client.closed == 2
+
+
+def test_without_setup_retries_mooncake_runs_its_own_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = fake_mooncake(monkeypatch, fail=0)
+    MooncakeStore(master_server_address="127.0.0.1:1", local_hostname="10.1.2.3").setup()
+    assert [c[0] for c in client.calls] == ["10.1.2.3"] and client.kwargs == [{}]  # default tenant not passed
+    client = fake_mooncake(monkeypatch, fail=5)
+    with pytest.raises(StoreSetupError, match="after 1 attempt"):
+        # A pinned local port is tried once: retrying cannot free it.
+        MooncakeStore(master_server_address="127.0.0.1:1", local_hostname="10.1.2.3:4000", setup_retries=4).setup()
+    assert [c[0] for c in client.calls] == ["10.1.2.3:4000"]
+
+
+@pytest.mark.parametrize(("low", "high"), [("13000", "13010"), ("bad", "x"), ("60000", "100")])
+def test_client_ports_follow_mooncakes_range(monkeypatch: pytest.MonkeyPatch, low: str, high: str) -> None:
+    monkeypatch.setenv("MC_STORE_CLIENT_MIN_PORT", low)
+    monkeypatch.setenv("MC_STORE_CLIENT_MAX_PORT", high)
+    ports = store_module._client_ports(3)
+    assert len(set(ports)) == 3
+    if low == "13000":
+        assert all(13000 <= p <= 13010 for p in ports)
+    elif low == "bad":
+        assert all(12300 <= p <= 14300 for p in ports)
 
 
 class BlockingClient:
@@ -457,6 +564,22 @@ def test_contiguous_conversion_probe_transfers_nothing(store: MooncakeStore, key
 
 
 # ------------------------------------------------------------------------------------------- failures
+
+
+@mooncake
+def test_embedded_master_only_when_asked_and_stopped_at_close() -> None:
+    with MooncakeStore(embedded_master=True, global_segment_size="16MiB", local_buffer_size=0) as store:
+        master = store.master
+        assert master is not None and master.alive and store.master_address == master.rpc_address
+        pid = master.pid
+        assert pid is not None
+        src = Regions(2, 2, 1 * KiB, seed=3)
+        assert store.batch_put_from_multi_buffers(["emb/0", "emb/1"], src.addrs, src.sizes).ok
+        started = time.monotonic()
+    close_s = time.monotonic() - started
+    assert not process_is_running(pid) and store.master is None
+    # Mooncake's client shutdown takes ~2 s with a mounted segment; the master is killed, not waited for.
+    assert close_s < 4, close_s
 
 
 @mooncake

@@ -17,6 +17,7 @@ the drop-in does not pay for the driver.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from mooncake_kvaddr._version import __version__
@@ -24,6 +25,10 @@ from mooncake_kvaddr.core.database import DEFAULT_ADDRESS_CACHE_BYTES, ChunkedTo
 from mooncake_kvaddr.core.errors import BlockLenError, ChunkAlignmentError
 from mooncake_kvaddr.core.hashes import BlobBlockHashes, BlockHash, CompactChunkHashes, chunk_hashes_for_block_size
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey, model_name_from_path
+
+# A library logs; the application decides where logs go. The NullHandler keeps Python's last-resort handler
+# from printing our warnings when the application configured no logging (docs/configuration.md).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from mooncake_kvaddr.driver.config import StoreConfig

@@ -1,4 +1,9 @@
-"""``python -m mooncake_kvaddr demo|bench ...``: the end-to-end demo (the main job) or the benchmark."""
+"""``python -m mooncake_kvaddr demo|bench ...``: the end-to-end demo (the main job) or the benchmark.
+
+The sub-commands own their process and keep Mooncake's native log lines quiet unless ``--verbose`` (or
+``MOONCAKE_KVADDR_VERBOSE=1``) asks for them; the library itself never changes logging or the environment
+(``docs/configuration.md``).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,13 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch to a sub-command."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
-        print("usage: python -m mooncake_kvaddr {demo,bench} [options]\n"
-              "  demo   store, look up and load one request through a real Mooncake store (embedded master)\n"
-              "  bench  side-by-side benchmark against the oracle and the numpy approach")
+        print(
+            "usage: python -m mooncake_kvaddr {demo,bench} [options]\n"
+            "  demo   store, look up and load one request through a real Mooncake store (embedded master\n"
+            "         unless --config / $MOONCAKE_CONFIG_PATH names one); --verbose shows Mooncake's logs\n"
+            "  bench  side-by-side benchmark against the oracle and the numpy approach\n"
+            "The demo hides Mooncake's own log lines unless --verbose or MOONCAKE_KVADDR_VERBOSE=1 is given."
+        )
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "demo":

@@ -1,21 +1,25 @@
 """End-to-end demo: store one request's KV cache in Mooncake, look it up, load it elsewhere, verify.
 
-``python -m mooncake_kvaddr demo [--tokens N] [--regions R] [--block-size B] [--mode M] [--json PATH]``
+``python -m mooncake_kvaddr demo [--tokens N] [--regions R] [--block-size B] [--mode M] [--json PATH] [--verbose]``
 
 A synthetic KV cache lives in host memory: ``R`` regions (K and V of ``R/2`` layers), each an array of
-blocks. One request's chunks go from cache A to the store (embedded master on loopback unless configured),
+blocks. One request's chunks go from cache A to the store (the demo asks for an embedded master on loopback
+unless ``--config`` / ``$MOONCAKE_CONFIG_PATH`` names one),
 ``lookup`` reports the hit, and the chunks come back into cache B at other block ids; every byte is
 compared. The timing breakdown separates our work (keys, address rows; fused into one native "plan" pass
 on the load path and also timed apart) from Mooncake's. ``--mode`` picks the transfer mode (see
 :mod:`mooncake_kvaddr.driver.transfer`): staged runs report the native copy (``store_gather``, ``load_scatter``)
 apart from Mooncake's transfer (``store_put``, ``load_get``); multi-buffer runs report the binding's argument
 conversion (GIL held, measured on its own with an empty key list) apart from the rest of the get.
+
+Quiet by default: Mooncake's own log lines are kept out of the terminal (and shown if the demo fails);
+``--verbose`` or ``MOONCAKE_KVADDR_VERBOSE=1`` lets them through. ``close`` in the timings is Mooncake's
+client shutdown, ~1 s per mounted segment plus ~1 s (``docs/configuration.md``, "Close time").
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import statistics
@@ -27,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_kvaddr._cli import native_log, verbose_requested
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import chunk_hashes_for_block_size
 from mooncake_kvaddr.core.metadata import KeyMetadata
@@ -70,6 +75,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=None, help="StoreConfig JSON (else env / embedded)")
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic cache contents")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Mooncake's own log lines (also: MOONCAKE_KVADDR_VERBOSE=1); hidden by default",
+    )
     args = parser.parse_args(argv)
     for name in ("tokens", "regions", "block_size", "block_bytes", "recv_threads"):
         if getattr(args, name) <= 0:
@@ -101,12 +111,15 @@ def _kv_cache(regions: int, num_blocks: int, block_bytes: int, rng: np.random.Ge
 
 def _config(args: argparse.Namespace, data_bytes: int) -> StoreConfig:
     config = StoreConfig.load(args.config)
+    if not config.has_master:
+        # The demo is self-contained: with no master named, it asks for a private one on loopback.
+        config = config.replace(embedded_master=True)
     # An embedded master's pool is this client's segment alone: make sure the request fits, with slack.
     needed = data_bytes + data_bytes // 4 + (64 << 20)
     if config.embedded_master and config.global_segment_size < needed:
-        config = dataclasses.replace(config, global_segment_size=needed)
+        config = config.replace(global_segment_size=needed)
     if args.max_regions_per_batch is not None:
-        config = dataclasses.replace(config, max_regions_per_batch=args.max_regions_per_batch)
+        config = config.replace(max_regions_per_batch=args.max_regions_per_batch)
     return config
 
 
@@ -259,10 +272,19 @@ def _print_report(report: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 only if every byte was verified)."""
     args = _parse(argv)
-    try:
-        report = run(args)
-    except (StoreError, ImportError, OSError, ValueError) as exc:
-        print(f"demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    verbose = verbose_requested(args.verbose)
+    failure: BaseException | None = None
+    native_tail = ""
+    with native_log(verbose) as native:
+        try:
+            report = run(args)
+        except (StoreError, ImportError, OSError, ValueError) as exc:
+            failure = exc
+            native_tail = native.tail()
+    if failure is not None:
+        print(f"demo failed: {type(failure).__name__}: {failure}", file=sys.stderr)
+        if native_tail:
+            print(f"Mooncake's last log lines (--verbose shows them all):\n{native_tail}", file=sys.stderr)
         return 2
     _print_report(report)
     if args.json is not None:

@@ -1,10 +1,14 @@
 """Configuration of the Mooncake store client (:class:`StoreConfig`).
 
-The field names follow vLLM's ``MooncakeStoreConfig`` so that an existing ``mooncake.json`` (the file named
-by ``MOONCAKE_CONFIG_PATH``) loads unchanged; the extra fields are the knobs this package needs to drive the
-store safely (batch splitting, bounded waits, the embedded master).
+A vLLM Mooncake config file (the JSON named by ``MOONCAKE_CONFIG_PATH``) loads unchanged: its keys
+(``metadata_server``, ``master_server_address``, ``protocol``, ``device_name``, ``mode``,
+``global_segment_size``, ``local_buffer_size``, ``enable_offload``, ``tenant_id``) mean what they mean to
+vLLM, and the keys vLLM reads from ``kv_connector_extra_config`` are accepted and ignored. The other fields
+are the knobs this package needs to drive the store safely (batch splitting, bounded waits, the embedded
+master). Every value is checked when the object is built, with an error that names the field.
+See ``docs/configuration.md``.
 
-Sizes accept ints or strings such as ``"4GB"``, ``"512MiB"``, ``"1.5 GB"``. Like Mooncake's and vLLM's own
+Sizes accept ints or strings such as ``"4GB"``, ``"512MiB"``, ``"1.5 GB"``. As in Mooncake's and vLLM's own
 parsers, ``KB/MB/GB/TB`` are binary units (``"1GB" == 2**30``), identical to ``KiB/MiB/GiB/TiB``.
 """
 
@@ -12,23 +16,68 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
+import logging
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["DEFAULT_CONFIG_ENV", "MIN_GLOBAL_SEGMENT_SIZE", "TRANSFER_MODES", "StoreConfig", "parse_size"]
+from mooncake_kvaddr.driver.values import (
+    check_bool,
+    check_int,
+    check_str,
+    check_timeout,
+    parse_address,
+    parse_host_port,
+    parse_size,
+    show,
+)
+
+__all__ = [
+    "DEFAULT_CONFIG_ENV",
+    "MIN_GLOBAL_SEGMENT_SIZE",
+    "MODES",
+    "TRANSFER_MODES",
+    "VLLM_CONNECTOR_KEYS",
+    "StoreConfig",
+    "parse_address",
+    "parse_size",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Environment variable naming the JSON config file (the one vLLM's connector reads).
 DEFAULT_CONFIG_ENV: Final = "MOONCAKE_CONFIG_PATH"
 
 _PROTOCOLS: Final = ("tcp", "rdma")
 
+#: vLLM's Mooncake topologies: ``"embedded"`` (this client contributes ``global_segment_size`` > 0 bytes
+#: to the pool) and ``"standalone-store"`` (it contributes 0; a separate ``mooncake_client`` owns the pool).
+MODES: Final = ("embedded", "standalone-store")
+
+#: Keys vLLM 0.33's Mooncake store connector reads from ``kv_connector_extra_config``. They configure vLLM's
+#: connector, not the store client: accepted by :meth:`StoreConfig.from_dict` and ignored (logged at debug).
+VLLM_CONNECTOR_KEYS: Final = frozenset(
+    {
+        "cache_prefix",
+        "custom_mem_pool",
+        "enable_cross_layers_blocks",
+        "enable_group_semantics",
+        "enable_lookup",
+        "enable_store_tp_lcm",
+        "load_async",
+        "lookup_async",
+        "lookup_rpc_port",
+        "preferred_segment",
+        "prefill_tp_sizes",
+        "save_decode_cache",
+        "store_tp_size",
+    }
+)
+
 # Over TCP a single batch of more than ~1-2 k regions fails with -800 (per-peer queue of 1024 transfers,
-# MOONCAKE.md section 2); RDMA has no such queue, so its budget only bounds one call's argument lists.
+# docs/configuration.md); RDMA has no such queue, so its budget only bounds one call's argument lists.
 _DEFAULT_REGION_BUDGET: Final = {"tcp": 1000, "rdma": 1 << 20}
 
 #: How KVTransfer moves a key with several regions: ``"multi_buffer"`` hands Mooncake every region (its
@@ -38,104 +87,28 @@ TRANSFER_MODES: Final = ("auto", "staged", "multi_buffer")
 
 # Mooncake refuses a smaller non-zero segment at setup ("Total size must be at least 16777216" -> -600).
 MIN_GLOBAL_SEGMENT_SIZE: Final = 16 << 20
-
-_UNITS: Final = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 1 << 40,
-    "tib": 1 << 40,
-}
-_SIZE_RE: Final = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-
-
-def parse_size(value: object, field: str = "size") -> int:
-    """Return ``value`` as a number of bytes.
-
-    Accepts a non-negative ``int``, an integral ``float`` (JSON numbers), or a string made of a number and
-    an optional binary unit (``B``, ``K``/``KB``/``KiB``, ``M``…, ``G``…, ``T``…; case-insensitive, spaces
-    allowed). A fractional byte count from a decimal string is truncated (``"1.5 GB"`` is exact anyway).
-
-    Raises:
-        TypeError: ``value`` is neither an int, a float nor a string (``bool`` is rejected too).
-        ValueError: the string cannot be parsed, the unit is unknown, or the size is negative.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{field}: expected a size (int or string like '4GB'), got bool {value!r}")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, float):
-        if not math.isfinite(value) or not value.is_integer():
-            raise ValueError(f"{field}: a float size must be a whole number of bytes, got {value!r}")
-        size = int(value)
-    elif isinstance(value, str):
-        match = _SIZE_RE.fullmatch(value)
-        if match is None:
-            raise ValueError(
-                f"{field}: cannot parse size {value!r}; use an int or a number with a unit, e.g. '4GB', '512MiB'"
-            )
-        number, unit = match.groups()
-        multiplier = _UNITS.get(unit.lower())
-        if multiplier is None:
-            raise ValueError(
-                f"{field}: unknown size unit {unit!r} in {value!r}; use B, KB, MB, GB, TB (or KiB, MiB, ...)"
-            )
-        # Integers stay exact (no float rounding for "4398046511104"); decimals are truncated to bytes.
-        size = int(number) * multiplier if number.isdigit() else int(float(number) * multiplier)
-    else:
-        raise TypeError(f"{field}: expected a size (int or string like '4GB'), got {type(value).__name__}")
-    if size < 0:
-        raise ValueError(f"{field}: size must be >= 0, got {value!r}")
-    return size
-
-
-def _check_str(field: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{field}: expected str, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_positive_int(field: str, value: object, *, allow_zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{field}: expected int, got {type(value).__name__} {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise ValueError(f"{field}: must be {bound}, got {value}")
-    return value
-
-
-def _check_timeout(field: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{field}: expected a number of seconds, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{field}: must be a positive number of seconds, got {value!r}")
-    return float(value)
+_MAX_SETUP_RETRIES: Final = 1000
+_DEFAULT_TENANT: Final = "default"
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     """Everything needed to set up a Mooncake store client, validated at construction.
 
-    The first eight fields are vLLM's ``MooncakeStoreConfig`` (a JSON file written for vLLM loads as is);
-    the others tune this package. ``master_server_address=None`` means "start an embedded master on
-    127.0.0.1" (see :class:`mooncake_kvaddr.driver.master.EmbeddedMaster`).
+    The fields shared with vLLM's ``MooncakeStoreConfig`` have vLLM's names and meanings, so a JSON file
+    written for vLLM loads as is; the others tune this package. Where the master is:
+    ``master_server_address="host:port"`` for a running master, or ``embedded_master=True`` to have
+    :meth:`MooncakeStore.setup <mooncake_kvaddr.driver.store.MooncakeStore.setup>` start a private one on
+    127.0.0.1 (tests, demos, benchmarks). A config with neither is valid (it may be used only for its
+    transfer settings) but cannot set up a store. See ``docs/configuration.md``.
     """
 
     local_hostname: str = "127.0.0.1"
-    """Address this client advertises to peers (``"host"`` or ``"host:port"`` to pin the port)."""
+    """Address this client advertises to peers (``"host"``, or ``"host:port"`` to pin the port)."""
     metadata_server: str = "P2PHANDSHAKE"
     """Transfer-engine metadata: ``"P2PHANDSHAKE"`` (no server), ``"http://…/metadata"`` or etcd."""
     master_server_address: str | None = None
-    """``"host:port"`` of a running master; ``None`` starts an embedded one on loopback."""
+    """``"host:port"`` (or ``"etcd://host:port;…"``) of a running master; ``None`` with ``embedded_master``."""
     protocol: str = "tcp"
     """``"tcp"`` or ``"rdma"``."""
     device_name: str = ""
@@ -144,18 +117,30 @@ class StoreConfig:
     """Bytes this client contributes to the pool: 0 (pure client) or >= 16 MiB; allocated at setup."""
     local_buffer_size: int = 16 << 20
     """Staging buffer of Mooncake's copying API; the zero-copy batch calls work with 0."""
-    tenant: str = "default"
-    """Mooncake tenant namespace (``tenant_id``)."""
+    tenant_id: str = _DEFAULT_TENANT
+    """Mooncake tenant namespace (vLLM's ``tenant_id``; ``None``/blank mean ``"default"``). Alias: ``tenant``."""
+    mode: str | None = None
+    """vLLM's topology, ``"embedded"`` or ``"standalone-store"`` (see :data:`MODES`); ``None`` derives it
+    from ``global_segment_size``. When given it must agree: embedded needs a segment, standalone none."""
+    enable_offload: bool = False
+    """vLLM's flag for a pool with an SSD tier. Recorded (see ``docs/configuration.md``); not passed to
+    Mooncake's setup, as vLLM does not pass it either."""
+    embedded_master: bool = False
+    """Start a private ``mooncake_master`` on 127.0.0.1 at setup (and stop it at close). Only when asked:
+    a deployment names its master in ``master_server_address``."""
 
     max_regions_per_batch: int | None = None
     """Region budget per Mooncake call; larger batches are split (``None``: 1000 on tcp, 2**20 on rdma)."""
     setup_retries: int | None = None
-    """``MC_STORE_CLIENT_SETUP_RETRIES`` for setup (~4.4 s each without a master; ``None``: 3 with the
-    embedded master, else the environment's value or Mooncake's default of 20)."""
+    """How many client setup attempts, each on a newly picked local port, this package makes itself (no
+    environment variable is touched). ``None``: 3 with the embedded master, else one Mooncake setup call
+    with Mooncake's own retry policy. An attempt against a master that refuses the connection fails in
+    ~4.4 s; against an address that accepts but never answers it can take much longer (see
+    ``docs/configuration.md``)."""
     close_timeout_s: float = 120.0
     """How long ``close()`` waits for calls in flight (a TCP transfer may take 60 s to time out)."""
     master_start_timeout_s: float = 15.0
-    """How long to wait for the embedded master's ``/health`` to answer 200."""
+    """How long to wait for the embedded master to be ready."""
     master_args: tuple[str, ...] = ()
     """Extra command-line flags for the embedded master, e.g. ``("-default_kv_lease_ttl=2000",)``."""
     transfer_mode: str = "auto"
@@ -172,20 +157,29 @@ class StoreConfig:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
-        for name in ("local_hostname", "metadata_server", "device_name", "tenant"):
-            _check_str(name, getattr(self, name))
-        if not self.local_hostname:
+        for name in ("local_hostname", "metadata_server", "device_name"):
+            check_str(name, getattr(self, name))
+        hostname = self.local_hostname.strip()
+        if not hostname:
             raise ValueError("local_hostname: must not be empty (use '127.0.0.1' for loopback)")
-        if not self.metadata_server:
+        parse_host_port(hostname, "local_hostname", port_required=False)
+        put("local_hostname", hostname)
+        if not self.metadata_server.strip():
             raise ValueError("metadata_server: must not be empty (use 'P2PHANDSHAKE')")
+        put("metadata_server", self.metadata_server.strip())
+        put("embedded_master", check_bool("embedded_master", self.embedded_master))
         if self.master_server_address is not None:
-            address = _check_str("master_server_address", self.master_server_address).strip()
-            if not address:
-                raise ValueError("master_server_address: must be 'host:port', or None to start an embedded master")
+            address = check_str("master_server_address", self.master_server_address).strip()
+            parse_address(address)  # a malformed address fails here, not after minutes of setup retries
+            if self.embedded_master:
+                raise ValueError(
+                    f"master_server_address={address!r} and embedded_master=True: choose one "
+                    "(an address names a running master; embedded_master starts a private one)"
+                )
             put("master_server_address", address)
-        protocol = _check_str("protocol", self.protocol).strip().lower()
+        protocol = check_str("protocol", self.protocol).strip().lower()
         if protocol not in _PROTOCOLS:
-            raise ValueError(f"protocol: must be one of {_PROTOCOLS}, got {self.protocol!r}")
+            raise ValueError(f"protocol: must be one of {_PROTOCOLS}, got {show(self.protocol)}")
         put("protocol", protocol)
         segment = parse_size(self.global_segment_size, "global_segment_size")
         if 0 < segment < MIN_GLOBAL_SEGMENT_SIZE:
@@ -194,31 +188,54 @@ class StoreConfig:
             )
         put("global_segment_size", segment)
         put("local_buffer_size", parse_size(self.local_buffer_size, "local_buffer_size"))
-        mode = _check_str("transfer_mode", self.transfer_mode).strip().lower().replace("-", "_")
-        if mode not in TRANSFER_MODES:
-            raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
-        put("transfer_mode", mode)
+        put("tenant_id", _normalize_tenant(self.tenant_id))
+        if self.mode is not None:
+            mode = check_str("mode", self.mode).strip().lower()
+            if mode not in MODES:
+                raise ValueError(f"mode: must be one of {MODES}, got {show(self.mode)}")
+            if mode == "embedded" and segment == 0:
+                raise ValueError("mode 'embedded' needs global_segment_size > 0 (use 'standalone-store' for 0)")
+            if mode == "standalone-store" and segment != 0:
+                raise ValueError(f"mode 'standalone-store' needs global_segment_size 0, got {segment}")
+            put("mode", mode)
+        put("enable_offload", check_bool("enable_offload", self.enable_offload))
+        mode_name = check_str("transfer_mode", self.transfer_mode).strip().lower().replace("-", "_")
+        if mode_name not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {show(self.transfer_mode)}")
+        put("transfer_mode", mode_name)
         staging = parse_size(self.staging_buffer_size, "staging_buffer_size")
         if staging == 0:
             raise ValueError("staging_buffer_size: must be > 0 (use transfer_mode='multi_buffer' to stage nothing)")
         put("staging_buffer_size", staging)
         if self.max_regions_per_batch is not None:
-            _check_positive_int("max_regions_per_batch", self.max_regions_per_batch)
+            check_int("max_regions_per_batch", self.max_regions_per_batch, low=1)
         if self.setup_retries is not None:
-            _check_positive_int("setup_retries", self.setup_retries)
-        put("close_timeout_s", _check_timeout("close_timeout_s", self.close_timeout_s))
-        put("master_start_timeout_s", _check_timeout("master_start_timeout_s", self.master_start_timeout_s))
+            check_int("setup_retries", self.setup_retries, low=1, high=_MAX_SETUP_RETRIES)
+        put("close_timeout_s", check_timeout("close_timeout_s", self.close_timeout_s))
+        put("master_start_timeout_s", check_timeout("master_start_timeout_s", self.master_start_timeout_s))
         args = self.master_args
         if isinstance(args, str) or not isinstance(args, (list, tuple)):
             raise TypeError(f"master_args: expected a list of strings, got {type(args).__name__}")
-        put("master_args", tuple(_check_str("master_args[]", a) for a in args))
+        put("master_args", tuple(check_str("master_args[]", a) for a in args))
 
     # ------------------------------------------------------------------ derived values
 
     @property
-    def embedded_master(self) -> bool:
-        """True when setup starts its own master (``master_server_address is None``)."""
-        return self.master_server_address is None
+    def tenant(self) -> str:
+        """Alias of :attr:`tenant_id` (the name this package used before it followed vLLM's)."""
+        return self.tenant_id
+
+    @property
+    def topology(self) -> str:
+        """:attr:`mode` if given, else ``"embedded"`` with a segment and ``"standalone-store"`` without."""
+        if self.mode is not None:
+            return self.mode
+        return "embedded" if self.global_segment_size > 0 else "standalone-store"
+
+    @property
+    def has_master(self) -> bool:
+        """True when setup knows where the master is (an address, or ``embedded_master``)."""
+        return self.embedded_master or self.master_server_address is not None
 
     @property
     def region_budget(self) -> int:
@@ -230,42 +247,71 @@ class StoreConfig:
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], **overrides: Any) -> StoreConfig:
-        """Build from a mapping (a parsed JSON object); ``overrides`` win. Unknown keys are rejected."""
+    def from_dict(cls, data: Mapping[str, Any], *, strict: bool = True, **overrides: Any) -> StoreConfig:
+        """Build from a mapping: a parsed vLLM ``mooncake.json``, or a dict in vLLM's
+        ``kv_connector_extra_config`` style (store keys mixed with vLLM connector keys); ``overrides`` win.
+
+        ``tenant`` is accepted as an alias of ``tenant_id``. Keys of vLLM's connector
+        (:data:`VLLM_CONNECTOR_KEYS`) are ignored and logged at debug level. Any other unknown key is a
+        ``ValueError`` (a typo must not silently fall back to a default); with ``strict=False`` it is
+        logged as a warning and ignored instead (for files written for a newer vLLM).
+        """
         if not isinstance(data, Mapping):
             raise TypeError(f"config: expected a JSON object / mapping, got {type(data).__name__}")
-        merged = {**data, **overrides}
+        merged: dict[str, Any] = {}
+        for key, value in (*data.items(), *overrides.items()):
+            if not isinstance(key, str):
+                raise TypeError(f"config: keys must be strings, got {type(key).__name__} {show(key)}")
+            merged[key] = value
+        if "tenant" in merged:
+            alias = merged.pop("tenant")
+            if "tenant_id" in merged and _normalize_tenant(merged["tenant_id"]) != _normalize_tenant(alias):
+                raise ValueError(
+                    f"config: 'tenant' ({show(alias)}) and 'tenant_id' ({show(merged['tenant_id'])}) disagree; "
+                    "they are one setting (tenant is an alias), give one"
+                )
+            merged.setdefault("tenant_id", alias)
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in merged if k not in known)
+        vllm_only = sorted(k for k in merged if k not in known and k in VLLM_CONNECTOR_KEYS)
+        if vllm_only:
+            logger.debug("config: ignoring vLLM connector key(s) %s", vllm_only)
+        unknown = sorted(k for k in merged if k not in known and k not in VLLM_CONNECTOR_KEYS)
         if unknown:
-            raise ValueError(f"config: unknown key(s) {unknown}; known keys are {sorted(known)}")
-        return cls(**merged)
+            if strict:
+                raise ValueError(
+                    f"config: unknown key(s) {unknown}; known keys are {sorted(known)} (plus 'tenant', and "
+                    "vLLM's connector keys, which are ignored); pass strict=False to ignore unknown keys"
+                )
+            logger.warning("config: ignoring unknown key(s) %s", unknown)
+        return cls(**{k: v for k, v in merged.items() if k in known})
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike[str], **overrides: Any) -> StoreConfig:
-        """Load a JSON file (vLLM's ``mooncake.json`` format plus this class's extra fields)."""
+    def from_json(cls, path: str | os.PathLike[str], *, strict: bool = True, **overrides: Any) -> StoreConfig:
+        """Load a JSON file: vLLM's Mooncake config file as is, plus this class's extra fields."""
         file = Path(path)
         try:
             text = file.read_text(encoding="utf-8")
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"config: cannot read {file}: {exc}") from exc
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except RecursionError:
+            raise ValueError(f"config: {file} nests JSON arrays/objects too deeply to be a config file") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer literal beyond Python's digit limit
             raise ValueError(f"config: {file} is not valid JSON: {exc}") from exc
         try:
-            return cls.from_dict(data, **overrides)
+            return cls.from_dict(data, strict=strict, **overrides)
         except (TypeError, ValueError) as exc:
             # Keep the exception type (callers may tell them apart) but say which file was wrong.
             raise type(exc)(f"{file}: {exc}") from exc
 
     @classmethod
-    def from_env(cls, var: str = DEFAULT_CONFIG_ENV, **overrides: Any) -> StoreConfig:
+    def from_env(cls, var: str = DEFAULT_CONFIG_ENV, *, strict: bool = True, **overrides: Any) -> StoreConfig:
         """Load the JSON file named by environment variable ``var``; raise ``ValueError`` if it is unset."""
         path = os.environ.get(var)
         if not path:
             raise ValueError(f"config: environment variable {var} is not set (it should name a JSON file)")
-        return cls.from_json(path, **overrides)
+        return cls.from_json(path, strict=strict, **overrides)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, **overrides: Any) -> StoreConfig:
@@ -278,3 +324,18 @@ class StoreConfig:
         if os.environ.get(DEFAULT_CONFIG_ENV):
             return cls.from_env(DEFAULT_CONFIG_ENV, **overrides)
         return cls.from_dict({}, **overrides)
+
+    def replace(self, **changes: Any) -> StoreConfig:
+        """A copy with ``changes`` applied (same names and aliases as :meth:`from_dict`), validated again."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if "tenant" in changes and "tenant_id" not in changes:
+            fields.pop("tenant_id")
+        return StoreConfig.from_dict(fields, **changes)
+
+
+def _normalize_tenant(value: object) -> str:
+    # vLLM's rule: null or blank means "default"; surrounding spaces are dropped.
+    if value is None:
+        return _DEFAULT_TENANT
+    text = check_str("tenant_id", value).strip()
+    return text or _DEFAULT_TENANT

@@ -4,36 +4,70 @@ The master binary ships inside the Mooncake wheel. It is started on 127.0.0.1 wi
 P2P-handshake mode (no HTTP metadata server: that one binds 0.0.0.0 whatever it is told), and is always
 stopped again: on :meth:`EmbeddedMaster.close`, when the object is garbage-collected, at interpreter exit,
 and - through ``PR_SET_PDEATHSIG`` - when the process that started it dies, even by SIGKILL or a segfault.
+Start, stop and close are serialized per master; readiness means our child answers ``/health`` and owns
+both of its listening ports. Nothing here touches the process environment. See ``docs/configuration.md``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import http.client
+import math
 import os
-import queue
-import signal
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Final
+from typing import Final
 
-__all__ = ["EmbeddedMaster", "MasterError", "find_master_binary", "free_ports", "process_is_running"]
+from mooncake_kvaddr.driver.process import (
+    LOOPBACK,
+    STDERR_TAIL_BYTES,
+    ChildProcess,
+    Spawner,
+    free_ports,
+    health_ok,
+    owns_listener,
+    pdeathsig_preexec,
+    process_is_running,
+)
 
-LOOPBACK: Final = "127.0.0.1"
-_PR_SET_PDEATHSIG: Final = 1
-# Mooncake shuts down in ~0.9 s on SIGTERM; beyond this we stop asking politely.
-_TERM_GRACE_S: Final = 10.0
-_KILL_WAIT_S: Final = 5.0
-_STDERR_TAIL_BYTES: Final = 4000
+__all__ = [
+    "MOONCAKE_VARIANTS",
+    "EmbeddedMaster",
+    "MasterError",
+    "find_master_binary",
+    "free_ports",
+    "mooncake_install_hint",
+    "pdeathsig_preexec",
+    "process_is_running",
+]
+
+#: The PyPI distributions that ship the ``mooncake`` package (one per hardware flavour; any one will do).
+MOONCAKE_VARIANTS: Final = (
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine-rocm",
+    "mooncake-transfer-engine-efa",
+    "mooncake-transfer-engine-efa-non-cuda",
+    "mooncake-transfer-engine-efa-cuda13",
+    "mooncake-transfer-engine-musa",
+    "mooncake-transfer-engine-npu",
+)
+
+
+def mooncake_install_hint() -> str:
+    """How to install Mooncake: the variants, which one fits a CPU-only machine, the system libraries."""
+    return (
+        "install the Mooncake wheel that matches your hardware, one of: "
+        + ", ".join(MOONCAKE_VARIANTS)
+        + " (CPU-only machines and CI: mooncake-transfer-engine-non-cuda; CUDA 12: mooncake-transfer-engine; "
+        "CUDA 13: mooncake-transfer-engine-cuda13). On Debian/Ubuntu it also needs: "
+        "apt-get install libibverbs1 libnuma1 libcurl4"
+    )
 
 
 class MasterError(RuntimeError):
@@ -54,168 +88,12 @@ def find_master_binary() -> Path:
         candidate = Path(location) / "mooncake_master"
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
+    if spec is None:
+        raise MasterError(f"mooncake_master not found: Mooncake is not installed; {mooncake_install_hint()}")
     raise MasterError(
-        "mooncake_master not found: the Mooncake wheel is not installed (pip install 'mooncake_kvaddr[mooncake]')"
+        f"mooncake_master not found in the installed Mooncake package ({', '.join(locations) or '?'}): "
+        "this variant ships no master binary; start a master yourself and set master_server_address"
     )
-
-
-def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` distinct TCP ports that were free on ``host`` a moment ago (callers must tolerate a race).
-
-    All sockets stay bound until every port is read, so the kernel cannot hand out one port twice.
-    """
-    with contextlib.ExitStack() as stack:
-        ports: list[int] = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
-            ports.append(sock.getsockname()[1])
-        return ports
-
-
-def process_is_running(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie.
-
-    A master orphaned by its parent's death is re-parented to PID 1, which in a container may never reap
-    it; a zombie has exited all the same, so ``/proc/<pid>/stat`` is consulted, not just ``kill(pid, 0)``.
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    except OSError:
-        # No procfs (not Linux): fall back to the signal probe.
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    # Field 3 follows the parenthesised command name, which may itself contain spaces or parentheses.
-    state = stat[stat.rfind(")") + 2 :].split(" ", 1)[0]
-    return state not in ("Z", "X")
-
-
-# --------------------------------------------------------------------------------------------- spawning
-
-
-def pdeathsig_preexec() -> Callable[[], None]:
-    """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies.
-
-    Everything is looked up here, in the parent, so the forked child only makes two system calls.
-    """
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    prctl = libc.prctl
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        # If the parent died between fork and prctl the signal will never come: leave now.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
-
-
-class _Spawner:
-    """Forks children from one thread that lives as long as the process.
-
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the process. A master
-    started from a short-lived worker thread would be killed when that thread ends, so children are forked
-    either from the main thread or from this daemon thread, both of which end only with the process.
-    """
-
-    _lock = threading.Lock()
-    _requests: queue.SimpleQueue[tuple[Callable[[], subprocess.Popen[bytes]], queue.SimpleQueue[object]]] = (
-        queue.SimpleQueue()
-    )
-    _thread: threading.Thread | None = None
-
-    @classmethod
-    def spawn(cls, make: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
-        if threading.current_thread() is threading.main_thread():
-            return make()
-        with cls._lock:
-            if cls._thread is None or not cls._thread.is_alive():
-                cls._thread = threading.Thread(target=cls._serve, name="mooncake-master-spawner", daemon=True)
-                cls._thread.start()
-        reply: queue.SimpleQueue[object] = queue.SimpleQueue()
-        cls._requests.put((make, reply))
-        # Popen itself returns within milliseconds; a generous bound only guards against a dead spawner.
-        result = reply.get(timeout=60.0)
-        if isinstance(result, BaseException):
-            raise result
-        assert isinstance(result, subprocess.Popen)
-        return result
-
-    @classmethod
-    def _serve(cls) -> None:
-        while True:
-            make, reply = cls._requests.get()
-            try:
-                reply.put(make())
-            except BaseException as exc:  # handed back to the requesting thread, which re-raises it
-                reply.put(exc)
-
-
-# --------------------------------------------------------------------------------------------- process
-
-
-class _Process:
-    """The state a finalizer needs to stop the master, kept apart from :class:`EmbeddedMaster`.
-
-    ``weakref.finalize`` must not reference the owner, so everything needed to stop the child lives here.
-    """
-
-    def __init__(self) -> None:
-        self.popen: subprocess.Popen[bytes] | None = None
-        self.stderr: IO[bytes] | None = None
-        self.lock = threading.RLock()
-
-    def stderr_tail(self, limit: int = _STDERR_TAIL_BYTES) -> str:
-        with self.lock:
-            if self.stderr is None:
-                return ""
-            try:
-                self.stderr.flush()
-                size = self.stderr.seek(0, os.SEEK_END)
-                self.stderr.seek(max(0, size - limit))
-                data = self.stderr.read()
-            except (OSError, ValueError):
-                return ""
-        return data.decode("utf-8", "replace").strip()
-
-    def stop(self, *, kill: bool = False, grace_s: float = _TERM_GRACE_S) -> int | None:
-        """Terminate (or kill) the child and reap it; returns its exit code (None if there was none)."""
-        with self.lock:
-            popen = self.popen
-            if popen is None:
-                return None
-            if popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    if kill:
-                        popen.kill()
-                    else:
-                        popen.terminate()
-                try:
-                    popen.wait(timeout=_KILL_WAIT_S if kill else grace_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        popen.kill()
-                    popen.wait(timeout=_KILL_WAIT_S)
-            return popen.returncode
-
-    def release(self) -> None:
-        """Stop the child and close its log file; safe to call any number of times."""
-        with self.lock:
-            self.stop()
-            self.popen = None
-            if self.stderr is not None:
-                self.stderr.close()
-                self.stderr = None
 
 
 class EmbeddedMaster:
@@ -242,22 +120,35 @@ class EmbeddedMaster:
         log_level: int = 1,
         port_attempts: int = 3,
     ) -> None:
-        """Configure (nothing starts until :meth:`start` or ``with``).
+        """Configure (nothing starts until :meth:`start` or ``with``); every argument is checked here.
 
         Args:
-            rpc_port, metrics_port: fixed ports; ``None`` picks free ones on each start attempt.
+            rpc_port, metrics_port: fixed ports (1..65535, different from each other); ``None`` picks free
+                ones on each start attempt.
             extra_args: extra ``-flag=value`` arguments for the master.
-            start_timeout_s: bound on the wait for ``GET /health`` == 200.
+            start_timeout_s: bound on the wait for readiness.
             binary: master executable (default: the one in the Mooncake wheel).
-            log_level: glog ``-minloglevel`` (0 INFO, 1 WARNING, 2 ERROR); the log is kept for error messages.
+            log_level: glog ``-minloglevel`` (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL); the log goes to a private
+                temporary file, kept for error messages, never to this process's output.
             port_attempts: how many times to retry with new ports when auto-picked ports were taken.
         """
-        if isinstance(extra_args, str):
+        if isinstance(extra_args, str) or not isinstance(extra_args, Sequence):
             raise TypeError("extra_args: expected a sequence of strings, not one string")
-        if start_timeout_s <= 0:
+        for arg in extra_args:
+            if not isinstance(arg, str):
+                raise TypeError(f"extra_args: expected strings, got {type(arg).__name__}")
+        _check_port("rpc_port", rpc_port)
+        _check_port("metrics_port", metrics_port)
+        if rpc_port is not None and rpc_port == metrics_port:
+            raise ValueError(f"rpc_port and metrics_port must differ, both are {rpc_port}")
+        if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, (int, float)):
+            raise TypeError(f"start_timeout_s: expected seconds, got {type(start_timeout_s).__name__}")
+        if not math.isfinite(start_timeout_s) or start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
-        if port_attempts < 1:
-            raise ValueError(f"port_attempts: must be >= 1, got {port_attempts}")
+        if isinstance(log_level, bool) or not isinstance(log_level, int) or not 0 <= log_level <= 3:
+            raise ValueError(f"log_level: must be 0..3 (glog INFO..FATAL), got {log_level!r}")
+        if isinstance(port_attempts, bool) or not isinstance(port_attempts, int) or port_attempts < 1:
+            raise ValueError(f"port_attempts: must be >= 1, got {port_attempts!r}")
         self._binary = Path(binary) if binary is not None else None
         self._auto_rpc_port = rpc_port is None
         self._auto_metrics_port = metrics_port is None
@@ -266,9 +157,13 @@ class EmbeddedMaster:
         self._metrics_port = metrics_port
         self._extra_args = tuple(extra_args)
         self._start_timeout_s = float(start_timeout_s)
-        self._log_level = int(log_level)
+        self._log_level = log_level
         self._port_attempts = port_attempts
-        self._proc = _Process()
+        self._proc = ChildProcess()
+        # One lifecycle operation at a time: two threads starting one master must not spawn two, and a
+        # close() that races a start() waits for it and then stops what it started.
+        self._lifecycle = threading.RLock()
+        self._closed = False
         # Runs at garbage collection and (atexit=True by default) at interpreter exit.
         self._finalizer = weakref.finalize(self, self._proc.release)
 
@@ -316,7 +211,7 @@ class EmbeddedMaster:
         popen = self._proc.popen
         return None if popen is None else popen.poll()
 
-    def stderr_tail(self, limit: int = _STDERR_TAIL_BYTES) -> str:
+    def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
         """The last ``limit`` bytes the master logged (WARNING and above by default)."""
         return self._proc.stderr_tail(limit)
 
@@ -326,55 +221,67 @@ class EmbeddedMaster:
         """Start the master and wait until it is ready; returns ``self``. No-op if already running.
 
         Ports not given to the constructor are picked on the first start and kept afterwards, so a
-        stopped master comes back at the address its clients know.
+        stopped master comes back at the address its clients know. Thread-safe: concurrent calls start
+        one process.
         """
-        if not self._finalizer.alive:
-            raise MasterError("this EmbeddedMaster was closed; create a new one")
-        if self.alive:
-            return self
-        binary = self._binary or find_master_binary()
-        pick_ports = not self._ports_chosen and (self._auto_rpc_port or self._auto_metrics_port)
-        attempts = self._port_attempts if pick_ports else 1
-        for attempt in range(1, attempts + 1):
-            if pick_ports:
-                rpc, metrics = free_ports(2)
-                self._rpc_port = rpc if self._auto_rpc_port else self._rpc_port
-                self._metrics_port = metrics if self._auto_metrics_port else self._metrics_port
-            try:
-                self._launch(binary)
-            except _EarlyExit as exc:
-                # The usual reason is a port taken between free_ports() and the master's bind: retry.
-                if attempt == attempts:
-                    raise MasterError(str(exc)) from None
-                continue
-            self._ports_chosen = True
-            return self
-        raise AssertionError("unreachable")
+        with self._lifecycle:
+            if self._closed or not self._finalizer.alive:
+                raise MasterError("this EmbeddedMaster was closed; create a new one")
+            if self.alive:
+                return self
+            binary = self._binary or find_master_binary()
+            pick_ports = not self._ports_chosen and (self._auto_rpc_port or self._auto_metrics_port)
+            attempts = self._port_attempts if pick_ports else 1
+            for attempt in range(1, attempts + 1):
+                if pick_ports:
+                    self._pick_ports()
+                try:
+                    self._launch(binary)
+                except _EarlyExit as exc:
+                    # The usual reason is a port taken between free_ports() and the master's bind: retry.
+                    if attempt == attempts:
+                        raise MasterError(str(exc)) from None
+                    continue
+                self._ports_chosen = True
+                return self
+            raise AssertionError("unreachable")
 
     def restart(self) -> EmbeddedMaster:
         """Stop the master (SIGTERM) and start a new one on the **same ports**; old objects are lost."""
-        self._proc.stop()
-        deadline = time.monotonic() + self._start_timeout_s
-        while True:
-            try:
-                return self.start()
-            except MasterError:
-                # The old sockets may linger for a moment after the previous process exited.
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
+        with self._lifecycle:
+            self._proc.stop()
+            deadline = time.monotonic() + self._start_timeout_s
+            while True:
+                try:
+                    return self.start()
+                except MasterError:
+                    # The old sockets may linger for a moment after the previous process exited.
+                    if self._closed or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
 
     def kill(self) -> None:
         """SIGKILL the master (simulates a crash; used by reliability tests). Safe if not running."""
-        self._proc.stop(kill=True)
+        with self._lifecycle:
+            self._proc.stop(kill=True)
 
     def stop(self) -> None:
         """SIGTERM the master, SIGKILL after a bounded grace period; it can be started again."""
-        self._proc.stop()
+        with self._lifecycle:
+            self._proc.stop()
 
-    def close(self) -> None:
-        """Stop the master for good and release its log file. Idempotent."""
-        self._finalizer()
+    def close(self, *, kill: bool = False) -> None:
+        """Stop the master for good and release its log file. Idempotent; waits for a concurrent start().
+
+        ``kill=True`` skips the graceful shutdown (SIGTERM takes the master ~0.9 s): for owners that know
+        nothing needs it any more, e.g. a store whose client is already closed. The master keeps its
+        objects in memory only, so they are lost either way.
+        """
+        with self._lifecycle:
+            self._closed = True
+            if kill:
+                self._proc.stop(kill=True)
+            self._finalizer()
 
     def __enter__(self) -> EmbeddedMaster:
         return self.start()
@@ -390,6 +297,17 @@ class EmbeddedMaster:
         return f"EmbeddedMaster({ports}, {state})"
 
     # ------------------------------------------------------------------ internals
+
+    def _pick_ports(self) -> None:
+        rpc, metrics = free_ports(2)
+        if not self._auto_rpc_port:
+            # One port fixed: the free one must not be it (the kernel may hand out a fixed port that is free).
+            rpc = self.rpc_port
+            metrics = metrics if metrics != rpc else next(p for p in free_ports(3) if p != rpc)
+        elif not self._auto_metrics_port:
+            metrics = self.metrics_port
+            rpc = rpc if rpc != metrics else next(p for p in free_ports(3) if p != metrics)
+        self._rpc_port, self._metrics_port = rpc, metrics
 
     def _command(self, binary: Path) -> list[str]:
         return [
@@ -428,7 +346,7 @@ class EmbeddedMaster:
                     preexec_fn=preexec,
                 )
 
-            self._proc.popen = _Spawner.spawn(make)
+            self._proc.popen = Spawner.spawn(make)
         try:
             self._wait_ready()
         except BaseException:
@@ -448,8 +366,13 @@ class EmbeddedMaster:
                     f"log tail:\n{self.stderr_tail() or '<empty>'}"
                 )
             # /health answers before the RPC server binds: a master that lost its RPC port to someone
-            # else reports healthy and exits a moment later. Ready = healthy AND it owns the RPC port.
-            if _health_ok(self.metrics_port) and _owns_listener(popen.pid, self.rpc_port):
+            # else reports healthy and exits a moment later, and a /health answer may come from another
+            # process holding the metrics port. Ready = healthy AND our child owns both listening ports.
+            if (
+                health_ok(self.metrics_port)
+                and owns_listener(popen.pid, self.rpc_port)
+                and owns_listener(popen.pid, self.metrics_port)
+            ):
                 return
             if time.monotonic() >= deadline:
                 raise MasterError(
@@ -461,52 +384,15 @@ class EmbeddedMaster:
             delay = min(delay * 2, 0.1)
 
 
+def _check_port(name: str, port: object) -> None:
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"{name}: expected an int port or None, got {type(port).__name__}")
+    if not 1 <= port <= 65535:
+        # 0 would mean "the master's default port" to mooncake_master, not "any free port".
+        raise ValueError(f"{name}: must be 1..65535 (None picks a free one), got {port}")
+
+
 class _EarlyExit(MasterError):
     """The master exited before becoming ready (typically a port race); start() may retry."""
-
-
-def _health_ok(port: int) -> bool:
-    # http.client, not urllib: urllib honours http_proxy variables, which must never see loopback probes.
-    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=0.5)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-def _owns_listener(pid: int, port: int) -> bool:
-    """True if process ``pid`` holds a listening TCP socket on ``port`` (a connect() cannot tell: the
-    port may belong to another process). Without procfs, falls back to a connect() probe."""
-    try:
-        inodes = _listening_inodes(pid, port)
-        if not inodes:
-            return False
-        fd_dir = Path(f"/proc/{pid}/fd")
-        for fd in fd_dir.iterdir():
-            with contextlib.suppress(OSError):
-                if os.readlink(fd) in inodes:
-                    return True
-        return False
-    except OSError:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.settimeout(0.5)
-            return sock.connect_ex((LOOPBACK, port)) == 0
-
-
-def _listening_inodes(pid: int, port: int) -> set[str]:
-    """``socket:[inode]`` names of the LISTEN sockets on ``port`` in ``pid``'s network namespace."""
-    found: set[str] = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            fields = line.split()
-            # fields: sl, local "ADDR:PORT" (hex), remote, state (0A = LISTEN), ..., inode at index 9
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                found.add(f"socket:[{fields[9]}]")
-    return found

@@ -10,30 +10,53 @@ Python exception or a non-event:
 * arguments are validated before Mooncake sees them;
 * batches are split by a region budget, results re-concatenated in key order; once the master is found
   unreachable the remaining sub-batches are not attempted (each would block ~4 s to learn the same);
-* per-key result codes become :class:`Outcome` values inside a :class:`BatchResult`.
+* per-key result codes become :class:`Outcome` values inside a :class:`BatchResult` (defined in
+  :mod:`mooncake_kvaddr.driver.outcomes`, re-exported here).
+
+The module is longer than most because each binding call Mooncake offers needs its own guarded wrapper
+(admission, validation, splitting); setup and close are described in ``docs/configuration.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import importlib
+import importlib.util
 import logging
 import os
+import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from types import ModuleType, TracebackType
 from typing import Any, Final
 
 import numpy as np
 
 from mooncake_kvaddr.driver.config import StoreConfig
-from mooncake_kvaddr.driver.master import EmbeddedMaster
+from mooncake_kvaddr.driver.master import EmbeddedMaster, mooncake_install_hint
+from mooncake_kvaddr.driver.outcomes import (
+    CODE_HAS_LEASE,
+    CODE_INVALID_PARAMS,
+    CODE_MASTER_UNREACHABLE,
+    CODE_NO_SPACE,
+    CODE_NOT_FOUND,
+    CODE_TRANSFER_FAILED,
+    BatchResult,
+    Health,
+    Outcome,
+    _Op,
+)
 
 __all__ = [
+    "CODE_HAS_LEASE",
+    "CODE_INVALID_PARAMS",
+    "CODE_MASTER_UNREACHABLE",
+    "CODE_NOT_FOUND",
+    "CODE_NO_SPACE",
+    "CODE_TRANSFER_FAILED",
     "BatchResult",
     "Health",
     "MooncakeStore",
@@ -46,17 +69,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Mooncake ErrorCode values that callers act on (MOONCAKE.md section 1.4).
-CODE_NO_SPACE: Final = -200
-CODE_INVALID_PARAMS: Final = -600
-CODE_NOT_FOUND: Final = -704
-CODE_HAS_LEASE: Final = -706
-CODE_TRANSFER_FAILED: Final = -800
-CODE_MASTER_UNREACHABLE: Final = -900
-
-# Retries of the client's port binding at setup. With the embedded master known to be ready, a failure is
-# a port clash and a few retries suffice; Mooncake's default (20 x ~4.4 s) would hide a dead master for 90 s.
+# Setup attempts with the embedded master (known to be ready): a failure is a local port clash, and a few
+# attempts suffice; Mooncake's default (20 x ~4.4 s) would hide a dead master for 90 s.
 _EMBEDDED_SETUP_RETRIES: Final = 3
+# Where Mooncake picks its client port when it picks one itself (read, never written, by this package).
+_CLIENT_PORT_RANGE_ENV: Final = ("MC_STORE_CLIENT_MIN_PORT", "MC_STORE_CLIENT_MAX_PORT")
+_CLIENT_PORT_RANGE: Final = (12300, 14300)
+_PAUSE_BETWEEN_ATTEMPTS_S: Final = 0.1
 
 
 class StoreError(RuntimeError):
@@ -75,137 +94,6 @@ class StoreSetupError(StoreError):
     """``setup()`` failed: no master reachable, client port clash, bad configuration."""
 
 
-class Outcome(enum.Enum):
-    """What happened to one key of a batch call."""
-
-    OK = "ok"
-    NOT_FOUND = "not_found"  # -704; also ``0`` from batch_is_exist
-    NO_SPACE = "no_space"  # -200: the pool is full (back-pressure; eviction frees space later)
-    TRANSFER_FAILED = "transfer_failed"  # -800: bad pointer/size split, TCP queue overflow, 60 s timeout
-    INVALID_PARAMS = "invalid_params"  # -600: buffer too small, empty key, zero-byte object
-    MASTER_UNREACHABLE = "master_unreachable"  # -900: RPC to the master failed
-    HAS_LEASE = "has_lease"  # -706: remove refused, the object is leased by a recent read
-    OTHER = "other"  # any other code; the raw value is in BatchResult.codes
-
-    @classmethod
-    def from_error(cls, code: int) -> Outcome:
-        """Outcome of a negative Mooncake ``ErrorCode`` (non-negative codes are op-specific)."""
-        return _ERROR_OUTCOMES.get(code, cls.OTHER)
-
-
-_ERROR_OUTCOMES: Final = {
-    CODE_NO_SPACE: Outcome.NO_SPACE,
-    CODE_INVALID_PARAMS: Outcome.INVALID_PARAMS,
-    CODE_NOT_FOUND: Outcome.NOT_FOUND,
-    CODE_HAS_LEASE: Outcome.HAS_LEASE,
-    CODE_TRANSFER_FAILED: Outcome.TRANSFER_FAILED,
-    CODE_MASTER_UNREACHABLE: Outcome.MASTER_UNREACHABLE,
-}
-
-
-class _Op(enum.Enum):
-    """How non-negative codes read: put/remove return 0, get returns bytes, exist returns 1/0."""
-
-    PUT = "put"
-    GET = "get"
-    EXIST = "exist"
-    REMOVE = "remove"
-
-
-def _outcome(op: _Op, code: int) -> Outcome:
-    if code < 0:
-        return Outcome.from_error(code)
-    if op is _Op.GET:
-        return Outcome.OK  # bytes read
-    if op is _Op.EXIST:
-        return Outcome.OK if code == 1 else Outcome.NOT_FOUND
-    return Outcome.OK if code == 0 else Outcome.OTHER
-
-
-def _all_succeeded(op: _Op, codes: Sequence[int]) -> bool:
-    """Whether every (non-empty) code is a success for ``op``, in two C-level passes."""
-    if op is _Op.GET:
-        return min(codes) > 0
-    if op is _Op.EXIST:
-        return min(codes) == max(codes) == 1
-    return min(codes) == max(codes) == 0
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    """Per-key results of one batch call, in key order.
-
-    ``codes`` are Mooncake's raw values (put/remove: 0; get: bytes read; exist: 1/0; failures: negative
-    ``ErrorCode``); ``outcomes`` are the same, classified.
-    """
-
-    codes: tuple[int, ...]
-    outcomes: tuple[Outcome, ...]
-
-    @classmethod
-    def _build(cls, op: _Op, codes: Sequence[int]) -> BatchResult:
-        values = tuple(codes)
-        if values and _all_succeeded(op, values):
-            # The common case without a Python call per key (~0.2 us each, 0.5 ms per 2,258 keys, GIL held).
-            return cls(values, (Outcome.OK,) * len(values))
-        return cls(values, tuple(_outcome(op, c) for c in values))
-
-    def __len__(self) -> int:
-        return len(self.codes)
-
-    def __iter__(self) -> Iterator[Outcome]:
-        return iter(self.outcomes)
-
-    def __getitem__(self, index: int) -> Outcome:
-        return self.outcomes[index]
-
-    @property
-    def ok(self) -> bool:
-        """True if every key succeeded (exist: every key is present). True for an empty batch."""
-        return self.outcomes.count(Outcome.OK) == len(self.outcomes)  # a C-level scan, no call per key
-
-    @property
-    def present(self) -> list[bool]:
-        """Per key: succeeded (for ``batch_is_exist``: the object exists)."""
-        return [o is Outcome.OK for o in self.outcomes]
-
-    @property
-    def failed(self) -> list[int]:
-        """Indices of the keys that did not succeed (for exist: that are absent or errored)."""
-        return [i for i, o in enumerate(self.outcomes) if o is not Outcome.OK]
-
-    @property
-    def back_pressure(self) -> bool:
-        """True if any key hit ``NO_SPACE``: the pool is full, callers should pause storing."""
-        return Outcome.NO_SPACE in self.outcomes
-
-    @property
-    def bytes_transferred(self) -> int:
-        """For gets: total bytes read by the successful keys."""
-        return sum(c for c, o in zip(self.codes, self.outcomes, strict=True) if o is Outcome.OK and c > 0)
-
-    def count(self, outcome: Outcome) -> int:
-        """How many keys ended with ``outcome``."""
-        return self.outcomes.count(outcome)
-
-    def summary(self) -> dict[str, int]:
-        """``{outcome value: count}`` for the outcomes that occurred (for logs)."""
-        if self.ok:
-            return {Outcome.OK.value: len(self.outcomes)} if self.outcomes else {}
-        counts: dict[str, int] = {}
-        for o in self.outcomes:
-            counts[o.value] = counts.get(o.value, 0) + 1
-        return counts
-
-
-class Health(enum.IntEnum):
-    """Mooncake's ``health_check()`` codes."""
-
-    OK = 0
-    NOT_READY = 1  # not set up, or closed
-    MASTER_UNREACHABLE = 2
-
-
 class _State(enum.Enum):
     NEW = "new"
     READY = "ready"
@@ -214,42 +102,23 @@ class _State(enum.Enum):
 
 
 def load_mooncake() -> ModuleType:
-    """Import ``mooncake.store`` (lazily: the extra is optional) with quiet client logs.
+    """Import ``mooncake.store`` (lazily: Mooncake is an optional, detected dependency).
 
-    ``MC_LOG_LEVEL`` is read when the module loads, so it is defaulted to WARNING here, before the import;
-    a value the user set is kept.
+    Nothing process-wide is changed: Mooncake's client logs follow the environment (``MC_LOG_LEVEL``) the
+    application set, or Mooncake's defaults. Raises ``ImportError`` naming the Mooncake variants when no
+    ``mooncake`` package is installed, or saying why an installed one failed to load.
     """
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         return importlib.import_module("mooncake.store")
     except ImportError as exc:
+        if importlib.util.find_spec("mooncake") is None:
+            raise ImportError(f"mooncake_kvaddr's store driver needs Mooncake, which is not installed: "
+                              f"{mooncake_install_hint()}") from exc
         raise ImportError(
-            "mooncake_kvaddr.MooncakeStore needs the Mooncake wheel: pip install 'mooncake_kvaddr[mooncake]' "
-            "(on Debian it also needs: apt-get install libibverbs1 libnuma1 libcurl4). "
-            f"Import of mooncake.store failed: {exc}"
+            f"the installed Mooncake package failed to load mooncake.store ({exc}). A CUDA build on a machine "
+            f"without CUDA fails like this (use mooncake-transfer-engine-non-cuda there); otherwise "
+            f"{mooncake_install_hint()}"
         ) from exc
-
-
-# Environment variables are process-wide; setups that temporarily change one must not interleave.
-_ENV_LOCK: Final = threading.Lock()
-
-
-@contextlib.contextmanager
-def _env_override(name: str, value: str | None) -> Iterator[None]:
-    """Set ``name`` to ``value`` for the duration (``None``: leave the environment alone)."""
-    if value is None:
-        yield
-        return
-    with _ENV_LOCK:
-        previous = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = previous
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -329,8 +198,9 @@ def _plan(counts: Sequence[int], budget: int) -> list[tuple[int, int]]:
 class MooncakeStore:
     """A Mooncake store client that cannot crash the process through misuse.
 
-    ``MooncakeStore(config)`` only records the configuration; :meth:`setup` (or ``with``) starts the
-    embedded master if ``config.master_server_address is None`` and connects. Every method raises
+    ``MooncakeStore(config)`` checks and records the configuration (it must say where the master is:
+    ``master_server_address``, or ``embedded_master=True``); :meth:`setup` (or ``with``) starts the
+    embedded master if asked for and connects. Every method raises
     :class:`StoreClosedError` instead of reaching Mooncake before setup or after close. Batch methods
     return a :class:`BatchResult` (per-key outcomes) and raise only for invalid arguments.
 
@@ -344,7 +214,13 @@ class MooncakeStore:
         if config is None:
             config = StoreConfig.load(**overrides)
         elif overrides:
-            config = StoreConfig.from_dict({**_fields(config), **overrides})
+            config = config.replace(**overrides)
+        if not config.has_master:
+            raise ValueError(
+                "MooncakeStore: no master configured: set master_server_address='host:port' (a running "
+                "mooncake_master; in a config file, the same key vLLM reads), or embedded_master=True to start "
+                "a private master on 127.0.0.1 for tests and demos (docs/configuration.md)"
+            )
         self._config = config
         self._cond = threading.Condition(threading.Lock())
         self._lifecycle = threading.Lock()  # serialises setup() and close()
@@ -413,7 +289,7 @@ class MooncakeStore:
                 client = self._connect(module, address, master)
             except BaseException:
                 if master is not None:
-                    master.close()
+                    master.close(kill=True)
                 raise
             with self._cond:
                 self._client = client
@@ -426,31 +302,54 @@ class MooncakeStore:
         retries = config.setup_retries
         if retries is None and master is not None:
             retries = _EMBEDDED_SETUP_RETRIES
-        client = module.MooncakeDistributedStore()
-        with _env_override("MC_STORE_CLIENT_SETUP_RETRIES", None if retries is None else str(retries)):
-            rc = client.setup(
-                config.local_hostname,
-                config.metadata_server,
-                config.global_segment_size,
-                config.local_buffer_size,
-                config.protocol,
-                config.device_name,
-                address,
-                tenant_id=config.tenant,
-            )
-        if rc == 0:
-            return client
-        # A failed setup may leave a half-built client behind; close() on it is safe and frees it.
-        client.close()
+        if retries is None:
+            # Mooncake's own policy: it picks the client port and retries as its environment says.
+            hosts = [config.local_hostname]
+        elif _has_port(config.local_hostname):
+            hosts = [config.local_hostname]  # a pinned port does not get free by retrying
+        else:
+            # Our own attempts, each on a port picked here, so the retry count is this call's alone (the
+            # process environment, shared by every thread, is never written).
+            hosts = [f"{config.local_hostname}:{port}" for port in _client_ports(retries)]
+        rc = -1
+        for attempt, host in enumerate(hosts):
+            if attempt:
+                time.sleep(_PAUSE_BETWEEN_ATTEMPTS_S)
+            client = module.MooncakeDistributedStore()
+            rc = self._setup_once(client, host, address)
+            if rc == 0:
+                return client
+            # A failed setup may leave a half-built client behind; close() on it is safe and frees it.
+            client.close()
+            logger.debug("Mooncake setup attempt %d/%d as %s failed with code %s", attempt + 1, len(hosts), host, rc)
+            if master is not None and not master.alive:
+                break
         detail = ""
         if master is not None:
             detail = f"; embedded master alive={master.alive}, log tail:\n{master.stderr_tail() or '<empty>'}"
         raise StoreSetupError(
-            f"Mooncake client setup failed with code {rc} (master {address}, protocol {config.protocol}, "
-            f"local_hostname {config.local_hostname!r}, metadata {config.metadata_server!r}): is the master "
-            f"running and reachable? Mooncake's log above has details{detail}",
+            f"Mooncake client setup failed with code {rc} after {len(hosts)} attempt(s) (master {address}, "
+            f"protocol {config.protocol}, local_hostname {config.local_hostname!r}, metadata "
+            f"{config.metadata_server!r}): is the master running and reachable? Mooncake's log has details{detail}",
             code=rc,
         )
+
+    def _setup_once(self, client: Any, host: str, address: str) -> int:
+        config = self._config
+        extra: dict[str, str] = {}
+        if config.tenant_id != "default":
+            extra["tenant_id"] = config.tenant_id  # older wheels lack the keyword; pass it only when needed
+        rc: int = client.setup(
+            host,
+            config.metadata_server,
+            config.global_segment_size,
+            config.local_buffer_size,
+            config.protocol,
+            config.device_name,
+            address,
+            **extra,
+        )
+        return rc
 
     def close(self) -> None:
         """Wait (up to ``config.close_timeout_s``) for calls in flight, close the client, stop the master.
@@ -482,7 +381,9 @@ class MooncakeStore:
                 with self._cond:
                     self._state = _State.CLOSED
                 if master is not None:
-                    master.close()
+                    # The client is gone and the master keeps objects in memory only: no need to wait
+                    # ~0.9 s for its graceful shutdown (docs/configuration.md, "Close time").
+                    master.close(kill=True)
         finally:
             self._lifecycle.release()
 
@@ -759,5 +660,38 @@ def _check_address(name: str, value: object) -> None:
         raise ValueError(f"{name}: must be >= 0, got {value}")
 
 
-def _fields(config: StoreConfig) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+def _has_port(hostname: str) -> bool:
+    """Whether ``local_hostname`` pins a port (``host:port`` or ``[v6]:port``), as Mooncake reads it."""
+    return hostname.rsplit("]", 1)[-1].count(":") == 1
+
+
+def _client_ports(count: int) -> list[int]:
+    """``count`` distinct ports, free a moment ago on every interface, from Mooncake's client port range.
+
+    The range is Mooncake's own (``MC_STORE_CLIENT_MIN_PORT``/``MAX_PORT`` if set, read only), so firewall
+    rules written for Mooncake keep working. Falls back to kernel-chosen ports if the range is exhausted.
+    """
+    low, high = _CLIENT_PORT_RANGE
+    with contextlib.suppress(ValueError):
+        low = int(os.environ.get(_CLIENT_PORT_RANGE_ENV[0], low))
+        high = int(os.environ.get(_CLIENT_PORT_RANGE_ENV[1], high))
+    if not 1 <= low <= high <= 65535:
+        low, high = _CLIENT_PORT_RANGE
+    candidates = random.sample(range(low, high + 1), min(high - low + 1, 8 * count))
+    ports: list[int] = []
+    for port in candidates:
+        if len(ports) == count:
+            break
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))  # the transfer engine listens on every interface
+            except OSError:
+                continue
+        ports.append(port)
+    while len(ports) < count:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("0.0.0.0", 0))
+            port = sock.getsockname()[1]
+        if port not in ports:
+            ports.append(port)
+    return ports
