@@ -4,6 +4,7 @@
 #include "bindings/common.hpp"
 
 namespace kvaddr::py_bindings { void register_layout(py::module_& m); }  // register_layout.cpp
+namespace kvaddr::py_bindings { void register_rows(py::module_& m); }  // register_rows.cpp
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "Native kernels of mooncake_kvaddr (address matrix, keys, lookup). Use the mooncake_kvaddr "
@@ -13,4 +14,5 @@ PYBIND11_MODULE(_native, m) {
     kvaddr::py_bindings::register_keys(m);
     kvaddr::py_bindings::register_staging(m);
     kvaddr::py_bindings::register_layout(m);
+    kvaddr::py_bindings::register_rows(m);
 }
