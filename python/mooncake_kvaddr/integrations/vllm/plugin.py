@@ -244,6 +244,19 @@ def _compare(name: str, reference: Callable[[], Any], ours: Callable[[], Any]) -
     raise AssertionError(f"{name}: vLLM gives {expected!r}, mooncake_kvaddr gives {actual!r}")
 
 
+def _reference(cls: type, name: str) -> Callable[..., Any]:
+    """vLLM's own ``cls.name``: the original when we replaced it on ``cls`` or a base class."""
+    for klass in cls.__mro__:
+        original = _ORIGINALS.get((klass, name))
+        if original is not None and original is not _INHERITED:
+            func: Callable[..., Any] = original
+            return func
+        if original is None and name in klass.__dict__:
+            func = klass.__dict__[name]
+            return func
+    raise AttributeError(f"{cls.__name__}.{name}")
+
+
 def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
     """Compare our replacement methods with ``data``'s own (vLLM's module) on small generated cases.
 
@@ -252,6 +265,10 @@ def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
     """
     rng = random.Random(seed)
     metadata = data.KeyMetadata("self-check/model", 1, 0, 0, 0)
+    reference = {
+        f"{cls_name}.{method}": _reference(getattr(data, cls_name), method)
+        for cls_name, method in _EXPECTED_PARAMS
+    }
     for case in range(cases):
         hash_block_size = rng.choice([16, 32, 64])
         block_size = hash_block_size * rng.choice([1, 2, 4])
@@ -274,19 +291,19 @@ def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
         ):
             _compare(
                 name,
-                lambda args=args: _ORIGINAL_FUNCS["RankLocalStoreLayout.prepare_values"](layout, *args),
+                lambda args=args: reference["RankLocalStoreLayout.prepare_values"](layout, *args),
                 lambda args=args: _rank_local_prepare_values(layout, *args),
             )
         block_id = rng.randrange(0, 5000)
         _compare(
             "RankLocalStoreLayout.prepare_value_for_block",
-            lambda: _ORIGINAL_FUNCS["RankLocalStoreLayout.prepare_value_for_block"](layout, block_id),
+            lambda: reference["RankLocalStoreLayout.prepare_value_for_block"](layout, block_id),
             lambda: _rank_local_prepare_value_for_block(layout, block_id),
         )
         chunk_hash = rng.randbytes(32)
         _compare(
             "RankLocalStoreLayout.key_for",
-            lambda: _ORIGINAL_FUNCS["RankLocalStoreLayout.key_for"](layout, 0, chunk_hash),
+            lambda: reference["RankLocalStoreLayout.key_for"](layout, 0, chunk_hash),
             lambda: _rank_local_key_for(layout, 0, chunk_hash),
         )
 
@@ -318,19 +335,27 @@ def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
         ):
             _compare(
                 name,
-                lambda args=args: _ORIGINAL_FUNCS["TPShardedStoreLayout.prepare_values"](sharded, *args),
+                lambda args=args: reference["TPShardedStoreLayout.prepare_values"](sharded, *args),
                 lambda args=args: _sharded_prepare_values(sharded, *args),
             )
         for shard in (owned[0], owned[-1] + 1):
             _compare(
                 "TPShardedStoreLayout.key_for",
-                lambda shard=shard: _ORIGINAL_FUNCS["TPShardedStoreLayout.key_for"](sharded, shard, chunk_hash),
+                lambda shard=shard: reference["TPShardedStoreLayout.key_for"](sharded, shard, chunk_hash),
                 lambda shard=shard: _sharded_key_for(sharded, shard, chunk_hash),
             )
 
 
 #: "Class.method" -> vLLM's function, filled by :func:`_check_shape` (the self-check calls these).
 _ORIGINAL_FUNCS: dict[str, Callable[..., Any]] = {}
+
+
+def _static(cls: type, name: str) -> Any:
+    """``cls.name`` found along the MRO without running descriptors (None when absent)."""
+    try:
+        return inspect.getattr_static(cls, name)
+    except AttributeError:
+        return None
 
 
 def _params(func: Any) -> tuple[str, ...]:
@@ -344,7 +369,7 @@ def _check_shape(data: ModuleType, worker: ModuleType | None) -> str:
         cls = getattr(data, cls_name, None)
         if not isinstance(cls, type):
             return f"{DATA_MODULE}.{cls_name} is missing"
-        func = cls.__dict__.get(method)
+        func = _static(cls, method)
         if not callable(func):
             return f"{cls_name}.{method} is missing"
         try:
@@ -353,7 +378,7 @@ def _check_shape(data: ModuleType, worker: ModuleType | None) -> str:
             return f"{cls_name}.{method} has no readable signature"
         if actual != params:
             return f"{cls_name}.{method} takes {actual}, expected {params}"
-        _ORIGINAL_FUNCS[f"{cls_name}.{method}"] = func
+        _ORIGINAL_FUNCS[f"{cls_name}.{method}"] = _reference(cls, method)
     for name in ("KeyMetadata", "LBHNCStoreLayout", "LBNHCStoreLayout"):
         if not isinstance(getattr(data, name, None), type):
             return f"{DATA_MODULE}.{name} is missing"
@@ -362,7 +387,7 @@ def _check_shape(data: ModuleType, worker: ModuleType | None) -> str:
         if not isinstance(cls, type):
             return f"{WORKER_MODULE}.MooncakeStoreWorker is missing"
         for method, params in _EXPECTED_WORKER_PARAMS.items():
-            func = cls.__dict__.get(method)
+            func = _static(cls, method)
             if not callable(func):
                 return f"MooncakeStoreWorker.{method} is missing"
             if _params(func)[: len(params)] != params:
@@ -425,8 +450,8 @@ def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any
 
 
 def _wrap_worker(worker_cls: type) -> None:
-    original_init = worker_cls.__dict__["__init__"]
-    original_register = worker_cls.__dict__["register_kv_caches"]
+    original_init = _static(worker_cls, "__init__")
+    original_register = _static(worker_cls, "register_kv_caches")
 
     def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, vllm_config, kv_cache_config, *args, **kwargs)
@@ -449,8 +474,11 @@ def _wrap_worker(worker_cls: type) -> None:
 # --- patching ---------------------------------------------------------------------------------------------------
 
 
+_INHERITED = object()  # marks an attribute the class inherited (unpatch deletes ours instead of restoring)
+
+
 def _replace(cls: type, name: str, value: Any) -> None:
-    _ORIGINALS.setdefault((cls, name), cls.__dict__[name])
+    _ORIGINALS.setdefault((cls, name), cls.__dict__.get(name, _INHERITED))
     setattr(cls, name, value)
 
 
@@ -517,7 +545,10 @@ def unpatch() -> None:
     global _REPORT
     with _STATE_LOCK:
         for (cls, name), original in _ORIGINALS.items():
-            setattr(cls, name, original)
+            if original is _INHERITED:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
         _ORIGINALS.clear()
         _REPORT = None
 
