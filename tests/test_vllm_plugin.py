@@ -318,7 +318,9 @@ class FakeMooncake:
             self.objects[key] = b"".join(ctypes.string_at(a, n) for a, n in zip(row, lens))
         return [0] * len(keys)
 
-    def batch_get_into_multi_buffers(self, keys: list[str], addrs: Any, sizes: Any, same_node: bool = False) -> list[int]:
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], addrs: Any, sizes: Any, same_node: bool = False
+    ) -> list[int]:
         self.calls.append("get_multi")
         out = []
         for key, row, lens in zip(keys, addrs, sizes):

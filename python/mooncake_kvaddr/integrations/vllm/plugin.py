@@ -78,6 +78,8 @@ WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.wor
 logger = logging.getLogger("vllm.mooncake_kvaddr")
 
 _ENGINE_ATTR = "_mooncake_kvaddr_engine"
+#: The native module, untyped here: the layout engine's stubs belong to the layouts (docs/architecture.md).
+_NATIVE: Any = _native
 _STATE_LOCK = threading.RLock()
 #: (class, attribute name) -> the original attribute, for every replaced attribute.
 _ORIGINALS: dict[tuple[type, str], Any] = {}
@@ -143,7 +145,7 @@ def _rank_local_engine(layout: Any) -> Any:
         or state[3] != block_size
         or state[4] != hash_block_size
     ):
-        engine = _native.LayoutEngine(block_size, hash_block_size, False, 0, 1, DEFAULT_ROW_CACHE_BYTES)
+        engine = _NATIVE.LayoutEngine(block_size, hash_block_size, False, 0, 1, DEFAULT_ROW_CACHE_BYTES)
         engine.set_region_sources(bases, lens)
         state = (engine, bases, lens, block_size, hash_block_size)
         layout.__dict__[_ENGINE_ATTR] = state
@@ -158,14 +160,11 @@ def _sharded_engine(layout: Any) -> Any:
     if state is None or any(old is not new for old, new in zip(state[1], arrays)):
         shards = int(layout.shards_per_rank)
         first = int(layout.store_shard_ids[0]) if layout.store_shard_ids else 0
-        engine = _native.LayoutEngine(
+        engine = _NATIVE.LayoutEngine(
             layout.block_size, layout.hash_block_size, True, first, max(shards, 0), DEFAULT_ROW_CACHE_BYTES
         )
         engine.set_templates(
-            [
-                (arrays[0][k].tolist(), arrays[1][k].tolist(), arrays[2][k].tolist())
-                for k in range(shards)
-            ]
+            [(arrays[0][k].tolist(), arrays[1][k].tolist(), arrays[2][k].tolist()) for k in range(shards)]
         )
         state = (engine, arrays)
         layout.__dict__[_ENGINE_ATTR] = state
@@ -216,9 +215,9 @@ def _sharded_key_for(self: Any, shard_id: int, chunk_hash: Any) -> str:
 # --- the self-check ---------------------------------------------------------------------------------------
 
 
-def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+def _outcome(call: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
     try:
-        return "ok", call()
+        return "ok", call(*args)
     except Exception as exc:  # the type is what is compared
         return "raise", type(exc)
 
@@ -232,9 +231,11 @@ def _same(expected: Any, actual: Any) -> bool:
     return bool(expected == actual)
 
 
-def _compare(name: str, reference: Callable[[], Any], ours: Callable[[], Any]) -> None:
-    expected = _outcome(reference)
-    actual = _outcome(ours)
+def _compare(name: str, reference: Callable[..., Any], ours: Callable[..., Any], *args: Any) -> None:
+    """``reference(*args)`` and ``ours(*args)`` return equal values of equal types, or raise compatible
+    exception types (ours may raise a subclass); AssertionError otherwise."""
+    expected = _outcome(reference, args)
+    actual = _outcome(ours, args)
     if expected[0] == "raise" and actual[0] == "raise":
         # Ours may raise a subclass (e.g. an error class that is both ValueError and AssertionError).
         if issubclass(actual[1], expected[1]):
@@ -266,8 +267,7 @@ def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
     rng = random.Random(seed)
     metadata = data.KeyMetadata("self-check/model", 1, 0, 0, 0)
     reference = {
-        f"{cls_name}.{method}": _reference(getattr(data, cls_name), method)
-        for cls_name, method in _EXPECTED_PARAMS
+        f"{cls_name}.{method}": _reference(getattr(data, cls_name), method) for cls_name, method in _EXPECTED_PARAMS
     }
     for case in range(cases):
         hash_block_size = rng.choice([16, 32, 64])
@@ -279,9 +279,7 @@ def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
         num_blocks = rng.randint(1, 9)
         block_ids = [rng.randrange(0, 5000) for _ in range(num_blocks)]
         token_len = num_blocks * block_size - rng.randrange(0, block_size // hash_block_size) * hash_block_size
-        chunks = [
-            (start, min(start + block_size, token_len)) for start in range(0, token_len, block_size)
-        ]
+        chunks = [(start, min(start + block_size, token_len)) for start in range(0, token_len, block_size)]
         shard_ids = [0] * len(chunks)
         for name, args in (
             ("RankLocalStoreLayout.prepare_values", (chunks, block_ids, shard_ids)),
@@ -291,20 +289,27 @@ def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
         ):
             _compare(
                 name,
-                lambda args=args: reference["RankLocalStoreLayout.prepare_values"](layout, *args),
-                lambda args=args: _rank_local_prepare_values(layout, *args),
+                reference["RankLocalStoreLayout.prepare_values"],
+                _rank_local_prepare_values,
+                layout,
+                *args,
             )
         block_id = rng.randrange(0, 5000)
         _compare(
             "RankLocalStoreLayout.prepare_value_for_block",
-            lambda: reference["RankLocalStoreLayout.prepare_value_for_block"](layout, block_id),
-            lambda: _rank_local_prepare_value_for_block(layout, block_id),
+            reference["RankLocalStoreLayout.prepare_value_for_block"],
+            _rank_local_prepare_value_for_block,
+            layout,
+            block_id,
         )
         chunk_hash = rng.randbytes(32)
         _compare(
             "RankLocalStoreLayout.key_for",
-            lambda: reference["RankLocalStoreLayout.key_for"](layout, 0, chunk_hash),
-            lambda: _rank_local_key_for(layout, 0, chunk_hash),
+            reference["RankLocalStoreLayout.key_for"],
+            _rank_local_key_for,
+            layout,
+            0,
+            chunk_hash,
         )
 
         # TP-shared formats: templates installed through vLLM's own setter, two local shards.
@@ -335,14 +340,19 @@ def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
         ):
             _compare(
                 name,
-                lambda args=args: reference["TPShardedStoreLayout.prepare_values"](sharded, *args),
-                lambda args=args: _sharded_prepare_values(sharded, *args),
+                reference["TPShardedStoreLayout.prepare_values"],
+                _sharded_prepare_values,
+                sharded,
+                *args,
             )
         for shard in (owned[0], owned[-1] + 1):
             _compare(
                 "TPShardedStoreLayout.key_for",
-                lambda shard=shard: reference["TPShardedStoreLayout.key_for"](sharded, shard, chunk_hash),
-                lambda shard=shard: _sharded_key_for(sharded, shard, chunk_hash),
+                reference["TPShardedStoreLayout.key_for"],
+                _sharded_key_for,
+                sharded,
+                shard,
+                chunk_hash,
             )
 
 
@@ -410,12 +420,12 @@ def _iter_tensors(kv_caches: Any) -> Iterable[Any]:
 def _all_host(kv_caches: Any) -> bool:
     """True when every KV-cache tensor lives in host memory (``tensor.device.type == "cpu"``, duck-typed)."""
     tensors = list(_iter_tensors(kv_caches))
-    return bool(tensors) and all(
-        getattr(getattr(t, "device", None), "type", None) == "cpu" for t in tensors
-    )
+    return bool(tensors) and all(getattr(getattr(t, "device", None), "type", None) == "cpu" for t in tensors)
 
 
-def staged_settings(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> tuple[bool, int]:
+def staged_settings(
+    extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> tuple[bool, int]:
     """``(staged transport requested, staging bytes)`` from the environment (wins) and the connector's
     ``kv_connector_extra_config``."""
     env = os.environ if environ is None else environ
@@ -466,9 +476,10 @@ def _wrap_worker(worker_cls: type) -> None:
         ("__init__", __init__, original_init),
         ("register_kv_caches", register_kv_caches, original_register),
     ):
-        func.__wrapped__ = original  # type: ignore[attr-defined]
-        func.__qualname__ = f"{worker_cls.__qualname__}.{name}"
-        _replace(worker_cls, name, func)
+        wrapper: Any = func
+        wrapper.__wrapped__ = original
+        wrapper.__qualname__ = f"{worker_cls.__qualname__}.{name}"
+        _replace(worker_cls, name, wrapper)
 
 
 # --- patching ---------------------------------------------------------------------------------------------------
@@ -487,7 +498,9 @@ def is_patched() -> bool:
     return bool(_ORIGINALS)
 
 
-def patch(*, data: ModuleType | None = None, worker: ModuleType | None = None, version: str | None = None) -> PatchReport:
+def patch(
+    *, data: ModuleType | None = None, worker: ModuleType | None = None, version: str | None = None
+) -> PatchReport:
     """Check, self-check and patch (see the module docstring); idempotent. Returns what was done.
 
     ``data``/``worker``/``version`` default to the installed vLLM's modules and version (tests pass their own).

@@ -92,21 +92,23 @@ class VllmStoreRig:
         staging_bytes: int = 256 << 20,
         model: str = "rig/model",
     ) -> None:
+        import importlib
+
         import torch
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import coordinator, data, worker
         from vllm.distributed.mooncake_store import MooncakeStoreConfig, setup_mooncake_store
         from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec
 
         from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
 
+        mooncake_store = importlib.import_module("mooncake.store")
         self._torch = torch
         self._data = data
         self._worker = worker
         self.shape = shape
         self.num_blocks = shape.blocks + 1  # block 0 is vLLM's null block
         head_size = shape.region_bytes // (BLOCK * 2)
-        store = MooncakeDistributedStore()
+        store = mooncake_store.MooncakeDistributedStore()
         config = MooncakeStoreConfig(
             metadata_server="P2PHANDSHAKE",
             master_server_address=master_address,
@@ -135,7 +137,7 @@ class VllmStoreRig:
         ready = threading.Event()
         self.sender = worker.KVCacheStoreSendingThread(
             self.store, self.coord, [self.db], BLOCK, 0, (1,), "kv_both", ready,
-            enable_kv_event=False, replicate_config=ReplicateConfig(), enable_group_semantics=False,
+            enable_kv_event=False, replicate_config=mooncake_store.ReplicateConfig(), enable_group_semantics=False,
             supports_group_ids=False, record_operation=None, group_participates=[True],
         )  # fmt: skip
         self.sender.start()
@@ -196,7 +198,7 @@ class VllmStoreRig:
         """``blocks`` distinct 32-byte block hashes."""
         return [seed.to_bytes(8, "little") + i.to_bytes(24, "little") for i in range(blocks)]
 
-    def store_request(self, req_id: str, hashes: list[bytes], timeout: float = 120.0) -> None:
+    def store_request(self, req_id: str, hashes: list[Any], timeout: float = 120.0) -> None:
         """Store blocks 1.. under ``hashes`` with vLLM's send thread; wait for its completion."""
         self._job += 1
         job = self._job
@@ -212,7 +214,7 @@ class VllmStoreRig:
             time.sleep(0.002)
         raise TimeoutError(f"store of {req_id} did not complete in {timeout} s")
 
-    def load_requests(self, req_ids: list[str], hashes: list[bytes], timeout: float = 300.0) -> set[int]:
+    def load_requests(self, req_ids: list[str], hashes: list[Any], timeout: float = 300.0) -> set[int]:
         """Load ``req_ids`` (each: ``hashes`` into blocks 1..) with vLLM's receive threads; wait until every
         one finished; return the block ids vLLM reported as failed."""
         n = len(hashes) * BLOCK
@@ -282,21 +284,36 @@ class _Spinner:
 
 
 class _Phases:
-    """Intervals each instrumented phase ran in."""
+    """Wall intervals each instrumented phase ran in, and the calling thread's CPU time in it.
+
+    The CPU time of the receive thread (``time.thread_time``) is what it spent running: with the GIL held,
+    except inside native sections that release it (our gather/scatter copies, timed as their own phase).
+    Unlike the busy thread's stalls it is not inflated when other processes take the machine's cores.
+    """
 
     def __init__(self) -> None:
         self.intervals: dict[str, list[tuple[float, float]]] = {}
+        self.cpu: dict[str, float] = {}
         self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        """Forget every interval and CPU total."""
+        with self._lock:
+            self.intervals.clear()
+            self.cpu.clear()
 
     def timed(self, name: str, func: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            cpu0 = time.thread_time()
             try:
                 return func(*args, **kwargs)
             finally:
+                cpu = time.thread_time() - cpu0
                 end = time.perf_counter()
                 with self._lock:
                     self.intervals.setdefault(name, []).append((start, end))
+                    self.cpu[name] = self.cpu.get(name, 0.0) + cpu
 
         return wrapper
 
@@ -326,18 +343,26 @@ class _Proxy:
 def _instrument(rig: VllmStoreRig, phases: _Phases) -> Callable[[], None]:
     """Time the layout's ``prepare_values``, the store call, and (staged) Mooncake's slot call under it."""
     layout = rig.db.store_layout
-    layout.prepare_values = phases.timed("prepare_values", layout.prepare_values)
+    layout.__dict__["prepare_values"] = phases.timed("prepare_values", layout.prepare_values)
     proxy = _Proxy(rig.store, phases, {"batch_get_into_multi_buffers": "store call"})
     inner = getattr(rig.store, "_store", None)
     if inner is not None:
         rig.store._store = _Proxy(inner, phases, {"batch_get_into": "mooncake slot call"})
     for receiver in rig.receivers:
         receiver.store = proxy
+        receiver.__dict__["_handle_request"] = phases.timed("request", receiver._handle_request)
+    from mooncake_kvaddr.integrations.vllm import staged_store as staged_module
+
+    staged_store: Any = staged_module
+    copy = staged_store.scatter
+    staged_store.scatter = phases.timed("scatter (GIL released)", copy)
 
     def undo() -> None:
-        del layout.prepare_values
+        layout.__dict__.pop("prepare_values", None)
+        staged_store.scatter = copy
         for receiver in rig.receivers:
             receiver.store = rig.store
+            receiver.__dict__.pop("_handle_request", None)
         if inner is not None:
             rig.store._store = inner
 
@@ -347,19 +372,28 @@ def _instrument(rig: VllmStoreRig, phases: _Phases) -> Callable[[], None]:
 # --- the measurement ------------------------------------------------------------------------------------------
 
 
-def _single_requests(rig: VllmStoreRig, hashes: list[bytes], expected: list[Any], reps: int, tag: str) -> dict[str, Any]:
-    """One request at a time on one receive thread, beside the spinner; GIL time split by phase."""
+def _single_requests(rig: VllmStoreRig, hashes: list[Any], expected: list[Any], reps: int, tag: str) -> dict[str, Any]:
+    """One request at a time on one receive thread, beside a busy Python thread.
+
+    Two views of the GIL per request (medians, ms): ``stall_*`` — time the busy thread could not run,
+    attributed to the phase it overlapped (on a loaded machine this includes time the OS gave the cores to
+    other processes); ``cpu_*`` — the receive thread's own CPU time by phase (GIL held, except the copies
+    timed as ``cpu_copy_released``). ``cpu_gil`` = request CPU - copy CPU.
+    """
     rig.start_receivers(1)
     phases = _Phases()
     undo = _instrument(rig, phases)
     spinner = _Spinner()
-    walls: list[float] = []
-    split: dict[str, list[float]] = {"gil": [], "vllm_python": [], "prepare_values": [], "store_call": [], "mooncake_slots": []}
+    samples: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        samples.setdefault(name, []).append(value * 1e3)
+
     ok = True
     try:
         for rep in range(reps + 1):
             rig.zero()
-            phases.intervals.clear()
+            phases.clear()
             start = time.perf_counter()
             failed = rig.load_requests([f"{tag}-single-{rep}"], hashes)
             end = time.perf_counter()
@@ -370,24 +404,34 @@ def _single_requests(rig: VllmStoreRig, hashes: list[bytes], expected: list[Any]
             held = sum(b - a for a, b in gaps)
             pv = _overlap(gaps, phases.intervals.get("prepare_values", []))
             call = _overlap(gaps, phases.intervals.get("store call", []))
-            walls.append(end - start)
-            split["gil"].append(held)
-            split["prepare_values"].append(pv)
-            split["store_call"].append(call)
-            split["mooncake_slots"].append(_overlap(gaps, phases.intervals.get("mooncake slot call", [])))
-            split["vllm_python"].append(max(0.0, held - pv - call))
+            add("wall", end - start)
+            add("stall", held)
+            add("stall_vllm_python", max(0.0, held - pv - call))
+            add("stall_prepare_values", pv)
+            add("stall_store_call", call)
+            cpu = phases.cpu
+            request = cpu.get("request", 0.0)
+            copy = cpu.get("scatter (GIL released)", 0.0)
+            store_call = cpu.get("store call", 0.0)
+            slots = cpu.get("mooncake slot call", 0.0)
+            add("cpu_request", request)
+            add("cpu_gil", request - copy)
+            add("cpu_vllm_python", request - cpu.get("prepare_values", 0.0) - store_call)
+            add("cpu_prepare_values", cpu.get("prepare_values", 0.0))
+            # Mooncake's own part of the store call: the whole call without staging, the slot call with it.
+            add("cpu_mooncake_call", slots if "mooncake slot call" in cpu else store_call)
+            add("cpu_staging_python", store_call - slots - copy if "mooncake slot call" in cpu else 0.0)
+            add("cpu_copy_released", copy)
     finally:
         spinner.close()
         undo()
-    out: dict[str, Any] = {"bytes_ok": ok, "wall_ms": statistics.median(walls) * 1e3}
-    for name, values in split.items():
-        out[f"gil_{name}_ms" if name != "gil" else "gil_ms"] = statistics.median(values) * 1e3
+    out: dict[str, Any] = {"bytes_ok": ok}
+    for name, values in samples.items():
+        out[f"{name}_ms"] = statistics.median(values)
     return out
 
 
-def _measure_mode(
-    master: str, shape: RigShape, mode: str, reps: int, thread_counts: tuple[int, ...]
-) -> dict[str, Any]:
+def _measure_mode(master: str, shape: RigShape, mode: str, reps: int, thread_counts: tuple[int, ...]) -> dict[str, Any]:
     row: dict[str, Any] = {"mode": mode, "tokens": shape.tokens, "regions": shape.regions}
     with plugin_mode(mode):
         staging = max(shape.request_bytes // 2, 64 << 20)
@@ -402,7 +446,7 @@ def _measure_mode(
             for count in thread_counts:
                 rig.start_receivers(count)
                 samples = []
-                for rep in range(max(1, reps // 2) + 1):
+                for rep in range(reps + 1):
                     rig.zero()
                     start = time.perf_counter()
                     failed = rig.load_requests([f"{mode}-{count}thr-{rep}-{i}" for i in range(4)], hashes)

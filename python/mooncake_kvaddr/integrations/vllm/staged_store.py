@@ -91,7 +91,9 @@ class StagedMooncakeStore:
         self._buffers: dict[int, int] = {}
         # (starts, ends, ranges) replaced as one tuple, so a reader never mixes two registrations.
         self._ranges: tuple[Int64Array, Int64Array, tuple[tuple[int, int], ...]] = (
-            np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), ()
+            np.empty(0, dtype=np.int64),
+            np.empty(0, dtype=np.int64),
+            (),
         )
         self._pool_registered: bool | None = None  # None: not tried yet; False: Mooncake refused it
         self.stats = StagedStats()
@@ -156,9 +158,7 @@ class StagedMooncakeStore:
                     )
             return bool(self._pool_registered)
 
-    def _inside_registered(
-        self, addrs: Int64Array, sizes: Int64Array, starts: Int64Array, ends: Int64Array
-    ) -> bool:
+    def _inside_registered(self, addrs: Int64Array, sizes: Int64Array, starts: Int64Array, ends: Int64Array) -> bool:
         """True when every non-empty slice lies inside one registered buffer (vectorised, no Python loop)."""
         nonempty = sizes > 0
         a = addrs[nonempty]
