@@ -264,7 +264,7 @@ def test_registered_torch_caches_match_vllm(data: Any) -> None:
     num_blocks = 9
     dense = [torch.zeros(num_blocks, 16, 8, dtype=torch.float16) for _ in range(3)]
     per_head = torch.zeros(num_blocks, 16, 2, 8).transpose(1, 2)  # block not dense -> one region per head
-    part = torch.zeros(num_blocks + 3, 16, 8)[2:2 + num_blocks]
+    part = torch.zeros(num_blocks + 3, 16, 8)[2 : 2 + num_blocks]
     layout = data.RankLocalStoreLayout(data.KeyMetadata("m", 0, 0, 0, 0), 16, 16)
     layout.register_kv_caches([*dense, per_head, part], num_blocks)
     chunks = [(0, 16), (32, 48), (64, 80)]
@@ -334,7 +334,7 @@ class FakeMooncake:
             else:
                 at = 0
                 for a, n in zip(row, lens):
-                    ctypes.memmove(a, obj[at:at + n], n)
+                    ctypes.memmove(a, obj[at : at + n], n)
                     at += n
                 out.append(len(obj))
         return out
@@ -379,7 +379,7 @@ def test_staged_round_trip_codes_and_no_stale_bytes() -> None:
         if k in (3, 5):
             continue
         for a in addrs[k]:
-            written[a - cache.ptr:a - cache.ptr + 256] = True
+            written[a - cache.ptr : a - cache.ptr + 256] = True
     assert (cache.array[written] == want[written]).all()
     assert (cache.array[~written] == 0).all()
     assert type(codes) is list and all(type(c) is int for c in codes)
@@ -470,7 +470,51 @@ def test_staged_codes_equal_real_mooncake(master: Any) -> None:
         for k in range(6):
             for r in range(4):
                 at = r * region + k * 512
-                assert (got[at:at + 512] == want[at:at + 512]).all()
+                assert (got[at : at + 512] == want[at : at + 512]).all()
         store.close()
     finally:
         raw.close()
+
+
+_LOADER = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from mooncake_kvaddr.integrations.vllm import plugin
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import data
+patched = data.RankLocalStoreLayout.prepare_values is plugin._rank_local_prepare_values
+print("PATCHED" if patched else "UNTOUCHED", flush=True)
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_vllms_own_plugin_loader_runs_the_entry_point(tmp_path: Any, switch: str | None) -> None:
+    """vLLM's ``load_general_plugins`` finds the ``vllm.general_plugins`` entry point (declared by a stand-in
+    dist-info, since the project is not pip-installed here) and the plugin patches vLLM, or leaves it alone
+    when switched off."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _vllm_data()
+    dist = tmp_path / "mooncake_kvaddr_plugin_probe-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mooncake-kvaddr-plugin-probe\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nmooncake_kvaddr = mooncake_kvaddr.integrations.vllm.plugin:register\n"
+    )
+    package_root = Path(plugin.__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", plugin.ENV_PLUGIN)}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(package_root)])
+    if switch is not None:
+        env[plugin.ENV_PLUGIN] = switch
+    done = subprocess.run(
+        [sys.executable, "-c", _LOADER], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == ("PATCHED" if switch is None else "UNTOUCHED")
+    active_lines = [line for line in done.stdout.splitlines() if "native Mooncake store paths active" in line]
+    assert len(active_lines) == (1 if switch is None else 0)
