@@ -342,6 +342,20 @@ class FakeMooncake:
     def close(self) -> int:
         return 0
 
+    def record_only(self) -> None:
+        """Multi-buffer calls are recorded but touch no memory (for addresses no store may read)."""
+
+        def put(keys: list[str], *args: Any, **kwargs: Any) -> list[int]:
+            self.calls.append("put_multi")
+            return [0] * len(keys)
+
+        def get(keys: list[str], *args: Any, **kwargs: Any) -> list[int]:
+            self.calls.append("get_multi")
+            return [-704] * len(keys)
+
+        self.batch_put_from_multi_buffers = put  # type: ignore[method-assign]
+        self.batch_get_into_multi_buffers = get  # type: ignore[method-assign]
+
 
 def _rows(cache: StagingBuffer, keys: int, regions: int, size: int) -> tuple[list[list[int]], list[list[int]]]:
     addrs = [[cache.ptr + (r * keys + k) * size for r in range(regions)] for k in range(keys)]
@@ -387,6 +401,7 @@ def test_staged_round_trip_codes_and_no_stale_bytes() -> None:
 
 def test_staged_passes_unregistered_memory_and_odd_calls_through() -> None:
     inner = FakeMooncake()
+    inner.record_only()
     store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
     cache = StagingBuffer(4096)
     other = StagingBuffer(4096)  # never registered through the wrapper
@@ -518,3 +533,21 @@ def test_vllms_own_plugin_loader_runs_the_entry_point(tmp_path: Any, switch: str
     assert done.stdout.strip().splitlines()[-1] == ("PATCHED" if switch is None else "UNTOUCHED")
     active_lines = [line for line in done.stdout.splitlines() if "native Mooncake store paths active" in line]
     assert len(active_lines) == (1 if switch is None else 0)
+
+
+def test_staged_bounds_check_slice_by_slice_when_a_column_spans_buffers() -> None:
+    inner = FakeMooncake()
+    inner.record_only()
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    first, second = StagingBuffer(4096), StagingBuffer(4096)
+    store.register_buffer(first.ptr, first.nbytes)
+    store.register_buffer(second.ptr, second.nbytes)
+    # One region column whose keys live in different buffers: every slice is inside one, so it is staged.
+    assert store.batch_put_from_multi_buffers(["x", "y"], [[first.ptr], [second.ptr]], [[256], [256]]) == [0, 0]
+    assert inner.calls == ["put_from"]
+    # A slice that starts in a buffer and ends past it is never staged.
+    store.batch_put_from_multi_buffers(["z"], [[first.ptr + 4000]], [[256]])
+    assert inner.calls[-1] == "put_multi"
+    # Near the top of the address space: no overflow, no staging.
+    store.batch_put_from_multi_buffers(["w"], [[(1 << 63) - 8]], [[256]])
+    assert inner.calls[-1] == "put_multi"

@@ -159,13 +159,34 @@ class StagedMooncakeStore:
             return bool(self._pool_registered)
 
     def _inside_registered(self, addrs: Int64Array, sizes: Int64Array, starts: Int64Array, ends: Int64Array) -> bool:
-        """True when every non-empty slice lies inside one registered buffer (vectorised, no Python loop)."""
+        """True when every non-empty slice lies inside one registered buffer (vectorised, no Python loop).
+
+        Fast path: when no size is 0, each region column's whole span (lowest start to highest end) inside
+        one buffer proves every slice of that column is inside it (two reductions over the matrix). Otherwise,
+        or when a column's span crosses buffers, every slice is checked on its own.
+        """
+        if addrs.size == 0:
+            return True
+        if starts.size == 0:
+            return False
+        if int(sizes.min()) > 0 and int(addrs.min()) >= 0:
+            low = addrs.min(axis=0)
+            top = addrs.max(axis=0)
+            if bool(np.all(top <= _INT64_MAX - sizes.max(axis=0))):
+                high = (addrs + sizes).max(axis=0)
+                index = np.searchsorted(starts, low, side="right") - 1
+                if bool(np.all(index >= 0)) and bool(np.all(high <= ends[np.maximum(index, 0)])):
+                    return True
+        return self._each_slice_inside(addrs, sizes, starts, ends)
+
+    @staticmethod
+    def _each_slice_inside(addrs: Int64Array, sizes: Int64Array, starts: Int64Array, ends: Int64Array) -> bool:
         nonempty = sizes > 0
         a = addrs[nonempty]
         s = sizes[nonempty]
         if a.size == 0:
             return True
-        if starts.size == 0 or bool(np.any(a < 0)) or bool(np.any(a > _INT64_MAX - s)):
+        if bool(np.any(a < 0)) or bool(np.any(a > _INT64_MAX - s)):
             return False
         index = np.searchsorted(starts, a, side="right") - 1
         if bool(np.any(index < 0)):
