@@ -107,3 +107,9 @@ def store(store_config: StoreConfig) -> Iterator[MooncakeStore]:
 def key_prefix(request: pytest.FixtureRequest) -> str:
     """A prefix unique to the test, so tests sharing a store never see each other's keys."""
     return f"{request.node.name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def model(key_prefix: str) -> str:
+    """A model name unique to the test: its keys never collide with another test's."""
+    return key_prefix.replace("@", "_")

@@ -1,4 +1,4 @@
-"""Lookup across rank namespaces and group types (SPEC.md §1.4, §3.5, §5 "Lookup").
+"""Lookup across rank namespaces and group types (docs/lookup.md).
 
 Most tests drive :meth:`KVTransfer.lookup` against a scripted fake store (no master needed); the last ones
 store from several simulated ranks into a real master and look up across their namespaces.
@@ -7,6 +7,8 @@ store from several simulated ranks into a real master and look up across their n
 from __future__ import annotations
 
 import random
+import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -16,7 +18,14 @@ import pytest
 from kvaddr_testing import RecordingHashes
 from mooncake_kvaddr import BlobBlockHashes, ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.driver.config import StoreConfig
-from mooncake_kvaddr.driver.lookup import GroupSpec, ParallelLayout, StoreLookup
+from mooncake_kvaddr.driver.lookup import (
+    GroupSpec,
+    GroupSpecLike,
+    LookupResult,
+    ParallelLayout,
+    StoreLookup,
+    TailKeyBoundary,
+)
 from mooncake_kvaddr.driver.store import BatchResult, MooncakeStore, Outcome, StoreError
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
@@ -149,7 +158,7 @@ def test_blob_hashes_probe_the_same_keys() -> None:
     assert a.keys == b.keys
 
 
-# ------------------------------------------------------------------ rank namespaces (SPEC.md §1.4)
+# ------------------------------------------------------------------ rank namespaces (docs/lookup.md, "Rank namespaces")
 
 
 def test_default_layout_keeps_the_groups_own_namespace() -> None:
@@ -449,3 +458,240 @@ def test_hybrid_shards_on_a_real_master(store: MooncakeStore, ranks: Ranks) -> N
     ranks.put(rank0, h, 4)  # restores the removed chunk
     ranks.put(rank1, h, 4)
     assert reader.lookup(4 * bs + 1, h) == 4 * bs
+
+
+# ------------------------------------------------------------------ every group loads the hit (docs/lookup.md)
+
+
+def issue_transfer(store: Any) -> KVTransfer:
+    """Attention bs 2, attention bs 4, align-mode Mamba bs 4, hash unit 2: fine-grained lookup."""
+    return worker(store, (2, 4, 4), hbs=2, specs=["attention", "attention", GroupSpec("mamba")])
+
+
+def stored_units(stored: dict[int, set[int]]) -> Callable[[list[str]], list[int]]:
+    """Answers for keys named ``...@group:G@<hex of b"hN">``: 1 iff hash index N is stored for group G."""
+
+    def answer(keys: list[str]) -> list[int]:
+        return [int(int(bytes.fromhex(k.rpartition("@")[2])[1:]) in stored[int(k.split("@group:")[1].split("@")[0])])
+                for k in keys]
+
+    return answer
+
+
+def test_every_full_attention_group_needs_its_own_partial_tail() -> None:
+    # Group 0 stores everything, group 1 only its block ends (h1, h3), Mamba only h2 (the state at 6).
+    stored = {0: {0, 1, 2, 3}, 1: {1, 3}, 2: {2}}
+    store = FakeStore(stored_units(stored))
+    xfer = issue_transfer(store)
+    assert xfer.store_lookup.partial_hash_hits and xfer.store_lookup.alignment == 2
+    assert xfer.lookup(9, hs("h", 4)) == 0  # 6 would need group 1's partial tail at 6 (h2)
+    stored[1].add(2)
+    assert xfer.lookup(9, hs("h", 4)) == 6
+    stored[1].discard(1)  # ... and every whole block before it
+    assert xfer.lookup(9, hs("h", 4)) == 0
+
+
+def test_the_vllm_033_shape_reports_longer_tail_keys() -> None:
+    stored = {0: {0, 1, 2, 3}, 1: {1, 3}, 2: {2}}
+    lookup = issue_transfer(FakeStore()).store_lookup
+    result = lookup.lookup_with_boundaries(FakeStore(stored_units(stored)), 9, hs("h", 4))
+    # Group 1 loads its tail block from the full block's key (h3, 8 tokens); a 0.33 loader honours that.
+    assert result == LookupResult(6, (TailKeyBoundary(0, 6), TailKeyBoundary(1, 8), TailKeyBoundary(2, 6)))
+    assert lookup.lookup_with_boundaries(FakeStore(stored_units({0: set(), 1: set(), 2: set()})), 9,
+                                         hs("h", 4)) == LookupResult(0)
+
+
+def test_a_non_byte_hash_buffer_names_the_same_chunks() -> None:
+    raw = b"".join(bytes([i]) * 4 for i in range(8))
+    words = memoryview(array("I", raw))  # 8 items of 4 bytes: a view that counts elements, not bytes
+    for view in (words, memoryview(bytearray(raw))[::1], raw):
+        hashes = BlobBlockHashes(view, 4)
+        a, b = FakeStore(lambda keys: [1] * len(keys)), FakeStore(lambda keys: [1] * len(keys))
+        worker(a, (16, 16)).lookup(10**6, hashes)
+        n = len(hashes)
+        worker(b, (16, 16)).lookup(10**6, [raw[4 * i : 4 * i + 4] for i in range(n)])
+        assert a.keys == b.keys  # group 1 never reads group 0's hashes or answers
+        assert len(a.keys) == 2 * n
+
+
+def test_a_hash_view_longer_than_its_buffer_is_an_error() -> None:
+    blob = bytearray(b"".join(bytes([i]) * 4 for i in range(8)))
+    hashes = BlobBlockHashes(blob, 4)
+    del blob[8:]
+    store = FakeStore(lambda keys: [1] * len(keys))
+    try:
+        worker(store, (16, 16)).lookup(10**6, hashes)
+    except ValueError as exc:  # the view kept its old length: refused, never a shifted read
+        assert "hash" in str(exc)
+        assert not store.calls
+    else:  # the view follows its buffer: only the hashes still there are probed
+        assert [k.rpartition("@")[2] for k in store.keys] == ["00000000", "01010101"] * 2
+
+
+def test_answers_are_consumed_exactly() -> None:
+    lookup = worker(FakeStore(), (16, 16)).store_lookup
+    plan = lookup.plan(48, hs("h", 3))
+    assert plan.key_counts == [3, 3]
+    assert [row.tolist() for row in plan.presence([1, 1, 0, 1, 0, 1])] == [[True, True, False], [True, False, True]]
+    with pytest.raises(ValueError, match="exist results"):
+        plan.presence([1] * 5)
+    plan.key_counts = [4, 2]  # a group whose keys do not match its units
+    with pytest.raises(ValueError):
+        plan.presence([1] * 6)
+
+
+# ------------------------------------------------------------------ cost (docs/lookup.md, "Cost")
+
+
+def best_of(runs: int, fn: Callable[[], object]) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@pytest.mark.parametrize("specs, block_sizes, hbs", [
+    (["attention", GroupSpec("attention", sliding_window=32)], (64, 16), 16),  # window chunks masked
+    (["attention", "mamba"], (64, 16), 16),  # only states on a scheduler block probed
+    (["attention", GroupSpec("mamba")], (64, 64), 16),  # fine-grained
+])
+def test_a_huge_prompt_with_few_hashes_costs_what_the_hashes_cost(
+    specs: list[Any], block_sizes: tuple[int, int], hbs: int
+) -> None:
+    store = FakeStore(lambda keys: [1] * len(keys))
+    xfer = worker(store, block_sizes, hbs=hbs, specs=specs)
+    hashes = RecordingHashes([bytes([i]) * 16 for i in range(8)])
+    assert xfer.lookup(2**32 - 1, hashes) == 128
+    assert len(hashes.accessed) <= 16
+    assert best_of(5, lambda: xfer.lookup(2**32 - 1, hashes)) < 0.010
+
+
+def test_hit_length_is_linear_against_an_adversarial_store() -> None:
+    # Fine-grained full attention + Mamba over 2**20 hash units: every block end and every Mamba state is
+    # stored, no partial tail is: each candidate fails only on the full-attention side.
+    units = 1 << 20
+    lookup = worker(FakeStore(), (4, 4), hbs=1, specs=["attention", GroupSpec("mamba")]).store_lookup
+    attention = np.zeros(units, dtype=bool)
+    attention[3::4] = True
+    attention[4 * 1000 + 3] = False  # block 1000 is missing
+    mamba = np.ones(units, dtype=bool)
+    mamba[3::4] = False
+    assert lookup.hit_length([attention, mamba], units) == 0  # no block end is a Mamba state
+    assert best_of(3, lambda: lookup.hit_length([attention, mamba], units)) < 0.5
+    mamba[3::4] = True
+    assert lookup.hit_length([attention, mamba], units) == 4000
+    assert best_of(3, lambda: lookup.hit_length([attention, mamba], units)) < 0.5
+
+
+# ------------------------------------------------------------------ validation at construction
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tp_size": 9, "num_kv_heads": 2}, "divide one another"),
+    ({"tp_size": 2, "num_kv_heads": 3}, "divide one another"),
+    ({"tp_size": 2, "dcp_size": 4}, "dcp_size 4 must divide tp_size 2"),
+    ({"tp_size": 4, "dcp_size": 3}, "must divide tp_size"),
+    ({"tp_size": 256, "pp_size": 16, "pcp_size": 32}, "rank namespaces"),
+    ({"tp_size": 2.0}, "tp_size"),
+    ({"pp_size": True}, "pp_size"),
+])
+def test_parallel_layouts_are_checked_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ParallelLayout(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tp_size": 8, "num_kv_heads": 2}, {"tp_size": 2, "num_kv_heads": 8}, {"tp_size": 4, "dcp_size": 4},
+    {"tp_size": 4, "dcp_size": 2, "num_kv_heads": 4}, {"tp_size": 1, "num_kv_heads": 7},
+])
+def test_valid_layouts_construct(kwargs: dict[str, Any]) -> None:
+    ParallelLayout(**kwargs)
+
+
+def test_windows_and_prefixes_are_checked_at_construction() -> None:
+    with pytest.raises(ValueError, match=">= 2"):
+        GroupSpec("attention", sliding_window=1)
+    GroupSpec("attention", sliding_window=2)
+    dbs = [ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0, group_id=g), 16) for g in range(2)]
+    with pytest.raises(ValueError, match="key_prefixes"):
+        StoreLookup(dbs, key_prefixes=[("a",)])
+    with pytest.raises(ValueError, match="key_prefixes"):
+        StoreLookup(dbs, key_prefixes=[("a",), ()])
+    with pytest.raises(TypeError, match="key_prefixes"):
+        StoreLookup(dbs, key_prefixes=["ab", ("a",)])
+    with pytest.raises(TypeError, match="layout"):
+        StoreLookup(dbs, layout=(2, 1, 1, 1, 1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="num_tokens"):
+        StoreLookup(dbs).lookup(FakeStore([1]), 32.0, hs("h", 2))  # type: ignore[arg-type]
+
+
+class Shards:
+    """A stand-in for a vLLM 0.33 store layout: one prefix per namespace, recording what it was asked."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.asked: list[Any] = []
+
+    def lookup_key_prefixes(self, rank_namespaces: Sequence[tuple[int, int, int, int]]) -> tuple[str, ...]:
+        self.asked.append(list(rank_namespaces))
+        return tuple(f"{self.name}@tp{t}@pcp{c}@dcp{d}@pp{p}" for t, c, d, p in rank_namespaces)
+
+
+def test_prefixes_from_store_layouts() -> None:
+    dbs = [ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0, group_id=g), 16) for g in range(2)]
+    sources = [Shards("a"), Shards("b")]
+    layout = ParallelLayout(tp_size=2, num_kv_heads=1)
+    lookup = StoreLookup.from_prefix_sources(dbs, sources, ["attention", "mamba"], layout)
+    assert sources[0].asked == [[(0, 0, 0, 0)]] and sources[1].asked == [[(0, 0, 0, 0), (1, 0, 0, 0)]]
+    assert lookup.prefixes == [("a@tp0@pcp0@dcp0@pp0",), ("b@tp0@pcp0@dcp0@pp0", "b@tp1@pcp0@dcp0@pp0")]
+    store = FakeStore(lambda keys: [1] * len(keys))
+    assert lookup.lookup(store, 33, hs("h", 2)) == 32
+    assert store.keys[:2] == ["a@tp0@pcp0@dcp0@pp0@6830", "a@tp0@pcp0@dcp0@pp0@6831"]
+
+
+@mooncake
+def test_the_issue_false_hit_on_a_real_master(store: MooncakeStore, key_prefix: str) -> None:
+    model = key_prefix.replace("@", "_")
+    dbs = [ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0, group_id=g), bs, 2) for g, bs in enumerate((2, 4, 4))]
+    specs: list[GroupSpecLike] = ["attention", "attention", GroupSpec("mamba")]
+    reader = KVTransfer(store, dbs, start_threads=False, group_specs=specs)
+    hashes = hs(model, 4)
+    buf = np.arange(64, dtype=np.uint8)
+    store.register_buffer(buf.ctypes.data, buf.nbytes)
+    try:
+        def put(group: int, units: Sequence[int]) -> None:
+            keys = [dbs[group].key_for(hashes[u]) for u in units]
+            assert store.batch_put_from(keys, [buf.ctypes.data] * len(keys), [16] * len(keys)).ok
+
+        put(0, range(4))
+        put(1, [1, 3])
+        put(2, [2])
+        assert reader.lookup(9, hashes) == 0
+        assert reader.store_lookup.lookup_with_boundaries(store, 9, hashes).hit_length == 6
+        put(1, [2])
+        assert reader.lookup(9, hashes) == 6
+    finally:
+        store.batch_remove([db.key_for(h) for db in dbs for h in hashes], force=True)
+        store.unregister_buffer(buf.ctypes.data)
+        reader.close()
+
+
+def test_the_033_walk_is_linear_when_groups_keep_undercutting_each_other() -> None:
+    # Sliding-window hits end at 2 mod 4, Mamba states at 0 mod 4: every round of the walk lowers the hit
+    # by one step, all the way down to 0 (2**16 rounds).
+    units = 1 << 16
+    dbs = [ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0, group_id=g), bs, 1) for g, bs in enumerate((4, 2, 4))]
+    lookup = StoreLookup(dbs, ["attention", GroupSpec("attention", sliding_window=3), GroupSpec("mamba")])
+    attention, window, mamba = np.ones(units, bool), np.zeros(units, bool), np.zeros(units, bool)
+    window[1::4] = True
+    mamba[3::4] = True
+    present = [attention, window, mamba]
+
+    answer = {"hit": -1}
+    elapsed = best_of(1, lambda: answer.update(hit=lookup.lookup_with_boundaries(
+        FakeStore(lambda keys: np.concatenate(present).astype(int).tolist()), units + 1,
+        [i.to_bytes(4, "little") for i in range(units)]).hit_length))
+    assert answer["hit"] == 0 and lookup.hit_length(present, units) == 0
+    assert elapsed < 5.0

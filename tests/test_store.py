@@ -20,15 +20,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fake_mooncake import FakeClock, fake_store
 from kvaddr_testing import wait_until
 from mooncake_kvaddr.driver import store as store_module
-from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.config import DEFAULT_REQUEST_TIMEOUT_S, StoreConfig
 from mooncake_kvaddr.driver.master import MOONCAKE_VARIANTS, EmbeddedMaster, free_ports, process_is_running
 from mooncake_kvaddr.driver.store import (
     BatchResult,
     Health,
     MooncakeStore,
     Outcome,
+    RequestDeadline,
     StoreClosedError,
     StoreError,
     StoreSetupError,
@@ -301,6 +303,122 @@ def test_setup_from_not_new_states_and_close_of_a_never_setup_store() -> None:
     assert store.state == "closed"
     with pytest.raises(StoreClosedError, match="closed"):
         store.setup()
+
+
+# ------------------------------------------------------------------------------------------- deadlines
+
+# A stand-in client with a fake clock (tests/fake_mooncake.py): a "hung" call takes 60 fake seconds, no real
+# time. See docs/transfer-modes.md, "Deadlines".
+
+
+def _call_store(store: MooncakeStore, method: str, n_keys: int, **kwargs: Any) -> BatchResult:
+    """``method`` on ``n_keys`` keys of 2 x 64-byte regions (contiguous calls: one 128-byte buffer per key)."""
+    buf = np.zeros((n_keys, 2, 64), dtype=np.uint8)
+    base = buf.ctypes.data
+    keys = [f"k{i}" for i in range(n_keys)]
+    if method.endswith("multi_buffers"):
+        addrs = [[base + (2 * i + j) * 64 for j in range(2)] for i in range(n_keys)]
+        sizes = [[64, 64] for _ in range(n_keys)]
+        return getattr(store, method)(keys, addrs, sizes, **kwargs)  # type: ignore[no-any-return]
+    ptrs = [base + 128 * i for i in range(n_keys)]
+    return getattr(store, method)(keys, ptrs, [128] * n_keys, **kwargs)  # type: ignore[no-any-return]
+
+
+DATA_CALLS = ["batch_put_from_multi_buffers", "batch_get_into_multi_buffers", "batch_put_from", "batch_get_into"]
+
+
+@pytest.mark.parametrize("method", DATA_CALLS)
+def test_a_call_that_waited_out_the_transfer_timeout_stops_the_batch(
+    monkeypatch: pytest.MonkeyPatch, method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with fake_store(monkeypatch, max_regions_per_batch=8) as (store, client):
+        if "get" in method:
+            _call_store(store, method.replace("get_into", "put_from"), 20)  # something to read
+            client.calls.clear()
+        client.hang_from = 2  # the peer hangs after the first sub-batch
+        deadline = store.deadline()
+        got = _call_store(store, method, 20, deadline=deadline)
+    per_call = 4 if method.endswith("multi_buffers") else 8  # 2 regions per key vs 1 per contiguous key
+    assert client.transfer_calls() == [per_call, per_call]  # no third call after the 60 s failure
+    assert got.outcomes == (Outcome.OK,) * per_call + (Outcome.TRANSFER_FAILED,) * (20 - per_call)
+    assert deadline.expired() and "transfer timeout" in (deadline.reason or "")
+    assert f"{20 - 2 * per_call} of 20 key(s) not attempted" in caplog.text
+
+
+def test_the_hung_call_rule_needs_both_the_failure_and_the_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    with fake_store(monkeypatch, max_regions_per_batch=8, request_timeout_s=None) as (store, client):
+        client.fail_fast = True  # -800 in 1 s: a bad argument or a full queue, not a hung peer
+        got = _call_store(store, "batch_put_from_multi_buffers", 20)
+        assert client.transfer_calls() == [4] * 5 and got.count(Outcome.TRANSFER_FAILED) == 20
+        client.calls.clear()
+        client.fail_fast, client.call_seconds = False, store_module.HUNG_CALL_THRESHOLD_S + 10  # slow but fine
+        got = _call_store(store, "batch_put_from_multi_buffers", 20)
+        assert client.transfer_calls() == [4] * 5 and got.ok
+
+
+@pytest.mark.parametrize("method", DATA_CALLS)
+def test_past_the_deadline_no_sub_batch_is_called(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    with fake_store(monkeypatch, max_regions_per_batch=8, request_timeout_s=25.0) as (store, client):
+        client.call_seconds = 10.0  # calls start at 0, 10, 20 s; at 30 s the deadline (25 s) has passed
+        got = _call_store(store, method, 20)
+    per_call = 4 if method.endswith("multi_buffers") else 8
+    calls = min(3, -(-20 // per_call))
+    assert client.transfer_calls() == [per_call] * (calls - 1) + [min(per_call, 20 - per_call * (calls - 1))]
+    tried = min(20, calls * per_call)
+    assert got.codes[tried:] == (-800,) * (20 - tried)
+    assert got.count(Outcome.TRANSFER_FAILED) == 20 - tried
+
+
+def test_one_deadline_spans_the_calls_of_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    with fake_store(monkeypatch, request_timeout_s=15.0) as (store, client):
+        client.call_seconds = 10.0
+        deadline = store.deadline()
+        assert _call_store(store, "batch_put_from", 3, deadline=deadline).ok  # 0 -> 10 s
+        assert _call_store(store, "batch_get_into", 3, deadline=deadline).ok  # 10 -> 20 s
+        got = _call_store(store, "batch_get_into", 3, deadline=deadline)  # 20 s > 15 s: not called
+        assert got.codes == (-800,) * 3 and len(client.calls) == 2
+        assert deadline.reason == "the request deadline of 15 s passed"
+        # A call without a deadline of its own gets a fresh one from the configuration.
+        assert _call_store(store, "batch_get_into", 3).ok and len(client.calls) == 3
+        # A deadline stopped by hand ends the request too.
+        stopped = RequestDeadline(None)
+        stopped.stop("shutting down")
+        assert _call_store(store, "batch_get_into", 3, deadline=stopped).codes == (-800,) * 3
+        assert stopped.reason == "shutting down" and len(client.calls) == 3
+
+
+def test_request_deadline_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(store_module, "_now", clock)
+    deadline = RequestDeadline(2.0)
+    assert not deadline.expired() and deadline.remaining() == 2.0 and deadline.reason is None
+    clock.advance(1.5)
+    assert deadline.remaining() == 0.5
+    clock.advance(0.5)
+    assert deadline.expired() and deadline.remaining() == 0.0
+    deadline.stop("later reason")
+    assert deadline.reason == "the request deadline of 2 s passed"  # the first reason stays
+    forever = RequestDeadline(None)
+    clock.advance(1e9)
+    assert not forever.expired() and forever.remaining() is None
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s"):
+            RequestDeadline(bad)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(0, ValueError), (-1, ValueError), (float("inf"), ValueError), ("10", TypeError),
+                         (True, TypeError)]
+)  # fmt: skip
+def test_request_timeout_is_validated(value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="request_timeout_s"):
+        StoreConfig(request_timeout_s=value)  # type: ignore[arg-type]
+
+
+def test_request_timeout_default_and_none() -> None:
+    assert StoreConfig().request_timeout_s == DEFAULT_REQUEST_TIMEOUT_S == 120.0
+    assert StoreConfig(request_timeout_s=None).request_timeout_s is None
+    assert StoreConfig.from_dict({"request_timeout_s": 5}).request_timeout_s == 5.0
 
 
 # ------------------------------------------------------------------------------------------- safety

@@ -1,56 +1,21 @@
-"""KVTransfer on a real store: store -> lookup -> load with byte checks, threads, failures (SPEC.md §3)."""
+"""KVTransfer on a real store: store -> lookup -> load with byte checks, threads, failures (docs/transfer-modes.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
 
+from kvaddr_testing import Cache, hashes
+from kvaddr_testing import make_transfer as transfer
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.master import EmbeddedMaster
-from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.store import MooncakeStore, StoreClosedError
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
 mooncake = pytest.mark.mooncake
-
-
-class Cache:
-    """A host KV cache: ``regions`` arrays of ``num_blocks`` blocks of ``block_bytes`` (random or zero)."""
-
-    def __init__(self, regions: int, num_blocks: int, block_bytes: int, seed: int | None = None) -> None:
-        rng = np.random.default_rng(seed) if seed is not None else None
-        self.num_blocks = num_blocks
-        self.regions: list[Any] = [
-            rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8)
-            if rng is not None
-            else np.zeros((num_blocks, block_bytes), dtype=np.uint8)
-            for _ in range(regions)
-        ]
-
-    def blocks(self, block_ids: list[int]) -> list[Any]:
-        return [region[block_ids] for region in self.regions]
-
-
-def hashes(tag: str, count: int) -> list[bytes]:
-    return [f"{tag}:{i}".encode() for i in range(count)]
-
-
-def transfer(
-    store: MooncakeStore, model: str, cache: Cache, block_size: int, *, groups: int = 1, **kwargs: Any
-) -> KVTransfer:
-    dbs = [ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0, group_id=g), block_size) for g in range(groups)]
-    xfer = KVTransfer(store, dbs, **kwargs)
-    xfer.register_kv_caches(cache.regions, cache.num_blocks)
-    return xfer
-
-
-@pytest.fixture
-def model(key_prefix: str) -> str:
-    """A model name unique to the test: its keys never collide with another test's."""
-    return key_prefix.replace("@", "_")
 
 
 # ------------------------------------------------------------------------------------------- round trip
@@ -60,7 +25,7 @@ def model(key_prefix: str) -> str:
 @pytest.mark.parametrize(
     ("mode", "resolved", "store_phases", "load_phases"),
     [
-        ("multi_buffer", "multi_buffer", {"keys", "exist", "prepare", "put"}, {"plan", "rotate", "get"}),
+        ("multi_buffer", "multi_buffer", {"keys", "exist", "prepare", "put"}, {"plan", "get"}),
         ("auto", "staged", {"keys", "exist", "prepare", "staging_wait", "gather", "put"},
          {"plan", "staging_wait", "get", "scatter"}),
     ],
@@ -205,28 +170,41 @@ def test_concurrent_loads_on_several_receive_threads(store: MooncakeStore, model
         for _h, ids in reqs:
             for a, b in zip(src.blocks(ids), dst.blocks(ids[::-1]), strict=True):
                 np.testing.assert_array_equal(a, b)
-        served_by = {t.name for t in reader._threads if t.name.startswith("KVCacheStoreRecvingThread")}
+        served_by = {t.name for t in reader.threads if t.name.startswith("KVCacheStoreRecvingThread")}
         assert len(served_by) == 3
 
 
-def test_closed_store_lookup_is_a_miss_and_load_reports_every_block() -> None:
-    # Never set up: calls raise StoreClosedError, which lookup and load absorb as failures.
-    store = MooncakeStore(master_server_address="127.0.0.1:1")
-    cache = Cache(1, 4, 64)
+def test_nothing_moves_before_register_kv_caches() -> None:
+    store = MooncakeStore(master_server_address="127.0.0.1:1")  # never set up: any Mooncake call would raise
     db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
-    db.set_kv_caches_base_addr([cache.regions[0].ctypes.data])
+    db.set_kv_caches_base_addr([Cache(1, 4, 64).regions[0].ctypes.data])  # rows set by hand are not enough
     db.set_block_len([64])
     with KVTransfer(store, [db], num_recv_threads=2) as xfer:
+        h = hashes("unregistered", 3)
+        loaded = xfer.submit_load(TransferRequest("r", 48, h, [[1, 2, 3]])).result(timeout=10)
+        assert loaded.failed_block_ids == {1, 2, 3} and not loaded.loaded_block_ids
+        assert loaded.error is not None and "register_kv_caches" in loaded.error
+        with pytest.raises(RuntimeError, match="register_kv_caches"):
+            xfer.submit_store(TransferRequest("r", 48, h, [[1, 2, 3]])).result(timeout=10)
+
+
+@mooncake
+def test_a_store_closed_underneath_is_a_miss_and_load_reports_every_block(store_config: StoreConfig) -> None:
+    cache = Cache(2, 4, 64)
+    own = MooncakeStore(store_config).setup()
+    xfer = transfer(own, "closed-underneath", cache, 16, num_recv_threads=2)
+    own.close()
+    try:
         h = hashes("closed", 3)
         assert xfer.lookup(48, h) == 0
         loaded = xfer.submit_load(TransferRequest("r", 48, h, [[1, 2, 3]])).result(timeout=10)
         assert loaded.failed_block_ids == {1, 2, 3} and not loaded.loaded_block_ids
-        assert loaded.error is not None and "not set up" in loaded.error
-        with pytest.raises(Exception, match="not set up"):
+        assert loaded.error is not None and "StoreClosedError" in loaded.error
+        with pytest.raises(StoreClosedError):
             xfer.submit_store(TransferRequest("r", 48, h, [[1, 2, 3]])).result(timeout=10)
-    with pytest.raises(RuntimeError, match="closed"):
-        xfer.submit_load(TransferRequest("r", 48, h, [[1, 2, 3]]))
-    assert not any(t.is_alive() for t in xfer._threads)
+    finally:
+        xfer.close()
+    assert not any(t.is_alive() for t in xfer.threads)
 
 
 def test_argument_checks() -> None:

@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 
 #include "bindings/common.hpp"
+#include "bindings/register_mooncake_client.hpp"
 
 namespace kvaddr::py_bindings { void register_layout(py::module_& m); }  // register_layout.cpp
 namespace kvaddr::py_bindings { void register_rows(py::module_& m); }  // register_rows.cpp
@@ -15,4 +16,5 @@ PYBIND11_MODULE(_native, m) {
     kvaddr::py_bindings::register_staging(m);
     kvaddr::py_bindings::register_layout(m);
     kvaddr::py_bindings::register_rows(m);
+    kvaddr::py_bindings::register_mooncake_client(m);
 }

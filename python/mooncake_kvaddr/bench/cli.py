@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         e2e_shape = Shape(tokens=32_768) if quick else HEADLINE
         report.add("end_to_end", end_to_end.run(e2e_shape, reps=3 if quick else 10))
-        report.add("tcp", tcp.run(100 if quick else 1000, 100, 2048, reps=1 if quick else 3))
+        # --quick stays under the TCP region budget (800 regions): every path should succeed in one call, in
+        # well under a second. The full run's 100,000 regions show vLLM's single call failing, which can take
+        # Mooncake's 60 s transfer timeout (docs/benchmarks.md).
+        report.add("tcp", tcp.run(8 if quick else 1000, 100, 2048, reps=1 if quick else 3))
         if quick:
             shapes = [(256, 100, 2048)]
         else:  # equal payloads at 2 and 8 KiB; 32 KiB at a quarter of the chunks to fit in memory

@@ -36,6 +36,7 @@ from mooncake_kvaddr.driver.values import (
 
 __all__ = [
     "DEFAULT_CONFIG_ENV",
+    "DEFAULT_REQUEST_TIMEOUT_S",
     "MIN_GLOBAL_SEGMENT_SIZE",
     "MODES",
     "TRANSFER_MODES",
@@ -84,6 +85,12 @@ _DEFAULT_REGION_BUDGET: Final = {"tcp": 1000, "rdma": 1 << 20}
 #: ``batch_*_multi_buffers`` calls), ``"staged"`` copies the regions natively through one contiguous staging
 #: slot per key, ``"auto"`` stages host-memory layouts with more than one region per key.
 TRANSFER_MODES: Final = ("auto", "staged", "multi_buffer")
+
+#: Default of :attr:`StoreConfig.request_timeout_s`. Generous: the longest healthy request measured over TCP
+#: (the headline load in multi-buffer mode across namespaces, ~10 s) fits ten times over, so a loaded host
+#: does not hit it; a hung peer is cut short by the transfer-timeout rule first (docs/transfer-modes.md,
+#: "Deadlines").
+DEFAULT_REQUEST_TIMEOUT_S: Final = 120.0
 
 # Mooncake refuses a smaller non-zero segment at setup ("Total size must be at least 16777216" -> -600).
 MIN_GLOBAL_SEGMENT_SIZE: Final = 16 << 20
@@ -139,6 +146,12 @@ class StoreConfig:
     ``docs/configuration.md``)."""
     close_timeout_s: float = 120.0
     """How long ``close()`` waits for calls in flight (a TCP transfer may take 60 s to time out)."""
+    request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
+    """Deadline of one request: a store batch call, or one ``KVTransfer`` load or store. Checked before every
+    Mooncake call the request makes (each sub-batch, each staged batch); once it has passed, the remaining
+    keys fail ``TRANSFER_FAILED`` without another call. A call already in flight is not interrupted, so a
+    request ends within this plus one call (at most Mooncake's fixed 60 s transfer timeout). ``None``: no
+    deadline. See ``docs/transfer-modes.md``, "Deadlines"."""
     master_start_timeout_s: float = 15.0
     """How long to wait for the embedded master to be ready."""
     master_args: tuple[str, ...] = ()
@@ -212,6 +225,8 @@ class StoreConfig:
         if self.setup_retries is not None:
             check_int("setup_retries", self.setup_retries, low=1, high=_MAX_SETUP_RETRIES)
         put("close_timeout_s", check_timeout("close_timeout_s", self.close_timeout_s))
+        if self.request_timeout_s is not None:
+            put("request_timeout_s", check_timeout("request_timeout_s", self.request_timeout_s))
         put("master_start_timeout_s", check_timeout("master_start_timeout_s", self.master_start_timeout_s))
         args = self.master_args
         if isinstance(args, str) or not isinstance(args, (list, tuple)):

@@ -1,4 +1,4 @@
-"""Store lookup: how many leading prompt tokens every KV-cache group can load (SPEC.md §1.4, §3.5).
+"""Store lookup: how many leading prompt tokens every KV-cache group can load (docs/lookup.md).
 
 Lookup runs on one rank for the whole deployment, so a chunk counts as stored only when every rank
 namespace that will load it holds it. Per group, the namespaces come from the parallel layout and the
@@ -9,17 +9,24 @@ built once, at construction. A lookup then
    partial-hash hits are on),
 2. builds every candidate key - groups in order, probed units ascending, all namespaces of a unit
    next to each other - and asks the store about all of them in one ``batch_is_exist``,
-3. reduces the answers to per-unit presence (present only if every namespace answered exactly 1), and
-4. walks the groups the way vLLM's hybrid KV-cache coordinator does, group type by group type, to the
-   longest prefix that every group can serve. A hit covering the whole prompt is re-derived one token
-   shorter (the last token must be recomputed) from the same answers, without a second RPC.
+3. reduces the answers to per-unit presence (present only if every namespace answered exactly 1; the
+   answers are consumed exactly: a count mismatch is a miss, never a shifted read), and
+4. returns the longest aligned length ``H`` below the prompt's last token that **every** group can load
+   with the keys a loader derives from ``H`` (docs/lookup.md, "What a group needs to load H").
 
 Two probing modes, fixed by the group layout:
 
 * coarse (the usual one): group ``g`` probes its chunks of ``block_size`` tokens, named by the compact
-  chunk hash (SPEC.md §1.2), only where its lookup mask allows it (the mask is read before the hash);
+  chunk hash, only where its lookup mask allows it (the mask is read before the hash);
 * fine-grained: when an align-mode Mamba group has ``block_size > hash_block_size`` (or ``>=`` with DCP),
   every group probes every ``hash_block_size`` unit under its raw hash, and hits land on those units.
+
+Cost: O(hashes x namespaces) keys and O(hashes x groups) arithmetic, independent of ``num_tokens``
+(docs/lookup.md, "Cost").
+
+:meth:`StoreLookup.lookup_with_boundaries` is the vLLM 0.33 shape of the answer: the hit length as vLLM
+0.33's hybrid coordinator derives it, plus per group the token boundary whose key stores the tail block
+(a loader that honours these boundaries may load a partial tail from a longer stored key).
 
 Supported group types: full attention (MHA/GQA/MLA and uniform mixes of them), sliding-window attention
 and Mamba. Not supported: EAGLE's dropped last block and chunked-local attention.
@@ -29,9 +36,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlobBlockHashes, BlockHash, chunk_hashes_for_block_size
@@ -45,20 +56,41 @@ from mooncake_kvaddr.core.keys import (
 )
 from mooncake_kvaddr.driver.store import BatchResult
 
-__all__ = ["ExistenceStore", "GroupSpec", "GroupSpecLike", "LookupPlan", "ParallelLayout", "StoreLookup"]
+__all__ = [
+    "ExistenceStore",
+    "GroupSpec",
+    "GroupSpecLike",
+    "LookupPlan",
+    "LookupPrefixSource",
+    "LookupResult",
+    "ParallelLayout",
+    "StoreLookup",
+    "TailKeyBoundary",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Mamba state caching modes (vLLM's ``mamba_cache_mode``); only "align" can enable partial-hash hits.
 MAMBA_CACHE_MODES = ("align", "all", "none")
 
+#: Most rank namespaces one group may expand to (pcp x tp x pp): every lookup probes each of them per unit.
+MAX_NAMESPACES = 1 << 16
+
+BoolArray = npt.NDArray[np.bool_]
+#: Per group, per unit presence: any sequence of bools (lists, numpy arrays).
+Presence = Sequence[Sequence[bool] | BoolArray]
+IntArray = npt.NDArray[np.int64]
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The deployment's parallel sizes, as far as key namespaces go (SPEC.md §1.4).
+    """The deployment's parallel sizes, as far as key namespaces go (docs/lookup.md, "Rank namespaces").
 
     ``num_kv_heads`` is the model's total number of KV heads: with ``tp_size`` above it, TP ranks hold
-    identical attention bytes and share one namespace (the replication factor).
+    identical attention bytes and share one namespace (the replication factor). Checked at construction:
+    every size is an int >= 1; ``tp_size`` and ``num_kv_heads`` divide one another (KV heads are split
+    evenly over TP ranks, or each head is replicated on the same number of ranks); ``dcp_size`` divides
+    ``tp_size`` (DCP subdivides the TP group); at most :data:`MAX_NAMESPACES` namespaces per group.
     """
 
     tp_size: int = 1
@@ -72,6 +104,23 @@ class ParallelLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelLayout.{name}: must be an int >= 1, got {value!r}")
+        tp, heads = self.tp_size, self.num_kv_heads
+        if max(tp, heads) % min(tp, heads):
+            raise ValueError(
+                f"ParallelLayout: tp_size {tp} and num_kv_heads {heads} must divide one another (KV heads are "
+                "split evenly over TP ranks, or replicated on an equal number of ranks each)"
+            )
+        if tp % self.dcp_size:
+            raise ValueError(
+                f"ParallelLayout: dcp_size {self.dcp_size} must divide tp_size {tp} (decode context parallelism "
+                "subdivides the tensor-parallel group)"
+            )
+        namespaces = self.pcp_size * tp * self.pp_size
+        if namespaces > MAX_NAMESPACES:
+            raise ValueError(
+                f"ParallelLayout: pcp_size x tp_size x pp_size = {namespaces} rank namespaces exceeds "
+                f"{MAX_NAMESPACES}; every lookup would probe each of them"
+            )
 
 
 KindLike = SpecKind | str | Sequence[SpecKind | str]
@@ -84,8 +133,9 @@ class GroupSpec:
     Args:
         kind: ``"attention"`` (MHA/GQA), ``"mla"`` or ``"mamba"``; a sequence of kinds for a uniform-type
             group (e.g. MLA and GQA layers sharing one group).
-        sliding_window: tokens of a sliding-window attention group (``None``: full attention). A hit needs
-            only the blocks inside the window before its end.
+        sliding_window: tokens of a sliding-window attention group (``None``: full attention), at least 2.
+            A hit needs only the blocks inside the window before its end. (A 1-token window attends to
+            nothing cached: no stored block could ever decide a hit, so it is refused.)
         mamba_cache_mode: for Mamba groups, vLLM's ``mamba_cache_mode``; ``"align"`` with
             ``block_size > hash_block_size`` switches the whole lookup to fine-grained units.
     """
@@ -111,9 +161,12 @@ class GroupSpec:
         if sliding_window is not None:
             if mamba:
                 raise ValueError("GroupSpec: sliding_window applies to attention groups, not Mamba")
-            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-                raise ValueError(f"GroupSpec: sliding_window must be an int >= 1, got {sliding_window!r}")
-        if mamba_cache_mode not in MAMBA_CACHE_MODES:
+            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 2:
+                raise ValueError(
+                    f"GroupSpec: sliding_window must be an int >= 2, got {sliding_window!r} (a 1-token window "
+                    "needs no cached block, so no stored chunk could ever decide a hit)"
+                )
+        if not isinstance(mamba_cache_mode, str) or mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(
                 f"GroupSpec: mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, got {mamba_cache_mode!r}"
             )
@@ -146,40 +199,81 @@ class ExistenceStore(Protocol):
     def batch_is_exist(self, keys: list[str]) -> BatchResult | Sequence[int]: ...
 
 
+class LookupPrefixSource(Protocol):
+    """What vLLM 0.33 calls a store layout, as far as lookup goes: the key prefixes of one group under the
+    given ``(tp, pcp, dcp, pp)`` rank namespaces (in probe order)."""
+
+    def lookup_key_prefixes(self, rank_namespaces: Sequence[tuple[int, int, int, int]]) -> Sequence[str]: ...
+
+
+@dataclass(frozen=True)
+class TailKeyBoundary:
+    """The token boundary whose key stores group ``group_id``'s tail block (vLLM 0.33's shape).
+
+    A loader keys the block that ends the hit with ``block_hashes[num_tokens // hash_block_size - 1]``
+    instead of the hash at the hit length; ``num_tokens`` equals the hit length unless the group holds only
+    a longer partial (or full) key of that block.
+    """
+
+    group_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """vLLM 0.33's lookup answer: the hit length and, for a non-zero hit, one tail boundary per group."""
+
+    hit_length: int
+    tail_key_boundaries: tuple[TailKeyBoundary, ...] = ()
+
+
 @dataclass
 class LookupPlan:
     """One lookup's candidate keys and how their answers fold back into per-group units.
 
     ``units[g]`` lists the probed unit ids of group ``g`` (ascending); ``unit_counts[g]`` is how many units
     the group could have probed (masked units count, and read as absent). Group ``g`` owns
-    ``len(units[g]) * widths[g]`` consecutive keys, group-major.
+    ``key_counts[g] == len(units[g]) * widths[g]`` consecutive keys, group-major; :meth:`presence` checks
+    every count, so an answer is never read for the wrong group.
     """
 
     keys: list[str] = field(default_factory=list)
-    units: list[list[int]] = field(default_factory=list)
+    units: list[Sequence[int]] = field(default_factory=list)
     unit_counts: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)
+    key_counts: list[int] = field(default_factory=list)
 
-    def presence(self, results: Sequence[int]) -> list[list[bool]]:
-        """Per group, per unit: stored under every namespace (each result exactly 1)."""
-        if len(results) != len(self.keys):
+    def presence(self, results: Sequence[int]) -> list[BoolArray]:
+        """Per group, per unit: stored under every namespace (each result exactly 1).
+
+        Raises ``ValueError`` when the answers do not match the keys one for one.
+        """
+        if len(results) != len(self.keys) or sum(self.key_counts) != len(self.keys):
             raise ValueError(f"{len(results)} exist results for {len(self.keys)} keys")
-        present: list[list[bool]] = []
+        present: list[BoolArray] = []
         pos = 0
-        for units, count, width in zip(self.units, self.unit_counts, self.widths, strict=True):
-            end = pos + len(units) * width
-            flags = reduce_exists(results[pos:end], width) if units else []
-            row = [False] * count
-            for unit, flag in zip(units, flags, strict=True):
-                row[unit] = flag
+        for units, count, width, n_keys in zip(
+            self.units, self.unit_counts, self.widths, self.key_counts, strict=True
+        ):
+            if n_keys != len(units) * width:
+                raise ValueError(f"{n_keys} keys for {len(units)} units x {width} namespaces")
+            row = np.zeros(count, dtype=np.bool_)
+            if n_keys:
+                flags = reduce_exists(results[pos : pos + n_keys], width)
+                if len(flags) != len(units):
+                    raise ValueError(f"{len(flags)} unit answers for {len(units)} units")
+                if isinstance(units, range):
+                    row[units.start : units.stop] = flags
+                else:
+                    row[np.asarray(units, dtype=np.int64)] = flags
             present.append(row)
-            pos = end
+            pos += n_keys
         return present
 
 
 @dataclass(frozen=True)
 class _SpecGroup:
-    """Groups with equal specs: a unit is present only if every member group has it (like vLLM's SpecGroup)."""
+    """Groups with equal specs and block sizes (vLLM merges them: a unit counts only if all members have it)."""
 
     spec: GroupSpec
     block_size: int
@@ -187,7 +281,7 @@ class _SpecGroup:
 
 
 class StoreLookup:
-    """Lookup over one worker's KV-cache groups (SPEC.md §3.5), probing every rank namespace (§1.4).
+    """Lookup over one worker's KV-cache groups, probing every rank namespace (docs/lookup.md).
 
     Args:
         databases: one database per KV-cache group, in group order (their metadata names the keys).
@@ -195,6 +289,8 @@ class StoreLookup:
             sequence of them for a uniform group); default: full attention everywhere.
         layout: the parallel layout whose rank namespaces must all hold a chunk. ``None``: this worker's
             own namespace only (each database's own key prefix), the single-rank behaviour.
+        key_prefixes: per group, the lookup key prefixes to probe (in probe order), replacing the ones built
+            from ``layout`` (e.g. from a vLLM 0.33 store layout: see :meth:`from_prefix_sources`).
     """
 
     def __init__(
@@ -202,18 +298,22 @@ class StoreLookup:
         databases: Sequence[ChunkedTokenDatabase],
         specs: Sequence[GroupSpecLike] | None = None,
         layout: ParallelLayout | None = None,
+        *,
+        key_prefixes: Sequence[Sequence[str]] | None = None,
     ) -> None:
         if not databases:
             raise ValueError("databases: need one ChunkedTokenDatabase per KV-cache group (at least one)")
         if specs is not None and len(specs) != len(databases):
             raise ValueError(f"specs: {len(specs)} specs for {len(databases)} KV-cache groups")
+        if layout is not None and not isinstance(layout, ParallelLayout):
+            raise TypeError(f"layout: expected a ParallelLayout, got {type(layout).__name__}")
         self.databases = list(databases)
         self.specs = [GroupSpec.of(s) for s in specs] if specs is not None else [GroupSpec()] * len(databases)
         self.layout = layout
         self.block_sizes = [db.block_size for db in self.databases]
         self.scheduler_block_size = math.lcm(*self.block_sizes)
+        self.factors: list[int] | None = None
         if layout is None:
-            self.factors: list[int] | None = None
             self.prefixes: list[tuple[str, ...]] = [(db.key_prefix,) for db in self.databases]
         else:
             self.factors = [
@@ -221,10 +321,11 @@ class StoreLookup:
                 for spec in self.specs
             ]
             self.prefixes = [
-                tuple(lookup_prefixes(db.metadata, lookup_namespaces(
-                    layout.tp_size, layout.pcp_size, layout.dcp_size, layout.pp_size, factor)))
-                for db, factor in zip(self.databases, self.factors, strict=True)
+                tuple(lookup_prefixes(db.metadata, namespaces))
+                for db, namespaces in zip(self.databases, self.rank_namespaces(), strict=True)
             ]
+        if key_prefixes is not None:
+            self.prefixes = self._checked_prefixes(key_prefixes)
         hash_block_sizes = {db.hash_block_size for db in self.databases}
         # One hash chain feeds every group, so they must agree on its granularity; checked at lookup time so
         # that transfers whose groups disagree still construct (store/load use each group's own size).
@@ -238,7 +339,34 @@ class StoreLookup:
         self.alignment = hbs if self.partial_hash_hits and hbs is not None else self.scheduler_block_size
         self._spec_groups = self._merge_spec_groups()
 
+    @classmethod
+    def from_prefix_sources(
+        cls,
+        databases: Sequence[ChunkedTokenDatabase],
+        sources: Sequence[LookupPrefixSource],
+        specs: Sequence[GroupSpecLike] | None = None,
+        layout: ParallelLayout | None = None,
+    ) -> StoreLookup:
+        """A lookup whose prefixes come from per-group store layouts (vLLM 0.33's
+        ``lookup_key_prefixes(rank_namespaces)``), fed this layout's namespaces for each group."""
+        if len(sources) != len(databases):
+            raise ValueError(f"sources: {len(sources)} prefix sources for {len(databases)} KV-cache groups")
+        probe = cls(databases, specs, layout)
+        namespaces = probe.rank_namespaces()
+        prefixes = [tuple(src.lookup_key_prefixes(ns)) for src, ns in zip(sources, namespaces, strict=True)]
+        return cls(databases, specs, layout, key_prefixes=prefixes)
+
     # ------------------------------------------------------------------ public API
+
+    def rank_namespaces(self) -> list[list[tuple[int, int, int, int]]]:
+        """Per group, the ``(tp, pcp, dcp, pp)`` namespaces a lookup probes (docs/lookup.md, "Rank namespaces");
+        without a layout, each group's own ranks."""
+        if self.layout is None or self.factors is None:
+            return [[(db.metadata.tp_rank, db.metadata.pcp_rank, db.metadata.dcp_rank, db.metadata.pp_rank)]
+                    for db in self.databases]
+        lay = self.layout
+        return [lookup_namespaces(lay.tp_size, lay.pcp_size, lay.dcp_size, lay.pp_size, factor)
+                for factor in self.factors]
 
     def align_lookup_length(self, length: int) -> int:
         """``length`` floored to the lookup alignment (hash unit with partial-hash hits, else scheduler block)."""
@@ -248,20 +376,17 @@ class StoreLookup:
         """Per group, which chunks can decide a hit at an aligned boundary ``<= token_len`` (None: all).
 
         Full attention needs every chunk. A sliding-window group needs only the blocks inside the window
-        before an aligned boundary, a Mamba group only the block that ends on one. Coarse mode only.
+        before an aligned boundary, a Mamba group only the block that ends on one. Coarse mode only. The lists
+        have ``ceil(token_len / block_size)`` entries: :meth:`lookup` itself never builds them.
         """
         masks: list[list[bool] | None] = []
-        for spec, bs in zip(self.specs, self.block_sizes, strict=True):
-            per_boundary = self.alignment // bs  # chunks between two aligned boundaries
-            if spec.is_full_attention or per_boundary <= 1:
+        for g, bs in enumerate(self.block_sizes):
+            rule = self._mask_rule(g)
+            if rule is None:
                 masks.append(None)
                 continue
-            needed = 1 if spec.is_mamba else _window_blocks(spec, bs)
-            if needed >= per_boundary:
-                masks.append(None)
-                continue
-            chunks = -(-token_len // bs)
-            masks.append([i % per_boundary >= per_boundary - needed for i in range(chunks)])
+            per, needed = rule
+            masks.append([i % per >= per - needed for i in range(-(-token_len // bs))])
         return masks
 
     def plan(
@@ -274,45 +399,48 @@ class StoreLookup:
 
         ``lookup_masks`` (coarse mode only) replaces :meth:`lookup_masks`: per group, a mask over absolute
         chunk ids (``None``: all chunks); chunks past the mask are not probed. A masked chunk's hash is never
-        read.
+        read. Work is bounded by the hashes, not by ``token_len``.
         """
         hbs = self._require_hash_block_size()
+        token_len = _as_int("token_len", token_len)
         plan = LookupPlan()
         if self.partial_hash_hits:
-            count = min(len(block_hashes), token_len // hbs)
+            count = max(0, min(len(block_hashes), token_len // hbs))
             for g in range(len(self.databases)):
                 self._probe(plan, g, block_hashes, range(count), count)
             return plan
-        if lookup_masks is None:
-            masks: Sequence[Sequence[bool] | None] = self.lookup_masks(token_len)
-        elif len(lookup_masks) != len(self.databases):
+        if lookup_masks is not None and len(lookup_masks) != len(self.databases):
             raise ValueError(f"lookup_masks: {len(lookup_masks)} masks for {len(self.databases)} KV-cache groups")
-        else:
-            masks = lookup_masks
         for g, bs in enumerate(self.block_sizes):
             group_hashes = chunk_hashes_for_block_size(block_hashes, hbs, bs)
-            count = min(len(group_hashes), -(-token_len // bs))
-            mask = masks[g]
-            if mask is None:
-                units: Sequence[int] = range(count)
+            count = max(0, min(len(group_hashes), -(-token_len // bs)))
+            units: Sequence[int]
+            if lookup_masks is not None:
+                mask = lookup_masks[g]
+                units = range(count) if mask is None else [i for i in range(min(count, len(mask))) if mask[i]]
+            elif (rule := self._mask_rule(g)) is None:
+                units = range(count)
             else:
-                units = [i for i in range(min(count, len(mask))) if mask[i]]
+                per, needed = rule
+                units = [i for i in range(count) if i % per >= per - needed]
             self._probe(plan, g, group_hashes, units, count)
         return plan
 
-    def hit_length(self, present: Sequence[Sequence[bool]], max_length: int) -> int:
-        """Longest prefix of at most ``max_length`` tokens every group can load, given per-unit presence.
-
-        Mirrors vLLM's hybrid coordinator: full-attention groups first, then the others, repeated until the
-        length settles; with partial-hash hits, a length that ends inside a full-attention block must also
-        have that block's partial key, else the next lower aligned length is tried.
-        """
-        candidate = max_length
-        while True:
-            hit = self._converge(present, candidate)
-            if hit == 0 or self._partial_boundary_present(present, hit):
-                return hit
-            candidate = max(0, hit - self.alignment)
+    def hit_length(self, present: Presence, max_length: int) -> int:
+        """Longest aligned prefix of at most ``max_length`` tokens that every group can load, given per-unit
+        presence (docs/lookup.md, "What a group needs to load H"): the loader keys each group's last chunk
+        with the hash at the hit's end, so that exact key must be stored. Linear in the units."""
+        tables = self._tables(present)
+        top = self._top(tables, max_length)
+        if top <= 0:
+            return 0
+        ok = np.ones(top, dtype=np.bool_)
+        for g, table in enumerate(tables):
+            ok &= self._loadable(g, table, top)
+            if not ok.any():
+                return 0
+        hits = np.flatnonzero(ok)
+        return int(hits[-1] + 1) * self.alignment if hits.size else 0
 
     def lookup(
         self,
@@ -327,28 +455,55 @@ class StoreLookup:
         A store failure (an exception or a malformed answer) is a miss: 0. A hit covering the whole prompt
         is re-derived below ``num_tokens`` from the same answers, so the last token is recomputed.
         """
-        token_len = self.align_lookup_length(num_tokens)
-        if not block_hashes or token_len <= 0:
+        present = self._present(store, num_tokens, block_hashes, lookup_masks)
+        if present is None:
             return 0
-        plan = self.plan(token_len, block_hashes, lookup_masks)
-        if not plan.keys:
-            return 0
-        try:
-            answer = store.batch_is_exist(plan.keys)
-            results = answer.codes if isinstance(answer, BatchResult) else answer
-            present = plan.presence(results)
-        except Exception as exc:  # a lookup never fails the scheduler: whatever went wrong is a miss
-            logger.warning("lookup: batch_is_exist over %d keys failed: %s", len(plan.keys), exc)
-            return 0
-        hit = self.hit_length(present, token_len)
-        if hit >= num_tokens:
-            usable = self.align_lookup_length(num_tokens - 1)
-            if usable <= 0:
-                return 0
-            hit = self.hit_length(present, usable)
-        return hit
+        num_tokens = _as_int("num_tokens", num_tokens)
+        # The longest loadable length strictly below num_tokens (docs/lookup.md, "The last token").
+        return self.hit_length(present, self.align_lookup_length(num_tokens - 1))
 
-    # ------------------------------------------------------------------ internals
+    def lookup_with_boundaries(
+        self,
+        store: ExistenceStore,
+        num_tokens: int,
+        block_hashes: Sequence[BlockHash],
+        *,
+        lookup_masks: Sequence[Sequence[bool] | None] | None = None,
+    ) -> LookupResult:
+        """vLLM 0.33's lookup: the hit as its hybrid coordinator converges on it, and per group the boundary
+        whose key stores the tail block (docs/lookup.md, "Tail key boundaries"). A loader must honour the
+        boundaries: with partial-hash hits a group's tail may be loadable only from a longer stored key."""
+        present = self._present(store, num_tokens, block_hashes, lookup_masks)
+        if present is None:
+            return LookupResult(0)
+        tables = self._tables(present)
+        num_tokens = _as_int("num_tokens", num_tokens)
+        token_len = self.align_lookup_length(num_tokens)
+        hit = self._converge(tables, token_len)
+        if hit >= num_tokens:
+            hit = self._converge(tables, self.align_lookup_length(num_tokens - 1))
+        if hit <= 0:
+            return LookupResult(0)
+        return LookupResult(hit, self._tail_boundaries(tables, hit))
+
+    # ------------------------------------------------------------------ internals: probing
+
+    def _checked_prefixes(self, key_prefixes: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+        if len(key_prefixes) != len(self.databases):
+            raise ValueError(
+                f"key_prefixes: {len(key_prefixes)} prefix lists for {len(self.databases)} KV-cache groups"
+            )
+        checked: list[tuple[str, ...]] = []
+        for g, group in enumerate(key_prefixes):
+            if isinstance(group, (str, bytes)):
+                raise TypeError(f"key_prefixes[{g}]: expected a sequence of str, got a single {type(group).__name__}")
+            prefixes = tuple(group)
+            if not prefixes or len(prefixes) > MAX_NAMESPACES:
+                raise ValueError(f"key_prefixes[{g}]: need 1 to {MAX_NAMESPACES} prefixes, got {len(prefixes)}")
+            if not all(isinstance(p, str) for p in prefixes):
+                raise TypeError(f"key_prefixes[{g}]: every prefix must be a str")
+            checked.append(prefixes)
+        return checked
 
     def _require_hash_block_size(self) -> int:
         if self.hash_block_size is None:
@@ -357,19 +512,55 @@ class StoreLookup:
                              "feeds every group, so they must share it")
         return self.hash_block_size
 
+    def _mask_rule(self, g: int) -> tuple[int, int] | None:
+        """Coarse mode: ``(chunks per aligned boundary, chunks needed before one)``, or None (probe all)."""
+        spec, bs = self.specs[g], self.block_sizes[g]
+        per_boundary = self.alignment // bs
+        if self.partial_hash_hits or spec.is_full_attention or per_boundary <= 1:
+            return None
+        needed = 1 if spec.is_mamba else _window_blocks(spec, bs)
+        return None if needed >= per_boundary else (per_boundary, needed)
+
     def _probe(
         self, plan: LookupPlan, g: int, hashes: Sequence[BlockHash], units: Sequence[int], count: int
     ) -> None:
         prefixes = self.prefixes[g]
         if isinstance(units, range) and isinstance(hashes, BlobBlockHashes) and hashes.hash_len:
             # A leading run of a wire blob: hand the bytes over as they are, no object per hash.
-            view = memoryview(hashes.blob)[: len(units) * hashes.hash_len]
-            plan.keys.extend(build_lookup_keys(prefixes, BlobBlockHashes(view, hashes.hash_len)))
+            keys = build_lookup_keys(prefixes, BlobBlockHashes(_leading_bytes(hashes, len(units)), hashes.hash_len))
         else:
-            plan.keys.extend(build_lookup_keys(prefixes, [hashes[i] for i in units]))
-        plan.units.append(list(units))
+            keys = build_lookup_keys(prefixes, [hashes[i] for i in units])
+        if len(keys) != len(units) * len(prefixes):
+            raise ValueError(f"lookup: group {g} built {len(keys)} keys for {len(units)} units x "
+                             f"{len(prefixes)} namespaces; its hash view does not match its hashes")
+        plan.keys.extend(keys)
+        plan.units.append(units)
         plan.unit_counts.append(count)
         plan.widths.append(len(prefixes))
+        plan.key_counts.append(len(keys))
+
+    def _present(
+        self,
+        store: ExistenceStore,
+        num_tokens: int,
+        block_hashes: Sequence[BlockHash],
+        lookup_masks: Sequence[Sequence[bool] | None] | None,
+    ) -> list[BoolArray] | None:
+        """Per-unit presence for a ``num_tokens`` lookup, or None when nothing can hit (or the store failed)."""
+        num_tokens = _as_int("num_tokens", num_tokens)
+        token_len = self.align_lookup_length(num_tokens)
+        if not block_hashes or token_len <= 0:
+            return None
+        plan = self.plan(token_len, block_hashes, lookup_masks)
+        if not plan.keys:
+            return None
+        try:
+            answer = store.batch_is_exist(plan.keys)
+            results = answer.codes if isinstance(answer, BatchResult) else answer
+            return plan.presence(results)
+        except Exception as exc:  # a lookup never fails the scheduler: whatever went wrong is a miss
+            logger.warning("lookup: batch_is_exist over %d keys failed: %s", len(plan.keys), exc)
+            return None
 
     def _merge_spec_groups(self) -> list[_SpecGroup]:
         merged: dict[tuple[GroupSpec, int], list[int]] = {}
@@ -379,57 +570,144 @@ class StoreLookup:
         groups.sort(key=lambda group: not group.spec.is_full_attention)  # stable: full attention first
         return groups
 
-    def _units(self, present: Sequence[Sequence[bool]], group: _SpecGroup) -> list[bool]:
-        rows = [present[g] for g in group.members]
-        if len(rows) == 1:
-            return list(rows[0])
-        return [all(flags) for flags in zip(*rows)]
+    # ------------------------------------------------------------------ internals: hit arithmetic
+    #
+    # Hits are counted in alignment steps j (H = j * alignment). A group's probed units are ``unit`` tokens
+    # long (hash_block_size with partial-hash hits, else its block size); ``k = alignment // unit`` units
+    # make one step and ``s = block_size // unit`` units one block. Everything below is O(units).
 
-    def _find(self, present: Sequence[Sequence[bool]], group: _SpecGroup, max_length: int) -> int:
-        units = self._units(present, group)
-        bs, align = group.block_size, self.alignment
-        hbs = self._require_hash_block_size()
-        if self.partial_hash_hits:
-            # Units are hash-sized; a block's own key is the unit that ends it.
-            raw: list[bool] | None = units
-            chunks = units[bs // hbs - 1 :: bs // hbs]
-        else:
-            raw, chunks = None, units
-        if group.spec.is_mamba:
-            return _mamba_hit(chunks, raw, bs, hbs, max_length, align)
-        if group.spec.sliding_window is not None:
-            return _sliding_window_hit(chunks, bs, _window_blocks(group.spec, bs), max_length, align)
-        return _full_attention_hit(chunks, raw, bs, hbs, max_length, align)
+    def _unit(self, g: int) -> int:
+        return self._require_hash_block_size() if self.partial_hash_hits else self.block_sizes[g]
 
-    def _converge(self, present: Sequence[Sequence[bool]], max_length: int) -> int:
-        groups = self._spec_groups
-        if len(groups) == 1:
-            return self._find(present, groups[0], max_length)
-        simple_hybrid = len(groups) == 2 and groups[0].spec.is_full_attention
-        full_hits: dict[int, int] = {}  # a full-attention hit only shrinks by trimming: compute it once
-        hit = max_length
+    def _tables(self, present: Presence) -> list[BoolArray]:
+        if len(present) != len(self.databases):
+            raise ValueError(f"present: {len(present)} rows for {len(self.databases)} KV-cache groups")
+        return [np.asarray(row, dtype=np.bool_).reshape(-1) for row in present]
+
+    def _top(self, tables: Sequence[BoolArray], max_length: int) -> int:
+        """Highest step worth testing: below ``max_length`` and within every group's probed units (a group
+        always needs a key at or past the hit's end)."""
+        top = max_length // self.alignment
+        for g, table in enumerate(tables):
+            top = min(top, table.size // (self.alignment // self._unit(g)))
+        return top
+
+    def _loadable(self, g: int, present: BoolArray, top: int) -> BoolArray:
+        """``ok[j - 1]``: group ``g`` can load ``j`` steps with the keys a loader derives from that length
+        (``top`` steps at most, all within the probed units)."""
+        spec, unit = self.specs[g], self._unit(g)
+        k, s = self.alignment // unit, self.block_sizes[g] // unit
+        at_end: BoolArray = present[k - 1 : top * k : k]  # the key at each candidate end: unit j * k - 1
+        if spec.is_mamba:
+            return at_end  # the state stored at the end
+        blocks = present[s - 1 :: s]  # a block's own key is the unit that ends it
+        if spec.sliding_window is None:
+            # The key at the end (a partial tail when the end cuts a block) and every whole block before it:
+            # (j * k) // s <= run, i.e. j <= ((run + 1) * s - 1) // k.
+            ok: BoolArray = at_end.copy()
+            ok[((_leading_run(blocks) + 1) * s - 1) // k :] = False
+            return ok
+        # The window's blocks before an end on a block boundary (or every block back to the start). The end
+        # j * k is a whole number of blocks when j is a multiple of q.
+        q = s // math.gcd(s, k)
+        steps = np.arange(q, top + 1, q, dtype=np.int64)
+        last = steps * k // s  # blocks before the end
+        first = np.maximum(last - _window_blocks(spec, self.block_sizes[g]), 0)
+        absent = np.concatenate(([0], np.cumsum(~blocks, dtype=np.int64)))
+        ok = np.zeros(top, dtype=np.bool_)
+        ok[steps - 1] = absent[last] == absent[first]
+        return ok
+
+    # vLLM 0.33's coordinator, for lookup_with_boundaries: each spec group's finder returns its longest
+    # hit <= a bound; full-attention finders run once (full attention first), the others until the hit
+    # settles. Each finder is O(1) on tables built once, so the whole walk stays linear.
+
+    def _converge(self, tables: Sequence[BoolArray], max_length: int) -> int:
+        top = max_length // self.alignment
+        if top <= 0:
+            return 0
+        finders = [self._finder(group, tables, top) for group in self._spec_groups]
+        full: dict[int, int] = {}
+        hit = top
         while True:
             current = hit
-            for index, group in enumerate(groups):
-                if index in full_hits:
-                    current = min(current, full_hits[index])
+            for index, (group, find) in enumerate(zip(self._spec_groups, finders, strict=True)):
+                if index in full:
+                    current = min(current, full[index])
                     continue
-                current = self._find(present, group, current)
+                current = find(current)
                 if group.spec.is_full_attention:
-                    full_hits[index] = current
+                    full[index] = current
             if current >= hit:
-                return hit
+                return hit * self.alignment
             hit = current
-            if simple_hybrid:
-                return hit
 
-    def _partial_boundary_present(self, present: Sequence[Sequence[bool]], hit: int) -> bool:
-        first = self._spec_groups[0]
-        if not self.partial_hash_hits or not first.spec.is_full_attention:
-            return True
-        unit = hit // self._require_hash_block_size() - 1
-        units = self._units(present, first)
-        return unit < len(units) and units[unit]
+    def _finder(self, group: _SpecGroup, tables: Sequence[BoolArray], top: int) -> Callable[[int], int]:
+        g = group.members[0]
+        unit = self._unit(g)
+        k, s = self.alignment // unit, group.block_size // unit
+        present = tables[g].copy()
+        for member in group.members[1:]:
+            present &= tables[member]
+        n = present.size
+        if group.spec.is_full_attention:
+            run = _leading_run(present[s - 1 :: s])
+            last_present = _last_true_at_or_before(present)
+
+            def full_attention(step: int) -> int:
+                units = step * k
+                whole = min(run, units // s)  # leading whole blocks inside the bound
+                hit = whole * s
+                stop = min(whole * s + s - 1, units, n)  # interior units of the next block, <= the bound
+                if stop > whole * s and (p := int(last_present[stop - 1])) >= whole * s:
+                    hit = p + 1
+                return hit // k
+
+            return full_attention
+        if group.spec.is_mamba:
+            on_step = present & ((np.arange(n, dtype=np.int64) + 1) % k == 0)
+            last_state = _last_true_at_or_before(on_step)
+
+            def mamba(step: int) -> int:
+                units = min(step * k, n)
+                return 0 if units <= 0 else (int(last_state[units - 1]) + 1) // k
+
+            return mamba
+        steps = min(top, n // k)
+        ok = np.concatenate(([True], self._loadable(g, present, steps)))
+        last_ok = _last_true_at_or_before(ok)
+
+        def sliding_window(step: int) -> int:
+            return int(last_ok[min(step, steps)])
+
+        return sliding_window
+
+    def _tail_boundaries(self, tables: Sequence[BoolArray], hit: int) -> tuple[TailKeyBoundary, ...]:
+        hbs = self._require_hash_block_size()
+        boundaries: list[TailKeyBoundary] = []
+        for g, present in enumerate(tables):
+            unit, bs = self._unit(g), self.block_sizes[g]
+            at = hit // unit - 1
+            if at < present.size and present[at]:
+                boundaries.append(TailKeyBoundary(g, hit))
+                continue
+            # Fine-grained only: a longer key of the same block (up to its end) holds the tail too.
+            stop = min(-(-hit // bs) * bs // unit, present.size)
+            later = np.flatnonzero(present[at + 1 : stop]) if self.partial_hash_hits else np.empty(0)
+            if not later.size:
+                raise RuntimeError(f"lookup: no tail key for group {g} at hit length {hit} (hash unit {hbs})")
+            boundaries.append(TailKeyBoundary(g, (at + 2 + int(later[0])) * unit))
+        return tuple(boundaries)
+
+
+def _as_int(name: str, value: int) -> int:
+    """``value`` as a Python int (anything with ``__index__`` but bool), else ``TypeError``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
 
 
 def _window_blocks(spec: GroupSpec, block_size: int) -> int:
@@ -438,53 +716,26 @@ def _window_blocks(spec: GroupSpec, block_size: int) -> int:
     return -(-(spec.sliding_window - 1) // block_size)
 
 
-def _full_attention_hit(
-    chunks: Sequence[bool], raw: Sequence[bool] | None, bs: int, hbs: int, max_length: int, alignment: int
-) -> int:
-    """The leading run of present blocks; with hash-sized units, extended into the first missing block by its
-    highest present interior boundary (a stored partial tail)."""
-    limit = min(max_length // bs, len(chunks))
-    full = 0
-    while full < limit and chunks[full]:
-        full += 1
-    hit = full * bs
-    if raw is not None and bs > hbs:
-        scale = bs // hbs
-        first = full * scale
-        top = min(first + scale - 1, max_length // hbs, len(raw))
-        for unit in range(top - 1, first - 1, -1):
-            if raw[unit]:
-                hit = (unit + 1) * hbs
-                break
-    return hit - hit % alignment
+def _leading_run(flags: BoolArray) -> int:
+    """How many leading entries are True."""
+    misses = np.flatnonzero(~flags)
+    return int(misses[0]) if misses.size else int(flags.size)
 
 
-def _mamba_hit(
-    chunks: Sequence[bool], raw: Sequence[bool] | None, bs: int, hbs: int, max_length: int, alignment: int
-) -> int:
-    """The last stored state at or below ``max_length``: only the state at the hit's end is needed."""
-    if raw is not None and bs > hbs:
-        for unit in range(min(max_length // hbs, len(raw)) - 1, -1, -1):
-            if raw[unit]:
-                return (unit + 1) * hbs
-        return 0
-    for chunk in range(min(max_length // bs, len(chunks)) - 1, -1, -1):
-        if chunks[chunk] and (chunk + 1) * bs % alignment == 0:
-            return (chunk + 1) * bs
-    return 0
+def _last_true_at_or_before(flags: BoolArray) -> IntArray:
+    """``out[i]``: the highest index ``<= i`` whose flag is True, or -1."""
+    marks = np.where(flags, np.arange(flags.size, dtype=np.int64), -1)
+    return np.maximum.accumulate(marks) if marks.size else marks
 
 
-def _sliding_window_hit(chunks: Sequence[bool], bs: int, needed: int, max_length: int, alignment: int) -> int:
-    """The highest aligned end preceded by ``needed`` present blocks (or by present blocks back to the start)."""
-    run = 0
-    for chunk in range(min(max_length // bs, len(chunks)) - 1, -1, -1):
-        if not chunks[chunk]:
-            run = 0
-            continue
-        if run == 0 and (chunk + 1) * bs % alignment:
-            continue  # a hit must end on an aligned boundary
-        run += 1
-        if run >= needed:
-            return (chunk + run) * bs
-    return run * bs
-
+def _leading_bytes(hashes: BlobBlockHashes, count: int) -> memoryview:
+    """The first ``count`` hashes of a blob view as a flat byte view (whatever the buffer's item format);
+    ``ValueError`` when the buffer holds fewer bytes than that."""
+    view = memoryview(hashes.blob)
+    if view.ndim != 1 or view.itemsize != 1 or view.format not in ("B", "b", "c"):
+        view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+    need = count * hashes.hash_len
+    if view.nbytes < need:
+        raise ValueError(f"lookup: hash blob holds {view.nbytes} bytes, fewer than {count} hashes of "
+                         f"{hashes.hash_len} bytes")
+    return view[:need]

@@ -10,6 +10,9 @@ Python exception or a non-event:
 * arguments are validated before Mooncake sees them;
 * batches are split by a region budget, results re-concatenated in key order; once the master is found
   unreachable the remaining sub-batches are not attempted (each would block ~4 s to learn the same);
+* every batch call belongs to a request with a deadline (:class:`RequestDeadline`): past it, or once a
+  sub-batch failed on Mooncake's fixed 60 s transfer timeout (a hung peer), the remaining keys fail
+  ``TRANSFER_FAILED`` without another call (``docs/transfer-modes.md``, "Deadlines");
 * per-key result codes become :class:`Outcome` values inside a :class:`BatchResult` (defined in
   :mod:`mooncake_kvaddr.driver.outcomes`, re-exported here).
 
@@ -57,10 +60,12 @@ __all__ = [
     "CODE_NOT_FOUND",
     "CODE_NO_SPACE",
     "CODE_TRANSFER_FAILED",
+    "HUNG_CALL_THRESHOLD_S",
     "BatchResult",
     "Health",
     "MooncakeStore",
     "Outcome",
+    "RequestDeadline",
     "StoreClosedError",
     "StoreError",
     "StoreSetupError",
@@ -77,6 +82,18 @@ _CLIENT_PORT_RANGE_ENV: Final = ("MC_STORE_CLIENT_MIN_PORT", "MC_STORE_CLIENT_MA
 _CLIENT_PORT_RANGE: Final = (12300, 14300)
 _PAUSE_BETWEEN_ATTEMPTS_S: Final = 0.1
 
+#: Mooncake fails a transfer call only after a fixed 60 s when a peer holding the data hangs while the master
+#: still counts it alive (docs/multihost.md). A sub-batch that fails ``TRANSFER_FAILED`` after at least this
+#: many seconds is taken to have waited out that timeout: every further call of the request would wait it out
+#: too, so none is made (docs/transfer-modes.md, "Deadlines"). Below 60 s to absorb timer slack; far above
+#: any healthy call (the slowest measured, a whole headline request over TCP, takes ~12 s).
+HUNG_CALL_THRESHOLD_S: Final = 55.0
+
+
+def _now() -> float:
+    """The clock of deadlines and call durations (``time.monotonic``; a seam for tests)."""
+    return time.monotonic()
+
 
 class StoreError(RuntimeError):
     """A Mooncake store operation failed as a whole (not per key). ``code`` is Mooncake's, if any."""
@@ -92,6 +109,49 @@ class StoreClosedError(StoreError):
 
 class StoreSetupError(StoreError):
     """``setup()`` failed: no master reachable, client port clash, bad configuration."""
+
+
+class RequestDeadline:
+    """The time limit of one request, shared by every Mooncake call the request makes.
+
+    A request (one store batch call, or one ``KVTransfer`` load or store with all its sub-batches and
+    staged batches) creates one with :meth:`MooncakeStore.deadline` and passes it to each call. It is
+    :meth:`expired` once ``timeout_s`` has passed since it was created, or once :meth:`stop` was called
+    (the store does so when a sub-batch failed on Mooncake's transfer timeout, see
+    :data:`HUNG_CALL_THRESHOLD_S`); then the request's remaining keys fail ``TRANSFER_FAILED`` without
+    reaching Mooncake, and :attr:`reason` says why. A call already in flight is never interrupted.
+
+    One request runs in one thread: the object is not locked.
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        """``timeout_s`` seconds from now (``None``: no time limit; :meth:`stop` still ends the request)."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0 or None, got {timeout_s!r}")
+        self.timeout_s = timeout_s
+        self.expires_at = None if timeout_s is None else _now() + timeout_s
+        #: Why the request must not make another call (``None`` while it may).
+        self.reason: str | None = None
+
+    def expired(self) -> bool:
+        """Whether the request must stop: its time is up, or :meth:`stop` was called."""
+        if self.reason is None and self.expires_at is not None and _now() >= self.expires_at:
+            self.reason = f"the request deadline of {self.timeout_s:g} s passed"
+        return self.reason is not None
+
+    def remaining(self) -> float | None:
+        """Seconds left (0 once expired; ``None`` without a time limit)."""
+        if self.expired():
+            return 0.0
+        return None if self.expires_at is None else max(0.0, self.expires_at - _now())
+
+    def stop(self, reason: str) -> None:
+        """End the request now: later checks report it expired with ``reason`` (the first reason stays)."""
+        if self.reason is None:
+            self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"RequestDeadline(timeout_s={self.timeout_s}, reason={self.reason!r})"
 
 
 class _State(enum.Enum):
@@ -436,11 +496,14 @@ class MooncakeStore:
         replicate_config: Any = None,
         *,
         check_values: bool = True,
+        deadline: RequestDeadline | None = None,
     ) -> BatchResult:
         """Store each key as the concatenation of its regions ``(addrs[i][j], sizes[i][j])``.
 
         An existing key is left unchanged (first write wins) and reported ``OK``. ``check_values=False``
-        skips the non-negativity scan (~3 ms per 225,800 regions) for rows known to be valid.
+        skips the non-negativity scan (~3 ms per 225,800 regions) for rows known to be valid. ``deadline``:
+        the request this call belongs to (default: a new one of ``config.request_timeout_s``); every batch
+        call takes it.
         """
         n = _check_keys(keys)
         counts = _check_rows(n, addrs, sizes, check_values)
@@ -454,6 +517,7 @@ class MooncakeStore:
                 addrs,
                 sizes,
                 counts,
+                deadline,
             )
         return self._result(_Op.PUT, codes, n)
 
@@ -464,6 +528,7 @@ class MooncakeStore:
         sizes: Sequence[Sequence[int]],
         *,
         check_values: bool = True,
+        deadline: RequestDeadline | None = None,
     ) -> BatchResult:
         """Read each key's object, scattered over its regions in order; codes are bytes read.
 
@@ -475,7 +540,7 @@ class MooncakeStore:
         if n == 0:
             return BatchResult((), ())
         with self._admitted() as client:
-            codes = self._split_call(client.batch_get_into_multi_buffers, keys, addrs, sizes, counts)
+            codes = self._split_call(client.batch_get_into_multi_buffers, keys, addrs, sizes, counts, deadline)
         return self._result(_Op.GET, codes, n)
 
     def batch_put_from(
@@ -486,6 +551,7 @@ class MooncakeStore:
         replicate_config: Any = None,
         *,
         check_values: bool = True,
+        deadline: RequestDeadline | None = None,
     ) -> BatchResult:
         """Store each key from one contiguous buffer ``(ptrs[i], sizes[i])``."""
         n = _check_keys(keys)
@@ -494,7 +560,9 @@ class MooncakeStore:
             return BatchResult((), ())
         with self._admitted() as client:
             config = replicate_config if replicate_config is not None else self._replicate_default()
-            codes = self._split_call(lambda k, p, s: client.batch_put_from(k, p, s, config), keys, ptrs, sizes, [1] * n)
+            codes = self._split_call(
+                lambda k, p, s: client.batch_put_from(k, p, s, config), keys, ptrs, sizes, [1] * n, deadline
+            )
         return self._result(_Op.PUT, codes, n)
 
     def batch_get_into(
@@ -504,6 +572,7 @@ class MooncakeStore:
         sizes: Sequence[int],
         *,
         check_values: bool = True,
+        deadline: RequestDeadline | None = None,
     ) -> BatchResult:
         """Read each key into one contiguous buffer ``(ptrs[i], sizes[i])``; codes are bytes read."""
         n = _check_keys(keys)
@@ -511,7 +580,7 @@ class MooncakeStore:
         if n == 0:
             return BatchResult((), ())
         with self._admitted() as client:
-            codes = self._split_call(client.batch_get_into, keys, ptrs, sizes, [1] * n)
+            codes = self._split_call(client.batch_get_into, keys, ptrs, sizes, [1] * n, deadline)
         return self._result(_Op.GET, codes, n)
 
     def batch_remove(self, keys: Sequence[str] | Sequence[bytes], force: bool = False) -> BatchResult:
@@ -600,6 +669,10 @@ class MooncakeStore:
 
     # ------------------------------------------------------------------ internals
 
+    def deadline(self) -> RequestDeadline:
+        """A new request deadline of ``config.request_timeout_s`` from now (see :class:`RequestDeadline`)."""
+        return RequestDeadline(self._config.request_timeout_s)
+
     def _replicate_default(self) -> Any:
         if self._default_replicate is None:
             assert self._module is not None
@@ -613,17 +686,45 @@ class MooncakeStore:
         addrs: Any,
         sizes: Any,
         counts: Sequence[int],
+        deadline: RequestDeadline | None,
     ) -> list[int]:
+        """Call Mooncake once per sub-batch of the region budget; the codes of every key, in key order.
+
+        Before each sub-batch: past the request's deadline (or after a hung call of the same request), the
+        remaining keys get ``TRANSFER_FAILED`` and Mooncake is not called again. After one: a
+        ``MASTER_UNREACHABLE`` fails the rest the same way, and so does a ``TRANSFER_FAILED`` that took
+        :data:`HUNG_CALL_THRESHOLD_S` or more (it waited out Mooncake's transfer timeout; the next call would
+        too), which also stops the request's later calls.
+        """
+        n = len(counts)
+        if deadline is None:
+            deadline = self.deadline()
         spans = _plan(counts, self._config.region_budget)
-        if len(spans) == 1:
-            return list(self._invoke(call, keys, addrs, sizes, 0, len(counts)))
         codes: list[int] = []
         for start, end in spans:
-            part = self._invoke(call, keys[start:end], addrs[start:end], sizes[start:end], start, end)
+            if deadline.expired():
+                codes.extend([CODE_TRANSFER_FAILED] * (n - start))
+                logger.warning("%d of %d key(s) not attempted: %s", n - start, n, deadline.reason)
+                break
+            t0 = _now()
+            if len(spans) == 1:
+                part = self._invoke(call, keys, addrs, sizes, 0, n)  # no slicing: the arguments as given
+            else:
+                part = self._invoke(call, keys[start:end], addrs[start:end], sizes[start:end], start, end)
+            elapsed = _now() - t0
             codes.extend(part)
-            if CODE_MASTER_UNREACHABLE in part:
+            if end < n and CODE_MASTER_UNREACHABLE in part:
                 # Each further sub-batch would block ~4 s only to report the same; fail the rest now.
-                codes.extend([CODE_MASTER_UNREACHABLE] * (len(counts) - end))
+                codes.extend([CODE_MASTER_UNREACHABLE] * (n - end))
+                break
+            if elapsed >= HUNG_CALL_THRESHOLD_S and CODE_TRANSFER_FAILED in part:
+                deadline.stop(
+                    f"a Mooncake call failed transfer_failed after {elapsed:.0f} s, its transfer timeout: a peer "
+                    "holding the data hangs (no further call would do better)"
+                )
+                if end < n:
+                    codes.extend([CODE_TRANSFER_FAILED] * (n - end))
+                    logger.warning("%d of %d key(s) not attempted: %s", n - end, n, deadline.reason)
                 break
         return codes
 

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvaddr_testing import Cache, Calls, assert_blocks_equal, hashes
+from kvaddr_testing import make_transfer as transfer
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, StoreConfig
 from mooncake_kvaddr.driver.master import EmbeddedMaster
 from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, StagingPool, plan_batches, plan_slots
@@ -28,74 +30,6 @@ from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
 mooncake = pytest.mark.mooncake
-
-
-# ------------------------------------------------------------------------------------------- helpers
-
-
-class Cache:
-    """A host KV cache: ``regions`` arrays of ``num_blocks`` blocks of ``block_bytes``, random or filled."""
-
-    def __init__(
-        self, regions: int, num_blocks: int, block_bytes: int, *, seed: int | None = None, fill: int = 0
-    ) -> None:
-        rng = np.random.default_rng(seed)
-        self.num_blocks = num_blocks
-        self.regions: list[Any] = [
-            rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8)
-            if seed is not None
-            else np.full((num_blocks, block_bytes), fill, dtype=np.uint8)
-            for _ in range(regions)
-        ]
-
-    def blocks(self, block_ids: list[int]) -> list[Any]:
-        return [region[block_ids] for region in self.regions]
-
-    def object_bytes(self, block_id: int) -> bytes:
-        """What a one-block chunk on ``block_id`` is stored as: its regions' blocks, concatenated in order."""
-        return b"".join(region[block_id].tobytes() for region in self.regions)
-
-
-def hashes(tag: str, count: int) -> list[bytes]:
-    return [f"{tag}:{i}".encode() for i in range(count)]
-
-
-def transfer(store: MooncakeStore, model: str, cache: Cache, block_size: int, **kwargs: Any) -> KVTransfer:
-    db = ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0), block_size)
-    xfer = KVTransfer(store, [db], **kwargs)
-    xfer.register_kv_caches(cache.regions, cache.num_blocks)
-    return xfer
-
-
-def assert_blocks_equal(src: Cache, src_ids: list[int], dst: Cache, dst_ids: list[int]) -> None:
-    for a, b in zip(src.blocks(src_ids), dst.blocks(dst_ids), strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
-class Calls:
-    """Records the keys of every contiguous / multi-buffer call a store makes (wrapping its bound methods)."""
-
-    NAMES = ("batch_get_into", "batch_put_from", "batch_get_into_multi_buffers", "batch_put_from_multi_buffers")
-
-    def __init__(self, store: MooncakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[tuple[str, int]] = []
-        for name in self.NAMES:
-            monkeypatch.setattr(store, name, self._wrap(name, getattr(store, name)))
-
-    def _wrap(self, name: str, method: Any) -> Any:
-        def recorded(keys: Any, *args: Any, **kwargs: Any) -> Any:
-            self.calls.append((name, len(keys)))
-            return method(keys, *args, **kwargs)
-
-        return recorded
-
-    def named(self, name: str) -> list[int]:
-        return [n for call, n in self.calls if call == name]
-
-
-@pytest.fixture
-def model(key_prefix: str) -> str:
-    return key_prefix.replace("@", "_")
 
 
 # ------------------------------------------------------------------------------------------- batch planning
@@ -461,15 +395,27 @@ def test_missing_keys_leave_their_regions_untouched_despite_stale_staging(
 
 
 @mooncake
-def test_a_failed_gather_is_never_put_and_never_reported_stored(store: MooncakeStore, model: str) -> None:
+def test_a_failed_gather_is_never_put_and_never_reported_stored(
+    store: MooncakeStore, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     bs, chunks = 16, 6
     src = Cache(2, chunks + 1, 256, seed=7)
     h = hashes(model, chunks)
     pool = StagingPool(2 * 256)  # one key per batch: the bad key's batch fails alone
     with transfer(store, model, src, bs, staging_pool=pool) as writer:
-        # Block 40 is past the registered cache: its slices fail the bounds check of the gather.
-        ids = [1, 2, 40, 4, 5, 6]
-        stored = writer.store(TransferRequest("r", chunks * bs, h, [ids]))
+        backend = writer.copy_backend
+        assert backend is not None
+        gather = backend.gather
+        calls = []
+
+        def failing_third(*args: Any, **kwargs: Any) -> int:
+            calls.append(1)
+            if len(calls) == 3:  # the copy refuses the third key's batch
+                raise ValueError("slice not inside any allowed memory range")
+            return gather(*args, **kwargs)
+
+        monkeypatch.setattr(backend, "gather", failing_third)
+        stored = writer.store(TransferRequest("r", chunks * bs, h, [[1, 2, 3, 4, 5, 6]]))
         bad_key = writer.databases[0].key_for(h[2])
         assert stored.failed_keys == [bad_key] and stored.stored == 5 and not stored.ok
         assert stored.outcomes == {"ok": 5, "gather_failed": 1} and stored.saved_tokens == 0
@@ -479,16 +425,25 @@ def test_a_failed_gather_is_never_put_and_never_reported_stored(store: MooncakeS
 
 
 @mooncake
-def test_a_failed_scatter_writes_nothing_and_fails_its_blocks(store: MooncakeStore, model: str) -> None:
+def test_a_failed_scatter_writes_nothing_and_fails_its_blocks(
+    store: MooncakeStore, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     bs, chunks = 16, 4
     src, dst = Cache(2, chunks + 1, 256, seed=8), Cache(2, chunks + 1, 256, fill=3)
     h = hashes(model, chunks)
     with transfer(store, model, src, bs) as writer, transfer(store, model, dst, bs) as reader:
         assert writer.store(TransferRequest("r", chunks * bs, h, [[1, 2, 3, 4]])).ok
-        loaded = reader.load(TransferRequest("r", chunks * bs, h, [[1, 2, 99, 4]]))
+        backend = reader.copy_backend
+        assert backend is not None
+
+        def refuse(*args: Any, **kwargs: Any) -> int:
+            raise ValueError("slice not inside any allowed memory range")
+
+        monkeypatch.setattr(backend, "scatter", refuse)
+        loaded = reader.load(TransferRequest("r", chunks * bs, h, [[1, 2, 3, 4]]))
         assert loaded.error is not None and "not inside any allowed memory range" in loaded.error
-        assert loaded.failed_block_ids == {1, 2, 99, 4} and not loaded.loaded_block_ids
-        assert all((region == 3).all() for region in dst.regions)  # all-or-nothing: not one byte written
+        assert loaded.failed_block_ids == {1, 2, 3, 4} and not loaded.loaded_block_ids and loaded.bytes == 0
+        assert all((region == 3).all() for region in dst.regions)  # not one byte written
 
 
 @mooncake

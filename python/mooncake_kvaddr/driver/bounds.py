@@ -1,0 +1,117 @@
+"""What ``KVTransfer.register_kv_caches`` registered, and the checks that keep every address inside it.
+
+A block id past ``num_blocks`` (or negative) would hand Mooncake an address outside the KV cache: a load
+then writes wild memory and a store puts unrelated process memory into the shared pool. So, before any
+Mooncake call and in every transfer mode (see ``docs/transfer-modes.md``, "Safety"):
+
+* :meth:`RegisteredCaches.screen` snapshots a request's block ids and finds the out-of-range ones; the
+  chunks on them are reported failed (load) or not stored (store), with the reason, and never planned;
+* :meth:`RegisteredCaches.check_databases` verifies that every database still holds exactly the regions
+  that were registered (a caller may edit a database's lists; then nothing moves).
+
+Together these bound every slice: a chunk covers one block, so its slice of region ``r`` is
+``[base_r + id * len_r, base_r + (id + 1) * len_r)``, inside the ``num_blocks * len_r`` bytes registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mooncake_kvaddr.core.database import ChunkedTokenDatabase
+
+__all__ = ["RegisteredCaches", "Screened"]
+
+
+@dataclass(frozen=True)
+class Screened:
+    """A snapshot of one group's block ids and which positions hold an invalid id (position -> reason)."""
+
+    ids: list[int]
+    bad: dict[int, str]
+
+
+@dataclass(frozen=True)
+class RegisteredCaches:
+    """The registered KV-cache regions: ``num_blocks`` blocks of ``block_lens[r]`` bytes from ``bases[r]``."""
+
+    num_blocks: int
+    bases: tuple[int, ...]
+    block_lens: tuple[int, ...]
+    #: Distinct buffers as ``(ptr, nbytes)`` (a region listed twice counts once).
+    buffers: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def from_regions(cls, regions: Sequence[np.ndarray[Any, Any]], num_blocks: int) -> RegisteredCaches:
+        """Validate host regions (C-contiguous arrays, a whole number of blocks each) and describe them."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
+            raise TypeError(f"num_blocks: expected an int, got {type(num_blocks).__name__}")
+        num_blocks = int(num_blocks)
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+        bases: list[int] = []
+        lens: list[int] = []
+        buffers: dict[int, int] = {}
+        for i, region in enumerate(regions):
+            if not isinstance(region, np.ndarray) or not region.flags.c_contiguous:
+                raise TypeError(f"regions[{i}]: expected a C-contiguous numpy array")
+            if region.nbytes == 0 or region.nbytes % num_blocks:
+                raise ValueError(f"regions[{i}]: {region.nbytes} bytes is not a multiple of {num_blocks} blocks")
+            base = int(region.ctypes.data)
+            bases.append(base)
+            lens.append(region.nbytes // num_blocks)
+            buffers[base] = max(buffers.get(base, 0), int(region.nbytes))
+        return cls(num_blocks, tuple(bases), tuple(lens), tuple(buffers.items()))
+
+    @property
+    def regions_per_key(self) -> int:
+        """Regions (segments) each key moves."""
+        return len(self.bases)
+
+    def problem(self, block_id: int) -> str:
+        """Why ``block_id`` is not a registered block."""
+        return f"block id {block_id} is outside the registered blocks [0, {self.num_blocks})"
+
+    def screen(self, block_ids: Sequence[int]) -> Screened:
+        """Copy ``block_ids`` (later edits by the caller change nothing) and find the out-of-range ids.
+
+        Non-integer ids, and containers that are not sequences of ids (a dict, a set, a string), raise
+        ``TypeError`` (a caller bug, not a block to report).
+        """
+        if isinstance(block_ids, (dict, set, frozenset, str, bytes, bytearray)):
+            raise TypeError(f"block_ids: expected a sequence of ints, got {type(block_ids).__name__}")
+        ids: list[int] = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
+        if not ids:
+            return Screened(ids, {})
+        try:
+            if min(ids) >= 0 and max(ids) < self.num_blocks:  # the common case: two C-level passes
+                return Screened(ids, {})
+        except TypeError:
+            pass
+        bad: dict[int, str] = {}
+        for i, value in enumerate(ids):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}")
+            if not 0 <= value < self.num_blocks:
+                bad[i] = self.problem(int(value))
+        return Screened(ids, bad)
+
+    def check_databases(self, databases: Sequence[ChunkedTokenDatabase]) -> None:
+        """Raise ``ValueError`` unless every database holds exactly the registered regions."""
+        bases, lens = list(self.bases), list(self.block_lens)
+        for g, db in enumerate(databases):
+            if db.kv_caches_base_addr != bases or db.block_len != lens:
+                raise ValueError(
+                    f"databases[{g}]: its regions changed after register_kv_caches; refusing to move bytes "
+                    "outside the registered KV caches"
+                )
+
+    def slices_inside(self, addrs: np.ndarray[Any, Any], sizes: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Per key (row of an ``(n, regions)`` matrix): every slice lies inside its registered region."""
+        lo = np.asarray(self.bases, dtype=np.int64)
+        hi = lo + np.asarray(self.block_lens, dtype=np.int64) * self.num_blocks
+        inside: np.ndarray[Any, Any] = ((addrs >= lo) & (sizes >= 0) & (addrs <= hi - sizes)).all(axis=1)
+        return inside

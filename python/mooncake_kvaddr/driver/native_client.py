@@ -1,0 +1,276 @@
+"""Mooncake's C++ client called directly, without its Python binding (:class:`NativeClient`).
+
+Mooncake's bound batch methods convert ``list[list[int]]`` arguments element by element with the GIL held
+(~17 ms for 2,258 keys x 100 regions). :class:`NativeClient` takes int64 address/size arrays (or lists,
+converted once by our C++) and calls ``mooncake::RealClient``'s methods itself, with the GIL released for the
+copy and the call. Results are the bound methods' results, code for code.
+
+The path is checked before it is used and stays off, with one logged reason, unless everything matches:
+x86-64 Linux, a verified Mooncake version, the store's client object being a ``RealClient`` of the very
+``store.so`` Python loaded, and every method found by its mangled name in that library and in the class's
+vtable (docs/native-client.md). ``MOONCAKE_KVADDR_NATIVE_CLIENT=0`` turns it off.
+
+Safety is shared with the caller: like the bound methods, a call on a closed store would crash inside
+Mooncake. Each call therefore checks that the store still holds the same client (not closed, not set up
+again), but a ``close()`` racing a call in another thread must be excluded by the caller's in-flight
+accounting (as :class:`~mooncake_kvaddr.driver.store.MooncakeStore` does).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any, Final
+
+__all__ = [
+    "ENV_VAR",
+    "VERIFIED_VERSIONS",
+    "KeyBlob",
+    "NativeClient",
+    "NativeClientUnavailable",
+    "mooncake_distribution",
+]
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR: Final = "MOONCAKE_KVADDR_NATIVE_CLIENT"
+# (distribution, version) pairs this path was verified against (docs/native-client.md).
+VERIFIED_VERSIONS: Final = frozenset({("mooncake-transfer-engine-non-cuda", "0.3.13.post1")})
+_OFF_VALUES: Final = frozenset({"0", "off", "false", "no"})
+_UNVERIFIED: Final = "unverified"
+_logged: set[str] = set()
+
+
+class NativeClientUnavailable(RuntimeError):
+    """The native path cannot be used here; the message says why."""
+
+
+class KeyBlob:
+    """Keys as one flat byte blob cut at ``offsets`` (int64, ``n + 1`` entries, first 0, last ``len(data)``)."""
+
+    __slots__ = ("data", "offsets")
+
+    def __init__(self, data: bytes | bytearray | memoryview, offsets: Any) -> None:
+        self.data = data
+        self.offsets = offsets
+
+    def __len__(self) -> int:
+        return max(len(self.offsets) - 1, 0)
+
+
+Keys = Sequence[str] | Sequence[bytes] | KeyBlob
+
+
+def _split_keys(keys: Keys) -> tuple[Any, Any]:
+    if isinstance(keys, KeyBlob):
+        return keys.data, keys.offsets
+    return keys, None
+
+
+# Wheels known to ship mooncake/store.so; asked first because scanning every installed distribution is slow.
+_KNOWN_DISTRIBUTIONS: Final = (
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine-efa",
+    "mooncake-transfer-engine-efa-non-cuda",
+    "mooncake-transfer-engine-efa-cuda13",
+    "mooncake-transfer-engine-musa",
+    "mooncake-transfer-engine-npu",
+    "mooncake-transfer-engine-rocm",
+)
+
+
+def _provides(name: str, library: str | None) -> str | None:
+    """Version of distribution ``name`` if it is installed (and ships ``library``, when given)."""
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if library is not None:
+        located = os.path.realpath(str(dist.locate_file("mooncake/store.so")))
+        if located != os.path.realpath(library):
+            return None
+    return dist.version
+
+
+@functools.cache
+def _distribution_of(library: str | None) -> tuple[str, str] | None:
+    for name in _KNOWN_DISTRIBUTIONS:
+        version = _provides(name, library)
+        if version is not None:
+            return name, version
+    try:
+        names = importlib.metadata.packages_distributions().get("mooncake", [])
+    except Exception:  # metadata of unrelated packages can be broken; then we know nothing
+        return None
+    for name in sorted(set(names)):
+        version = _provides(name, library)
+        if version is not None:
+            return name, version
+    return None
+
+
+def mooncake_distribution() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed wheel whose ``mooncake/store.so`` Python loaded, if known."""
+    module = sys.modules.get("mooncake.store")
+    return _distribution_of(getattr(module, "__file__", None))
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.info("native Mooncake client off: %s", reason)
+
+
+class NativeClient:
+    """Calls ``mooncake::RealClient`` directly; build it with :meth:`from_store` or :meth:`probe`.
+
+    Methods mirror ``MooncakeDistributedStore``'s and return the same per-key codes as a ``list[int]``:
+    keys as a sequence of ``str``/``bytes`` or a :class:`KeyBlob`; multi-buffer addresses/sizes as two 2-D
+    int64 (or uint64) arrays of shape ``(keys, regions)`` or as sequences of rows; the contiguous calls take
+    1-D arrays or sequences. Invalid input raises ``ValueError``/``TypeError`` before Mooncake is called.
+    Thread-safe (calls release the GIL).
+    """
+
+    def __init__(self, store: Any, handle: Any, distribution: tuple[str, str] | None) -> None:
+        """Use :meth:`from_store`."""
+        self._store = store
+        self._handle = handle
+        self._distribution = distribution
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def probe(cls, store: Any, *, symbol_overrides: dict[str, str] | None = None) -> tuple[NativeClient | None, str]:
+        """``(client, "")`` if the native path works for ``store`` (a set-up ``MooncakeDistributedStore``),
+        else ``(None, reason)``. Nothing of Mooncake is called to find out. ``symbol_overrides`` (tests
+        only) replaces the mangled names looked up."""
+        try:
+            return cls._open(store, symbol_overrides), ""
+        except NativeClientUnavailable as exc:
+            return None, str(exc)
+
+    @classmethod
+    def from_store(cls, store: Any) -> NativeClient | None:
+        """The native client for ``store``, or ``None`` (the reason is logged once at INFO)."""
+        client, reason = cls.probe(store)
+        if client is None:
+            _log_once(reason)
+        return client
+
+    @classmethod
+    def _open(cls, store: Any, symbol_overrides: dict[str, str] | None) -> NativeClient:
+        setting = os.environ.get(ENV_VAR, "").strip().lower()
+        if setting in _OFF_VALUES:
+            raise NativeClientUnavailable(f"disabled by {ENV_VAR}={os.environ[ENV_VAR]}")
+        if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+            raise NativeClientUnavailable(
+                f"implemented for x86-64 Linux only (this is {sys.platform}/{platform.machine()})"
+            )
+        try:
+            from mooncake_kvaddr import _native
+        except ImportError as exc:
+            raise NativeClientUnavailable(f"native extension not importable: {exc}") from exc
+        why = _native.mooncake_client_platform_reason()
+        if why:
+            raise NativeClientUnavailable(why)
+        module = sys.modules.get("mooncake.store")
+        if module is None or type(store) is not getattr(module, "MooncakeDistributedStore", None):
+            raise NativeClientUnavailable(f"not a mooncake.store.MooncakeDistributedStore: {type(store).__name__}")
+        library = getattr(module, "__file__", None)
+        if not library:
+            raise NativeClientUnavailable("mooncake.store has no file location")
+        distribution = mooncake_distribution()
+        if distribution not in VERIFIED_VERSIONS and setting != _UNVERIFIED:
+            raise NativeClientUnavailable(
+                f"Mooncake {distribution or 'of unknown version'} is not a verified version "
+                f"({sorted(VERIFIED_VERSIONS)}); {ENV_VAR}={_UNVERIFIED} tries it anyway (all checks still apply)"
+            )
+        capsule = store._get_pyclient_capsule()
+        if capsule is None:
+            raise NativeClientUnavailable("the store is not set up (or closed)")
+        try:
+            handle = _native.MooncakeClient(capsule, library, module.ReplicateConfig(), symbol_overrides)
+        except RuntimeError as exc:
+            raise NativeClientUnavailable(str(exc)) from exc
+        return cls(store, handle, distribution)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def library(self) -> str:
+        """Path of the ``store.so`` whose client is called."""
+        return str(self._handle.library)
+
+    @property
+    def slots(self) -> dict[str, int]:
+        """Vtable slot of each method used (diagnostics only: methods are found by name)."""
+        return dict(self._handle.slots)
+
+    @property
+    def distribution(self) -> tuple[str, str] | None:
+        """``(distribution, version)`` of the Mooncake wheel in use."""
+        return self._distribution
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close` (or once the store was found closed / set up again)."""
+        return bool(self._handle.closed)
+
+    def close(self) -> None:
+        """Drop this object's reference to Mooncake's client; later calls raise ``RuntimeError``."""
+        self._handle.close()
+
+    # ------------------------------------------------------------------ calls
+
+    def _checked(self) -> Any:
+        """The handle, after checking that the store still holds this client (not closed, not set up again)."""
+        handle = self._handle
+        if not handle.same_client(self._store._get_pyclient_capsule()):
+            handle.close()
+            raise RuntimeError("the Mooncake store was closed or set up again: this native client is stale")
+        return handle
+
+    def batch_get_into_multi_buffers(
+        self, keys: Keys, addrs: Any, sizes: Any, prefer_alloc_in_same_node: bool = False
+    ) -> list[int]:
+        """Per key: bytes read (> 0) or a negative Mooncake error code."""
+        data, offsets = _split_keys(keys)
+        codes: list[int] = self._checked().batch_get_into_multi_buffers(
+            data, addrs, sizes, prefer_alloc_in_same_node, offsets
+        )
+        return codes
+
+    def batch_put_from_multi_buffers(self, keys: Keys, addrs: Any, sizes: Any, config: Any = None) -> list[int]:
+        """Per key: 0 or a negative code. ``config``: a ``mooncake.store.ReplicateConfig`` (None: default)."""
+        data, offsets = _split_keys(keys)
+        codes: list[int] = self._checked().batch_put_from_multi_buffers(data, addrs, sizes, config, offsets)
+        return codes
+
+    def batch_get_into(self, keys: Keys, ptrs: Any, sizes: Any) -> list[int]:
+        """One contiguous buffer per key. Per key: bytes read or a negative code."""
+        data, offsets = _split_keys(keys)
+        codes: list[int] = self._checked().batch_get_into(data, ptrs, sizes, offsets)
+        return codes
+
+    def batch_put_from(self, keys: Keys, ptrs: Any, sizes: Any, config: Any = None) -> list[int]:
+        """One contiguous buffer per key. Per key: 0 or a negative code."""
+        data, offsets = _split_keys(keys)
+        codes: list[int] = self._checked().batch_put_from(data, ptrs, sizes, config, offsets)
+        return codes
+
+    def batch_is_exist(self, keys: Keys) -> list[int]:
+        """Per key: 1 present, 0 absent, negative on error. Grants a read lease, like the bound method."""
+        data, offsets = _split_keys(keys)
+        codes: list[int] = self._checked().batch_is_exist(data, offsets)
+        return codes
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"NativeClient({state}, {self.library}, {self._distribution})"

@@ -1,0 +1,516 @@
+"""One object per transfer mode behind one put/get interface (see ``docs/transfer-modes.md``).
+
+:class:`KVTransfer <mooncake_kvaddr.driver.transfer.KVTransfer>` owns the request logic (which chunks,
+which keys, existence checks, results); a :class:`TransferPath` owns how the bytes of those keys move:
+
+* :class:`MultiBufferPath` - every key's regions to Mooncake's ``batch_*_multi_buffers`` calls;
+* :class:`DirectPath` - one region per key: ``batch_put_from`` / ``batch_get_into`` on the cache itself;
+* :class:`StagedPath` - each key through one contiguous slot of a staging pool (native gather/scatter).
+
+Adding a path is one subclass: :meth:`TransferPath.prepare` (rows for chunks), :meth:`TransferPath.put` and
+:meth:`TransferPath.get`; planning a load is shared (:meth:`TransferPath.plan_get`) and may be overridden
+by a path with a fused plan (:class:`MultiBufferPath` does). Every put and get receives the request's
+:class:`~mooncake_kvaddr.driver.store.RequestDeadline`: it passes it to each store call and checks it before
+each batch of its own; keys it no longer tries are counted ``transfer_failed`` (``docs/transfer-modes.md``,
+"Deadlines").
+
+Size: the three paths are kept in one module (~450 lines) so that their put and get can be compared side by
+side; a new path belongs in a module of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from mooncake_kvaddr.core.database import ChunkedTokenDatabase
+from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
+from mooncake_kvaddr.driver.results import Clock, StoreResult, count
+from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
+from mooncake_kvaddr.driver.staging import CopyBackend, StagingLease, StagingPool, plan_batches, plan_slots
+from mooncake_kvaddr.driver.store import (
+    CODE_MASTER_UNREACHABLE,
+    BatchResult,
+    MooncakeStore,
+    Outcome,
+    RequestDeadline,
+)
+
+__all__ = ["DirectPath", "GetPlan", "MultiBufferPath", "PathContext", "StagedPath", "TransferPath"]
+
+logger = logging.getLogger(__name__)
+
+Int64Array = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+# How long a staged request waits for room in a shared staging pool before it fails (a transfer in flight
+# holds its lease for at most Mooncake's 60 s timeout per call); never longer than the request's deadline.
+STAGING_WAIT_S: Final = 300.0
+#: The outcome of keys a request no longer tries once its deadline has expired.
+NOT_TRIED: Final = Outcome.TRANSFER_FAILED.value
+
+
+@dataclass
+class PathContext:
+    """What every path needs: the store, the group databases, the registered caches, put options, metrics."""
+
+    store: MooncakeStore
+    databases: list[ChunkedTokenDatabase]
+    caches: RegisteredCaches
+    replicate_config: Any
+    metrics: OperationRecorder
+
+
+@dataclass
+class GetPlan:
+    """A load's keys in transfer order with their rows (lists or int64 matrices, by path) and block ids."""
+
+    keys: list[str]
+    addrs: Any
+    sizes: Any
+    block_ids: Sequence[int]
+    #: Block ids outside the registered blocks (id -> reason): their chunks were dropped from the plan.
+    invalid: dict[int, str] = field(default_factory=dict)
+    dropped: int = 0  # chunks dropped for an invalid block id
+
+    def key_bytes(self) -> list[int]:
+        """Each key's object size (the sum of its region sizes)."""
+        if isinstance(self.sizes, np.ndarray):
+            return [int(x) for x in self.sizes.sum(axis=1)] if len(self.keys) else []
+        return [sum(row) for row in self.sizes]
+
+
+@dataclass
+class GetOutcome:
+    """Per key of a sub-batch: read whole (``loaded``); ``unreachable``: later sub-batches are pointless."""
+
+    loaded: BoolArray
+    unreachable: bool
+    nbytes: int  # bytes of the keys read whole
+
+
+class TransferPath:
+    """How the bytes of a batch of keys move between the KV cache and Mooncake (one subclass per mode)."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, ctx: PathContext) -> None:
+        self.ctx = ctx
+
+    # ------------------------------------------------------------------ planning
+
+    def prepare(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, Any, Any]:
+        """Address rows, size rows and first block ids of group-major chunks, as this path wants them.
+
+        Default: int64 matrices, one ``prepare_values_array`` per run of a group.
+        """
+        parts = [
+            self.ctx.databases[g].prepare_values_array(chunks[start:end], block_ids[g])
+            for g, start, end in group_runs(groups)
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        addrs, sizes, ids = zip(*parts, strict=True)
+        return np.concatenate(addrs), np.concatenate(sizes), np.concatenate(ids)
+
+    def plan_get(
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash],
+        screened: Sequence[Screened],
+        skip: int,
+        tp_rank: int,
+    ) -> GetPlan:
+        """Keys and rows of a load in the rank's rotated order: the walk per group, then :meth:`prepare`.
+
+        ``screened`` holds each group's block ids (a snapshot) and the positions of invalid ones: chunks on
+        those are dropped before any row is computed and reported in :attr:`GetPlan.invalid`.
+        """
+        keys: list[str] = []
+        parts: list[Int64Array] = []
+        groups: list[int] = []
+        for g, db in enumerate(self.ctx.databases):
+            walk = db.walk_load(token_len, block_hashes, skip)
+            keys.extend(walk.keys)
+            parts.append(walk.chunks)
+            groups.extend([g] * len(walk.keys))
+        if not keys:
+            return GetPlan([], [], [], [])
+        chunks = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        # Rotate the chunks (two ints each), not the rows: the rows are then computed in the rotated order.
+        keys, chunks, groups = rotate(keys, tp_rank), rotate(chunks, tp_rank), rotate(groups, tp_rank)
+        invalid: dict[int, str] = {}
+        if any(s.bad for s in screened):
+            keep = np.ones(len(keys), dtype=bool)
+            for i, (g, start) in enumerate(zip(groups, chunks[:, 0].tolist(), strict=True)):
+                position = start // self.ctx.databases[g].block_size
+                reason = screened[g].bad.get(position)
+                if reason is not None:
+                    keep[i] = False
+                    invalid[screened[g].ids[position]] = reason
+            keys = [k for k, good in zip(keys, keep.tolist(), strict=True) if good]
+            groups = [x for x, good in zip(groups, keep.tolist(), strict=True) if good]
+            chunks = chunks[keep]
+            dropped = len(keep) - len(keys)
+            if not keys:
+                return GetPlan([], [], [], [], invalid, dropped)
+        else:
+            dropped = 0
+        addrs, sizes, ids = self.prepare(chunks, groups, [s.ids for s in screened])
+        return GetPlan(keys, addrs, sizes, ids, invalid, dropped)
+
+    # ------------------------------------------------------------------ moving bytes
+
+    def put(
+        self,
+        keys: list[str],
+        chunks: Sequence[tuple[int, int]],
+        groups: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        clock: Clock,
+        result: StoreResult,
+        deadline: RequestDeadline,
+    ) -> tuple[list[bool], list[int]]:
+        """Put these (missing) keys; per key: stored or not, and its object size. Counts into ``result``.
+
+        Within ``deadline`` only: keys not tried once it expired are counted ``transfer_failed``.
+        """
+        raise NotImplementedError
+
+    def get(
+        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+    ) -> GetOutcome:
+        """Get keys ``[start, end)`` of ``plan`` into the cache; counts their outcomes into ``outcomes``.
+
+        Within ``deadline`` only: keys not tried once it expired are counted ``transfer_failed``, never loaded.
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the path holds (default: nothing)."""
+
+    def describe(self) -> str:
+        """A short description for the log line that announces the mode."""
+        return f"{self.ctx.caches.regions_per_key} regions per key, host memory"
+
+    # ------------------------------------------------------------------ shared helpers
+
+    def _record(self, operation: str, start: float, num_keys: int, num_bytes: int, got: BatchResult | None) -> None:
+        failed = None if got is None else len(got) - got.count(Outcome.OK)
+        self.ctx.metrics.record(operation, start, num_keys, num_bytes, failed)
+
+
+def _read_whole(got: BatchResult, expected: Int64Array) -> BoolArray:
+    """Per key: the get succeeded and read exactly the object size asked for."""
+    codes = np.asarray(got.codes, dtype=np.int64)
+    whole: BoolArray = (codes == expected) & (codes > 0)
+    return whole
+
+
+class MultiBufferPath(TransferPath):
+    """Every key's regions go to ``batch_*_multi_buffers`` as Python lists (one fused native plan per group)."""
+
+    name = "multi_buffer"
+
+    def prepare(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, Any, Any]:
+        """List rows: one ``prepare_values`` per run of a group."""
+        addrs: list[Sequence[int]] = []
+        sizes: list[Sequence[int]] = []
+        ids: list[int] = []
+        for g, start, end in group_runs(groups):
+            part = chunks[start:end]
+            if isinstance(part, np.ndarray):
+                part = part.tolist()
+            a, s, b = self.ctx.databases[g].prepare_values(part, block_ids[g])
+            addrs.extend(a)
+            sizes.extend(s)
+            ids.extend(b)
+        return addrs, sizes, ids
+
+    def plan_get(
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash],
+        screened: Sequence[Screened],
+        skip: int,
+        tp_rank: int,
+    ) -> GetPlan:
+        """The walk, the keys and the rows in one native pass per group (``plan_load``), then rotated.
+
+        A request with an invalid block id takes the shared walk-then-prepare plan instead, which drops the
+        chunks on it before any row is computed.
+        """
+        if any(s.bad for s in screened):
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+        keys: list[str] = []
+        addrs: list[Sequence[int]] = []
+        sizes: list[Sequence[int]] = []
+        ids: list[int] = []
+        for g, db in enumerate(self.ctx.databases):
+            plan = db.plan_load(token_len, block_hashes, screened[g].ids, skip)
+            keys.extend(plan.keys)
+            addrs.extend(plan.addrs)
+            sizes.extend(plan.sizes)
+            ids.extend(plan.block_ids)
+        # Each rank starts at a different key so that ranks spread over the pool's segments.
+        return GetPlan(rotate(keys, tp_rank), rotate(addrs, tp_rank), rotate(sizes, tp_rank), rotate(ids, tp_rank))
+
+    def put(
+        self,
+        keys: list[str],
+        chunks: Sequence[tuple[int, int]],
+        groups: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        clock: Clock,
+        result: StoreResult,
+        deadline: RequestDeadline,
+    ) -> tuple[list[bool], list[int]]:
+        addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
+        key_bytes = [sum(row) for row in sizes]
+        clock.lap("prepare")
+        start = time.perf_counter()
+        try:
+            # Rows come from prepare_values, so the non-negativity scan would only cost time.
+            put = self.ctx.store.batch_put_from_multi_buffers(
+                keys, addrs, sizes, self.ctx.replicate_config, check_values=False, deadline=deadline
+            )
+        except BaseException:
+            self._record("save_put", start, len(keys), sum(key_bytes), None)
+            raise
+        self._record("save_put", start, len(keys), sum(key_bytes), put)
+        clock.lap("put")
+        for outcome, n in put.summary().items():
+            count(result.outcomes, outcome, n)
+        result.back_pressure = result.back_pressure or put.back_pressure
+        return put.present, key_bytes
+
+    def get(
+        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+    ) -> GetOutcome:
+        keys = plan.keys[start:end]
+        sizes = plan.sizes[start:end]
+        nbytes = sum(map(sum, sizes)) if self.ctx.metrics.callback is not None else 0
+        t0 = time.perf_counter()
+        try:
+            got = self.ctx.store.batch_get_into_multi_buffers(
+                keys, plan.addrs[start:end], sizes, check_values=False, deadline=deadline
+            )
+        except BaseException:
+            self._record("load_get", t0, len(keys), nbytes, None)
+            raise
+        finally:
+            clock.lap("get")
+        self._record("load_get", t0, len(keys), nbytes, got)
+        for outcome, n in got.summary().items():
+            count(outcomes, outcome, n)
+        loaded = np.fromiter((o is Outcome.OK for o in got.outcomes), dtype=bool, count=len(keys))
+        return GetOutcome(loaded, CODE_MASTER_UNREACHABLE in got.codes, got.bytes_transferred)
+
+
+class DirectPath(TransferPath):
+    """One contiguous region per key (cross-layer layouts): the contiguous calls on the KV cache itself."""
+
+    name = "direct"
+
+    def put(
+        self,
+        keys: list[str],
+        chunks: Sequence[tuple[int, int]],
+        groups: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        clock: Clock,
+        result: StoreResult,
+        deadline: RequestDeadline,
+    ) -> tuple[list[bool], list[int]]:
+        addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
+        self._check_slices(addrs, sizes)
+        clock.lap("prepare")
+        object_sizes = sizes[:, 0].tolist()
+        t0 = time.perf_counter()
+        try:
+            put = self.ctx.store.batch_put_from(
+                keys, addrs[:, 0].tolist(), object_sizes, self.ctx.replicate_config, check_values=False,
+                deadline=deadline,
+            )
+        except BaseException:
+            self._record("save_put", t0, len(keys), sum(object_sizes), None)
+            raise
+        self._record("save_put", t0, len(keys), sum(object_sizes), put)
+        clock.lap("put")
+        for outcome, n in put.summary().items():
+            count(result.outcomes, outcome, n)
+        result.back_pressure = result.back_pressure or put.back_pressure
+        return put.present, object_sizes
+
+    def _check_slices(self, addrs: Int64Array, sizes: Int64Array) -> None:
+        # Mooncake's contiguous calls read and write these ranges with no check of their own.
+        inside = self.ctx.caches.slices_inside(addrs, sizes)
+        if not inside.all():
+            raise ValueError(f"key {int(np.flatnonzero(~inside)[0])}: its region lies outside the registered caches")
+
+    def get(
+        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+    ) -> GetOutcome:
+        self._check_slices(plan.addrs[start:end], plan.sizes[start:end])
+        expected = plan.sizes[start:end, 0]
+        keys = plan.keys[start:end]
+        t0 = time.perf_counter()
+        try:
+            got = self.ctx.store.batch_get_into(
+                keys, plan.addrs[start:end, 0].tolist(), expected.tolist(), check_values=False, deadline=deadline
+            )
+        except BaseException:
+            self._record("load_get", t0, len(keys), int(expected.sum()), None)
+            raise
+        finally:
+            clock.lap("get")
+        self._record("load_get", t0, len(keys), int(expected.sum()), got)
+        for outcome, n in got.summary().items():
+            count(outcomes, outcome, n)
+        whole = _read_whole(got, expected)
+        return GetOutcome(whole, CODE_MASTER_UNREACHABLE in got.codes, int(expected[whole].sum()))
+
+
+class StagedPath(TransferPath):
+    """Each key through one slot of a bounded, pre-faulted staging pool registered with Mooncake once.
+
+    Put: native gather (GIL released), then ``batch_put_from``; a batch whose gather fails is never put.
+    Get: ``batch_get_into``, then a native scatter of only the keys read whole (a failed key's slot holds
+    stale bytes of an earlier request). The pool is leased per request: the whole request when it fits,
+    else as much as is free (at least one key), and the request moves in as few batches as the lease allows.
+    """
+
+    name = "staged"
+
+    def __init__(self, ctx: PathContext, pool: StagingPool, copy: CopyBackend) -> None:
+        super().__init__(ctx)
+        self.pool = pool
+        self.copy = copy
+
+    def describe(self) -> str:
+        return f"{super().describe()}, staging pool {self.pool.capacity / (1 << 20):.1f} MiB"
+
+    def _lease(self, object_sizes: Int64Array, total_bytes: int, deadline: RequestDeadline) -> StagingLease | None:
+        """A lease for these keys, waiting at most until the deadline (``None`` if it expired meanwhile)."""
+        remaining = deadline.remaining()
+        largest = int(object_sizes.max()) if len(object_sizes) else 0
+        timeout = STAGING_WAIT_S if remaining is None else min(STAGING_WAIT_S, remaining)
+        try:
+            return self.pool.acquire(largest, total_bytes, timeout=timeout)
+        except TimeoutError:
+            if deadline.expired():
+                return None
+            raise
+
+    def put(
+        self,
+        keys: list[str],
+        chunks: Sequence[tuple[int, int]],
+        groups: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        clock: Clock,
+        result: StoreResult,
+        deadline: RequestDeadline,
+    ) -> tuple[list[bool], list[int]]:
+        addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
+        clock.lap("prepare")
+        plan = plan_slots(sizes)
+        ok = [False] * len(keys)
+        lease = self._lease(plan.object_sizes, plan.total_bytes, deadline)
+        clock.lap("staging_wait")
+        if lease is None:
+            count(result.outcomes, NOT_TRIED, len(keys))
+            return ok, plan.object_sizes.tolist()
+        with lease:
+            for start, end in plan_batches(plan, lease.nbytes):
+                if deadline.expired():
+                    count(result.outcomes, NOT_TRIED, len(keys) - start)
+                    break
+                slots = plan.offsets[start:end] - plan.offsets[start]
+                try:
+                    self.copy.gather(addrs[start:end], sizes[start:end], lease.range, slots)
+                except (ValueError, RuntimeError) as exc:
+                    clock.lap("gather")
+                    logger.warning("store %s: gather of keys %d..%d failed: %s", result.req_id, start, end - 1, exc)
+                    count(result.outcomes, "gather_failed", end - start)
+                    continue
+                clock.lap("gather")
+                object_sizes = plan.object_sizes[start:end]
+                nbytes = int(object_sizes.sum())
+                t0 = time.perf_counter()
+                try:
+                    put = self.ctx.store.batch_put_from(
+                        keys[start:end],
+                        (slots + lease.ptr).tolist(),
+                        object_sizes.tolist(),
+                        self.ctx.replicate_config,
+                        check_values=False,
+                        deadline=deadline,
+                    )
+                except BaseException:
+                    self._record("save_put", t0, end - start, nbytes, None)
+                    raise
+                self._record("save_put", t0, end - start, nbytes, put)
+                clock.lap("put")
+                ok[start:end] = put.present
+                for outcome, n in put.summary().items():
+                    count(result.outcomes, outcome, n)
+                result.back_pressure = result.back_pressure or put.back_pressure
+                if CODE_MASTER_UNREACHABLE in put.codes and end < len(keys):
+                    # Every further batch would block only to report the same.
+                    count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - end)
+                    break
+        return ok, plan.object_sizes.tolist()
+
+    def get(
+        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+    ) -> GetOutcome:
+        addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
+        keys = plan.keys[start:end]
+        loaded = np.zeros(end - start, dtype=bool)
+        slots_plan = plan_slots(sizes)
+        lease = self._lease(slots_plan.object_sizes, slots_plan.total_bytes, deadline)
+        clock.lap("staging_wait")
+        if lease is None:
+            count(outcomes, NOT_TRIED, len(keys))
+            return GetOutcome(loaded, False, 0)
+        with lease:
+            for lo, hi in plan_batches(slots_plan, lease.nbytes):
+                if deadline.expired():
+                    # Nothing of these keys reaches the cache: no get, no scatter.
+                    count(outcomes, NOT_TRIED, len(keys) - lo)
+                    break
+                slots = slots_plan.offsets[lo:hi] - slots_plan.offsets[lo]
+                expected = slots_plan.object_sizes[lo:hi]
+                nbytes = int(expected.sum())
+                t0 = time.perf_counter()
+                try:
+                    got = self.ctx.store.batch_get_into(
+                        keys[lo:hi], (slots + lease.ptr).tolist(), expected.tolist(), check_values=False,
+                        deadline=deadline,
+                    )
+                except BaseException:
+                    self._record("load_get", t0, hi - lo, nbytes, None)
+                    raise
+                self._record("load_get", t0, hi - lo, nbytes, got)
+                clock.lap("get")
+                for outcome, n in got.summary().items():
+                    count(outcomes, outcome, n)
+                whole = _read_whole(got, expected)
+                if whole.any():
+                    # Only keys read whole: a failed key's slot holds stale bytes of an earlier request.
+                    self.copy.scatter(addrs[lo:hi], sizes[lo:hi], lease.range, slots, select=whole)
+                loaded[lo:hi] = whole
+                clock.lap("scatter")
+                if CODE_MASTER_UNREACHABLE in got.codes:
+                    if hi < len(keys):
+                        count(outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - hi)
+                    return GetOutcome(loaded, True, int(slots_plan.object_sizes[loaded].sum()))
+        return GetOutcome(loaded, False, int(slots_plan.object_sizes[loaded].sum()))
