@@ -33,13 +33,26 @@ def _unpatched() -> Iterator[None]:
     plugin.unpatch()
 
 
-@pytest.mark.parametrize("mode", ["vllm", "plugin", "staged"])
-def test_store_then_load_with_vllms_threads(bench: Any, master: Any, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["vllm", "plugin", "staged", "native", "staged_native", "native_fallback"])
+def test_store_then_load_with_vllms_threads(
+    bench: Any, master: Any, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mooncake_kvaddr.driver.native_client import NativeClient
+
+    if mode == "native_fallback":
+        # No native client: every call goes to Mooncake's bound methods, with identical results.
+        monkeypatch.setattr(NativeClient, "from_store", classmethod(lambda cls, store: None))
+    native = "native" in mode
     shape = bench.RigShape(blocks=12, regions=6, region_bytes=2048)
-    with bench.plugin_mode(mode):
-        rig = bench.VllmStoreRig(master.rpc_address, shape, staged=mode == "staged", recv_threads=2,
-                                 staging_bytes=1 << 20, model=f"e2e/{mode}")  # fmt: skip
+    with bench.plugin_mode("plugin" if mode != "vllm" else "vllm"):
+        rig = bench.VllmStoreRig(master.rpc_address, shape, staged=mode.startswith("staged"), native=native,
+                                 recv_threads=2, staging_bytes=1 << 20, model=f"e2e/{mode}")  # fmt: skip
         try:
+            if mode.endswith("native"):
+                client, why = NativeClient.probe(rig.raw_store)
+                if client is None:
+                    pytest.skip(f"native Mooncake client unavailable here: {why}")
+                client.close()
             hashes = rig.hashes(11, shape.blocks)
             rig.fill(3)
             expected = rig.snapshot()
@@ -48,10 +61,19 @@ def test_store_then_load_with_vllms_threads(bench: Any, master: Any, mode: str) 
             assert not rig.verify(expected)
             assert rig.load_requests([f"load-{mode}-a", f"load-{mode}-b"], hashes) == set()
             assert rig.verify(expected)
-            if mode == "staged":
+            if mode.startswith("staged"):
                 assert rig.store.stats.staged_puts >= 1 and rig.store.stats.staged_gets >= 2
                 assert rig.store.stats.passthrough_gets == 0
-            else:
+            native_store = rig.store.wrapped if mode == "staged_native" else rig.store
+            if native:
+                stats = native_store.stats
+                if mode == "native_fallback":
+                    assert native_store.native_client is None
+                    assert stats.native_calls == 0 and stats.fallback_calls >= 3  # exist, put, gets
+                else:
+                    assert native_store.native_client is not None
+                    assert stats.fallback_calls == 0 and stats.native_calls >= 3
+            elif mode != "staged":
                 assert rig.store is rig.raw_store
             layout = rig.db.store_layout
             assert (plugin._ENGINE_ATTR in layout.__dict__) == (mode != "vllm")
@@ -65,23 +87,26 @@ def test_store_then_load_with_vllms_threads(bench: Any, master: Any, mode: str) 
             rig.close()
 
 
-def test_objects_interoperate_between_modes(bench: Any, master: Any) -> None:
-    """Stored by vLLM alone, loaded through the staged transport (and the other way): same bytes."""
+@pytest.mark.parametrize(("first", "second"), [("vllm", "staged"), ("vllm", "native"), ("native", "staged_native")])
+def test_objects_interoperate_between_modes(bench: Any, master: Any, first: str, second: str) -> None:
+    """Stored by one mode, loaded through the other (and the other way): same bytes."""
     shape = bench.RigShape(blocks=6, regions=4, region_bytes=2048)
-    plain = bench.VllmStoreRig(master.rpc_address, shape, model="e2e/interop")
-    staged = bench.VllmStoreRig(master.rpc_address, shape, staged=True, staging_bytes=1 << 20, model="e2e/interop")
+    model = f"e2e/interop-{first}-{second}"
+    plain = bench.VllmStoreRig(master.rpc_address, shape, native=first == "native", model=model)
+    staged = bench.VllmStoreRig(master.rpc_address, shape, staged=second.startswith("staged"),
+                                native=second.endswith("native"), staging_bytes=1 << 20, model=model)  # fmt: skip
     try:
         plain.fill(21)
         expected = plain.snapshot()
         hashes = plain.hashes(31, shape.blocks)
         plain.store_request("interop-store", hashes)
-        with bench.plugin_mode("staged"):
+        with bench.plugin_mode("plugin"):
             assert staged.load_requests(["interop-load"], hashes) == set()
         assert staged.verify(expected)
         staged.fill(22)
         expected = staged.snapshot()
         other = plain.hashes(32, shape.blocks)
-        with bench.plugin_mode("staged"):
+        with bench.plugin_mode("plugin"):
             staged.store_request("interop-store-2", other)
         assert plain.load_requests(["interop-load-2"], other) == set()
         assert plain.verify(expected)

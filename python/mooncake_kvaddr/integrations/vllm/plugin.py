@@ -22,7 +22,10 @@ What is replaced (all on vLLM's ``...mooncake.store.data`` classes, state kept o
 - ``MooncakeStoreWorker.__init__``/``.register_kv_caches`` get a thin wrapper, active only when the staged
   transport is switched on (``MOONCAKE_KVADDR_VLLM_STAGED=1`` or ``kv_connector_extra_config``
   ``{"mooncake_kvaddr_staged": true}``): host-memory KV caches then move through
-  :class:`~mooncake_kvaddr.integrations.vllm.staged_store.StagedMooncakeStore`.
+  :class:`~mooncake_kvaddr.integrations.vllm.staged_store.StagedMooncakeStore`; and the native-client
+  transport (``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=1`` or ``{"mooncake_kvaddr_native_client": true}``, host or
+  device caches): the batch calls go through
+  :class:`~mooncake_kvaddr.integrations.vllm.native_store.NativeMooncakeStore`. Both are off by default.
 """
 
 from __future__ import annotations
@@ -42,15 +45,19 @@ from mooncake_kvaddr.core.layouts import DEFAULT_ROW_CACHE_BYTES
 
 __all__ = [
     "DATA_MODULE",
+    "ENV_NATIVE_CLIENT",
     "ENV_PLUGIN",
     "ENV_STAGED",
     "ENV_STAGING_BYTES",
+    "EXTRA_NATIVE_CLIENT",
     "EXTRA_STAGED",
     "EXTRA_STAGING_BYTES",
     "SUPPORTED_VLLM_SERIES",
     "WORKER_MODULE",
     "PatchReport",
     "is_patched",
+    "maybe_stage_store",
+    "native_client_setting",
     "patch",
     "register",
     "self_check",
@@ -68,6 +75,10 @@ EXTRA_STAGED = "mooncake_kvaddr_staged"
 #: ``kv_connector_extra_config`` key with the same meaning as :data:`ENV_STAGING_BYTES`.
 EXTRA_STAGING_BYTES = "mooncake_kvaddr_staging_bytes"
 DEFAULT_STAGING_BYTES = 256 << 20
+#: Set to ``1``/``true``/``on``/``yes`` to send the worker's Mooncake batch calls through the native client.
+ENV_NATIVE_CLIENT = "MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT"
+#: ``kv_connector_extra_config`` key with the same meaning as :data:`ENV_NATIVE_CLIENT` (the variable wins).
+EXTRA_NATIVE_CLIENT = "mooncake_kvaddr_native_client"
 
 #: vLLM release series whose Mooncake store module shape this plugin knows.
 SUPPORTED_VLLM_SERIES = ("0.32.", "0.33.")
@@ -444,13 +455,32 @@ def staged_settings(
     return wanted, nbytes
 
 
+def native_client_setting(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the native-client transport is requested: the environment (wins), else the connector's
+    ``kv_connector_extra_config``. Off by default."""
+    env = os.environ if environ is None else environ
+    if ENV_NATIVE_CLIENT in env:
+        return _truthy(env[ENV_NATIVE_CLIENT])
+    return _truthy((extra_config or {}).get(EXTRA_NATIVE_CLIENT, False))
+
+
 def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any] | None) -> Any:
-    """``store`` wrapped in a :class:`StagedMooncakeStore` when the staged transport is requested and every
-    KV cache is in host memory; ``store`` itself otherwise (device caches are passed through unchanged)."""
+    """``store`` wrapped for the requested transports; ``store`` itself when none is requested.
+
+    Native client (any caches): a :class:`NativeMooncakeStore`. Staged (host-memory caches only; device caches
+    are passed through unchanged): a :class:`StagedMooncakeStore`, around the native wrapper when both are on
+    (its contiguous slot calls then go through the native client too).
+    """
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
     from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
 
     wanted, nbytes = staged_settings(extra_config)
-    if not wanted or isinstance(store, StagedMooncakeStore):
+    if isinstance(store, StagedMooncakeStore):
+        return store
+    if native_client_setting(extra_config) and not isinstance(store, NativeMooncakeStore):
+        logger.info("mooncake_kvaddr: native-client transport on")
+        store = NativeMooncakeStore(store)
+    if not wanted:
         return store
     if not _all_host(kv_caches):
         logger.info("mooncake_kvaddr: staged transport requested but the KV caches are not in host memory: off")

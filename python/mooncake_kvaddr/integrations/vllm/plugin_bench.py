@@ -23,8 +23,9 @@ from typing import Any
 
 __all__ = ["HEADLINE", "MODES", "QUICK", "RigShape", "VllmStoreRig", "plugin_mode", "run"]
 
-#: Transfer modes: vLLM alone, vLLM with the plugin's patched layouts, plugin + staged transport.
-MODES = ("vllm", "plugin", "staged")
+#: Transfer modes: vLLM alone, vLLM with the plugin's patched layouts, plugin + staged transport, plugin +
+#: native-client transport, plugin + staged transport whose slot calls go through the native client.
+MODES = ("vllm", "plugin", "staged", "native", "staged_native")
 BLOCK = 128
 
 
@@ -76,9 +77,9 @@ def plugin_mode(mode: str) -> Iterator[None]:
 class VllmStoreRig:
     """vLLM's own send/receive threads on CPU caches, one Mooncake client, one master (``master_address``).
 
-    ``staged`` wraps the client in :class:`StagedMooncakeStore` before the caches are registered (as the
-    plugin's worker hook does). Receive threads share one queue, as in vLLM's worker; :meth:`start_receivers`
-    replaces them with a fresh set on a fresh queue (vLLM's threads never exit; old ones stay blocked on
+    ``staged`` wraps the client in :class:`StagedMooncakeStore` and ``native`` in :class:`NativeMooncakeStore`
+    (inside the staged wrapper when both) before the caches are registered (as the plugin's worker hook
+    does). Receive threads share one queue, as in vLLM's worker; :meth:`start_receivers` replaces them with a fresh set on a fresh queue (vLLM's threads never exit; old ones stay blocked on
     their old, empty queue).
     """
 
@@ -88,6 +89,7 @@ class VllmStoreRig:
         shape: RigShape,
         *,
         staged: bool = False,
+        native: bool = False,
         recv_threads: int = 1,
         staging_bytes: int = 256 << 20,
         model: str = "rig/model",
@@ -99,6 +101,7 @@ class VllmStoreRig:
         from vllm.distributed.mooncake_store import MooncakeStoreConfig, setup_mooncake_store
         from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec
 
+        from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
         from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
 
         mooncake_store = importlib.import_module("mooncake.store")
@@ -120,7 +123,9 @@ class VllmStoreRig:
         )
         setup_mooncake_store(store, config, "127.0.0.1")
         self.raw_store = store
-        self.store: Any = StagedMooncakeStore(store, staging_bytes=staging_bytes) if staged else store
+        self.store: Any = NativeMooncakeStore(store) if native else store
+        if staged:
+            self.store = StagedMooncakeStore(self.store, staging_bytes=staging_bytes)
         self.caches = [
             torch.zeros((self.num_blocks, BLOCK, head_size), dtype=torch.float16) for _ in range(shape.regions)
         ]
@@ -435,7 +440,8 @@ def _measure_mode(master: str, shape: RigShape, mode: str, reps: int, thread_cou
     row: dict[str, Any] = {"mode": mode, "tokens": shape.tokens, "regions": shape.regions}
     with plugin_mode(mode):
         staging = max(shape.request_bytes // 2, 64 << 20)
-        rig = VllmStoreRig(master, shape, staged=mode == "staged", staging_bytes=staging, model=f"bench/{mode}")
+        rig = VllmStoreRig(master, shape, staged=mode.startswith("staged"), native=mode.endswith("native"),
+                           staging_bytes=staging, model=f"bench/{mode}")  # fmt: skip
         try:
             hashes = rig.hashes(MODES.index(mode) + 1, shape.blocks)
             rig.fill(7)
@@ -459,8 +465,14 @@ def _measure_mode(master: str, shape: RigShape, mode: str, reps: int, thread_cou
     return row
 
 
-def run(quick: bool = True, *, reps: int | None = None, master_address: str | None = None) -> list[dict[str, Any]]:
-    """Measure the three modes (:data:`MODES`); one dict per mode, times in ms, ``bytes_ok`` per mode.
+def run(
+    quick: bool = True,
+    *,
+    reps: int | None = None,
+    master_address: str | None = None,
+    modes: tuple[str, ...] = MODES,
+) -> list[dict[str, Any]]:
+    """Measure ``modes`` (default all of :data:`MODES`); one dict per mode, times in ms, ``bytes_ok`` per mode.
 
     Starts an embedded master unless ``master_address`` is given. ``quick`` uses a small request
     (:data:`QUICK`); otherwise the headline one (:data:`HEADLINE`). The 4-request rows load the same stored
@@ -474,7 +486,7 @@ def run(quick: bool = True, *, reps: int | None = None, master_address: str | No
         if master_address is None:
             master = stack.enter_context(EmbeddedMaster())
             master_address = master.rpc_address
-        return [_measure_mode(master_address, shape, mode, reps, (1, 2, 4)) for mode in MODES]
+        return [_measure_mode(master_address, shape, mode, reps, (1, 2, 4)) for mode in modes]
 
 
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual runs
@@ -487,8 +499,13 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual ru
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--full", action="store_true", help="the headline request instead of the quick one")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     args = parser.parse_args(argv)
-    rows = run(quick=not args.full, reps=args.reps)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}")
+    rows = run(quick=not args.full, reps=args.reps, modes=modes)
     json.dump(rows, sys.stdout, indent=1)
     print(flush=True)
     os._exit(0)  # vLLM's receive threads block forever on their queues
