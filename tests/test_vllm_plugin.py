@@ -456,6 +456,114 @@ def test_device_caches_are_passed_through(monkeypatch: pytest.MonkeyPatch) -> No
         plugin.staged_settings({plugin.EXTRA_STAGING_BYTES: "lots"}, {})
 
 
+class _Recorder:
+    """Records ``(method, args, kwargs)`` and answers with a tag naming who answered."""
+
+    def __init__(self, tag: str, refuse: bool = False) -> None:
+        self.tag = tag
+        self.refuse = refuse
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("batch_"):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, args, kwargs))
+            if self.refuse:
+                raise ValueError("not accepted")
+            return [self.tag, name]
+
+        return call
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_native_store_dispatch_and_fallback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, available: bool
+) -> None:
+    from mooncake_kvaddr.driver.native_client import NativeClient
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    bound = _Recorder("bound")
+    client = _Recorder("native")
+    probes: list[Any] = []
+
+    def from_store(cls: Any, store: Any) -> Any:
+        probes.append(store)
+        return client if available else None
+
+    monkeypatch.setattr(NativeClient, "from_store", classmethod(from_store))
+    store = NativeMooncakeStore(bound)
+    config = object()
+    rows = [[1, 2], [3, 4]]
+    who = "native" if available else "bound"
+    with caplog.at_level(logging.INFO, logger="vllm.mooncake_kvaddr"):
+        assert store.batch_get_into_multi_buffers(["a", "b"], rows, rows) == [who, "batch_get_into_multi_buffers"]
+        assert store.batch_put_from_multi_buffers(["a", "b"], rows, rows, config)[0] == who
+        assert store.batch_is_exist(["a"])[0] == who
+        assert store.batch_get_into(["a"], [1], [2])[0] == who
+        assert store.batch_put_from(["a"], [1], [2], config)[0] == who
+        # Keyword arguments are Mooncake's business: always the bound method.
+        assert store.batch_put_from_multi_buffers(["a"], rows, rows, config=config)[0] == "bound"
+    assert probes == [bound]  # probed once, lazily
+    target = client if available else bound
+    assert target.calls[1] == ("batch_put_from_multi_buffers", (["a", "b"], rows, rows, config), {})
+    assert bound.calls[-1] == ("batch_put_from_multi_buffers", (["a"], rows, rows), {"config": config})
+    assert store.stats.native_calls == (5 if available else 0)
+    assert store.stats.fallback_calls == (1 if available else 6)
+    if not available:
+        assert sum("no native client" in r.getMessage() for r in caplog.records) == 1
+    assert store.batch_get_replica_desc is not None  # everything else is the wrapped store's
+    store.close()
+    assert bound.closed and (client.closed or not available)
+
+
+def test_native_store_refused_arguments_go_to_mooncake(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from mooncake_kvaddr.driver.native_client import NativeClient
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    bound = _Recorder("bound")
+    client = _Recorder("native", refuse=True)
+    monkeypatch.setattr(NativeClient, "from_store", classmethod(lambda cls, store: client))
+    store = NativeMooncakeStore(bound)
+    with caplog.at_level(logging.INFO, logger="vllm.mooncake_kvaddr"):
+        for _ in range(3):
+            assert store.batch_get_into_multi_buffers(["a"], "odd", "odd") == ["bound", "batch_get_into_multi_buffers"]
+    assert len(client.calls) == 3 and len(bound.calls) == 3
+    assert sum("arguments not accepted" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_native_client_setting_and_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    monkeypatch.delenv(plugin.ENV_NATIVE_CLIENT, raising=False)
+    monkeypatch.delenv(plugin.ENV_STAGED, raising=False)
+    inner = FakeMooncake()
+
+    def tensor(kind: str) -> Any:
+        return types.SimpleNamespace(device=types.SimpleNamespace(type=kind))
+
+    assert not plugin.native_client_setting(None, {})  # off by default
+    assert plugin.native_client_setting({plugin.EXTRA_NATIVE_CLIENT: True}, {})
+    assert not plugin.native_client_setting({plugin.EXTRA_NATIVE_CLIENT: True}, {plugin.ENV_NATIVE_CLIENT: "0"})
+    assert plugin.maybe_stage_store(inner, {"a": tensor("cuda")}, None) is inner
+    gpu = plugin.maybe_stage_store(inner, {"a": tensor("cuda")}, {plugin.EXTRA_NATIVE_CLIENT: "yes"})
+    assert isinstance(gpu, NativeMooncakeStore) and gpu.wrapped is inner  # device caches: just the call
+    assert plugin.maybe_stage_store(gpu, {"a": tensor("cuda")}, {plugin.EXTRA_NATIVE_CLIENT: True}) is gpu
+    both = plugin.maybe_stage_store(
+        inner, {"a": tensor("cpu")}, {plugin.EXTRA_NATIVE_CLIENT: True, plugin.EXTRA_STAGED: True}
+    )
+    assert isinstance(both, StagedMooncakeStore) and isinstance(both.wrapped, NativeMooncakeStore)
+    monkeypatch.setenv(plugin.ENV_NATIVE_CLIENT, "1")
+    assert isinstance(plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, None), NativeMooncakeStore)
+
+
 @pytest.mark.mooncake
 def test_staged_codes_equal_real_mooncake(master: Any) -> None:
     from mooncake.store import MooncakeDistributedStore

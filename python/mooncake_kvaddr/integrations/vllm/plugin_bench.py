@@ -79,8 +79,8 @@ class VllmStoreRig:
 
     ``staged`` wraps the client in :class:`StagedMooncakeStore` and ``native`` in :class:`NativeMooncakeStore`
     (inside the staged wrapper when both) before the caches are registered (as the plugin's worker hook
-    does). Receive threads share one queue, as in vLLM's worker; :meth:`start_receivers` replaces them with a fresh set on a fresh queue (vLLM's threads never exit; old ones stay blocked on
-    their old, empty queue).
+    does). Receive threads share one queue, as in vLLM's worker; :meth:`start_receivers` replaces them with
+    a fresh set on a fresh queue (vLLM's threads never exit; old ones stay blocked on their old, empty queue).
     """
 
     def __init__(
