@@ -117,7 +117,9 @@ def _staging_scatter(
     streaming: bool = True,
 ) -> int: ...
 
-def multi_buffer_arrays(addr_rows: Sequence[Sequence[int]], size_rows: Sequence[Sequence[int]]) -> tuple[_Int64Array, _Int64Array]: ...
+def multi_buffer_arrays(
+    addr_rows: Sequence[Sequence[int]], size_rows: Sequence[Sequence[int]]
+) -> tuple[_Int64Array, _Int64Array]: ...
 
 # ---------------------------------------------------------------------------------------------------------------
 # Native Mooncake client (register_mooncake_client.cpp; docs/native-client.md). Use driver.native_client.
