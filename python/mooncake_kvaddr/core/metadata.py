@@ -1,4 +1,4 @@
-"""Key metadata and pool keys: how a KV chunk is named in the Mooncake store (SPEC.md §1.1).
+"""Key metadata and pool keys: how a KV chunk is named in the Mooncake store (docs/keys.md).
 
 Drop-in for vLLM's ``KeyMetadata`` and ``PoolKey`` (same fields, same strings, same hashing and ordering).
 """
