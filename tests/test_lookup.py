@@ -517,7 +517,11 @@ def test_a_non_byte_hash_buffer_names_the_same_chunks() -> None:
 def test_a_hash_view_longer_than_its_buffer_is_an_error() -> None:
     blob = bytearray(b"".join(bytes([i]) * 4 for i in range(8)))
     hashes = BlobBlockHashes(blob, 4)
-    del blob[8:]
+    try:
+        del blob[8:]
+    except BufferError:  # the view locks a mutable buffer (docs/address-rows.md, "Hash views"): it cannot shrink
+        assert len(hashes) == 8
+        return
     store = FakeStore(lambda keys: [1] * len(keys))
     try:
         worker(store, (16, 16)).lookup(10**6, hashes)
