@@ -198,3 +198,19 @@ def test_closed_store_refuses_and_closes_the_native_client(store_config: StoreCo
             call()
     with pytest.raises(RuntimeError):
         native.batch_is_exist(keys)  # the handle itself is closed too: never reaches Mooncake
+
+
+def test_matrix_rows_are_checked_without_a_row_loop(native_store: MooncakeStore) -> None:
+    """int64 matrices get the same argument errors as list rows, before either client is called."""
+    keys = ["a", "b"]
+    good = np.ones((2, 3), dtype=np.int64)
+    with pytest.raises(ValueError, match="key 0: 3 addresses but 2 sizes"):
+        native_store.batch_get_into_multi_buffers(keys, good, np.ones((2, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="no regions"):
+        native_store.batch_get_into_multi_buffers(keys, good[:, :0], good[:, :0])
+    with pytest.raises(ValueError, match=r"key 1: size \[2\] is negative"):
+        bad = good.copy()
+        bad[1, 2] = -1
+        native_store.batch_put_from_multi_buffers(keys, good, bad)
+    with pytest.raises(ValueError, match="2 keys but 1 address rows"):
+        native_store.batch_get_into_multi_buffers(keys, good[:1], good[:1])
