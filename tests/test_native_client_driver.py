@@ -214,3 +214,16 @@ def test_matrix_rows_are_checked_without_a_row_loop(native_store: MooncakeStore)
         native_store.batch_put_from_multi_buffers(keys, good, bad)
     with pytest.raises(ValueError, match="2 keys but 1 address rows"):
         native_store.batch_get_into_multi_buffers(keys, good[:1], good[:1])
+
+
+def test_a_failing_probe_never_breaks_setup(
+    store_config: StoreConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(_client: Any) -> None:
+        raise OSError("simulated probe failure")
+
+    monkeypatch.setattr(NativeClient, "from_store", staticmethod(broken))
+    with caplog.at_level("WARNING"), MooncakeStore(store_config) as store:
+        assert not store.native_client_active
+        assert store.batch_is_exist([f"probe-{uuid.uuid4().hex[:8]}"]).present == [False]
+    assert "simulated probe failure" in caplog.text
