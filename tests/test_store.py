@@ -91,6 +91,10 @@ def spy(store: MooncakeStore, monkeypatch: pytest.MonkeyPatch) -> CallSpy:
     """Record what reaches Mooncake through the shared store during one test."""
     recorder = CallSpy(store._client)
     monkeypatch.setattr(store, "_client", recorder)
+    if store._native is not None:  # batch transfers go to the native client when it is on: record those too
+        native = CallSpy(store._native)
+        native.calls = recorder.calls
+        monkeypatch.setattr(store, "_native", native)
     return recorder
 
 

@@ -154,6 +154,10 @@ class StoreConfig:
     deadline. See ``docs/transfer-modes.md``, "Deadlines"."""
     master_start_timeout_s: float = 15.0
     """How long to wait for the embedded master to be ready."""
+    native_client: bool = True
+    """Call Mooncake's C++ client directly for batch transfers, with the GIL released, when this Mooncake
+    build is verified for it; otherwise (or ``False``, or ``MOONCAKE_KVADDR_NATIVE_CLIENT=0``) the bound
+    Python methods. Results are the same either way (``docs/native-client.md``, "In the driver")."""
     master_args: tuple[str, ...] = ()
     """Extra command-line flags for the embedded master, e.g. ``("-default_kv_lease_ttl=2000",)``."""
     transfer_mode: str = "auto"
@@ -212,6 +216,7 @@ class StoreConfig:
                 raise ValueError(f"mode 'standalone-store' needs global_segment_size 0, got {segment}")
             put("mode", mode)
         put("enable_offload", check_bool("enable_offload", self.enable_offload))
+        put("native_client", check_bool("native_client", self.native_client))
         mode_name = check_str("transfer_mode", self.transfer_mode).strip().lower().replace("-", "_")
         if mode_name not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {show(self.transfer_mode)}")

@@ -215,12 +215,20 @@ def _read_whole(got: BatchResult, expected: Int64Array) -> BoolArray:
 
 
 class MultiBufferPath(TransferPath):
-    """Every key's regions go to ``batch_*_multi_buffers`` as Python lists (one fused native plan per group)."""
+    """Every key's regions go to ``batch_*_multi_buffers``: as int64 matrices when the store's native client
+    is on (no Python object per region), else as Python lists (one fused native plan per group)."""
 
     name = "multi_buffer"
 
+    @property
+    def _arrays(self) -> bool:
+        """The store takes int64 matrices straight through (docs/native-client.md, "In the driver")."""
+        return bool(getattr(self.ctx.store, "native_client_active", False))
+
     def prepare(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, Any, Any]:
-        """List rows: one ``prepare_values`` per run of a group."""
+        """List rows: one ``prepare_values`` per run of a group (int64 matrices with the native client)."""
+        if self._arrays:
+            return super().prepare(chunks, groups, block_ids)
         addrs: list[Sequence[int]] = []
         sizes: list[Sequence[int]] = []
         ids: list[int] = []
@@ -247,7 +255,7 @@ class MultiBufferPath(TransferPath):
         A request with an invalid block id takes the shared walk-then-prepare plan instead, which drops the
         chunks on it before any row is computed.
         """
-        if any(s.bad for s in screened):
+        if self._arrays or any(s.bad for s in screened):
             return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
         keys: list[str] = []
         addrs: list[Sequence[int]] = []
@@ -273,7 +281,10 @@ class MultiBufferPath(TransferPath):
         deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
-        key_bytes = [sum(row) for row in sizes]
+        if isinstance(sizes, np.ndarray):
+            key_bytes = sizes.sum(axis=1).tolist()
+        else:
+            key_bytes = [sum(row) for row in sizes]
         clock.lap("prepare")
         start = time.perf_counter()
         try:
@@ -296,7 +307,12 @@ class MultiBufferPath(TransferPath):
     ) -> GetOutcome:
         keys = plan.keys[start:end]
         sizes = plan.sizes[start:end]
-        nbytes = sum(map(sum, sizes)) if self.ctx.metrics.callback is not None else 0
+        if self.ctx.metrics.callback is None:
+            nbytes = 0
+        elif isinstance(sizes, np.ndarray):
+            nbytes = int(sizes.sum())
+        else:
+            nbytes = sum(map(sum, sizes))
         t0 = time.perf_counter()
         try:
             got = self.ctx.store.batch_get_into_multi_buffers(

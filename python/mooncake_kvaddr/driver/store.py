@@ -40,6 +40,7 @@ import numpy as np
 
 from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.master import EmbeddedMaster, mooncake_install_hint
+from mooncake_kvaddr.driver.native_client import NativeClient
 from mooncake_kvaddr.driver.outcomes import (
     CODE_HAS_LEASE,
     CODE_INVALID_PARAMS,
@@ -208,8 +209,19 @@ def _check_rows(n: int, addrs: Any, sizes: Any, check_values: bool) -> list[int]
         raise ValueError(
             f"{n} keys but {len(addrs)} address rows and {len(sizes)} size rows: need one row of each per key"
         )
-    counts = [len(a) for a in addrs]
-    for i, (count, row) in enumerate(zip(counts, sizes, strict=True)):
+    if isinstance(addrs, np.ndarray) and isinstance(sizes, np.ndarray) and addrs.ndim == sizes.ndim == 2:
+        if n and addrs.shape[1] != sizes.shape[1]:
+            raise ValueError(
+                f"key 0: {addrs.shape[1]} addresses but {sizes.shape[1]} sizes; rows must be the same length"
+            )
+        if n and addrs.shape[1] == 0:
+            raise ValueError("key 0: no regions; every key needs at least one (address, size) region")
+        counts = [addrs.shape[1]] * n  # every row of a matrix has the same length: no per-row loop
+        pairs: Any = ()
+    else:
+        counts = [len(a) for a in addrs]
+        pairs = zip(counts, sizes, strict=True)
+    for i, (count, row) in enumerate(pairs):
         if count != len(row):
             # Mooncake's get indexes sizes[j] past the end when a size row is the shorter one.
             raise ValueError(f"key {i}: {count} addresses but {len(row)} sizes; rows must be the same length")
@@ -290,6 +302,7 @@ class MooncakeStore:
         self._master: EmbeddedMaster | None = None
         self._module: ModuleType | None = None
         self._default_replicate: Any = None
+        self._native: NativeClient | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -307,6 +320,11 @@ class MooncakeStore:
     def ready(self) -> bool:
         """True between a successful :meth:`setup` and :meth:`close`."""
         return self._state is _State.READY
+
+    @property
+    def native_client_active(self) -> bool:
+        """True while batch transfers go through the native client (docs/native-client.md, "In the driver")."""
+        return self._native is not None
 
     @property
     def master(self) -> EmbeddedMaster | None:
@@ -351,11 +369,26 @@ class MooncakeStore:
                 if master is not None:
                     master.close(kill=True)
                 raise
+            native = self._open_native(client)
             with self._cond:
                 self._client = client
+                self._native = native
                 self._master = master
                 self._state = _State.READY
         return self
+
+    def _open_native(self, client: Any) -> NativeClient | None:
+        """The native client for ``client``, or ``None`` (config off, or unavailable: the reason is logged once)."""
+        if not self._config.native_client:
+            return None
+        try:
+            native = NativeClient.from_store(client)
+        except Exception as exc:  # never let the fast path break setup: the bound methods always work
+            logger.warning("native Mooncake client off: probe failed: %s", exc)
+            return None
+        if native is not None:
+            logger.info("native Mooncake client on (%s)", native.library)
+        return native
 
     def _connect(self, module: ModuleType, address: str, master: EmbeddedMaster | None) -> Any:
         config = self._config
@@ -433,7 +466,10 @@ class MooncakeStore:
                     )
                 client, self._client = self._client, None
                 master, self._master = self._master, None
+                native, self._native = self._native, None
             try:
+                if native is not None:
+                    native.close()  # no call in flight; before Mooncake's client goes away
                 rc = client.close()
                 if rc != 0:
                     logger.warning("Mooncake client close() returned %s", rc)
@@ -462,6 +498,17 @@ class MooncakeStore:
     @contextlib.contextmanager
     def _admitted(self) -> Iterator[Any]:
         """Hold an in-flight slot: the client cannot be closed until the block exits."""
+        with self._admitted_pair() as (client, _native):
+            yield client
+
+    @contextlib.contextmanager
+    def _admitted_batch(self) -> Iterator[Any]:
+        """Like :meth:`_admitted`, yielding whichever client serves batch transfers: native or bound."""
+        with self._admitted_pair() as (client, native):
+            yield native if native is not None else client
+
+    @contextlib.contextmanager
+    def _admitted_pair(self) -> Iterator[tuple[Any, NativeClient | None]]:
         with self._cond:
             if self._state is not _State.READY:
                 if self._state is _State.NEW:
@@ -469,8 +516,9 @@ class MooncakeStore:
                 raise StoreClosedError(f"MooncakeStore is {self._state.value}: no calls after close()")
             self._in_flight += 1
             client = self._client
+            native = self._native
         try:
-            yield client
+            yield client, native
         finally:
             with self._cond:
                 self._in_flight -= 1
@@ -484,7 +532,7 @@ class MooncakeStore:
         n = _check_keys(keys)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted() as client:
+        with self._admitted_batch() as client:
             codes = client.batch_is_exist(keys)
         return self._result(_Op.EXIST, codes, n)
 
@@ -509,7 +557,7 @@ class MooncakeStore:
         counts = _check_rows(n, addrs, sizes, check_values)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted() as client:
+        with self._admitted_batch() as client:
             config = replicate_config if replicate_config is not None else self._replicate_default()
             codes = self._split_call(
                 lambda k, a, s: client.batch_put_from_multi_buffers(k, a, s, config),
@@ -539,7 +587,7 @@ class MooncakeStore:
         counts = _check_rows(n, addrs, sizes, check_values)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted() as client:
+        with self._admitted_batch() as client:
             codes = self._split_call(client.batch_get_into_multi_buffers, keys, addrs, sizes, counts, deadline)
         return self._result(_Op.GET, codes, n)
 
@@ -558,7 +606,7 @@ class MooncakeStore:
         _check_flat(n, ptrs, sizes, check_values)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted() as client:
+        with self._admitted_batch() as client:
             config = replicate_config if replicate_config is not None else self._replicate_default()
             codes = self._split_call(
                 lambda k, p, s: client.batch_put_from(k, p, s, config), keys, ptrs, sizes, [1] * n, deadline
@@ -579,7 +627,7 @@ class MooncakeStore:
         _check_flat(n, ptrs, sizes, check_values)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted() as client:
+        with self._admitted_batch() as client:
             codes = self._split_call(client.batch_get_into, keys, ptrs, sizes, [1] * n, deadline)
         return self._result(_Op.GET, codes, n)
 

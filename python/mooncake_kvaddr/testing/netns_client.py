@@ -213,6 +213,8 @@ class Worker:
         store = MooncakeStore(config).setup()
         # Test-only: count the transfer calls (see _CallHook); the store hands this object to every call.
         store._client = _CallHook(store._client, self.before_call)
+        if store._native is not None:  # transfers go to the native client when it is on
+            store._native = _CallHook(store._native, self.before_call)  # type: ignore[assignment]
         self.stores[name] = store
         return {"seconds": time.perf_counter() - t0}
 
