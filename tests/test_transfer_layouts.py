@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvaddr_testing import hashes
 from mooncake_kvaddr.driver.layout_adapter import (
@@ -199,3 +201,51 @@ def test_adapter_refusals(store: MooncakeStore, model: str) -> None:
             pass
     rows = adapter.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
     assert rows[0].shape[0] == 2
+
+
+_CACHES = {fmt: [_packed(fmt, 4, layer, 4) for layer in range(2)] for fmt in ("lbhnc", "lbnhc")}
+
+
+@given(
+    fmt=st.sampled_from(["rank_local", "lbhnc", "lbnhc"]),
+    n_hashes=st.integers(0, 10),
+    drop=st.integers(0, 2),
+    mask_num=st.integers(0, 24),
+    tail=st.one_of(st.none(), st.integers(1, 10)),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=150, deadline=None)
+def test_walk_equals_fused_plan(fmt: str, n_hashes: int, drop: int, mask_num: int, tail: int | None,
+                                seed: int) -> None:
+    """The walk the staged/direct paths take equals the layout's fused plan (keys, rows, block ids), and both
+    equal vLLM 0.33's receive-thread construction: process_tokens, the tail hash, one key per shard id."""
+    hbs = 4
+    bs = 8 if fmt == "rank_local" else hbs  # rank-local: chunks of two hash blocks, a partial last one
+    if fmt == "rank_local":
+        db = M.ChunkedTokenDatabase(M.KeyMetadata("gen", 1, 0, 0, 0), bs, hbs)
+        db.set_kv_caches_base_addr([4096, 1 << 20])
+        db.set_block_len([64, 32])
+    else:
+        db = _sharded_db(fmt, "gen", 2, 4, 0, 8, bs)
+        db.store_layout.register_kv_caches(_CACHES[fmt], NB)
+    adapter = LayoutDatabase(db)
+    chained = hashes(f"g{seed}", n_hashes)
+    token_len = max(0, n_hashes - drop) * hbs
+    block_ids = [(seed + 3 * i) % NB for i in range(-(-token_len // bs))]
+    tail_tokens = None if tail is None or tail > n_hashes else tail * hbs
+    walk = list(db.process_tokens(token_len, chained, mask_num))
+    expected = []
+    for _start, end, chunk_hash in walk:
+        if tail_tokens is not None and end == token_len:
+            chunk_hash = chained[tail_tokens // hbs - 1]
+        expected.extend(adapter.layout.key_for(shard, chunk_hash) for shard in adapter.shard_ids)
+    with adapter.tail_boundary(tail_tokens):
+        walked = adapter.walk_load(token_len, chained, mask_num)
+        plan = adapter.plan_load(token_len, chained, block_ids, mask_num)
+    assert walked.keys == plan.keys == expected
+    assert walked.chunks.shape == (len(expected), 3)
+    if expected:
+        addrs, sizes, ids = adapter.prepare_values_array(walked.chunks, block_ids)
+        assert addrs.tolist() == [list(row) for row in plan.addrs]
+        assert sizes.tolist() == [list(row) for row in plan.sizes]
+        assert ids.tolist() == list(plan.block_ids)
