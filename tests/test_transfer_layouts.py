@@ -199,8 +199,22 @@ def test_adapter_refusals(store: MooncakeStore, model: str) -> None:
     with pytest.raises(ValueError, match="below one hash block"):
         with adapter.tail_boundary(0):
             pass
+    # A TP-shared layout whose caches were never registered has no segments: nothing may move.
+    with pytest.raises(RuntimeError, match="register its KV caches"):
+        adapter.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
+    with pytest.raises(RuntimeError, match="register its KV caches"):
+        adapter.plan_load(4, hashes("x", 1), [1])
+    caches = [torch.zeros((NB, 4, 4, 6)) for _ in range(2)]
+    with layout_transfer(store, [db], start_threads=False) as transfer:
+        transfer.register_kv_caches([c.numpy() for c in caches], NB)  # the transfer's regions only
+        with pytest.raises(RuntimeError, match="register its KV caches"):
+            transfer.store(TransferRequest("x", 4, hashes("x", 1), [[1]]))
+        loaded = transfer.load(TransferRequest("x", 4, hashes("x", 1), [[1]]))
+        assert loaded.failed_block_ids == {1} and "register its KV caches" in (loaded.error or "")
+        assert store.batch_is_exist([adapter.layout.key_for(0, hashes("x", 1)[0])]).present == [False]
+    adapter.layout.register_kv_caches(caches, NB)
     rows = adapter.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
-    assert rows[0].shape[0] == 2
+    assert rows[0].shape == (2, 2)
 
 
 _CACHES = {fmt: [_packed(fmt, 4, layer, 4) for layer in range(2)] for fmt in ("lbhnc", "lbnhc")}

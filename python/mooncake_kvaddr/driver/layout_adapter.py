@@ -196,7 +196,17 @@ class LayoutDatabase:
         keys, addrs, sizes, ids = self.layout.plan_load(
             token_len, block_hashes, mask_num, None, list(block_ids), self._tail_tokens()
         )
+        self._check_rows(sizes)
         return LoadPlan(keys, addrs, sizes, ids)
+
+    def _check_rows(self, sizes: Any) -> None:
+        """Refuse rows without a segment: a TP-shared layout whose caches were never registered would put
+        empty objects (or read nothing) under real keys."""
+        empty = sizes.shape[1] == 0 if isinstance(sizes, np.ndarray) else any(len(row) == 0 for row in sizes)
+        if len(sizes) and empty:
+            raise RuntimeError(
+                "the store layout has no segments: register its KV caches first (register_layout_caches)"
+            )
 
     @staticmethod
     def _split(chunks: Any) -> tuple[list[tuple[int, int]], list[int]]:
@@ -215,14 +225,18 @@ class LayoutDatabase:
     ) -> tuple[list[list[int]], list[list[int]], list[int]]:
         """The layout's rows of ``(start, end, shard_id)`` entries (lists)."""
         pairs, shards = self._split(chunks)
-        return self.layout.prepare_values(pairs, list(block_ids), shards)
+        rows = self.layout.prepare_values(pairs, list(block_ids), shards)
+        self._check_rows(rows[1])
+        return rows
 
     def prepare_values_array(
         self, chunks: Any, block_ids: Sequence[int] | Int64Array
     ) -> tuple[Int64Array, Int64Array, Int64Array]:
         """The layout's rows of ``(start, end, shard_id)`` entries (int64 arrays)."""
         pairs, shards = self._split(chunks)
-        return self.layout.prepare_values_array(pairs, block_ids, shards)
+        rows = self.layout.prepare_values_array(pairs, block_ids, shards)
+        self._check_rows(rows[1])
+        return rows
 
 
 def _adapters(transfer: KVTransfer) -> list[LayoutDatabase]:
