@@ -45,7 +45,7 @@ from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.config import TRANSFER_MODES
-from mooncake_kvaddr.driver.lookup import GroupSpecLike, ParallelLayout, StoreLookup
+from mooncake_kvaddr.driver.lookup import GroupSpecLike, LookupResult, ParallelLayout, StoreLookup
 from mooncake_kvaddr.driver.paths import (
     DirectPath,
     GetPlan,
@@ -542,6 +542,21 @@ class KVTransfer:
         """
         with self._admitted():
             return self.store_lookup.lookup(self._store, num_tokens, block_hashes, lookup_masks=lookup_masks)
+
+    def lookup_with_boundaries(
+        self,
+        num_tokens: int,
+        block_hashes: Sequence[BlockHash],
+        *,
+        lookup_masks: Sequence[Sequence[bool] | None] | None = None,
+    ) -> LookupResult:
+        """vLLM 0.33's lookup: :meth:`lookup`'s hit and, for a non-zero hit, every group's tail-key boundary
+        (docs/lookup.md, "Tail key boundaries"; a load honours them with
+        :func:`~mooncake_kvaddr.driver.layout_adapter.load_with_boundaries`). Store errors count as a miss."""
+        with self._admitted():
+            return self.store_lookup.lookup_with_boundaries(
+                self._store, num_tokens, block_hashes, lookup_masks=lookup_masks
+            )
 
     # ------------------------------------------------------------------ threads and lifecycle
 

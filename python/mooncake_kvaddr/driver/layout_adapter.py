@@ -1,0 +1,348 @@
+"""Drive layout-based (vLLM 0.33-style) token databases through :class:`KVTransfer` (docs/vllm.md, "Driver").
+
+vLLM 0.33's ``ChunkedTokenDatabase`` (``mooncake_kvaddr.integrations.vllm.data``) only walks chunks; keys and
+address rows belong to its ``store_layout``, and one chunk is one store object *per local shard id*. The
+transfer paths of :mod:`mooncake_kvaddr.driver.paths` speak the seed-era database interface (one key per
+chunk). :class:`LayoutDatabase` presents a layout database through that interface:
+
+* every chunk expands to one entry per local shard id, chunk-major (vLLM's receive-thread order); an entry's
+  chunk is the triple ``(start, end, shard_id)``, which the paths carry through untouched;
+* keys are ``layout.key_for(shard_id, chunk_hash)``; rows are ``layout.prepare_values(chunks, block_ids,
+  shard_ids)`` (or its int64-array form);
+* a load may key the chunk that ends at ``token_len`` by a tail-key boundary hash (see
+  :func:`load_with_boundaries`);
+* lookups probe ``layout.lookup_key_prefixes(rank_namespaces)`` (see :func:`layout_transfer`).
+
+Use :func:`layout_transfer` to build the transfer, :func:`register_layout_caches` to register the caches, and
+:func:`load_with_boundaries` / :func:`lookup_with_boundaries` for vLLM 0.33's tail-key boundaries.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from mooncake_kvaddr.core.database import ChunkedTokenDatabase as SeedDatabase
+from mooncake_kvaddr.core.database import LoadPlan, LoadWalk, StorePlan
+from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.core.layouts import LayoutTokenDatabase, RankLocalStoreLayout, TPShardedStoreLayout
+from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.driver.lookup import GroupSpecLike, LookupResult, ParallelLayout, StoreLookup
+from mooncake_kvaddr.driver.results import LoadResult, TransferRequest
+from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.transfer import KVTransfer
+
+__all__ = [
+    "LayoutDatabase",
+    "TailBoundary",
+    "layout_transfer",
+    "load_with_boundaries",
+    "lookup_with_boundaries",
+    "register_layout_caches",
+]
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class TailBoundary(Protocol):
+    """A tail-key boundary: ``lookup``'s and vLLM 0.33's ``TailKeyBoundary`` both fit."""
+
+    @property
+    def group_id(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class LayoutDatabase:
+    """One KV-cache group's layout database, seen through the interface :class:`KVTransfer` drives.
+
+    Args:
+        database: a vLLM 0.33-style ``ChunkedTokenDatabase`` (``integrations.vllm.data``); its
+            ``store_layout`` (rank-local or TP-shared) decides the keys and the rows.
+
+    Rank-local layouts take their regions from :meth:`KVTransfer.register_kv_caches` (forwarded to the layout);
+    TP-shared layouts take them from their own ``register_kv_caches(tensors, num_blocks)`` (see
+    :func:`register_layout_caches`), and only remember the transfer's regions for its consistency check.
+    """
+
+    def __init__(self, database: LayoutTokenDatabase) -> None:
+        layout = getattr(database, "store_layout", None)
+        if not isinstance(layout, (RankLocalStoreLayout, TPShardedStoreLayout)):
+            raise TypeError(
+                "database: expected a layout ChunkedTokenDatabase (integrations.vllm.data) whose store_layout is "
+                f"a RankLocalStoreLayout or TPShardedStoreLayout, got {type(layout).__name__}"
+            )
+        self.database = database
+        self.layout: RankLocalStoreLayout | TPShardedStoreLayout = layout
+        self.metadata: KeyMetadata = database.metadata
+        self.block_size: int = database.block_size
+        self.hash_block_size: int = database.hash_block_size
+        self.shard_ids: tuple[int, ...] = tuple(layout.local_shard_ids)
+        if not self.shard_ids:
+            raise ValueError("database: its store layout owns no shard (store_tp_size < local tp size?)")
+        self.rank_local = isinstance(layout, RankLocalStoreLayout)
+        first = None if self.rank_local else self.shard_ids[0]
+        self.key_prefix = PoolKey.build_prefix(self.metadata, tp_rank=first)
+        self._bases: list[int] = []
+        self._lens: list[int] = []
+        self._tail = threading.local()
+
+    # ------------------------------------------------------------------ regions
+
+    @property
+    def kv_caches_base_addr(self) -> list[int]:
+        """The region bases the transfer registered (the layout's own for a rank-local layout)."""
+        return self.layout.kv_caches_base_addr if isinstance(self.layout, RankLocalStoreLayout) else self._bases
+
+    @property
+    def block_len(self) -> list[int]:
+        """The block lengths the transfer registered (the layout's own for a rank-local layout)."""
+        return self.layout.block_len if isinstance(self.layout, RankLocalStoreLayout) else self._lens
+
+    def set_kv_caches_base_addr(self, base_addrs: list[int]) -> None:
+        """Rank-local: the layout's regions; TP-shared: remembered only (the layout's templates hold the rows)."""
+        if isinstance(self.layout, RankLocalStoreLayout):
+            self.layout.set_kv_caches_base_addr(base_addrs)
+        else:
+            self._bases = base_addrs
+
+    def set_block_len(self, block_lens: list[int]) -> None:
+        """See :meth:`set_kv_caches_base_addr`."""
+        if isinstance(self.layout, RankLocalStoreLayout):
+            self.layout.set_block_len(block_lens)
+        else:
+            self._lens = block_lens
+
+    # ------------------------------------------------------------------ tail-key boundary
+
+    @contextmanager
+    def tail_boundary(self, num_tokens: int | None) -> Iterator[None]:
+        """Within the block, this thread's loads key the chunk ending at ``token_len`` by
+        ``block_hashes[num_tokens // hash_block_size - 1]`` (``None``: by its own hash)."""
+        if num_tokens is not None:
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+                raise TypeError(f"tail boundary: num_tokens must be an int, got {type(num_tokens).__name__}")
+            if num_tokens < self.hash_block_size:
+                raise ValueError(f"tail boundary: num_tokens {num_tokens} is below one hash block "
+                                 f"({self.hash_block_size} tokens)")
+            num_tokens = int(num_tokens)
+        previous = getattr(self._tail, "tokens", None)
+        self._tail.tokens = num_tokens
+        try:
+            yield
+        finally:
+            self._tail.tokens = previous
+
+    def _tail_tokens(self) -> int | None:
+        tokens: int | None = getattr(self._tail, "tokens", None)
+        return tokens
+
+    # ------------------------------------------------------------------ walks and plans
+
+    def _expand(self, walk: Sequence[tuple[int, int, BlockHash]]) -> tuple[list[str], list[tuple[int, int, int]]]:
+        keys: list[str] = []
+        chunks: list[tuple[int, int, int]] = []
+        for start, end, chunk_hash in walk:
+            for shard in self.shard_ids:
+                keys.append(self.layout.key_for(shard, chunk_hash))
+                chunks.append((start, end, shard))
+        return keys, chunks
+
+    def _load_walk(self, token_len: int, block_hashes: Sequence[BlockHash], mask_num: int) -> list[
+            tuple[int, int, BlockHash]]:
+        tail = self._tail_tokens()
+        walk = list(self.database.process_tokens(token_len, block_hashes, mask_num))
+        if tail is not None and walk and walk[-1][1] == token_len:
+            index = tail // self.hash_block_size - 1
+            if index >= len(block_hashes):
+                raise ValueError(f"tail boundary: num_tokens {tail} needs hash {index}, only "
+                                 f"{len(block_hashes)} given")
+            start, end, _ = walk[-1]
+            walk[-1] = (start, end, block_hashes[index])
+        return walk
+
+    def plan_store(
+        self, token_len: int, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], mask_num: int = 0
+    ) -> StorePlan:
+        """A send thread's candidates: the walk (vLLM 0.33's start rule), without chunks on the NULL block 0 or
+        past ``block_ids``, each expanded to one ``(start, end, shard_id)`` entry per local shard id."""
+        walk = []
+        for start, end, chunk_hash in self.database.process_tokens(token_len, block_hashes, mask_num):
+            position = start // self.block_size
+            if position >= len(block_ids) or block_ids[position] == 0:
+                continue
+            walk.append((start, end, chunk_hash))
+        keys, chunks = self._expand(walk)
+        ids = [block_ids[start // self.block_size] for start, _, _ in chunks]
+        # The paths accept any (start, end, ...) chunk; StorePlan's annotation names the seed's pairs.
+        return StorePlan(keys, cast(list[tuple[int, int]], chunks), ids)
+
+    def walk_load(self, token_len: int, block_hashes: Sequence[BlockHash], mask_num: int = 0) -> LoadWalk:
+        """A load's keys and ``(n, 3)`` ``(start, end, shard_id)`` entries, in :meth:`plan_load`'s order."""
+        keys, chunks = self._expand(self._load_walk(token_len, block_hashes, mask_num))
+        array = np.asarray(chunks, dtype=np.int64).reshape(len(chunks), 3)
+        return LoadWalk(keys, array)
+
+    def plan_load(
+        self, token_len: int, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], mask_num: int = 0
+    ) -> LoadPlan:
+        """The layout's fused load plan (keys, rows, block ids), with this thread's tail boundary if any."""
+        keys, addrs, sizes, ids = self.layout.plan_load(
+            token_len, block_hashes, mask_num, None, list(block_ids), self._tail_tokens()
+        )
+        self._check_rows(sizes)
+        return LoadPlan(keys, addrs, sizes, ids)
+
+    def _check_rows(self, sizes: Any) -> None:
+        """Refuse rows without a segment: a TP-shared layout whose caches were never registered would put
+        empty objects (or read nothing) under real keys."""
+        empty = sizes.shape[1] == 0 if isinstance(sizes, np.ndarray) else any(len(row) == 0 for row in sizes)
+        if len(sizes) and empty:
+            raise RuntimeError(
+                "the store layout has no segments: register its KV caches first (register_layout_caches)"
+            )
+
+    @staticmethod
+    def _split(chunks: Any) -> tuple[list[tuple[int, int]], list[int]]:
+        rows = chunks.tolist() if isinstance(chunks, np.ndarray) else list(chunks)
+        pairs: list[tuple[int, int]] = []
+        shards: list[int] = []
+        for row in rows:
+            if len(row) != 3:
+                raise ValueError(f"chunk {row!r}: a layout database expects (start, end, shard_id) entries")
+            pairs.append((int(row[0]), int(row[1])))
+            shards.append(int(row[2]))
+        return pairs, shards
+
+    def prepare_values(
+        self, chunks: Sequence[Sequence[int]], block_ids: Sequence[int]
+    ) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """The layout's rows of ``(start, end, shard_id)`` entries (lists)."""
+        pairs, shards = self._split(chunks)
+        rows = self.layout.prepare_values(pairs, list(block_ids), shards)
+        self._check_rows(rows[1])
+        return rows
+
+    def prepare_values_array(
+        self, chunks: Any, block_ids: Sequence[int] | Int64Array
+    ) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """The layout's rows of ``(start, end, shard_id)`` entries (int64 arrays)."""
+        pairs, shards = self._split(chunks)
+        rows = self.layout.prepare_values_array(pairs, block_ids, shards)
+        self._check_rows(rows[1])
+        return rows
+
+
+def _adapters(transfer: KVTransfer) -> list[LayoutDatabase]:
+    databases = cast(list[Any], transfer.databases)
+    if not all(isinstance(db, LayoutDatabase) for db in databases):
+        raise TypeError("transfer: not built by layout_transfer (its databases are not LayoutDatabase adapters)")
+    return cast(list[LayoutDatabase], databases)
+
+
+def layout_transfer(
+    store: MooncakeStore,
+    databases: Sequence[LayoutTokenDatabase],
+    *,
+    layout: ParallelLayout | None = None,
+    group_specs: Sequence[GroupSpecLike] | None = None,
+    transfer_mode: str | None = None,
+    **kwargs: Any,
+) -> KVTransfer:
+    """A :class:`KVTransfer` over vLLM 0.33-style databases (one per KV-cache group, in group order).
+
+    Lookups probe every group's ``store_layout.lookup_key_prefixes`` over the rank namespaces of ``layout``
+    (this rank's own namespace when ``None``). A TP-shared layout moves each key's segments with Mooncake's
+    multi-buffer calls: ``transfer_mode`` defaults to, and must be, ``"multi_buffer"`` for it (a key's
+    segments are not the registered regions, so neither the direct nor the staged path applies). Other
+    keywords go to :class:`KVTransfer` as they are.
+    """
+    adapters = [LayoutDatabase(db) for db in databases]
+    if any(not a.rank_local for a in adapters):
+        if transfer_mode not in (None, "multi_buffer"):
+            raise ValueError(f"transfer_mode: a TP-shared store layout needs 'multi_buffer', got {transfer_mode!r}")
+        transfer_mode = "multi_buffer"
+    # The adapters present the database interface the transfer paths use (duck-typed).
+    seen = cast(list[SeedDatabase], adapters)
+    transfer = KVTransfer(store, seen, layout=layout, group_specs=group_specs, transfer_mode=transfer_mode,
+                          **kwargs)
+    transfer.store_lookup = StoreLookup.from_prefix_sources(
+        seen, [a.layout for a in adapters], group_specs, layout
+    )
+    return transfer
+
+
+def _host_array(cache: Any) -> np.ndarray[Any, Any]:
+    if isinstance(cache, np.ndarray):
+        return cache
+    numpy = getattr(cache, "numpy", None)
+    if numpy is None:
+        raise TypeError(f"kv_caches: expected numpy arrays or CPU tensors, got {type(cache).__name__}")
+    array: np.ndarray[Any, Any] = numpy()
+    if not array.flags.c_contiguous:
+        # A dense view in another dimension order (e.g. a token-major cache seen head-major): register the
+        # memory in its physical order, which is one C-contiguous range.
+        array = array.transpose(np.argsort(array.strides, kind="stable")[::-1])
+        if not array.flags.c_contiguous:
+            raise ValueError("kv_caches: every cache must be one dense range of memory")
+    return array
+
+
+def register_layout_caches(transfer: KVTransfer, kv_caches: Sequence[Any], num_blocks: int) -> None:
+    """Register host KV caches with a :func:`layout_transfer` transfer and with its TP-shared layouts.
+
+    ``kv_caches`` are CPU torch tensors (or tensor-like objects with a ``numpy()`` view of the same memory, or
+    numpy arrays for rank-local layouts only). Every TP-shared layout derives its segment templates from them
+    (``register_kv_caches``, which checks the packed shape and strides); then the transfer registers their
+    host memory (:meth:`KVTransfer.register_kv_caches`), which rank-local layouts take as their regions.
+    """
+    adapters = _adapters(transfer)
+    for adapter in adapters:
+        if not adapter.rank_local:
+            adapter.layout.register_kv_caches(kv_caches, num_blocks)
+    transfer.register_kv_caches([_host_array(cache) for cache in kv_caches], num_blocks)
+
+
+def load_with_boundaries(
+    transfer: KVTransfer, request: TransferRequest, tail_key_boundaries: Sequence[TailBoundary] = ()
+) -> LoadResult:
+    """:meth:`KVTransfer.load`, keying each group's chunk that ends at ``request.token_len`` by its tail-key
+    boundary (``block_hashes[num_tokens // hash_block_size - 1]``), as vLLM 0.33's receive thread does.
+
+    Runs in the calling thread (the boundaries are per thread; ``submit_load`` does not carry them).
+    """
+    adapters = _adapters(transfer)
+    tails: dict[int, int] = {}
+    for boundary in tail_key_boundaries:
+        group = boundary.group_id
+        if not 0 <= group < len(adapters):
+            raise ValueError(f"tail boundary: group_id {group} is not one of the {len(adapters)} KV-cache groups")
+        tails[group] = boundary.num_tokens
+    return _load_with(adapters, transfer, request, tails, 0)
+
+
+def _load_with(
+    adapters: list[LayoutDatabase], transfer: KVTransfer, request: TransferRequest, tails: dict[int, int], g: int
+) -> LoadResult:
+    if g == len(adapters):
+        return transfer.load(request)
+    with adapters[g].tail_boundary(tails.get(g)):
+        return _load_with(adapters, transfer, request, tails, g + 1)
+
+
+def lookup_with_boundaries(
+    transfer: KVTransfer,
+    num_tokens: int,
+    block_hashes: Sequence[BlockHash],
+    *,
+    lookup_masks: Sequence[Sequence[bool] | None] | None = None,
+) -> LookupResult:
+    """vLLM 0.33's lookup over the transfer's store: the hit length and, for a non-zero hit, every group's
+    tail-key boundary (:meth:`KVTransfer.lookup_with_boundaries`); store errors count as a miss."""
+    return transfer.lookup_with_boundaries(num_tokens, block_hashes, lookup_masks=lookup_masks)

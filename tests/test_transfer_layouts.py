@@ -1,0 +1,265 @@
+"""KVTransfer over vLLM 0.33-style layout databases (driver/layout_adapter.py), against a real master."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvaddr_testing import hashes
+from mooncake_kvaddr.driver.layout_adapter import (
+    LayoutDatabase,
+    layout_transfer,
+    load_with_boundaries,
+    lookup_with_boundaries,
+    register_layout_caches,
+)
+from mooncake_kvaddr.driver.lookup import TailKeyBoundary
+from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.transfer import TransferRequest
+from mooncake_kvaddr.integrations.vllm import data as M
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.mooncake
+
+NB = 16  # blocks per cache
+
+
+def _vllm_data() -> Any:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import data as V
+    except Exception as exc:  # any import failure means: no vLLM to compare with
+        pytest.skip(f"vLLM 0.33's data module is not importable here: {exc!r}")
+    return V
+
+
+def _rank_local_caches(seed: int, layers: int = 2, per_block: int = 24) -> list[Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.rand((NB, per_block), generator=gen) for _ in range(layers)]
+
+
+def _request(tag: str, token_len: int, block_ids: list[int], n_hashes: int) -> TransferRequest:
+    return TransferRequest(tag, token_len, hashes(tag, n_hashes), [block_ids])
+
+
+@pytest.mark.parametrize("mode", ["multi_buffer", "staged"])
+def test_rank_local_round_trip_bytes_and_vllm_keys(store: MooncakeStore, model: str, mode: str) -> None:
+    bs = 8
+    md = M.KeyMetadata(model, 1, 0, 0, 0)
+    db = M.ChunkedTokenDatabase(md, bs, 4)
+    caches = _rank_local_caches(1)
+    with layout_transfer(store, [db], transfer_mode=mode, start_threads=False, tp_rank=1) as transfer:
+        register_layout_caches(transfer, caches, NB)
+        assert transfer.mode == mode
+        saved = transfer.store(_request("r", 32, [1, 2, 3, 4], 8))
+        assert saved.stored == 4 and not saved.failed_keys
+        got = transfer.load(TransferRequest("r", 32, hashes("r", 8), [[5, 6, 7, 8]]))
+        assert got.failed_block_ids == set() and got.loaded_block_ids == {5, 6, 7, 8}
+    for cache in caches:
+        assert torch.equal(cache[5:9], cache[1:5])
+        assert not torch.equal(cache[9], cache[1])  # untouched blocks stay as they were
+    # The objects sit under the keys vLLM 0.33's own rank-local layout builds.
+    V = _vllm_data()
+    layout = V.RankLocalStoreLayout(V.KeyMetadata(model, 1, 0, 0, 0), bs, 4)
+    chained = hashes("r", 8)
+    expected = [layout.key_for(0, chained[i]) for i in (1, 3, 5, 7)]
+    assert store.batch_is_exist(expected).present == [True] * 4
+
+
+def _packed(fmt: str, local_heads: int, seed: int, bs: int, content: int = 6) -> Any:
+    """A packed cache of logical shape (NB, local heads, block, content) in the format's memory order."""
+    gen = torch.Generator().manual_seed(seed)
+    if fmt == "lbhnc":
+        return torch.rand((NB, local_heads, bs, content), generator=gen)
+    return torch.rand((NB, bs, local_heads, content), generator=gen).permute(0, 2, 1, 3)
+
+
+LAYOUTS = {"lbhnc": M.LBHNCStoreLayout, "lbnhc": M.LBNHCStoreLayout}
+
+
+def _sharded_db(fmt: str, model: str, local_tp: int, store_tp: int, rank: int, heads: int, bs: int) -> Any:
+    cls = LAYOUTS[fmt]
+    md = M.KeyMetadata(model, rank, 0, 0, 0, store_namespace=cls.shared_namespace(store_tp, 1))
+    layout = cls(md, bs, bs, local_tp, store_tp, rank, heads)
+    return M.ChunkedTokenDatabase(md, bs, bs, layout)
+
+
+@pytest.mark.parametrize("fmt", ["lbhnc", "lbnhc"])
+def test_tp_shared_written_at_tp4_read_at_tp2(store: MooncakeStore, model: str, fmt: str) -> None:
+    bs, heads, store_tp = 4, 8, 4
+    chained = hashes("s", 3)
+    writers = []
+    for rank in range(4):  # local TP 4: one store shard per rank
+        caches = [_packed(fmt, heads // 4, 10 * rank + layer, bs) for layer in range(2)]
+        db = _sharded_db(fmt, model, 4, store_tp, rank, heads, bs)
+        with layout_transfer(store, [db], start_threads=False, tp_rank=rank) as transfer:
+            register_layout_caches(transfer, caches, NB)
+            if rank == 0:
+                # Before every shard is written a TP-shared chunk is not reusable.
+                assert lookup_with_boundaries(transfer, 13, chained).hit_length == 0
+            saved = transfer.store(TransferRequest("s", 12, chained, [[3, 4, 5]]))
+            assert saved.stored == 3 and not saved.failed_keys
+        writers.append(caches)
+    for rank in range(2):  # local TP 2: two store shards per rank
+        caches = [torch.zeros_like(_packed(fmt, heads // 2, 0, bs)) for _ in range(2)]
+        db = _sharded_db(fmt, model, 2, store_tp, rank, heads, bs)
+        with layout_transfer(store, [db], start_threads=False, tp_rank=rank) as transfer:
+            register_layout_caches(transfer, caches, NB)
+            assert transfer.mode == "multi_buffer"
+            found = lookup_with_boundaries(transfer, 13, chained)
+            assert found.hit_length == 12
+            assert [(b.group_id, b.num_tokens) for b in found.tail_key_boundaries] == [(0, 12)]
+            got = load_with_boundaries(
+                transfer, TransferRequest("s", 12, chained, [[7, 8, 9]]), found.tail_key_boundaries
+            )
+            assert got.failed_block_ids == set() and got.loaded_block_ids == {7, 8, 9}
+        for layer in range(2):
+            expected = torch.cat([writers[2 * rank][layer][3:6], writers[2 * rank + 1][layer][3:6]], dim=1)
+            assert torch.equal(caches[layer][7:10], expected)
+            assert not caches[layer][10:].any()
+
+
+def test_tp_shared_keys_equal_vllm_key_for(model: str) -> None:
+    V = _vllm_data()
+    bs, heads = 4, 8
+    chained = hashes("k", 5)
+    for fmt, vcls in (("lbhnc", V.LBHNCStoreLayout), ("lbnhc", V.LBNHCStoreLayout)):
+        for rank in range(2):
+            adapter = LayoutDatabase(_sharded_db(fmt, model, 2, 4, rank, heads, bs))
+            vmd = V.KeyMetadata(model, rank, 0, 0, 0, store_namespace=vcls.shared_namespace(4, 1))
+            vlayout = vcls(vmd, bs, bs, 2, 4, rank, heads)
+            expected = [vlayout.key_for(shard, chained[c]) for c in range(1, 5) for shard in vlayout.local_shard_ids]
+            plan = adapter.plan_store(20, chained, [9, 1, 2, 3, 4], 2)  # chunk 0: masked (vLLM's ceil rule)
+            assert plan.keys == expected
+            assert adapter.walk_load(20, chained, 4).keys == expected
+            # Chunks on the NULL block 0 or past the block ids are never stored.
+            kept = [vlayout.key_for(shard, chained[c]) for c in (0, 1, 3) for shard in vlayout.local_shard_ids]
+            assert adapter.plan_store(20, chained, [9, 1, 0, 3]).keys == kept
+            prefixes = adapter.layout.lookup_key_prefixes([(rank, 0, 0, 0)])
+            assert list(prefixes) == list(vlayout.lookup_key_prefixes([(rank, 0, 0, 0)]))
+
+
+@pytest.mark.parametrize("mode", ["multi_buffer", "staged"])
+def test_tail_key_boundary_load(store: MooncakeStore, model: str, mode: str) -> None:
+    bs = 4
+    db = M.ChunkedTokenDatabase(M.KeyMetadata(model, 0, 0, 0, 0), bs, bs)
+    caches = _rank_local_caches(2)
+    chained = hashes("t", 4)
+    with layout_transfer(store, [db], transfer_mode=mode, start_threads=False) as transfer:
+        register_layout_caches(transfer, caches, NB)
+        assert transfer.store(TransferRequest("t", 16, chained, [[1, 2, 3, 4]])).stored == 4
+        found = transfer.lookup_with_boundaries(17, chained)
+        assert found.hit_length == 16 and found.tail_key_boundaries == (TailKeyBoundary(0, 16),)
+        # A 12-token load whose tail is stored under the 16-token key: its last chunk reads block 4's object.
+        boundary = M.TailKeyBoundary(0, 16)
+        got = load_with_boundaries(transfer, TransferRequest("t", 12, chained, [[5, 6, 7]]), [boundary])
+        assert got.failed_block_ids == set()
+        # Without the boundary the same load keys its last chunk by its own hash.
+        assert transfer.load(TransferRequest("t", 12, chained, [[8, 9, 10]])).failed_block_ids == set()
+        adapter = transfer.databases[0]
+        assert isinstance(adapter, LayoutDatabase)
+        with adapter.tail_boundary(16):
+            tail_keys = adapter.walk_load(12, chained).keys
+            assert adapter.plan_load(12, chained, [5, 6, 7]).keys == tail_keys
+        assert tail_keys[-1] == db.key_for(chained[3]) and adapter.walk_load(12, chained).keys[-1] == db.key_for(
+            chained[2])
+        with pytest.raises(ValueError, match="group_id"):
+            load_with_boundaries(transfer, TransferRequest("t", 12, chained, [[5, 6, 7]]), [M.TailKeyBoundary(1, 16)])
+    for cache in caches:
+        assert torch.equal(cache[5:7], cache[1:3]) and torch.equal(cache[7], cache[4])
+        assert torch.equal(cache[8:11], cache[1:4])
+
+
+def test_lookup_with_boundaries_partial_hit(store: MooncakeStore, model: str) -> None:
+    db = M.ChunkedTokenDatabase(M.KeyMetadata(model, 0, 0, 0, 0), 4, 4)
+    caches = _rank_local_caches(3)
+    chained = hashes("l", 6)
+    with layout_transfer(store, [db], start_threads=False) as transfer:
+        register_layout_caches(transfer, caches, NB)
+        assert lookup_with_boundaries(transfer, 24, chained).hit_length == 0
+        transfer.store(TransferRequest("l", 8, chained, [[1, 2]]))
+        found = lookup_with_boundaries(transfer, 24, chained)
+        assert (found.hit_length, found.tail_key_boundaries) == (8, (TailKeyBoundary(0, 8),))
+        assert transfer.lookup(24, chained) == 8
+
+
+def test_adapter_refusals(store: MooncakeStore, model: str) -> None:
+    db = _sharded_db("lbhnc", model, 2, 4, 0, 8, 4)
+    with pytest.raises(ValueError, match="multi_buffer"):
+        layout_transfer(store, [db], transfer_mode="staged", start_threads=False)
+    with pytest.raises(TypeError, match="layout ChunkedTokenDatabase"):
+        LayoutDatabase(object())  # type: ignore[arg-type]
+    adapter = LayoutDatabase(db)
+    with pytest.raises(ValueError, match="shard_id"):
+        adapter.prepare_values([(0, 4)], [1])
+    with pytest.raises(ValueError, match="below one hash block"):
+        with adapter.tail_boundary(0):
+            pass
+    # A TP-shared layout whose caches were never registered has no segments: nothing may move.
+    with pytest.raises(RuntimeError, match="register its KV caches"):
+        adapter.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
+    with pytest.raises(RuntimeError, match="register its KV caches"):
+        adapter.plan_load(4, hashes("x", 1), [1])
+    caches = [torch.zeros((NB, 4, 4, 6)) for _ in range(2)]
+    with layout_transfer(store, [db], start_threads=False) as transfer:
+        transfer.register_kv_caches([c.numpy() for c in caches], NB)  # the transfer's regions only
+        with pytest.raises(RuntimeError, match="register its KV caches"):
+            transfer.store(TransferRequest("x", 4, hashes("x", 1), [[1]]))
+        loaded = transfer.load(TransferRequest("x", 4, hashes("x", 1), [[1]]))
+        assert loaded.failed_block_ids == {1} and "register its KV caches" in (loaded.error or "")
+        assert store.batch_is_exist([adapter.layout.key_for(0, hashes("x", 1)[0])]).present == [False]
+    adapter.layout.register_kv_caches(caches, NB)
+    rows = adapter.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
+    assert rows[0].shape == (2, 2)
+
+
+_CACHES = {fmt: [_packed(fmt, 4, layer, 4) for layer in range(2)] for fmt in ("lbhnc", "lbnhc")}
+
+
+@given(
+    fmt=st.sampled_from(["rank_local", "lbhnc", "lbnhc"]),
+    n_hashes=st.integers(0, 10),
+    drop=st.integers(0, 2),
+    mask_num=st.integers(0, 24),
+    tail=st.one_of(st.none(), st.integers(1, 10)),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=150, deadline=None)
+def test_walk_equals_fused_plan(fmt: str, n_hashes: int, drop: int, mask_num: int, tail: int | None,
+                                seed: int) -> None:
+    """The walk the staged/direct paths take equals the layout's fused plan (keys, rows, block ids), and both
+    equal vLLM 0.33's receive-thread construction: process_tokens, the tail hash, one key per shard id."""
+    hbs = 4
+    bs = 8 if fmt == "rank_local" else hbs  # rank-local: chunks of two hash blocks, a partial last one
+    if fmt == "rank_local":
+        db = M.ChunkedTokenDatabase(M.KeyMetadata("gen", 1, 0, 0, 0), bs, hbs)
+        db.set_kv_caches_base_addr([4096, 1 << 20])
+        db.set_block_len([64, 32])
+    else:
+        db = _sharded_db(fmt, "gen", 2, 4, 0, 8, bs)
+        db.store_layout.register_kv_caches(_CACHES[fmt], NB)
+    adapter = LayoutDatabase(db)
+    chained = hashes(f"g{seed}", n_hashes)
+    token_len = max(0, n_hashes - drop) * hbs
+    block_ids = [(seed + 3 * i) % NB for i in range(-(-token_len // bs))]
+    tail_tokens = None if tail is None or tail > n_hashes else tail * hbs
+    walk = list(db.process_tokens(token_len, chained, mask_num))
+    expected = []
+    for _start, end, chunk_hash in walk:
+        if tail_tokens is not None and end == token_len:
+            chunk_hash = chained[tail_tokens // hbs - 1]
+        expected.extend(adapter.layout.key_for(shard, chunk_hash) for shard in adapter.shard_ids)
+    with adapter.tail_boundary(tail_tokens):
+        walked = adapter.walk_load(token_len, chained, mask_num)
+        plan = adapter.plan_load(token_len, chained, block_ids, mask_num)
+    assert walked.keys == plan.keys == expected
+    assert walked.chunks.shape == (len(expected), 3)
+    if expected:
+        addrs, sizes, ids = adapter.prepare_values_array(walked.chunks, block_ids)
+        assert addrs.tolist() == [list(row) for row in plan.addrs]
+        assert sizes.tolist() == [list(row) for row in plan.sizes]
+        assert ids.tolist() == list(plan.block_ids)
