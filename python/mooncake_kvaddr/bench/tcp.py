@@ -29,7 +29,8 @@ from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.metadata import KeyMetadata
 
 VLLM = "multi_buffer, one call per request (vLLM 0.33)"
-SPLIT = "multi_buffer, split to the region budget (ours)"
+SPLIT = "multi_buffer, split to the region budget (ours; native client when verified)"
+SPLIT_BOUND = "multi_buffer, split, Mooncake's bound methods (ours, native client off)"
 STAGED = "staged (ours)"
 
 
@@ -128,9 +129,13 @@ def run(chunks: int, regions: int, block_bytes: int, reps: int) -> dict[str, Any
         budgeted = StoreConfig(master_server_address=master.rpc_address, global_segment_size=0,
                                local_buffer_size=0)
         budget = budgeted.region_budget
+        # vLLM calls Mooncake's bound methods: its path never uses our native client.
         unbounded = StoreConfig(master_server_address=master.rpc_address, global_segment_size=0,
-                                local_buffer_size=0, max_regions_per_batch=1 << 30)
-        with MooncakeStore(budgeted) as store, MooncakeStore(unbounded) as single_call_store:
+                                local_buffer_size=0, max_regions_per_batch=1 << 30, native_client=False)
+        bound = StoreConfig(master_server_address=master.rpc_address, global_segment_size=0,
+                            local_buffer_size=0, native_client=False)
+        with MooncakeStore(budgeted) as store, MooncakeStore(unbounded) as single_call_store, \
+                MooncakeStore(bound) as bound_store:
             # Ready when the holder's segment is mounted: a small put then finds space (bounded wait).
             probe = [source[0][1].ctypes.data]
             deadline = time.monotonic() + 15
@@ -150,7 +155,8 @@ def run(chunks: int, regions: int, block_bytes: int, reps: int) -> dict[str, Any
                 return writer, reader
 
             paths = {STAGED: pair(store, "staged"), SPLIT: pair(store, "multi_buffer"),
-                     VLLM: pair(single_call_store, "multi_buffer")}
+                     SPLIT_BOUND: pair(bound_store, "multi_buffer"), VLLM: pair(single_call_store, "multi_buffer")}
+            stores = {STAGED: store, SPLIT: store, SPLIT_BOUND: bound_store, VLLM: single_call_store}
             refill = paths[STAGED][0]  # puts the data back when a path's own store failed, so its load is timed
             for name, (writer, reader) in paths.items():
                 stores_ms, loads_ms, store_status, load_status, verified, refilled = [], [], "ok", "ok", True, False
@@ -177,7 +183,8 @@ def run(chunks: int, regions: int, block_bytes: int, reps: int) -> dict[str, Any
                         break  # a path that fails both ways is not timed again (a failure can take a minute)
                 rows[name] = {"store_ms": statistics.median(stores_ms), "load_ms": statistics.median(loads_ms),
                               "store": store_status, "load": load_status, "bytes_verified": verified,
-                              "load_after_refill": refilled, "reps": len(loads_ms)}
+                              "load_after_refill": refilled, "reps": len(loads_ms),
+                              "native_client": stores[name].native_client_active}
             for writer, reader in paths.values():
                 writer.close()
                 reader.close()
@@ -188,7 +195,7 @@ def run(chunks: int, regions: int, block_bytes: int, reps: int) -> dict[str, Any
             return None
         return float(rows[base][f"{op}_ms"] / rows[path][f"{op}_ms"])
 
-    for path in (STAGED, SPLIT):
+    for path in (STAGED, SPLIT, SPLIT_BOUND):
         for op in ("store", "load"):
             rows[path][f"{op}_speedup_vs_vllm"] = ratio(VLLM, path, op)
     vs_vllm = {op: ratio(VLLM, STAGED, op) for op in ("store", "load")}
@@ -205,7 +212,7 @@ def run(chunks: int, regions: int, block_bytes: int, reps: int) -> dict[str, Any
         notes.append("a path whose store failed had its load timed on data put by the staged path")
     cols = (Col("store_ms", "store ms", ".1f"), Col("load_ms", "load ms", ".1f"),
             Col("store_speedup_vs_vllm", "store x", ".1f", "x"), Col("load_speedup_vs_vllm", "load x", ".1f", "x"),
-            Col("bytes_verified", "verified"), Col("store", "store outcome"), Col("load", "load outcome"))
+            Col("bytes_verified", "verified"), Col("native_client", "native"), Col("store", "store outcome"), Col("load", "load outcome"))
     return table(title, f"{VLLM} (ratio = its median / the path's median)", rows, cols, label="path", notes=notes,
                  shape={"chunks": chunks, "regions": regions, "block_bytes": block_bytes, "bytes": data},
                  region_budget=budget, staged_speedup_vs_split=vs_split, staged_speedup_vs_vllm=vs_vllm)
