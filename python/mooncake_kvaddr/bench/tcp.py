@@ -212,7 +212,8 @@ def run(chunks: int, regions: int, block_bytes: int, reps: int) -> dict[str, Any
         notes.append("a path whose store failed had its load timed on data put by the staged path")
     cols = (Col("store_ms", "store ms", ".1f"), Col("load_ms", "load ms", ".1f"),
             Col("store_speedup_vs_vllm", "store x", ".1f", "x"), Col("load_speedup_vs_vllm", "load x", ".1f", "x"),
-            Col("bytes_verified", "verified"), Col("native_client", "native"), Col("store", "store outcome"), Col("load", "load outcome"))
+            Col("bytes_verified", "verified"), Col("native_client", "native"),
+            Col("store", "store outcome"), Col("load", "load outcome"))
     return table(title, f"{VLLM} (ratio = its median / the path's median)", rows, cols, label="path", notes=notes,
                  shape={"chunks": chunks, "regions": regions, "block_bytes": block_bytes, "bytes": data},
                  region_budget=budget, staged_speedup_vs_split=vs_split, staged_speedup_vs_vllm=vs_vllm)
