@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import mooncake_kvaddr
 from mooncake_kvaddr.driver.config import (
     DEFAULT_CONFIG_ENV,
     VLLM_CONNECTOR_KEYS,
@@ -522,7 +523,8 @@ print(json.dumps(out))
 
 
 def run_side_effects_child(mode: str, env: dict[str, str]) -> dict[str, object]:
-    python = Path(__file__).resolve().parent.parent / "python"
+    # The package under test, wherever it was imported from (the source tree in place, or an installed copy).
+    python = Path(mooncake_kvaddr.__file__).resolve().parent.parent
     child_env = {**env, "PYTHONPATH": os.pathsep.join([str(python), str(Path(__file__).resolve().parent)])}
     done = subprocess.run(
         [sys.executable, "-c", SIDE_EFFECTS_CHILD, mode], env=child_env, capture_output=True, text=True, timeout=120
