@@ -1,14 +1,31 @@
 #!/usr/bin/env bash
-# Runs the native-kernel tests against an AddressSanitizer + UBSan build of the extension (not part of CI:
-# slow). Usage: tests/sanitize.sh [pytest args]. Needs the dev install's build tools (cmake, ninja, pybind11).
+# Runs the native tests, the native fuzz suite, the leak test and the staged-transfer driver tests against an
+# AddressSanitizer + UndefinedBehaviorSanitizer build of the extension.
+#
+# Usage: tests/sanitize.sh [pytest args]      (default: the test files listed below)
+# Env:   SANITIZE_DIR (build/work folder, default /tmp/mooncake_kvaddr_sanitize)
+#        SANITIZE_DRIVER=0 skips the driver tests (they need the mooncake package).
+#
+# Works from a fresh clone with python3, pip, cmake, ninja and g++: pybind11 is taken from the interpreter
+# or, when missing, pip-installed into the work folder (nothing global). Exits non-zero when a test fails
+# or when either sanitizer reports anything (reports are logged to files and printed at the end; UBSan
+# halts on the first error).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=${SANITIZE_DIR:-/tmp/mooncake_kvaddr_sanitize}
+mkdir -p "$work"
+
+if ! pybind11_dir=$(python3 -m pybind11 --cmakedir 2>/dev/null); then
+    python3 -m pip install --quiet --target "$work/pydeps" pybind11
+    pybind11_dir=$(PYTHONPATH="$work/pydeps" python3 -m pybind11 --cmakedir)
+fi
+cxx=${CXX:-g++}
 cmake -S "$root" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVADDR_SANITIZE=ON \
-    -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >/dev/null
+    -DCMAKE_CXX_COMPILER="$cxx" -Dpybind11_DIR="$pybind11_dir" >/dev/null
 cmake --build "$work/build"
-rm -rf "$work/pkg" && mkdir -p "$work/pkg"
+rm -rf "$work/pkg" "$work/reports" && mkdir -p "$work/pkg" "$work/reports"
 cp -r "$root/python/mooncake_kvaddr" "$work/pkg/"
+rm -f "$work/pkg/mooncake_kvaddr"/_native*.so
 cp "$work/build"/_native*.so "$work/pkg/mooncake_kvaddr/"
 cat > "$work/run.py" <<'PY'
 import sys
@@ -19,10 +36,25 @@ import mooncake_kvaddr._native as native
 assert native.__file__.startswith(sys.argv[1]), native.__file__
 sys.exit(pytest.main(sys.argv[2:]))
 PY
-tests=(test_prepare_values.py test_differential.py test_keys_native.py test_keys_and_hashes.py test_threads.py
-       test_staging.py)
+tests=(test_prepare_values.py test_differential.py test_keys_native.py test_pool_keys_walk_and_hash_views.py
+       test_threads.py test_staging.py test_hardening_native.py test_fuzz_native.py test_leaks.py)
+if [[ ${SANITIZE_DRIVER:-1} != 0 ]] && python3 -c "import mooncake.store" 2>/dev/null; then
+    tests+=(test_staged.py test_transfer.py)
+fi
+libasan=$(${cxx} -print-file-name=libasan.so)
+libubsan=$(${cxx} -print-file-name=libubsan.so)
 cd "$root/tests"
-LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
-ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-PYTHONPATH="$work/pkg:$root/tests" \
-    python3 "$work/run.py" "$work/pkg" -q -p no:cacheprovider -c "$root/pyproject.toml" "${@:-${tests[@]}}"
+status=0
+LD_PRELOAD="$libasan:$libubsan" \
+ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:log_path=$work/reports/asan" \
+UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$work/reports/ubsan" \
+KVADDR_SANITIZE=1 PYTHONPATH="$work/pkg:$root/tests" \
+    python3 "$work/run.py" "$work/pkg" -q -p no:cacheprovider -c "$root/pyproject.toml" -W ignore::DeprecationWarning \
+    "${@:-${tests[@]}}" \
+    || status=$?
+if compgen -G "$work/reports/*" >/dev/null; then
+    echo "sanitizer reports:" >&2
+    cat "$work/reports"/* >&2
+    [[ $status == 0 ]] && status=1
+fi
+exit $status

@@ -1,5 +1,5 @@
-"""Native keys, lookup namespaces and reduction, chunk walk and fused plans vs the oracle (SPEC.md §1, §2.3,
-§3.2–3.5, §5)."""
+"""Native keys, lookup namespaces and reduction, chunk walk and fused plans vs the oracle (docs/keys.md,
+docs/address-rows.md)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_key_errors() -> None:
         ChunkedTokenDatabase(KeyMetadata("t", 0, 0, 0, 0), 16).key_for("ab")  # type: ignore[arg-type]
 
 
-# Lookup namespaces (SPEC.md §5 lookup cases).
+# Lookup namespaces (docs/keys.md).
 def prefixes_for(md: KeyMetadata, tp: int, pcp: int, dcp: int, pp: int, factor: int) -> list[str]:
     return lookup_prefixes(md, lookup_namespaces(tp, pcp, dcp, pp, factor))
 

@@ -1,4 +1,4 @@
-"""SPEC.md §5's pinned prepare_values / prepare_value / prepare_value_for_block cases, plus the array output."""
+"""The pinned prepare_values / prepare_value / prepare_value_for_block cases, plus the array output."""
 
 from __future__ import annotations
 

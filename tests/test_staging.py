@@ -590,7 +590,7 @@ def test_host_backend_is_a_copy_backend_and_round_trips() -> None:
 
 
 def test_gil_is_released_during_a_large_copy() -> None:
-    """A Python thread keeps running while a 32 MiB gather copies (PERF.md point 8)."""
+    """A Python thread keeps running while a 32 MiB gather copies."""
     rng = np.random.default_rng(3)
     sizes = np.full((256, 64), 2048, dtype=np.int64)
     layout = make_layout(rng, sizes, max_gap=0, shuffle=False)

@@ -1,7 +1,7 @@
 // Recycled backing memory for the int64 arrays the array output returns.
 //
 // A fresh 1.8 MB numpy array is a fresh mmap: writing it page-faults ~450 times, which costs ten times the
-// arithmetic (PERF.md: "mostly page faults on fresh arrays"). Arrays returned here own a pooled buffer through
+// arithmetic (measured: mostly page faults on fresh arrays). Arrays returned here own a pooled buffer through
 // a capsule; when Python frees the array the buffer goes back to the pool, so steady-state requests of the same
 // shape write into memory that is already mapped.
 #pragma once

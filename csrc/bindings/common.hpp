@@ -1,5 +1,11 @@
-// Shared helpers of the bindings layer: Python-int conversion with clear errors, the error classes, and a
-// small owning handle for CPython's "fast sequence" protocol. Everything here needs the GIL.
+// Shared helpers of the bindings layer: Python-int conversion with clear errors, the error classes, an owning
+// handle for CPython's "fast sequence" protocol and an owning buffer view. Everything here needs the GIL.
+//
+// The re-entrancy rule every binding follows (docs/errors.md, SECURITY.md): any call that can run Python code
+// (__index__, __len__, __getitem__, __bool__, a buffer exporter, a GC pass that runs a __del__) may mutate
+// or free whatever the caller passed, and may re-enter this module from this thread or let another thread in.
+// So an item is always held by a strong reference while it is converted, a container's size is re-read after
+// every conversion, and nothing native (a cache, a snapshot) is left half-updated across such a call.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -32,7 +38,8 @@ void register_staging(py::module_& m);
 inline std::string type_name(PyObject* obj) { return Py_TYPE(obj)->tp_name; }
 
 // A Python int (or any object with __index__, e.g. numpy integers; bool too, as in the reference) as int64.
-// TypeError for floats, strings, None...; OverflowError outside int64. `what` names the argument.
+// TypeError for floats, strings, None...; OverflowError outside int64 (both signs). `what` names the argument.
+// The caller must own a reference to `obj`: __index__ runs Python code.
 inline int64_t as_int64(PyObject* obj, const char* what) {
     if (!PyLong_Check(obj)) {
         if (!PyIndex_Check(obj)) {
@@ -50,13 +57,15 @@ inline int64_t as_int64(PyObject* obj, const char* what) {
     if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
     return static_cast<int64_t>(value);
 }
+inline int64_t as_int64(const py::handle& obj, const std::string& what) { return as_int64(obj.ptr(), what.c_str()); }
 
-// Owning wrapper over PySequence_Fast: O(1) indexing for lists and tuples, one copy for other sequences.
+// Owning wrapper over PySequence_Fast: O(1) indexing for lists and tuples, one copy for other iterables.
 class FastSequence {
 public:
     FastSequence(PyObject* obj, const char* what) {
         seq_ = PySequence_Fast(obj, "");
         if (seq_ == nullptr) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();  // the user's own error
             PyErr_Clear();
             raise(PyExc_TypeError, std::string(what) + " must be a sequence, not " + type_name(obj));
         }
@@ -70,12 +79,45 @@ public:
     // New reference to item i. The size is re-checked on every access: converting an earlier item can run
     // Python code (__index__, a GC finalizer) that shrinks a list another thread still holds.
     py::object at(Py_ssize_t i) const {
-        if (i >= size()) raise(PyExc_RuntimeError, "sequence changed size during the call");
+        if (i < 0 || i >= size()) raise(PyExc_RuntimeError, "sequence changed size during the call");
         return py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(seq_, i));
     }
 
 private:
     PyObject* seq_ = nullptr;
+};
+
+// An owned buffer export, released by the destructor on every path (errors included): a bytearray stays
+// resizable once the call returns or raises. Move-only.
+class BufferView {
+public:
+    BufferView() = default;
+    BufferView(const BufferView&) = delete;
+    BufferView& operator=(const BufferView&) = delete;
+    ~BufferView() { release(); }
+
+    // Exports `obj` as C-contiguous bytes (any format: lengths count bytes); TypeError naming `what`.
+    void acquire(PyObject* obj, const std::string& what) {
+        release();
+        if (PyUnicode_Check(obj) || !PyObject_CheckBuffer(obj)) {
+            raise(PyExc_TypeError, what + " must be bytes-like, not " + type_name(obj));
+        }
+        if (PyObject_GetBuffer(obj, &view_, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+        held_ = true;
+    }
+    void release() noexcept {
+        if (held_) {
+            held_ = false;
+            PyBuffer_Release(&view_);
+        }
+    }
+    bool held() const noexcept { return held_; }
+    const uint8_t* data() const noexcept { return static_cast<const uint8_t*>(view_.buf); }
+    std::size_t size() const noexcept { return static_cast<std::size_t>(view_.len); }
+
+private:
+    Py_buffer view_{};
+    bool held_ = false;
 };
 
 }  // namespace kvaddr::py_bindings

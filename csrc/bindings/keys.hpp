@@ -14,31 +14,31 @@
 namespace kvaddr::py_bindings {
 
 // The hashes of a request: either one flat bytes-like blob of n × hash_len bytes (the zero-copy lookup wire
-// format) or a sequence of bytes-like objects. Holds buffer views; use with the GIL held.
+// format) or a sequence of bytes-like objects. Lengths always count bytes, whatever the buffer's item format
+// (a memoryview of 'I' items is read as its bytes). Every buffer export is released by a destructor, on
+// error paths too. Use with the GIL held.
 class HashSource {
 public:
     // `hash_len` is None or an int; required for a blob, a length check for a sequence.
     HashSource(py::handle hashes, py::handle hash_len);
     HashSource(const HashSource&) = delete;
     HashSource& operator=(const HashSource&) = delete;
-    ~HashSource();
 
     Py_ssize_t size() const noexcept { return count_; }
 
-    // Hash i's bytes, valid until the next call of `at` (a sequence item's view is released then).
+    // Hash i's bytes (0 <= i < size(), else IndexError), valid until the next call of `at` (a sequence
+    // item's view is released then).
     const uint8_t* at(Py_ssize_t i, std::size_t* length);
 
 private:
-    void release_item();
-
     Py_ssize_t count_ = 0;
     std::size_t hash_len_ = 0;  // 0: variable (sequence without hash_len)
     bool is_blob_ = false;
-    Py_buffer blob_{};
+    py::object blob_owner_;
+    BufferView blob_;
     std::unique_ptr<FastSequence> items_;
     py::object item_;  // keeps the current item alive while its view is used
-    Py_buffer item_view_{};
-    bool item_view_held_ = false;
+    BufferView item_view_;
 };
 
 // Builds key strings PREFIX + '@' + hex in the prefix's own str kind, so non-ASCII model names come out

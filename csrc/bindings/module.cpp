@@ -4,6 +4,9 @@
 #include "bindings/common.hpp"
 #include "bindings/register_mooncake_client.hpp"
 
+namespace kvaddr::py_bindings { void register_layout(py::module_& m); }  // register_layout.cpp
+namespace kvaddr::py_bindings { void register_rows(py::module_& m); }  // register_rows.cpp
+
 PYBIND11_MODULE(_native, m) {
     m.doc() = "Native kernels of mooncake_kvaddr (address matrix, keys, lookup). Use the mooncake_kvaddr "
               "package, not this module, directly.";
@@ -11,5 +14,7 @@ PYBIND11_MODULE(_native, m) {
     kvaddr::py_bindings::register_addr(m);
     kvaddr::py_bindings::register_keys(m);
     kvaddr::py_bindings::register_staging(m);
+    kvaddr::py_bindings::register_layout(m);
+    kvaddr::py_bindings::register_rows(m);
     kvaddr::py_bindings::register_mooncake_client(m);
 }

@@ -1,4 +1,4 @@
-// Bindings of the key builders, the lookup reduction and the chunk walk (SPEC.md §1, §2.3, §3.5).
+// Bindings of the key builders, the lookup reduction and the chunk walk (docs/address-rows.md).
 #include "bindings/keys.hpp"
 
 #include <pybind11/numpy.h>
@@ -10,6 +10,8 @@
 #include <utility>
 
 #include "kvaddr/keys.hpp"
+#include "bindings/inputs.hpp"
+#include "kvaddr/checked.hpp"
 #include "kvaddr/walk.hpp"
 
 namespace kvaddr::py_bindings {
@@ -18,14 +20,6 @@ namespace {
 
 bool is_blob(PyObject* obj) {
     return PyBytes_Check(obj) || PyByteArray_Check(obj) || PyMemoryView_Check(obj);
-}
-
-// Borrowed view of a bytes-like object as C-contiguous bytes; TypeError naming what it got otherwise.
-void get_bytes_view(PyObject* obj, Py_buffer* view, const std::string& what) {
-    if (PyUnicode_Check(obj) || !PyObject_CheckBuffer(obj)) {
-        raise(PyExc_TypeError, what + " must be bytes-like, not " + type_name(obj));
-    }
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
 }
 
 }  // namespace
@@ -38,9 +32,10 @@ HashSource::HashSource(py::handle hashes, py::handle hash_len) {
     }
     if (is_blob(hashes.ptr())) {
         if (hash_len_ == 0) raise(PyExc_ValueError, "hash_len is required when hashes is one flat blob");
-        get_bytes_view(hashes.ptr(), &blob_, "hashes");
+        blob_owner_ = py::reinterpret_borrow<py::object>(hashes);
+        blob_.acquire(blob_owner_.ptr(), "hashes");  // a member: released even if the check below raises
         is_blob_ = true;
-        const auto bytes = static_cast<std::size_t>(blob_.len);
+        const std::size_t bytes = blob_.size();
         if (bytes % hash_len_ != 0) {
             raise(PyExc_ValueError, "hash blob of " + std::to_string(bytes) + " bytes is not a multiple of hash_len " +
                                         std::to_string(hash_len_));
@@ -48,45 +43,40 @@ HashSource::HashSource(py::handle hashes, py::handle hash_len) {
         count_ = static_cast<Py_ssize_t>(bytes / hash_len_);
         return;
     }
-    if (PyUnicode_Check(hashes.ptr())) raise(PyExc_TypeError, "hashes must be bytes-like items or a blob, not str");
+    if (PyUnicode_Check(hashes.ptr()) || PyDict_Check(hashes.ptr()) || PyAnySet_Check(hashes.ptr())) {
+        raise(PyExc_TypeError, "hashes must be a sequence of bytes-like items or one blob, not " +
+                                   type_name(hashes.ptr()));
+    }
     items_ = std::make_unique<FastSequence>(hashes.ptr(), "hashes");
     count_ = items_->size();
 }
 
-HashSource::~HashSource() {
-    release_item();
-    if (is_blob_) PyBuffer_Release(&blob_);
-}
-
-void HashSource::release_item() {
-    if (item_view_held_) {
-        PyBuffer_Release(&item_view_);
-        item_view_held_ = false;
-    }
-    item_ = py::object();
-}
-
 const uint8_t* HashSource::at(Py_ssize_t i, std::size_t* length) {
+    if (i < 0 || i >= count_) {
+        raise(PyExc_IndexError, "hash index " + std::to_string(i) + " is out of range for " +
+                                    std::to_string(count_) + " hashes");
+    }
     if (is_blob_) {
         *length = hash_len_;
-        return static_cast<const uint8_t*>(blob_.buf) + static_cast<std::size_t>(i) * hash_len_;
+        return blob_.data() + static_cast<std::size_t>(i) * hash_len_;
     }
-    release_item();
+    item_view_.release();
     item_ = items_->at(i);
     PyObject* item = item_.ptr();
+    const uint8_t* data = nullptr;
     if (PyBytes_CheckExact(item)) {  // the common case, without a buffer view
         *length = static_cast<std::size_t>(PyBytes_GET_SIZE(item));
+        data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(item));
     } else {
-        get_bytes_view(item, &item_view_, "hash " + std::to_string(i));
-        item_view_held_ = true;
-        *length = static_cast<std::size_t>(item_view_.len);
+        item_view_.acquire(item, "hash " + std::to_string(i));
+        *length = item_view_.size();
+        data = item_view_.data();
     }
     if (hash_len_ != 0 && *length != hash_len_) {
         raise(PyExc_ValueError, "hash " + std::to_string(i) + " has " + std::to_string(*length) +
                                     " bytes, expected hash_len " + std::to_string(hash_len_));
     }
-    return item_view_held_ ? static_cast<const uint8_t*>(item_view_.buf)
-                           : reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(item));
+    return data;
 }
 
 KeyWriter::KeyWriter(py::handle prefix) {
@@ -154,34 +144,30 @@ py::list build_keys(py::handle prefix, py::handle hashes, py::handle hash_len) {
 
 py::str build_key(py::handle prefix, py::handle hash) {
     KeyWriter writer(prefix);
-    Py_buffer view;
-    if (PyBytes_CheckExact(hash.ptr())) {
+    py::object owner = py::reinterpret_borrow<py::object>(hash);
+    if (PyBytes_CheckExact(owner.ptr())) {
         return py::reinterpret_steal<py::str>(writer.make(
-            reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(hash.ptr())),
-            static_cast<std::size_t>(PyBytes_GET_SIZE(hash.ptr()))));
+            reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(owner.ptr())),
+            static_cast<std::size_t>(PyBytes_GET_SIZE(owner.ptr()))));
     }
-    get_bytes_view(hash.ptr(), &view, "chunk hash");
-    PyObject* key = nullptr;
-    try {
-        key = writer.make(static_cast<const uint8_t*>(view.buf), static_cast<std::size_t>(view.len));
-    } catch (...) {
-        PyBuffer_Release(&view);
-        throw;
-    }
-    PyBuffer_Release(&view);
-    return py::reinterpret_steal<py::str>(key);
+    BufferView view;
+    view.acquire(owner.ptr(), "chunk hash");
+    return py::reinterpret_steal<py::str>(writer.make(view.data(), view.size()));
 }
 
-// Hash-major, then prefix in the given order (SPEC.md §1.4): hex is written once per hash per prefix.
+// Hash-major, then prefix in the given order (docs/address-rows.md, "Keys"): hex is written once per hash per prefix.
 py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle hash_len) {
-    FastSequence prefix_seq(prefixes.ptr(), "prefixes");
     if (PyUnicode_Check(prefixes.ptr())) raise(PyExc_TypeError, "prefixes must be a sequence of str, not one str");
+    FastSequence prefix_seq(prefixes.ptr(), "prefixes");
     std::vector<KeyWriter> writers;
     writers.reserve(static_cast<std::size_t>(prefix_seq.size()));
-    for (Py_ssize_t p = 0; p < prefix_seq.size(); ++p) writers.emplace_back(prefix_seq.at(p));
+    const Py_ssize_t n_prefixes = prefix_seq.size();
+    for (Py_ssize_t p = 0; p < n_prefixes; ++p) writers.emplace_back(prefix_seq.at(p));
     HashSource source(hashes, hash_len);
     const Py_ssize_t width = static_cast<Py_ssize_t>(writers.size());
-    py::list keys(source.size() * width);
+    Py_ssize_t total = 0;
+    if (__builtin_mul_overflow(source.size(), width, &total)) raise(PyExc_OverflowError, "too many lookup keys");
+    py::list keys(total);
     for (Py_ssize_t i = 0; i < source.size(); ++i) {
         std::size_t length = 0;
         const uint8_t* hash = source.at(i, &length);
@@ -194,9 +180,11 @@ py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle ha
 
 // Exist results as int64 values; values that do not fit (never 1) read as 0, i.e. absent.
 std::vector<int64_t> exist_values(py::handle results) {
+    refuse_non_sequence(results, "results");
     FastSequence seq(results.ptr(), "results");
-    std::vector<int64_t> values(static_cast<std::size_t>(seq.size()));
-    for (Py_ssize_t i = 0; i < seq.size(); ++i) {
+    const Py_ssize_t n = seq.size();  // fixed: a callback that grows the list cannot extend the loop
+    std::vector<int64_t> values(static_cast<std::size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
         py::object item = seq.at(i);
         int overflow = 0;
         long long v = PyLong_Check(item.ptr()) ? PyLong_AsLongLongAndOverflow(item.ptr(), &overflow)
@@ -211,8 +199,8 @@ std::vector<int64_t> exist_values(py::handle results) {
 py::list reduce_exists(py::handle results, py::handle widths) {
     const std::vector<int64_t> values = exist_values(results);
     std::vector<int64_t> unit_widths;
-    if (PyLong_Check(widths.ptr())) {
-        const int64_t w = as_int64(widths.ptr(), "width");
+    if (PyLong_Check(widths.ptr())) {  // an int (no Python code: PyLong_Check excludes __index__ objects)
+        const int64_t w = as_int64(widths, "width");
         if (w <= 0) raise(PyExc_ValueError, "width must be positive, got " + std::to_string(w));
         if (values.size() % static_cast<std::size_t>(w) != 0) {
             raise(PyExc_ValueError, std::to_string(values.size()) + " results are not a multiple of width " +
@@ -220,14 +208,18 @@ py::list reduce_exists(py::handle results, py::handle widths) {
         }
         unit_widths.assign(values.size() / static_cast<std::size_t>(w), w);
     } else {
+        refuse_non_sequence(widths, "widths");
         FastSequence seq(widths.ptr(), "widths");
-        unit_widths.resize(static_cast<std::size_t>(seq.size()));
+        const Py_ssize_t n_units = seq.size();
+        unit_widths.resize(static_cast<std::size_t>(n_units));
         int64_t total = 0;
-        for (Py_ssize_t u = 0; u < seq.size(); ++u) {
-            const int64_t w = as_int64(seq.at(u).ptr(), "width");
+        for (Py_ssize_t u = 0; u < n_units; ++u) {
+            const int64_t w = as_int64(seq.at(u), "width");
             if (w < 0) raise(PyExc_ValueError, "widths must be non-negative");
             unit_widths[static_cast<std::size_t>(u)] = w;
-            total += w;
+            if (!add_checked(total, w, &total)) {
+                raise(PyExc_ValueError, "widths add up to more than 2**63 - 1 results");
+            }
         }
         if (total != static_cast<int64_t>(values.size())) {
             raise(PyExc_ValueError, "widths cover " + std::to_string(total) + " results, got " +
@@ -247,11 +239,16 @@ py::list reduce_exists(py::handle results, py::handle widths) {
 
 }  // namespace
 
+constexpr int64_t kMaxWalkChunks = int64_t{1} << 31;
+
 // Shared by process_tokens and the fused plans: validates like the reference's asserts (AssertionError
 // subclass), then walks. `mask` is a relative chunk mask (absolute=false) or an absolute one (load path).
+// Every flag the walk needs is converted before the walk (a flag's __bool__ may run Python code); every
+// position is computed with checked arithmetic, and every hash index is inside [0, n_hashes).
 std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle mask, bool absolute_mask) {
     std::vector<WalkedChunk> out;
     if (p.put_step <= 0) raise(errors().chunk_alignment, "put_step must be positive, got " + std::to_string(p.put_step));
+    if (n_hashes < 0) raise(PyExc_ValueError, "n_hashes must be >= 0, got " + std::to_string(n_hashes));
     if (n_hashes == 0) return out;
     if (p.token_len % p.hash_block_size != 0) {
         raise(errors().chunk_alignment, "token_len " + std::to_string(p.token_len) +
@@ -262,21 +259,42 @@ std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle 
                                             std::to_string(floor_div(p.token_len, p.hash_block_size)) +
                                             " hashes, got " + std::to_string(n_hashes));
     }
+    // Positions are int64 with room for one block past the end (docs/errors.md): a walk whose end + block_size
+    // would not fit is refused instead of computed with wrapped arithmetic.
+    int64_t room = 0;
+    if (!add_checked(p.token_len, p.block_size, &room)) {
+        raise(PyExc_OverflowError, "token_len " + std::to_string(p.token_len) + " + block_size " +
+                                       std::to_string(p.block_size) + " overflows int64");
+    }
     const int64_t first = walk_first_chunk(p);
     int64_t stop = walk_stop_chunk(p);
-    if (mask.is_none()) {
-        walk_chunks(p, first, stop, [](int64_t) { return true; }, &out);
-        return out;
+    // Every walked chunk names a distinct hash, so a walk longer than the hashes is refused up front (a lying
+    // n_hashes or __len__ must not make us loop for 2**62 chunks).
+    if (stop - first > n_hashes) stop = first + n_hashes;
+    if (stop - first > kMaxWalkChunks) {
+        raise(PyExc_ValueError, "a walk of " + std::to_string(stop - first) + " chunks exceeds the limit of " +
+                                    std::to_string(kMaxWalkChunks));
     }
-    FastSequence flags(mask.ptr(), "chunk mask");
-    const int64_t n_flags = flags.size();
-    const int64_t offset = absolute_mask ? 0 : first;
-    stop = std::min(stop, offset + n_flags);
-    walk_chunks(p, first, stop, [&](int64_t chunk_id) {
-        const int truth = PyObject_IsTrue(flags.at(static_cast<Py_ssize_t>(chunk_id - offset)).ptr());
-        if (truth < 0) throw py::error_already_set();
-        return truth == 1;
+    std::vector<bool> keep;
+    int64_t offset = 0;
+    if (!mask.is_none()) {
+        refuse_non_sequence(mask, "chunk mask");
+        FastSequence flags(mask.ptr(), "chunk mask");
+        offset = absolute_mask ? 0 : first;
+        int64_t mask_end = 0;
+        if (!add_checked(offset, static_cast<int64_t>(flags.size()), &mask_end)) mask_end = INT64_MAX;
+        stop = std::min(stop, mask_end);
+        for (int64_t chunk_id = first; chunk_id < stop; ++chunk_id) {
+            py::object flag = flags.at(static_cast<Py_ssize_t>(chunk_id - offset));
+            const int truth = PyObject_IsTrue(flag.ptr());
+            if (truth < 0) throw py::error_already_set();
+            keep.push_back(truth == 1);
+        }
+    }
+    const bool ok = walk_chunks(p, first, stop, n_hashes, [&](int64_t chunk_id) {
+        return mask.is_none() || keep[static_cast<std::size_t>(chunk_id - first)];
     }, &out);
+    if (!ok) raise(PyExc_OverflowError, "the chunk walk overflows int64 (block_size or token_len too large)");
     return out;
 }
 

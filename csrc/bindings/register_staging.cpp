@@ -1,9 +1,12 @@
-// Bindings of the staging gather/scatter kernels (kvaddr/staging.hpp, issue 6).
+// Bindings of the staging gather/scatter kernels (kvaddr/staging.hpp; SECURITY.md).
 //
 // Arguments are converted and checked with the GIL held: int64 C-contiguous numpy arrays only (the arrays
 // prepare_values_array returns), so no Python object is created or read per slice. Validation and the copy
-// then run in one GIL release for large jobs (PERF.md point 5: release once, for work long enough to be
-// worth a possible switch-interval wait to get the GIL back).
+// then run without the GIL when gil_policy.hpp says the work is worth it.
+//
+// The gather/scatter entry points take a raw staging (pointer, length) and are private (leading underscore):
+// mooncake_kvaddr.driver.staging only calls them with ranges inside a staging buffer the project allocated
+// and still holds (SECURITY.md).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "bindings/common.hpp"
+#include "bindings/gil_policy.hpp"
 #include "kvaddr/staging.hpp"
 
 namespace kvaddr::py_bindings {
@@ -22,11 +26,6 @@ namespace kvaddr::py_bindings {
 namespace {
 
 namespace st = kvaddr::staging;
-
-// Below this many slices validation is done with the GIL held (~1 ns per slice), and below this many bytes
-// the copy too (~0.1 ms at memory bandwidth): shorter than one GIL switch interval could cost to get back.
-constexpr std::size_t kGilReleaseMinSlices = 1u << 15;
-constexpr int64_t kGilReleaseMinBytes = int64_t{1} << 20;
 
 std::string shape_text(const py::array& arr) {
     std::string text = "(";
@@ -83,7 +82,8 @@ std::optional<py::array> selection(py::handle obj, std::size_t keys) {
 st::MemoryRanges memory_ranges(py::handle obj) {
     FastSequence items(obj.ptr(), "allowed_ranges");
     st::MemoryRanges ranges;
-    for (Py_ssize_t i = 0; i < items.size(); ++i) {
+    const Py_ssize_t n = items.size();
+    for (Py_ssize_t i = 0; i < n; ++i) {
         const std::string what = "allowed_ranges[" + std::to_string(i) + "]";
         FastSequence pair(items.at(i).ptr(), what.c_str());
         if (pair.size() != 2) {
@@ -147,10 +147,11 @@ int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_
         // which the references above keep alive; it re-checks every slice as it copies, so a Python thread
         // writing the arrays meanwhile can garble bytes but never direct a write outside the allowed ranges.
         std::optional<py::gil_scoped_release> release;
-        if (keys * regions >= kGilReleaseMinSlices) release.emplace();
+        if (release_gil_for(work_ns(static_cast<uint64_t>(keys) * regions, kNsPerSliceCheck))) release.emplace();
         problem = st::validate(job, allowed, &validated);
         if (problem.ok()) {
-            if (!release && validated.total_bytes >= kGilReleaseMinBytes) release.emplace();
+            const int64_t copy_ns = validated.total_bytes / kBytesCopiedPerNs;
+            if (!release && release_gil_for(copy_ns)) release.emplace();
             problem = st::copy(job, allowed, validated, thread_count, streaming, &copied);
         }
     }
@@ -198,7 +199,7 @@ void register_staging(py::module_& m) {
     m.def("staging_plan_slots", &plan_slots, py::arg("sizes"), py::arg("alignment") = st::kDefaultSlotAlignment,
           "Slot offsets (each aligned), per-key object sizes and total staging bytes for a sizes matrix.");
     m.def(
-        "staging_gather",
+        "_staging_gather",
         [](py::handle addrs, py::handle sizes, int64_t staging_ptr, int64_t staging_len, py::handle offsets,
            py::handle allowed_ranges, py::handle select, int64_t threads, bool streaming) {
             return run_job(st::Direction::gather, addrs, sizes, staging_ptr, staging_len, offsets, allowed_ranges,
@@ -209,7 +210,7 @@ void register_staging(py::module_& m) {
         py::arg("streaming") = true,
         "Copy each selected key's slices, in region order, into its staging slot. Returns bytes copied.");
     m.def(
-        "staging_scatter",
+        "_staging_scatter",
         [](py::handle addrs, py::handle sizes, int64_t staging_ptr, int64_t staging_len, py::handle offsets,
            py::handle allowed_ranges, py::handle select, int64_t threads, bool streaming) {
             return run_job(st::Direction::scatter, addrs, sizes, staging_ptr, staging_len, offsets, allowed_ranges,

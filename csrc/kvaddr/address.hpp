@@ -1,4 +1,4 @@
-// The address/size matrix of SPEC.md §2: for chunk c and region r,
+// The address/size matrix (docs/address-rows.md): for chunk c and region r,
 //   addr[c][r] = base[r] + block_id(c) * blen[r]      size[c][r] = blen[r] * block_count(c)
 // with blen[r] = block_len[r % L]. Pure C++ (no Python headers) so it can run with the GIL released.
 #pragma once

@@ -1,4 +1,4 @@
-// Key bytes (SPEC.md §1.1): a pool key is PREFIX + '@' + lowercase hex of the chunk hash. Pure C++.
+// Key bytes (docs/address-rows.md, "Keys"): a pool key is PREFIX + '@' + lowercase hex of the chunk hash. Pure C++.
 #pragma once
 
 #include <cstddef>

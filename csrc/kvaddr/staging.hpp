@@ -1,4 +1,4 @@
-// Staged transfers (issue 6): copy each chunk's region slices into one contiguous staging slot per key before
+// Staged transfers (SECURITY.md, docs/gil-policy.md): copy each chunk's region slices into one contiguous staging slot per key before
 // a put (gather), and a slot back out to the slices after a get (scatter). A Mooncake object is the
 // concatenation of its regions in order, so a staged object is byte-identical to a multi-buffer one.
 //

@@ -42,6 +42,17 @@ class AddressTable:
         load_mask: Sequence[bool] | None,
         block_ids: Sequence[int] | _Int64Array,
     ) -> tuple[list[str], list[list[int]], list[list[int]], list[int]]: ...
+    def plan_load_arrays(
+        self,
+        prefix: str,
+        hashes: _Hashes,
+        hash_len: int | None,
+        token_len: int,
+        mask_num: int,
+        load_mask: Sequence[bool] | None,
+        block_ids: Sequence[int] | _Int64Array,
+        slot_alignment: int = 64,
+    ) -> tuple[list[str], _Int64Array, _Int64Array, _Int64Array, _Int64Array, _Int64Array, int]: ...
     def plan_store(
         self,
         prefix: str,
@@ -73,8 +84,7 @@ def chunk_walk(
     put_step_rank: int,
     absolute_mask: bool = False,
 ) -> tuple[list[int], list[int], list[int]]: ...
-def gil_release_min_cells() -> int: ...
-def set_gil_release_min_cells(cells: int) -> None: ...
+GIL_RELEASE_MIN_WORK_NS: int
 
 STAGING_SLOT_ALIGNMENT: int
 STAGING_STREAMING_STORES: bool
@@ -82,7 +92,7 @@ STAGING_STREAMING_STORES: bool
 def staging_plan_slots(
     sizes: _Int64Array, alignment: int = 64
 ) -> tuple[_Int64Array, _Int64Array, int]: ...
-def staging_gather(
+def _staging_gather(
     addrs: _Int64Array,
     sizes: _Int64Array,
     staging_ptr: int,
@@ -94,7 +104,7 @@ def staging_gather(
     threads: int = 0,
     streaming: bool = True,
 ) -> int: ...
-def staging_scatter(
+def _staging_scatter(
     addrs: _Int64Array,
     sizes: _Int64Array,
     staging_ptr: int,
@@ -106,6 +116,10 @@ def staging_scatter(
     threads: int = 0,
     streaming: bool = True,
 ) -> int: ...
+
+def multi_buffer_arrays(
+    addr_rows: Sequence[Sequence[int]], size_rows: Sequence[Sequence[int]]
+) -> tuple[_Int64Array, _Int64Array]: ...
 
 # ---------------------------------------------------------------------------------------------------------------
 # Native Mooncake client (register_mooncake_client.cpp; docs/native-client.md). Use driver.native_client.
@@ -148,3 +162,42 @@ class MooncakeClient:
     def slots(self) -> dict[str, int]: ...
     @property
     def abi_id(self) -> str: ...
+
+# --- layout engine (csrc/bindings/register_layout.cpp; docs/vllm.md) ---------------------------------------
+
+def layout_gil_release_min_cells() -> int: ...
+def set_layout_gil_release_min_cells(cells: int) -> None: ...
+
+class LayoutEngine:
+    """Segment templates of one store layout → Mooncake descriptors."""
+
+    cache_capacity: int
+    immutable_rows: bool
+    @property
+    def segment_count(self) -> int: ...
+    def __init__(
+        self, block_size: int, hash_block_size: int, tp_shared: bool, first_shard: int, n_shards: int, cache_bytes: int
+    ) -> None: ...
+    def set_region_sources(self, kv_caches_base_addr: Sequence[int], block_len: Sequence[int]) -> None: ...
+    def set_templates(self, templates: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> None: ...
+    def prepare_values(
+        self, chunks: Any, block_ids: Sequence[int] | _Int64Array, shard_ids: Sequence[int] | _Int64Array
+    ) -> tuple[list[Any], list[Any], list[int]]: ...
+    def prepare_values_array(
+        self, chunks: Any, block_ids: Sequence[int] | _Int64Array, shard_ids: Sequence[int] | _Int64Array
+    ) -> tuple[_Int64Array, _Int64Array, _Int64Array]: ...
+    def prepare_value_for_block(self, block_id: int) -> tuple[list[int], list[int]]: ...
+    def plan_load(
+        self,
+        shard_prefixes: Sequence[str],
+        hashes: _Hashes,
+        hash_len: int | None,
+        token_len: int,
+        mask_num: int,
+        load_mask: Sequence[bool] | None,
+        tail_tokens: int | None,
+        block_ids: Sequence[int] | _Int64Array,
+        arrays: bool = False,
+    ) -> tuple[list[str], Any, Any, Any]: ...
+    def cache_info(self) -> dict[str, int]: ...
+    def clear_cache(self) -> None: ...

@@ -1,13 +1,15 @@
-"""``python -m mooncake_kvaddr.bench [--quick] [--json PATH] [--plot PATH] [--no-mooncake]``: run every section."""
+"""``python -m mooncake_kvaddr.bench [--quick] [--json PATH] [--plot PATH] [--no-mooncake] [--vllm] [--multihost]``."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 
+from mooncake_kvaddr._cli import native_log, verbose_requested
 from mooncake_kvaddr.bench import (
     addresses,
     end_to_end,
+    external,
     gil,
     keys,
     plan,
@@ -33,7 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of speed-up vs request length (matplotlib)")
     parser.add_argument("--no-mooncake", action="store_true", help="skip the sections that need a Mooncake store")
+    parser.add_argument("--vllm", action="store_true",
+                        help="add the vLLM 0.33 sections (layouts vs vLLM's own, vLLM's real threads with the plugin)")
+    parser.add_argument("--multihost", action="store_true",
+                        help="add the cross-namespace TCP section (root; builds network namespaces; minutes)")
+    parser.add_argument("--verbose", action="store_true", help="let Mooncake's own log lines through")
     args = parser.parse_args(argv)
+    with native_log(verbose_requested(args.verbose)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     reps = args.reps or (5 if args.quick else 30)
     quick = bool(args.quick)
 
@@ -77,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         else:  # equal payloads at 2 and 8 KiB; 32 KiB at a quarter of the chunks to fit in memory
             shapes = [(2258, 100, 2048), (2258, 100, 8192), (565, 100, 32768)]
         report.add("transfer_modes", [transfer_modes.run(c, r, b, reps=3 if quick else 7) for c, r, b in shapes])
+        report.add("native_client", external.native_client(quick))
+    if args.vllm:
+        report.add("layouts", external.layouts(quick))
+        if not args.no_mooncake:
+            report.add("vllm_threads", external.vllm_threads(quick))
+    if args.multihost:
+        report.add("multihost", external.multihost(quick))
     if args.plot:
         scaling.plot(report.data, args.plot)
     if args.json:

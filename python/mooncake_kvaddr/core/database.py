@@ -1,16 +1,22 @@
 """The chunk database: drop-in for vLLM's ``ChunkedTokenDatabase`` with a native address/size matrix.
 
-Semantics are SPEC.md §2 exactly (results equal, value for value and type for type, to
+Semantics are those of docs/address-rows.md exactly (results equal, value for value and type for type, to
 :mod:`mooncake_kvaddr.core.oracle`); the differences are speed and strictness: errors where the reference would
-wrap silently or crash.
+wrap silently or crash (docs/errors.md).
 
-Read-only results: rows returned by :meth:`ChunkedTokenDatabase.prepare_values` are shared — every chunk of
-the same block count shares one size row, and address rows are cached per block id across calls. Treat them
-as read-only (Mooncake only reads them); copy a row before mutating it.
+Results are the caller's own: every call returns fresh lists (or fresh arrays), so editing a returned row
+never changes another result, earlier or later. The address-row cache keeps its own immutable copies.
+
+Thread safety: one database may be shared by any number of threads (as vLLM shares it between its send
+thread and every receive thread); every method may be called concurrently with every other. Each call
+converts its inputs first, then computes on one consistent snapshot of the registered regions; results equal
+those of some serial order of the calls. Registering regions while loads run is safe; a call that started
+before the change may still use the old regions.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -22,7 +28,9 @@ from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.keys import Hashes, _unwrap, build_keys
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 
-#: Default memory cap of the per-block-id address-row cache (~16K blocks at 100 regions).
+#: Default memory cap of the per-block-id address-row cache, per database: 64 MiB. A cached row costs about
+#: ``64 + 40 * R`` bytes for ``R`` regions, so the default holds ~16K blocks at 100 regions (~4K at 400);
+#: size it as ``num_blocks * (64 + 40 * R)`` to cache every block (docs/address-rows.md).
 DEFAULT_ADDRESS_CACHE_BYTES = 64 << 20
 
 Chunk = Sequence[int]
@@ -46,6 +54,19 @@ class LoadWalk(NamedTuple):
     chunks: Int64Array
 
 
+class LoadArrays(NamedTuple):
+    """One group's staged load in one native call: keys, the address/size matrix as int64 arrays, the block
+    ids, and the staging slot layout (as :func:`mooncake_kvaddr.driver.staging.plan_slots` lays it out)."""
+
+    keys: list[str]
+    addrs: Int64Array
+    sizes: Int64Array
+    block_ids: Int64Array
+    offsets: Int64Array
+    object_sizes: Int64Array
+    total_bytes: int
+
+
 class StorePlan(NamedTuple):
     """One group's store candidates: index-aligned keys, ``(start, end)`` chunks and block ids."""
 
@@ -57,8 +78,13 @@ class StorePlan(NamedTuple):
 class ChunkedTokenDatabase:
     """Maps token ranges of one KV-cache group to pool keys and to the memory regions Mooncake moves.
 
-    ``address_cache_bytes`` caps the per-block-id cache of address rows (0 disables it); the cache is
-    dropped whenever the registered regions or block lengths change, in place or by a setter.
+    ``address_cache_bytes`` caps the per-block-id cache of address rows (0 disables it; default
+    :data:`DEFAULT_ADDRESS_CACHE_BYTES`, 64 MiB per database); the cache is dropped whenever the registered
+    regions or block lengths change, in place or by a setter.
+
+    Thread-safe: one instance may be shared by a send thread and several receive threads (see the module
+    docstring). Inputs are validated strictly (docs/errors.md): ``block_ids`` is a list, tuple, 1-D integer
+    array or another sequence of ints; a dict, set or str raises ``TypeError``.
     """
 
     def __init__(
@@ -80,6 +106,7 @@ class ChunkedTokenDatabase:
         if address_cache_bytes < 0:
             raise ValueError(f"address_cache_bytes must be >= 0, got {address_cache_bytes}")
         self._table = AddressTable(block_size, self.hash_block_size, address_cache_bytes)
+        self._regions_lock = threading.Lock()  # the two region setters update two attributes and the table
         self._kv_caches_base_addr: list[int] = []
         self._block_len: list[int] = []
         self._key_prefix = PoolKey.build_prefix(metadata)
@@ -93,8 +120,9 @@ class ChunkedTokenDatabase:
 
     @kv_caches_base_addr.setter
     def kv_caches_base_addr(self, value: list[int]) -> None:
-        self._kv_caches_base_addr = value
-        self._table.set_regions(value, self._block_len)
+        with self._regions_lock:
+            self._table.set_regions(value, self._block_len)
+            self._kv_caches_base_addr = value
 
     @property
     def block_len(self) -> list[int]:
@@ -103,8 +131,9 @@ class ChunkedTokenDatabase:
 
     @block_len.setter
     def block_len(self, value: list[int]) -> None:
-        self._block_len = value
-        self._table.set_regions(self._kv_caches_base_addr, value)
+        with self._regions_lock:
+            self._table.set_regions(self._kv_caches_base_addr, value)
+            self._block_len = value
 
     def set_kv_caches_base_addr(self, kv_caches_base_addr: list[int]) -> None:
         """Register the regions' base addresses (all groups share the same list)."""
@@ -158,7 +187,7 @@ class ChunkedTokenDatabase:
         *,
         hash_len: int | None = None,
     ) -> LoadPlan:
-        """Everything a receive thread needs for this group before Mooncake (SPEC.md §3.3), in one call.
+        """Everything a receive thread needs for this group before Mooncake (docs/address-rows.md), in one call.
 
         Equals walking ``process_tokens(token_len, block_hashes, mask_num)``, keeping chunks whose absolute
         index is inside ``load_mask`` and true there (all when None), then ``key_for`` each hash and
@@ -170,6 +199,32 @@ class ChunkedTokenDatabase:
         )
         return LoadPlan(keys, addrs, sizes, ids)
 
+    def plan_load_arrays(
+        self,
+        token_len: int,
+        block_hashes: Hashes,
+        block_ids: Sequence[int] | Int64Array,
+        mask_num: int = 0,
+        load_mask: Sequence[bool] | None = None,
+        *,
+        hash_len: int | None = None,
+        slot_alignment: int = 64,
+    ) -> LoadArrays:
+        """:meth:`plan_load` with array output and the staging slot layout, in one native call.
+
+        The staged transfer path's whole preparation of one group: the same walk, keys and order as
+        :meth:`plan_load`; ``addrs``/``sizes`` as fresh ``(n, R)`` int64 arrays, ``block_ids`` as ``(n,)``, and
+        ``offsets``/``object_sizes``/``total_bytes`` as :func:`mooncake_kvaddr.driver.staging.plan_slots`
+        would lay them out with ``slot_alignment`` (a power of two). With the gather or scatter that follows,
+        a staged load crosses from Python to C++ twice.
+        """
+        data, length = _unwrap(block_hashes, hash_len)
+        return LoadArrays(
+            *self._table.plan_load_arrays(
+                self._key_prefix, data, length, token_len, mask_num, load_mask, block_ids, slot_alignment
+            )
+        )
+
     def walk_load(
         self,
         token_len: int,
@@ -179,9 +234,8 @@ class ChunkedTokenDatabase:
     ) -> LoadWalk:
         """The chunks and keys of :meth:`plan_load`, with the chunks as an array and no rows.
 
-        For the staged transfer path, which wants the address matrix as int64 arrays
-        (:meth:`prepare_values_array`) rather than lists. Same walk, same keys, same order as
-        :meth:`plan_load` with the same arguments.
+        Same walk, same keys, same order as :meth:`plan_load` with the same arguments. Prefer
+        :meth:`plan_load_arrays`, which also returns the rows and the staging layout in the same call.
         """
         starts, ends, hash_indices = chunk_walk(
             token_len, len(block_hashes), self.block_size, self.hash_block_size, mask_num, load_mask, 1, 0,
@@ -206,7 +260,7 @@ class ChunkedTokenDatabase:
         skip_null_block: bool = True,
         hash_len: int | None = None,
     ) -> StorePlan:
-        """A send thread's candidate chunks for this group (SPEC.md §3.2 step 4) with their keys.
+        """A send thread's candidate chunks for this group (docs/address-rows.md) with their keys.
 
         The walk with the relative ``chunk_mask`` and this rank's put stripe, without chunks past
         ``block_ids`` and (``skip_null_block``) those on the NULL block 0. Rows are left to
@@ -226,8 +280,8 @@ class ChunkedTokenDatabase:
         """Address rows, size rows and first block id of every ``(start, end, ...)`` chunk.
 
         ``addr[c][r] = base[r] + block_ids[start // block_size] * blen[r]`` and
-        ``size[c][r] = blen[r] * ceil((end - start) / block_size)``. Rows are shared and read-only (see the
-        module docstring). Raises :class:`~mooncake_kvaddr.core.errors.ChunkAlignmentError` for a span that is not a
+        ``size[c][r] = blen[r] * ceil((end - start) / block_size)``. Every row is a fresh list (see the module
+        docstring). Raises :class:`~mooncake_kvaddr.core.errors.ChunkAlignmentError` for a span that is not a
         multiple of ``hash_block_size``, ``IndexError`` for a block index past ``block_ids``, ``TypeError``
         for non-integers and ``OverflowError`` when an address does not fit in 64 bits.
         """
@@ -246,7 +300,7 @@ class ChunkedTokenDatabase:
         """The same matrix as fresh int64 arrays ``(addrs (n, R), sizes (n, R), block_ids (n,))``.
 
         No Python object per element; ``chunks`` may also be an ``(n, 2)`` integer array. The GIL is released
-        around the arithmetic of large requests.
+        around the arithmetic of large requests (docs/gil-policy.md).
         """
         return self._table.prepare_values_array(chunks, block_ids)
 
@@ -265,7 +319,7 @@ class ChunkedTokenDatabase:
         put_step: int = 1,
         put_step_rank: int = 0,
     ) -> Iterator[tuple[int, int, BlockHash]]:
-        """Lazily yield ``(start, end, hash)`` for each chunk of ``[mask_num, token_len)`` (SPEC.md §2.3).
+        """Lazily yield ``(start, end, hash)`` for each chunk of ``[mask_num, token_len)`` (docs/address-rows.md).
 
         Chunks are ``block_size`` tokens (the last one may be shorter); ``chunk_mask`` (relative to the first
         chunk) skips chunks, ``put_step``/``put_step_rank`` stripe absolute chunk ids across ranks. Hashes are

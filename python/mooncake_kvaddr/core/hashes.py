@@ -1,4 +1,4 @@
-"""Views over block hashes: the compact per-chunk view and the zero-copy blob view (SPEC.md §1.2, §2.4)."""
+"""Views over block hashes: the compact per-chunk view and the zero-copy blob view (docs/address-rows.md)."""
 
 from __future__ import annotations
 
@@ -69,17 +69,43 @@ def chunk_hashes_for_block_size(
 class BlobBlockHashes(_HashView):
     """Zero-copy sequence over a flat buffer of ``hash_len``-byte hashes (the lookup wire format).
 
-    Items are slices of ``blob`` (``memoryview`` slices when ``blob`` is a memoryview): no copy per hash.
+    Lengths count **bytes**, whatever the buffer's item format: a ``memoryview`` of ``'I'`` items is read as
+    its bytes, exactly as the native key builders read it (docs/address-rows.md, "Hash views").
+
+    The view's length can never disagree with its buffer: ``bytes`` are immutable and kept as they are (items
+    are ``bytes`` slices); any other buffer (``bytearray``, ``memoryview``, numpy arrays...) is held through a
+    read-only byte ``memoryview`` (items are ``memoryview`` slices of it), which *locks* a resizable buffer:
+    a ``bytearray`` cannot change size while the view is alive, or until :meth:`release` is called. In-place
+    writes to a mutable buffer are seen by later reads. Raises ``ValueError`` for a ``hash_len`` that is not
+    positive (0 is accepted for an empty blob only), a buffer that is not C-contiguous, or a length that is
+    not a multiple of ``hash_len``.
     """
 
     def __init__(self, blob: bytes | bytearray | memoryview, hash_len: int) -> None:
-        self._blob = blob
+        if isinstance(hash_len, bool) or not isinstance(hash_len, int) or hash_len < 0:
+            raise ValueError(f"hash_len must be a positive int, got {hash_len!r}")
+        data: bytes | memoryview
+        if type(blob) is bytes:
+            data = blob
+        else:
+            try:
+                view = memoryview(blob)
+            except TypeError:
+                raise TypeError(f"blob must be bytes-like, not {type(blob).__name__}") from None
+            if not view.c_contiguous:
+                raise ValueError("blob must be a C-contiguous buffer")
+            data = view.cast("B").toreadonly() if view.ndim != 1 or view.format != "B" else view.toreadonly()
+        if hash_len == 0 and len(data):
+            raise ValueError("hash_len must be positive for a non-empty blob")
+        if hash_len and len(data) % hash_len:
+            raise ValueError(f"a blob of {len(data)} bytes is not a multiple of hash_len {hash_len}")
+        self._blob = data
         self._hash_len = hash_len
-        self._n = len(blob) // hash_len if hash_len else 0
+        self._n = len(data) // hash_len if hash_len else 0
 
     @property
-    def blob(self) -> bytes | bytearray | memoryview:
-        """The underlying buffer."""
+    def blob(self) -> bytes | memoryview:
+        """The hashes as bytes: the ``bytes`` given, or a read-only byte ``memoryview`` of the buffer given."""
         return self._blob
 
     @property
@@ -87,9 +113,16 @@ class BlobBlockHashes(_HashView):
         """Bytes per hash."""
         return self._hash_len
 
+    def release(self) -> None:
+        """Unlock the buffer (a ``bytearray`` may be resized again); the view is empty afterwards."""
+        if isinstance(self._blob, memoryview):
+            self._blob.release()
+        self._blob = b""
+        self._n = 0
+
     def __len__(self) -> int:
         return self._n
 
     def _item(self, index: int) -> BlockHash:
         offset = index * self._hash_len
-        return self._blob[offset : offset + self._hash_len]  # type: ignore[return-value]
+        return self._blob[offset : offset + self._hash_len]

@@ -1,4 +1,4 @@
-"""Batch key building and lookup namespaces (SPEC.md §1.3–1.4, §3.5), native where it pays.
+"""Batch key building and lookup namespaces (docs/address-rows.md, "Keys"), native where it pays.
 
 ``build_keys`` and ``build_lookup_keys`` accept a sequence of bytes-like hashes or one flat blob of
 ``n * hash_len`` bytes (the zero-copy lookup wire format, no per-hash Python objects). Every key path of the
@@ -38,7 +38,7 @@ def build_keys(prefix: str, hashes: Hashes, hash_len: int | None = None) -> list
 
 
 def build_lookup_keys(prefixes: Sequence[str], hashes: Hashes, hash_len: int | None = None) -> list[str]:
-    """Every hash under every prefix: hash-major, then prefixes in the given order (SPEC.md §1.4)."""
+    """Every hash under every prefix: hash-major, then prefixes in the given order (docs/address-rows.md, "Keys")."""
     data, length = _unwrap(hashes, hash_len)
     return _native.build_lookup_keys(prefixes, data, length)
 
@@ -54,7 +54,7 @@ class SpecKind(str, Enum):
 def replication_factor(
     kinds: SpecKind | str | Iterable[SpecKind | str], tp_size: int, dcp_size: int, num_kv_heads: int
 ) -> int:
-    """How many TP ranks hold identical bytes for a group (SPEC.md §1.4).
+    """How many TP ranks hold identical bytes for a group (docs/address-rows.md, "Keys").
 
     ``kinds`` is the group's spec kind, or the inner kinds of a uniform-type group. DCP > 1 → 1; any Mamba →
     1; all MLA → ``tp_size``; otherwise ``max(1, tp_size // num_kv_heads)``.
@@ -76,7 +76,7 @@ def replication_factor(
 def lookup_namespaces(
     tp_size: int, pcp_size: int, dcp_size: int, pp_size: int, factor: int
 ) -> list[tuple[int, int, int, int]]:
-    """The ``(tp, pcp, dcp, pp)`` namespaces a lookup must probe for one group, in SPEC.md §1.4's order."""
+    """The ``(tp, pcp, dcp, pp)`` namespaces a lookup must probe for one group (docs/address-rows.md, "Keys")."""
     for name, value in (("tp_size", tp_size), ("pcp_size", pcp_size), ("dcp_size", dcp_size),
                         ("pp_size", pp_size), ("factor", factor)):
         if value <= 0:
@@ -101,7 +101,7 @@ def reduce_exists(results: Sequence[int], widths: int | Sequence[int]) -> list[b
 
 
 def mooncake_group_ids(keys: Sequence[str], metadata: KeyMetadata) -> list[str]:
-    """Mooncake group-id strings aligned with ``keys`` (SPEC.md §1.3): the lifecycle unit is the prefix
+    """Mooncake group-id strings aligned with ``keys`` (docs/address-rows.md, "Keys"): the lifecycle unit is the prefix
     chunk, so no rank or group fields — ``vllm-mooncake-store:[cache_prefix@]model@<hash hex>``."""
     head = "vllm-mooncake-store:" + (f"{metadata.cache_prefix}@" if metadata.cache_prefix else "")
     head += metadata.model_name + "@"

@@ -1,4 +1,4 @@
-"""Key metadata and pool keys: how a KV chunk is named in the Mooncake store (SPEC.md §1.1).
+"""Key metadata and pool keys: how a KV chunk is named in the Mooncake store (docs/keys.md).
 
 Drop-in for vLLM's ``KeyMetadata`` and ``PoolKey`` (same fields, same strings, same hashing and ordering).
 """
@@ -20,11 +20,14 @@ class KeyMetadata:
     group_id: int = 0
     #: Prepended to every key (with ``@``) when non-empty, so deployments can share one master.
     cache_prefix: str = ""
+    #: Inserted right after the model name in every key (vLLM 0.32+, docs/vllm.md): a TP-shared store
+    #: format's namespace. Empty keeps the historical keys byte-identical.
+    store_namespace: str = ""
 
 
 @dataclass(order=True)
 class PoolKey:
-    """One chunk's key: ``[cache_prefix@]model@tp_rank:T@pcpC@dcpD@pp_rank:P@group:G@<hash hex>``."""
+    """One chunk's key: ``[cache_prefix@]model[store_namespace]@tp_rank:T@pcpC@dcpD@pp_rank:P@group:G@<hex>``."""
 
     key_metadata: KeyMetadata
     chunk_hash: str
@@ -35,6 +38,7 @@ class PoolKey:
             (
                 md.cache_prefix,
                 md.model_name,
+                md.store_namespace,
                 md.tp_rank,
                 md.pcp_rank,
                 md.dcp_rank,
@@ -61,7 +65,8 @@ class PoolKey:
         pp = md.pp_rank if pp_rank is None else pp_rank
         namespace = f"{md.cache_prefix}@" if md.cache_prefix else ""
         # Irregular punctuation is the wire format: "pcp"/"dcp" carry no colon.
-        return f"{namespace}{md.model_name}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{md.group_id}"
+        head = f"{namespace}{md.model_name}{md.store_namespace}"
+        return f"{head}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{md.group_id}"
 
     @staticmethod
     def build_key_string(key_prefix: str, chunk_hash: str) -> str:

@@ -1,6 +1,6 @@
 """The reference semantics in plain Python, and the numpy approach: what tests and the benchmark compare to.
 
-``OracleChunkedTokenDatabase`` is the original per-chunk loop (SPEC.md §2), kept simple and obviously right;
+``OracleChunkedTokenDatabase`` is the original per-chunk loop (docs/address-rows.md), kept simple and obviously right;
 it is never used by the library itself. ``numpy_prepare_values`` is vLLM's current vectorised
 ``prepare_values`` (broadcast, then ``.tolist()``), the benchmark's anchor. Both keep the reference's
 exception types (``AssertionError`` for misaligned spans, ``ZeroDivisionError`` for an empty ``block_len``).

@@ -1,7 +1,7 @@
 """Staged transfers: one contiguous staging slot per key, filled and drained natively with the GIL released.
 
 Mooncake's multi-buffer calls convert every ``(address, size)`` pair with the GIL held and pay per slice on
-TCP (PERF.md point 8, MOONCAKE.md section 2). Staging moves each key through one contiguous slot instead:
+TCP (docs/gil-policy.md). Staging moves each key through one contiguous slot instead:
 :func:`gather` copies a chunk's region slices, in region order, into its slot before a put, and
 :func:`scatter` copies a slot back out to the slices after a get. A Mooncake object is the concatenation of
 its regions, so staged objects are byte-identical to multi-buffer ones and the two modes interoperate.
@@ -10,6 +10,10 @@ The copy is C++ with streaming (non-temporal) stores, optionally on several nati
 checked against the allowed memory ranges (the registered KV-cache buffers) and every slot against the
 staging buffer before any byte moves: a bad layout raises ``ValueError`` naming the key and region, and
 nothing is copied.
+
+Staging is project-owned memory only (SECURITY.md): ``staging`` is a :class:`StagingBuffer`, a
+:class:`StagingLease`, or a ``(ptr, nbytes)`` range that lies inside a :class:`StagingBuffer` that is still
+alive; anything else raises ``ValueError`` before the native copy runs. The buffer is held for the whole copy.
 
 Typical use (``addrs``/``sizes`` from ``ChunkedTokenDatabase.prepare_values_array``)::
 
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Final, Literal, NamedTuple, Protocol, runtime_checkable
@@ -176,6 +181,7 @@ class StagingBuffer:
         self._array = self._backing[skew : skew + nbytes]
         if prefault:
             self._array[::_PAGE] = 0  # one write per page maps it
+        _register_staging(self)
 
     @property
     def ptr(self) -> int:
@@ -377,17 +383,57 @@ class StagingPool:
         return f"StagingPool(capacity={self.capacity}, free={self.free_bytes})"
 
 
-def _staging_range(staging: StagingBuffer | MemoryRange) -> MemoryRange:
+# Live staging buffers by their first byte: the only memory a gather may write and a scatter may read as
+# staging. Entries leave when their buffer is collected.
+_LIVE_STAGING: dict[int, weakref.ref[StagingBuffer]] = {}
+_LIVE_STAGING_LOCK = threading.Lock()
+
+
+def _register_staging(buffer: StagingBuffer) -> None:
+    ptr = buffer.ptr
+
+    def forget(ref: weakref.ref[StagingBuffer], ptr: int = ptr) -> None:
+        with _LIVE_STAGING_LOCK:
+            if _LIVE_STAGING.get(ptr) is ref:
+                del _LIVE_STAGING[ptr]
+
+    with _LIVE_STAGING_LOCK:
+        _LIVE_STAGING[ptr] = weakref.ref(buffer, forget)
+
+
+StagingArg = StagingBuffer | StagingLease | MemoryRange
+
+
+def _staging_range(staging: StagingArg) -> tuple[int, int, StagingBuffer | None]:
+    """``(ptr, nbytes, owner)`` of a project-owned staging range; ``owner`` must be held during the copy."""
     if isinstance(staging, StagingBuffer):
-        return staging.range
-    ptr, nbytes = staging
-    return (ptr, nbytes)
+        return staging.ptr, staging.nbytes, staging
+    if isinstance(staging, StagingLease):
+        if not staging.held:
+            raise ValueError(f"{staging!r} was released: its bytes may belong to another request now")
+        return staging.ptr, staging.nbytes, staging._pool.buffer
+    if isinstance(staging, (str, bytes)) or not isinstance(staging, Sequence) or len(staging) != 2:
+        raise TypeError(
+            f"staging must be a StagingBuffer, a StagingLease or a (ptr, nbytes) range, not {type(staging).__name__}"
+        )
+    ptr, nbytes = (int(v) for v in staging)
+    if nbytes == 0 and ptr >= 0:
+        return ptr, 0, None  # nothing can be copied into or out of zero bytes
+    with _LIVE_STAGING_LOCK:
+        candidates = [ref() for ref in _LIVE_STAGING.values()]
+    for owner in candidates:
+        if owner is not None and owner.ptr <= ptr and nbytes >= 0 and ptr + nbytes <= owner.ptr + owner.nbytes:
+            return ptr, nbytes, owner
+    raise ValueError(
+        f"staging range ({ptr:#x}, {nbytes}) is not inside a live staging buffer: staging must be memory this "
+        "package allocated (StagingBuffer, StagingPool)"
+    )
 
 
 def gather(
     addrs: Int64Array,
     sizes: Int64Array,
-    staging: StagingBuffer | MemoryRange,
+    staging: StagingArg,
     offsets: Int64Array,
     allowed_ranges: Sequence[MemoryRange],
     *,
@@ -404,16 +450,19 @@ def gather(
     to some keys; unselected keys are neither read nor checked. ``threads=0`` picks a count by job size;
     ``streaming=False`` uses plain ``memcpy`` (for comparison).
     """
-    ptr, nbytes = _staging_range(staging)
-    return _native.staging_gather(
-        addrs, sizes, ptr, nbytes, offsets, allowed_ranges, select=select, threads=threads, streaming=streaming
-    )
+    ptr, nbytes, owner = _staging_range(staging)
+    try:
+        return _native._staging_gather(
+            addrs, sizes, ptr, nbytes, offsets, allowed_ranges, select=select, threads=threads, streaming=streaming
+        )
+    finally:
+        del owner  # held until the native copy returned
 
 
 def scatter(
     addrs: Int64Array,
     sizes: Int64Array,
-    staging: StagingBuffer | MemoryRange,
+    staging: StagingArg,
     offsets: Int64Array,
     allowed_ranges: Sequence[MemoryRange],
     *,
@@ -427,10 +476,13 @@ def scatter(
     per-key success of the Mooncake get as ``select`` so a failed key's regions are never written from stale
     staging bytes. Destination slices of different keys should not overlap: which write lands is unspecified.
     """
-    ptr, nbytes = _staging_range(staging)
-    return _native.staging_scatter(
-        addrs, sizes, ptr, nbytes, offsets, allowed_ranges, select=select, threads=threads, streaming=streaming
-    )
+    ptr, nbytes, owner = _staging_range(staging)
+    try:
+        return _native._staging_scatter(
+            addrs, sizes, ptr, nbytes, offsets, allowed_ranges, select=select, threads=threads, streaming=streaming
+        )
+    finally:
+        del owner  # held until the native copy returned
 
 
 @runtime_checkable
@@ -453,7 +505,7 @@ class CopyBackend(Protocol):
         self,
         addrs: Int64Array,
         sizes: Int64Array,
-        staging: StagingBuffer | MemoryRange,
+        staging: StagingArg,
         offsets: Int64Array,
         *,
         select: KeySelection | None = None,
@@ -465,7 +517,7 @@ class CopyBackend(Protocol):
         self,
         addrs: Int64Array,
         sizes: Int64Array,
-        staging: StagingBuffer | MemoryRange,
+        staging: StagingArg,
         offsets: Int64Array,
         *,
         select: KeySelection | None = None,
@@ -523,7 +575,7 @@ class HostCopyBackend:
         self,
         addrs: Int64Array,
         sizes: Int64Array,
-        staging: StagingBuffer | MemoryRange,
+        staging: StagingArg,
         offsets: Int64Array,
         *,
         select: KeySelection | None = None,
@@ -544,7 +596,7 @@ class HostCopyBackend:
         self,
         addrs: Int64Array,
         sizes: Int64Array,
-        staging: StagingBuffer | MemoryRange,
+        staging: StagingArg,
         offsets: Int64Array,
         *,
         select: KeySelection | None = None,

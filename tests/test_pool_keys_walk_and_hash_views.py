@@ -1,4 +1,4 @@
-"""PoolKey / KeyMetadata strings, hashing and ordering; hash views; process_tokens (SPEC.md §1, §2.3–2.4, §5)."""
+"""Pool key strings and prefixes, the process_tokens chunk walk, and the hash views (compact and blob)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,224 @@
+// Input conversion of the address paths (inputs.hpp).
+#include "bindings/inputs.hpp"
+
+#include <pybind11/numpy.h>
+
+#include <cstring>
+#include <string>
+#include <utility>
+
+namespace kvaddr::py_bindings {
+
+namespace {
+
+// Both bounds of one chunk, each held by a strong reference before either is converted: converting the
+// start may run __index__, which may empty the chunk's own list (the bounds stay alive through our refs).
+std::pair<int64_t, int64_t> chunk_bounds(PyObject* chunk, Py_ssize_t index) {
+    const std::string what = "chunk " + std::to_string(index);
+    py::object start, end;
+    if ((PyTuple_Check(chunk) || PyList_Check(chunk)) && PySequence_Fast_GET_SIZE(chunk) >= 2) {
+        start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 0));
+        end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 1));
+    } else {
+        if (PyUnicode_Check(chunk) || PyBytes_Check(chunk) || PyByteArray_Check(chunk) || PyDict_Check(chunk) ||
+            PyAnySet_Check(chunk)) {
+            raise(PyExc_TypeError, what + " must be a (start, end) sequence, not " + type_name(chunk));
+        }
+        start = py::reinterpret_steal<py::object>(PySequence_GetItem(chunk, 0));
+        if (!start) throw py::error_already_set();
+        end = py::reinterpret_steal<py::object>(PySequence_GetItem(chunk, 1));
+        if (!end) throw py::error_already_set();
+    }
+    const int64_t s = as_int64(start.ptr(), (what + " start").c_str());
+    const int64_t e = as_int64(end.ptr(), (what + " end").c_str());
+    return {s, e};
+}
+
+void add_span(Py_ssize_t c, int64_t start, int64_t end, int64_t block_size, int64_t hash_block_size,
+              ChunkSpans* out) {
+    int64_t count = 0;
+    switch (check_span(start, end, hash_block_size, block_size, &count)) {
+        case ChunkError::misaligned:
+            raise(errors().chunk_alignment,
+                  "chunk " + std::to_string(c) + " (" + std::to_string(start) + ", " + std::to_string(end) +
+                      "): span " + std::to_string(end - start) + " is not a multiple of hash_block_size " +
+                      std::to_string(hash_block_size));
+        case ChunkError::overflow:
+            raise(PyExc_OverflowError, "chunk " + std::to_string(c) + ": end - start overflows int64");
+        case ChunkError::none:
+            break;
+    }
+    out->starts.push_back(start);
+    out->plans.push_back(ChunkPlan{0, count});
+}
+
+bool refused_container(PyObject* obj) {
+    return PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj) || PyDict_Check(obj) ||
+           PyAnySet_Check(obj);
+}
+
+}  // namespace
+
+ChunkSpans parse_chunks(py::handle chunks, int64_t block_size, int64_t hash_block_size, bool allow_array) {
+    ChunkSpans out;
+    if (allow_array && py::isinstance<py::array>(chunks)) {
+        auto arr = py::reinterpret_borrow<py::array>(chunks);
+        const char kind = arr.dtype().kind();
+        // uint64 is not converted by a cast (values near 2**64 would wrap): it goes through the int path below.
+        const bool fits_int64 = kind == 'i' || (kind == 'u' && arr.itemsize() < 8);
+        if (arr.ndim() == 2 && arr.shape(1) >= 2 && fits_int64) {
+            auto view = py::array_t<int64_t, py::array::forcecast>::ensure(arr);
+            if (!view) throw py::error_already_set();
+            auto cells = view.unchecked<2>();
+            const py::ssize_t n = cells.shape(0);
+            out.starts.reserve(static_cast<std::size_t>(n));
+            out.plans.reserve(static_cast<std::size_t>(n));
+            for (py::ssize_t c = 0; c < n; ++c) add_span(c, cells(c, 0), cells(c, 1), block_size, hash_block_size, &out);
+            return out;
+        }
+    }
+    return parse_chunk_items(*chunk_sequence(chunks), block_size, hash_block_size);
+}
+
+std::unique_ptr<FastSequence> chunk_sequence(py::handle chunks) {
+    if (refused_container(chunks.ptr())) {
+        raise(PyExc_TypeError, "chunks must be a sequence of (start, end) pairs, not " + type_name(chunks.ptr()));
+    }
+    return std::make_unique<FastSequence>(chunks.ptr(), "chunks");
+}
+
+ChunkSpans parse_chunk_items(const FastSequence& seq, int64_t block_size, int64_t hash_block_size) {
+    ChunkSpans out;
+    const Py_ssize_t n = seq.size();  // fixed: a list a callback shrinks raises, one it grows is not followed
+    out.starts.reserve(static_cast<std::size_t>(n));
+    out.plans.reserve(static_cast<std::size_t>(n));
+    for (Py_ssize_t c = 0; c < n; ++c) {
+        py::object chunk = seq.at(c);
+        const auto [start, end] = chunk_bounds(chunk.ptr(), c);
+        add_span(c, start, end, block_size, hash_block_size, &out);
+    }
+    return out;
+}
+
+BlockIdSource::BlockIdSource(py::handle obj) : obj_(py::reinterpret_borrow<py::object>(obj)) {
+    PyObject* o = obj.ptr();
+    if (PyList_Check(o)) {
+        kind_ = Kind::list;
+        return;
+    }
+    if (PyTuple_Check(o)) {
+        kind_ = Kind::tuple;
+        length_ = PyTuple_GET_SIZE(o);
+        return;
+    }
+    if (py::isinstance<py::array>(obj)) {
+        auto arr = py::reinterpret_borrow<py::array>(obj);
+        const char kind = arr.dtype().kind();
+        if (kind != 'i' && kind != 'u') {
+            raise(PyExc_TypeError, "block_ids must hold integers, not numpy dtype " +
+                                       py::str(arr.dtype()).cast<std::string>());
+        }
+        if (arr.ndim() != 1) {
+            raise(PyExc_TypeError, "block_ids must be a 1-D array, got " + std::to_string(arr.ndim()) + " dimensions");
+        }
+        kind_ = Kind::array;
+        length_ = static_cast<Py_ssize_t>(arr.shape(0));
+        data_ = static_cast<const char*>(arr.data());
+        stride_ = static_cast<Py_ssize_t>(arr.strides(0));
+        dtype_kind_ = kind;
+        itemsize_ = static_cast<Py_ssize_t>(arr.itemsize());
+        if (itemsize_ != 1 && itemsize_ != 2 && itemsize_ != 4 && itemsize_ != 8) {
+            raise(PyExc_TypeError, "block_ids has an unsupported integer size of " + std::to_string(itemsize_));
+        }
+        return;
+    }
+    if (refused_container(o) || !PySequence_Check(o)) {
+        raise(PyExc_TypeError, "block_ids must be a sequence of ints (list, tuple or integer array), not " +
+                                   type_name(o));
+    }
+    kind_ = Kind::sequence;
+    length_ = PyObject_Length(o);  // user code: its exceptions propagate unchanged
+    if (length_ < 0) throw py::error_already_set();
+}
+
+Py_ssize_t BlockIdSource::size() const {
+    return kind_ == Kind::list ? PyList_GET_SIZE(obj_.ptr()) : length_;
+}
+
+int64_t BlockIdSource::at(Py_ssize_t index, py::object* object) const {
+    if (index < 0 || index >= size()) {
+        // Only reachable when a callback shrank a list after the index was checked.
+        raise(PyExc_RuntimeError, "block_ids changed size during the call");
+    }
+    py::object item;
+    switch (kind_) {
+        case Kind::list:
+            item = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(obj_.ptr(), index));
+            break;
+        case Kind::tuple:
+            item = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(obj_.ptr(), index));
+            break;
+        case Kind::array: {
+            const char* p = data_ + index * stride_;
+            if (dtype_kind_ == 'i') {
+                switch (itemsize_) {
+                    case 1: return *reinterpret_cast<const int8_t*>(p);
+                    case 2: { int16_t v; std::memcpy(&v, p, 2); return v; }
+                    case 4: { int32_t v; std::memcpy(&v, p, 4); return v; }
+                    default: { int64_t v; std::memcpy(&v, p, 8); return v; }
+                }
+            }
+            uint64_t v = 0;
+            switch (itemsize_) {
+                case 1: v = *reinterpret_cast<const uint8_t*>(p); break;
+                case 2: { uint16_t w; std::memcpy(&w, p, 2); v = w; break; }
+                case 4: { uint32_t w; std::memcpy(&w, p, 4); v = w; break; }
+                default: std::memcpy(&v, p, 8); break;
+            }
+            if (v > static_cast<uint64_t>(INT64_MAX)) {
+                raise(PyExc_OverflowError, "block id does not fit in a signed 64-bit integer");
+            }
+            return static_cast<int64_t>(v);
+        }
+        case Kind::sequence: {
+            item = py::reinterpret_steal<py::object>(PySequence_GetItem(obj_.ptr(), index));
+            if (!item) {
+                if (PyErr_ExceptionMatches(PyExc_IndexError)) {
+                    PyErr_Clear();
+                    raise(PyExc_ValueError, "block_ids reported " + std::to_string(length_) +
+                                                " items (__len__) but block_ids[" + std::to_string(index) +
+                                                "] raised IndexError: its __len__ does not match its items");
+                }
+                throw py::error_already_set();
+            }
+            break;
+        }
+    }
+    const int64_t id = as_int64(item.ptr(), "block id");
+    if (PyLong_CheckExact(item.ptr())) *object = std::move(item);
+    return id;
+}
+
+void resolve_block_ids(const BlockIdSource& ids, const std::vector<int64_t>& starts, int64_t block_size,
+                       std::vector<ChunkPlan>* plans, std::vector<py::object>* id_objects) {
+    id_objects->resize(starts.size());
+    for (std::size_t c = 0; c < starts.size(); ++c) {
+        const Py_ssize_t available = ids.size();
+        const int64_t block_index = floor_div(starts[c], block_size);
+        const int64_t index = block_index < 0 ? block_index + available : block_index;
+        if (index < 0 || index >= available) {
+            raise(PyExc_IndexError, "chunk " + std::to_string(c) + " starts at token " + std::to_string(starts[c]) +
+                                        ": block index " + std::to_string(block_index) + " is out of range for " +
+                                        std::to_string(available) + " block ids");
+        }
+        (*plans)[c].block_id = ids.at(static_cast<Py_ssize_t>(index), &(*id_objects)[c]);
+    }
+}
+
+void refuse_non_sequence(py::handle obj, const char* what) {
+    if (refused_container(obj.ptr())) {
+        raise(PyExc_TypeError, std::string(what) + " must be a sequence, not " + type_name(obj.ptr()));
+    }
+}
+
+}  // namespace kvaddr::py_bindings

@@ -1,0 +1,63 @@
+// Input conversion of the address paths: every Python argument becomes C++ values here, before any cache or
+// snapshot is touched (the re-entrancy rule in common.hpp). Needs the GIL.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bindings/common.hpp"
+#include "kvaddr/address.hpp"
+
+namespace kvaddr::py_bindings {
+
+// The (start, end) spans of the chunks, validated like the reference (ChunkAlignmentError for a span that is
+// not a multiple of hash_block_size), with their block counts. `chunks` is any iterable of (start, end, ...)
+// items, or (array output) an (n, >=2) integer ndarray.
+struct ChunkSpans {
+    std::vector<int64_t> starts;
+    std::vector<ChunkPlan> plans;  // block_id filled later by resolve_block_ids
+};
+ChunkSpans parse_chunks(py::handle chunks, int64_t block_size, int64_t hash_block_size, bool allow_array);
+// The same over an already materialised sequence of chunk items.
+ChunkSpans parse_chunk_items(const FastSequence& items, int64_t block_size, int64_t hash_block_size);
+// `chunks` as a FastSequence (TypeError for dict, set, str, bytes and non-iterables).
+std::unique_ptr<FastSequence> chunk_sequence(py::handle chunks);
+
+// The block ids of a request: a list, a tuple, a 1-D integer ndarray or another sequence with __len__ and
+// __getitem__ (read by index, like the reference). dict, set, str, bytes and bytearray are refused with
+// TypeError. Only the entries a call needs are read. Holds a strong reference to the container.
+class BlockIdSource {
+public:
+    explicit BlockIdSource(py::handle obj);
+
+    // The container's length (re-read for lists, whose length a callback may change).
+    Py_ssize_t size() const;
+
+    // block_ids[index] for 0 <= index < size() as int64; `object` receives the item when it is an exact int
+    // (reused in the output without allocating), else stays empty.
+    int64_t at(Py_ssize_t index, py::object* object) const;
+
+private:
+    enum class Kind { list, tuple, array, sequence };
+    Kind kind_ = Kind::sequence;
+    py::object obj_;
+    Py_ssize_t length_ = 0;  // tuple, array and generic sequence: fixed at construction
+    const char* data_ = nullptr;
+    Py_ssize_t stride_ = 0;
+    char dtype_kind_ = 'i';
+    Py_ssize_t itemsize_ = 8;
+};
+
+// plans[c].block_id = block_ids[floor(starts[c] / block_size)] with Python list indexing (negative wraps,
+// out of range → IndexError). `id_objects[c]` receives the item when it can be returned as is.
+void resolve_block_ids(const BlockIdSource& ids, const std::vector<int64_t>& starts, int64_t block_size,
+                       std::vector<ChunkPlan>* plans, std::vector<py::object>* id_objects);
+
+// TypeError unless `obj` may be read as a sequence of flags or ints (dict, set, str, bytes are refused).
+void refuse_non_sequence(py::handle obj, const char* what);
+
+}  // namespace kvaddr::py_bindings

@@ -1,0 +1,114 @@
+// The address-row cache (row_cache.hpp).
+#include "bindings/row_cache.hpp"
+
+#include <utility>
+
+namespace kvaddr::py_bindings {
+
+IntRow::IntRow(const int64_t* values, std::size_t count) {
+    items_.reserve(count);
+    for (std::size_t i = 0; i < count; ++i) {
+        PyObject* item = PyLong_FromLongLong(values[i]);  // ints are not GC-tracked: no collection, no Python code
+        if (item == nullptr) throw py::error_already_set();
+        items_.push_back(item);
+    }
+}
+
+IntRow::~IntRow() {
+    for (PyObject* item : items_) Py_DECREF(item);
+}
+
+PyObject* IntRow::new_list() const { return new_int_list(items_.data(), items_.size()); }
+
+PyObject* new_int_list(PyObject* const* items, std::size_t count) {
+    PyObject* list = PyList_New(static_cast<Py_ssize_t>(count));
+    if (list == nullptr) throw py::error_already_set();
+    for (std::size_t i = 0; i < count; ++i) {
+        Py_INCREF(items[i]);
+        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), items[i]);
+    }
+    PyObject_GC_UnTrack(list);
+    return list;
+}
+
+PyObject* new_int_list(const int64_t* values, std::size_t count) {
+    PyObject* list = PyList_New(static_cast<Py_ssize_t>(count));
+    if (list == nullptr) throw py::error_already_set();
+    for (std::size_t i = 0; i < count; ++i) {
+        PyObject* item = PyLong_FromLongLong(values[i]);
+        if (item == nullptr) {
+            Py_DECREF(list);
+            throw py::error_already_set();
+        }
+        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+    }
+    PyObject_GC_UnTrack(list);
+    return list;
+}
+
+void RowCache::clear(std::vector<RowRef>* graveyard) {
+    ++generation_;
+    for (auto& entry : rows_) graveyard->push_back(std::move(entry.second));
+    for (auto& entry : size_rows_) graveyard->push_back(std::move(entry.second));
+    rows_.clear();
+    size_rows_.clear();
+    order_.clear();
+    bytes_ = 0;
+}
+
+RowRef RowCache::find_address(int64_t block_id, uint64_t generation) {
+    if (generation != generation_) return nullptr;
+    auto hit = rows_.find(block_id);
+    if (hit == rows_.end()) {
+        ++misses_;
+        return nullptr;
+    }
+    ++hits_;
+    return hit->second;
+}
+
+void RowCache::insert_address(int64_t block_id, RowRef row, uint64_t generation, std::vector<RowRef>* graveyard) {
+    if (generation != generation_ || row_cost_ > capacity_ || rows_.count(block_id) != 0) return;
+    while (bytes_ + row_cost_ > capacity_) evict_oldest(graveyard);
+    rows_.emplace(block_id, std::move(row));
+    order_.push_back(block_id);
+    bytes_ += row_cost_;
+}
+
+RowRef RowCache::find_size(int64_t block_count, uint64_t generation) const {
+    if (generation != generation_) return nullptr;
+    auto hit = size_rows_.find(block_count);
+    return hit == size_rows_.end() ? nullptr : hit->second;
+}
+
+void RowCache::insert_size(int64_t block_count, RowRef row, uint64_t generation) {
+    if (generation != generation_ || size_rows_.size() >= kMaxSizeRows) return;
+    size_rows_.emplace(block_count, std::move(row));
+}
+
+void RowCache::set_capacity(std::size_t bytes, std::vector<RowRef>* graveyard) {
+    capacity_ = bytes;
+    while (bytes_ > capacity_) evict_oldest(graveyard);
+}
+
+void RowCache::evict_oldest(std::vector<RowRef>* graveyard) {
+    const int64_t block_id = order_.front();
+    order_.pop_front();
+    auto it = rows_.find(block_id);
+    graveyard->push_back(std::move(it->second));
+    rows_.erase(it);
+    bytes_ -= row_cost_;
+}
+
+py::dict RowCache::info() const {
+    py::dict info;
+    info["entries"] = rows_.size();
+    info["bytes"] = bytes_;
+    info["capacity_bytes"] = capacity_;
+    info["hits"] = hits_;
+    info["misses"] = misses_;
+    info["generation"] = generation_;
+    return info;
+}
+
+}  // namespace kvaddr::py_bindings

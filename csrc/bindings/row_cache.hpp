@@ -1,0 +1,88 @@
+// The per-block-id cache of address rows behind the list output (docs/address-rows.md has the rules).
+//
+// A cached row is an immutable C++ array of Python ints that the cache created itself and never hands out:
+// every result gets a fresh list built from it (the items, immutable ints, are shared). So an earlier result
+// never changes, and dropping a cached row only frees ints, which runs no Python code: evicting cannot call
+// back into the database. Rows are looked up and inserted under a generation number; the database bumps it
+// whenever the regions change, and a call only uses or inserts rows of the generation its region snapshot
+// belongs to. Every method needs the GIL and runs no Python code, so each one is atomic for Python threads.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace kvaddr::py_bindings {
+
+namespace py = pybind11;
+
+// R Python ints, owned. Destroy with the GIL held.
+class IntRow {
+public:
+    IntRow(const int64_t* values, std::size_t count);  // MemoryError → py::error_already_set
+    IntRow(const IntRow&) = delete;
+    IntRow& operator=(const IntRow&) = delete;
+    ~IntRow();
+
+    std::size_t size() const noexcept { return items_.size(); }
+    // A new list holding the row's ints (not tracked by the cyclic GC: see new_int_list).
+    PyObject* new_list() const;
+
+private:
+    std::vector<PyObject*> items_;
+};
+using RowRef = std::shared_ptr<const IntRow>;
+
+// A fresh list of `count` existing objects (new references taken), untracked by the cyclic GC: rows hold only
+// ints, and scanning hundreds of thousands of row items on every collection cost more than building them
+// (docs/address-rows.md). A caller that puts a reference cycle into a returned row leaks that cycle.
+PyObject* new_int_list(PyObject* const* items, std::size_t count);
+PyObject* new_int_list(const int64_t* values, std::size_t count);
+
+class RowCache {
+public:
+    explicit RowCache(std::size_t capacity_bytes) : capacity_(capacity_bytes) {}
+    RowCache(const RowCache&) = delete;
+    RowCache& operator=(const RowCache&) = delete;
+
+    uint64_t generation() const noexcept { return generation_; }
+
+    // Drops every row and starts a new generation. Dropped rows are moved to `graveyard`, freed by the caller.
+    void clear(std::vector<RowRef>* graveyard);
+    // Called when the region count changes: the byte cost of one row.
+    void set_row_width(std::size_t regions) noexcept { row_cost_ = row_cost(regions); }
+
+    RowRef find_address(int64_t block_id, uint64_t generation);
+    void insert_address(int64_t block_id, RowRef row, uint64_t generation, std::vector<RowRef>* graveyard);
+    RowRef find_size(int64_t block_count, uint64_t generation) const;
+    void insert_size(int64_t block_count, RowRef row, uint64_t generation);
+
+    std::size_t capacity() const noexcept { return capacity_; }
+    void set_capacity(std::size_t bytes, std::vector<RowRef>* graveyard);
+    py::dict info() const;
+
+private:
+    // Approximate bytes one cached row keeps alive: the item pointers and their int objects.
+    static std::size_t row_cost(std::size_t regions) noexcept { return 64 + regions * (8 + 32); }
+    void evict_oldest(std::vector<RowRef>* graveyard);
+
+    // Distinct block counts whose size rows are kept (production chunks all have count 1).
+    static constexpr std::size_t kMaxSizeRows = 64;
+
+    uint64_t generation_ = 0;
+    std::size_t capacity_;
+    std::size_t row_cost_ = row_cost(0);
+    std::size_t bytes_ = 0;
+    uint64_t hits_ = 0;
+    uint64_t misses_ = 0;
+    std::unordered_map<int64_t, RowRef> rows_;
+    std::deque<int64_t> order_;  // insertion order of rows_ (FIFO eviction)
+    std::unordered_map<int64_t, RowRef> size_rows_;
+};
+
+}  // namespace kvaddr::py_bindings

@@ -1,0 +1,88 @@
+"""Sections whose measurements live beside the code they measure, printed through the one harness.
+
+- ``layouts``: vLLM 0.33 store layouts — our layout engine beside vLLM's own ``prepare_values``
+  (:mod:`mooncake_kvaddr.integrations.vllm.benchmarks`; docs/vllm.md).
+- ``native_client``: Mooncake's bound multi-buffer methods beside our native client calls
+  (:mod:`mooncake_kvaddr.driver.native_client_bench`; docs/native-client.md).
+- ``vllm_threads``: vLLM 0.33's own send/receive threads without the plugin, with it, and with the staged
+  transport (:mod:`mooncake_kvaddr.integrations.vllm.plugin_bench`; docs/vllm-plugin.md).
+- ``multihost``: cross-namespace TCP (:mod:`mooncake_kvaddr.testing.netns_bench`; docs/multihost.md).
+
+Each producer returns plain row dicts; this module only chooses the columns and names the baseline.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+from mooncake_kvaddr.bench.harness import Col, skipped, table
+
+
+def _rows_by(rows: Sequence[dict[str, Any]], *keys: str) -> dict[str, dict[str, Any]]:
+    return {" / ".join(str(row.get(k)) for k in keys): row for row in rows}
+
+
+def layouts(quick: bool) -> dict[str, Any] | None:
+    """Our layout engine vs vLLM 0.33's ``prepare_values`` (or its numpy equivalent without vLLM)."""
+    from mooncake_kvaddr.integrations.vllm import benchmarks
+
+    rows = benchmarks.run(quick)
+    reference = rows[0].get("reference", "vLLM 0.33 prepare_values") if rows else "vLLM 0.33 prepare_values"
+    cols = (Col("median_ms", "median ms"), Col("min_ms", "min ms"),
+            Col("speedup_vs_reference", "speed-up", ".1f", "x"), Col("speedup_of_minima", "x (minima)", ".1f", "x"))
+    return table("vLLM 0.33 store layouts: prepare_values per request (rank-local headline, TP-shared LBNHC)",
+                 f"{reference} (speed-up = its median / the variant's median)", _rows_by(rows, "case", "variant"),
+                 cols, label="case / variant")
+
+
+def native_client(quick: bool) -> dict[str, Any] | None:
+    """Mooncake's bound methods vs our native client, per load and store."""
+    from mooncake_kvaddr.driver import native_client_bench
+
+    rows = native_client_bench.run(quick=quick)
+    if rows and "skipped" in rows[0]:
+        skipped("native_client", str(rows[0]["skipped"]))
+        return None
+    shape = f"{rows[0]['keys']} keys, {rows[0]['mib']} MiB" if rows else ""
+    cols = (Col("total_ms_median", "total ms", ".1f"), Col("vs_bound_median", "x bound time", ".2f"),
+            Col("gil_held_ms_median", "GIL held ms"), Col("gil_held_ms_min", "GIL min ms"),
+            Col("correct", "bytes ok"))
+    return table(f"Native Mooncake client vs the bound methods: {shape}, in-process store",
+                 "Mooncake's bound method with the same inputs (x bound time = this path's median / bound's)",
+                 _rows_by(rows, "op", "path"), cols, label="op / path")
+
+
+def vllm_threads(quick: bool) -> dict[str, Any] | None:
+    """vLLM 0.33's own threads: without the plugin, with it, with the staged transport."""
+    try:
+        plugin_bench = importlib.import_module("mooncake_kvaddr.integrations.vllm.plugin_bench")
+    except ImportError as exc:
+        skipped("vllm_threads", f"plugin bench unavailable: {exc}")
+        return None
+    rows: list[dict[str, Any]] = plugin_bench.run(quick)
+    if not rows:
+        return None
+    label_key = "mode" if "mode" in rows[0] else next(iter(rows[0]))
+    numeric = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    cols = tuple(Col(k, k, ".2f") for k in numeric[:8])
+    return table("vLLM 0.33's own send/receive threads per request (real Mooncake master)",
+                 "vLLM 0.33 alone (no plugin)", _rows_by(rows, label_key), cols, label=label_key)
+
+
+def multihost(quick: bool) -> dict[str, Any] | None:
+    """Cross-namespace TCP: staged vs multi-buffer (split) vs vLLM's single call."""
+    from mooncake_kvaddr.testing import netns, netns_bench
+
+    reason = netns.unavailable_reason()
+    if reason:
+        skipped("multihost", reason)
+        return None
+    rows = netns_bench.run(quick)
+    cols = (Col("median_ms", "median ms", ".1f"), Col("mib_per_s", "MiB/s", ".0f"),
+            Col("speedup_vs_multi_buffer_split", "x split", ".1f", "x"), Col("verified", "verified"),
+            Col("status", "status"))
+    return table("Cross-namespace TCP (master, writer, reader in three network namespaces)",
+                 "multi-buffer split to the region budget (x split = its median / the path's median)",
+                 _rows_by(rows, "shape", "path", "op"), cols, label="shape / path / op")

@@ -1,0 +1,135 @@
+"""Opt-in native-client transport for vLLM's Mooncake store worker (docs/vllm-plugin.md).
+
+:class:`NativeMooncakeStore` wraps the worker's ``MooncakeDistributedStore`` and sends
+``batch_get_into_multi_buffers``, ``batch_put_from_multi_buffers`` (vLLM's ``ReplicateConfig`` passed
+through), ``batch_is_exist`` and the contiguous ``batch_get_into``/``batch_put_from`` (what the staged
+transport uses) to :class:`~mooncake_kvaddr.driver.native_client.NativeClient`: Mooncake's own C++ client
+method, called with the GIL released, with the ``list[list[int]]`` arguments converted by our C++ instead of
+Mooncake's Python binding (docs/native-client.md). Results are Mooncake's per-key codes, as Mooncake
+returns them. Every other attribute is the wrapped store's. Works for device (GPU) and host caches alike:
+nothing is copied, only the call changes.
+
+Fallback: when no native client can be built for the store (``NativeClient.from_store`` returns None: wrong
+platform, unverified Mooncake version, not a real ``MooncakeDistributedStore``, ...) or a call's arguments are
+not what the native client accepts (it raises ``TypeError``/``ValueError``/``OverflowError`` before Mooncake
+is called), the call goes to the wrapped store's bound method unchanged; the reason is logged once.
+
+Like the bound methods, a call racing ``close()`` in another thread is the caller's to exclude (vLLM closes
+the store only at shutdown, after its transfer threads stop issuing calls).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["NativeMooncakeStore", "NativeStats"]
+
+logger = logging.getLogger("vllm.mooncake_kvaddr")
+
+_UNSET = object()
+_REFUSED = (TypeError, ValueError, OverflowError)
+
+
+@dataclass
+class NativeStats:
+    """Counters of a :class:`NativeMooncakeStore`: calls sent to the native client, calls passed through."""
+
+    native_calls: int = 0
+    fallback_calls: int = 0
+
+
+class NativeMooncakeStore:
+    """A Mooncake store whose batch calls go to the native client when it can (see the module docstring)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._client: Any = _UNSET  # _UNSET: not probed yet; None: unavailable
+        self._lock = threading.Lock()
+        self._logged: set[str] = set()
+        self.stats = NativeStats()
+
+    @property
+    def wrapped(self) -> Any:
+        """The Mooncake store this wraps."""
+        return self._store
+
+    @property
+    def native_client(self) -> Any:
+        """The :class:`NativeClient` in use, or None when calls go to the bound methods."""
+        return self._native()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def _log_once(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("mooncake_kvaddr: native-client transport: %s; using Mooncake's bound methods", reason)
+
+    def _native(self) -> Any:
+        client = self._client
+        if client is _UNSET:
+            with self._lock:
+                if self._client is _UNSET:
+                    from mooncake_kvaddr.driver.native_client import NativeClient
+
+                    self._client = NativeClient.from_store(self._store)
+                    if self._client is None:
+                        self._log_once("no native client for this store (reason logged by native_client)")
+                client = self._client
+        return client
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        client = self._native()
+        if kwargs:
+            self._log_once(f"{name} called with keyword arguments {sorted(kwargs)}")
+        elif client is not None:
+            try:
+                result = getattr(client, name)(*args)
+            except _REFUSED as exc:
+                self._log_once(f"{name} arguments not accepted ({type(exc).__name__}: {exc})")
+            else:
+                self.stats.native_calls += 1
+                return result
+        self.stats.fallback_calls += 1
+        return getattr(self._store, name)(*args, **kwargs)
+
+    # --- the replaced calls ---------------------------------------------------------------------------------
+
+    def batch_get_into_multi_buffers(
+        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Mooncake's ``batch_get_into_multi_buffers`` through the native client (same results)."""
+        return self._call("batch_get_into_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+
+    def batch_put_from_multi_buffers(
+        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Mooncake's ``batch_put_from_multi_buffers`` (``ReplicateConfig`` passed through)."""
+        return self._call("batch_put_from_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+
+    def batch_get_into(self, keys: Any, ptrs: Any, sizes: Any) -> Any:
+        """Mooncake's ``batch_get_into`` through the native client."""
+        return self._call("batch_get_into", keys, ptrs, sizes)
+
+    def batch_put_from(self, keys: Any, ptrs: Any, sizes: Any, *args: Any, **kwargs: Any) -> Any:
+        """Mooncake's ``batch_put_from`` (``ReplicateConfig`` passed through)."""
+        return self._call("batch_put_from", keys, ptrs, sizes, *args, **kwargs)
+
+    def batch_is_exist(self, keys: Any) -> Any:
+        """Mooncake's ``batch_is_exist`` through the native client."""
+        return self._call("batch_is_exist", keys)
+
+    def close(self, *args: Any, **kwargs: Any) -> Any:
+        """Drop the native client, then close the wrapped store."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None and client is not _UNSET:
+            client.close()
+        return self._store.close(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"NativeMooncakeStore({self._store!r})"

@@ -1,0 +1,623 @@
+"""vLLM general plugin: makes the installed vLLM's Mooncake store connector use mooncake_kvaddr's native
+kernels, with no change to vLLM or to the user's code (docs/vllm-plugin.md).
+
+vLLM runs every entry point of the ``vllm.general_plugins`` group in each of its processes; this package
+declares :func:`register` there. :func:`register`:
+
+1. does nothing when ``MOONCAKE_KVADDR_VLLM_PLUGIN=0`` (or ``false``/``off``/``no``);
+2. checks that the installed vLLM is a release whose Mooncake store module it knows (0.32/0.33) and that
+   every method it replaces is there with the expected parameters;
+3. runs a self-check: on small generated cases, vLLM's own methods and ours return equal values of equal
+   types (and raise the same exception types for bad input);
+4. only then replaces the methods on vLLM's classes and logs one line naming them and the vLLM version.
+
+If any step fails, vLLM is left untouched and one warning says why. Patching is idempotent (vLLM may call
+plugins more than once per process) and reversible (:func:`unpatch`). Nothing here imports torch or vLLM at
+module import; vLLM is imported inside :func:`register` (vLLM has imported it already by then).
+
+What is replaced (all on vLLM's ``...mooncake.store.data`` classes, state kept on vLLM's own objects):
+
+- ``RankLocalStoreLayout.prepare_values``, ``.prepare_value_for_block`` and ``.key_for``;
+- ``TPShardedStoreLayout.prepare_values`` (and so ``LBHNCStoreLayout``/``LBNHCStoreLayout``) and ``.key_for``;
+- ``MooncakeStoreWorker.__init__``/``.register_kv_caches`` get a thin wrapper, active only when the staged
+  transport is switched on (``MOONCAKE_KVADDR_VLLM_STAGED=1`` or ``kv_connector_extra_config``
+  ``{"mooncake_kvaddr_staged": true}``): host-memory KV caches then move through
+  :class:`~mooncake_kvaddr.integrations.vllm.staged_store.StagedMooncakeStore`; and the native-client
+  transport (``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=1`` or ``{"mooncake_kvaddr_native_client": true}``, host or
+  device caches): the batch calls go through
+  :class:`~mooncake_kvaddr.integrations.vllm.native_store.NativeMooncakeStore`. Both are off by default.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from mooncake_kvaddr import _native
+from mooncake_kvaddr.core.layouts import DEFAULT_ROW_CACHE_BYTES
+
+__all__ = [
+    "DATA_MODULE",
+    "ENV_NATIVE_CLIENT",
+    "ENV_PLUGIN",
+    "ENV_STAGED",
+    "ENV_STAGING_BYTES",
+    "EXTRA_NATIVE_CLIENT",
+    "EXTRA_STAGED",
+    "EXTRA_STAGING_BYTES",
+    "SUPPORTED_VLLM_SERIES",
+    "WORKER_MODULE",
+    "PatchReport",
+    "is_patched",
+    "maybe_stage_store",
+    "native_client_setting",
+    "patch",
+    "register",
+    "self_check",
+    "unpatch",
+]
+
+#: Set to ``0``/``false``/``off``/``no`` to keep vLLM untouched.
+ENV_PLUGIN = "MOONCAKE_KVADDR_VLLM_PLUGIN"
+#: Set to ``1``/``true``/``on``/``yes`` to stage host-memory KV caches through one slot per key.
+ENV_STAGED = "MOONCAKE_KVADDR_VLLM_STAGED"
+#: Staging buffer bytes per worker (default :data:`DEFAULT_STAGING_BYTES`).
+ENV_STAGING_BYTES = "MOONCAKE_KVADDR_VLLM_STAGING_BYTES"
+#: ``kv_connector_extra_config`` key with the same meaning as :data:`ENV_STAGED` (the variable wins).
+EXTRA_STAGED = "mooncake_kvaddr_staged"
+#: ``kv_connector_extra_config`` key with the same meaning as :data:`ENV_STAGING_BYTES`.
+EXTRA_STAGING_BYTES = "mooncake_kvaddr_staging_bytes"
+DEFAULT_STAGING_BYTES = 256 << 20
+#: Set to ``1``/``true``/``on``/``yes`` to send the worker's Mooncake batch calls through the native client.
+ENV_NATIVE_CLIENT = "MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT"
+#: ``kv_connector_extra_config`` key with the same meaning as :data:`ENV_NATIVE_CLIENT` (the variable wins).
+EXTRA_NATIVE_CLIENT = "mooncake_kvaddr_native_client"
+
+#: vLLM release series whose Mooncake store module shape this plugin knows.
+SUPPORTED_VLLM_SERIES = ("0.32.", "0.33.")
+DATA_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data"
+WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
+
+#: Logged under vLLM's logger tree so that vLLM's own logging configuration shows the line.
+logger = logging.getLogger("vllm.mooncake_kvaddr")
+
+_ENGINE_ATTR = "_mooncake_kvaddr_engine"
+#: The native module, untyped here: the layout engine's stubs belong to the layouts (docs/architecture.md).
+_NATIVE: Any = _native
+_STATE_LOCK = threading.RLock()
+#: (class, attribute name) -> the original attribute, for every replaced attribute.
+_ORIGINALS: dict[tuple[type, str], Any] = {}
+_REPORT: PatchReport | None = None
+_WARNED = False
+
+# Parameters (after self) of each replaced method, as vLLM 0.32/0.33 declare them.
+_EXPECTED_PARAMS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("RankLocalStoreLayout", "prepare_values"): ("chunks", "block_ids", "shard_ids"),
+    ("RankLocalStoreLayout", "prepare_value_for_block"): ("block_id",),
+    ("RankLocalStoreLayout", "key_for"): ("shard_id", "chunk_hash"),
+    ("TPShardedStoreLayout", "prepare_values"): ("chunks", "block_ids", "shard_ids"),
+    ("TPShardedStoreLayout", "key_for"): ("shard_id", "chunk_hash"),
+    ("TPShardedStoreLayout", "_set_segment_templates"): ("templates",),
+}
+_EXPECTED_WORKER_PARAMS: dict[str, tuple[str, ...]] = {
+    "__init__": ("vllm_config", "kv_cache_config"),
+    "register_kv_caches": ("kv_caches",),
+}
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did: the vLLM version, the replaced ``Class.method`` names, whether the staged
+    transport hook is installed, or why nothing was patched."""
+
+    vllm_version: str
+    patched: list[str] = field(default_factory=list)
+    staged_hook: bool = False
+    reason: str = ""
+
+    @property
+    def active(self) -> bool:
+        """True when vLLM runs with the replaced methods."""
+        return bool(self.patched)
+
+
+def _truthy(value: object) -> bool:
+    return str(value).strip().lower() in {"1", "true", "on", "yes"}
+
+
+def _disabled_by_env(environ: Mapping[str, str]) -> bool:
+    value = environ.get(ENV_PLUGIN)
+    return value is not None and value.strip().lower() in {"0", "false", "off", "no"}
+
+
+# --- the replacement methods ---------------------------------------------------------------------------------
+
+
+def _rank_local_engine(layout: Any) -> Any:
+    """The native engine of a vLLM ``RankLocalStoreLayout``, kept on the layout and re-pointed whenever vLLM
+    assigns new ``kv_caches_base_addr``/``block_len`` lists (the engine re-reads the lists on every call, so
+    in-place edits are seen too)."""
+    state = layout.__dict__.get(_ENGINE_ATTR)
+    bases = layout.kv_caches_base_addr
+    lens = layout.block_len
+    block_size = layout.block_size
+    hash_block_size = layout.hash_block_size
+    if (
+        state is None
+        or state[1] is not bases
+        or state[2] is not lens
+        or state[3] != block_size
+        or state[4] != hash_block_size
+    ):
+        engine = _NATIVE.LayoutEngine(block_size, hash_block_size, False, 0, 1, DEFAULT_ROW_CACHE_BYTES)
+        engine.set_region_sources(bases, lens)
+        state = (engine, bases, lens, block_size, hash_block_size)
+        layout.__dict__[_ENGINE_ATTR] = state
+    return state[0]
+
+
+def _sharded_engine(layout: Any) -> Any:
+    """The native engine of a vLLM ``TPShardedStoreLayout``, rebuilt whenever vLLM installs new segment
+    templates (``_set_segment_templates`` assigns new arrays; their identity is the version)."""
+    arrays = (layout._shard_addr_bases, layout._shard_block_strides, layout._shard_sizes)
+    state = layout.__dict__.get(_ENGINE_ATTR)
+    if state is None or any(old is not new for old, new in zip(state[1], arrays)):
+        shards = int(layout.shards_per_rank)
+        first = int(layout.store_shard_ids[0]) if layout.store_shard_ids else 0
+        engine = _NATIVE.LayoutEngine(
+            layout.block_size, layout.hash_block_size, True, first, max(shards, 0), DEFAULT_ROW_CACHE_BYTES
+        )
+        engine.set_templates(
+            [(arrays[0][k].tolist(), arrays[1][k].tolist(), arrays[2][k].tolist()) for k in range(shards)]
+        )
+        state = (engine, arrays)
+        layout.__dict__[_ENGINE_ATTR] = state
+    return state[0]
+
+
+def _rank_local_prepare_values(
+    self: Any, chunks: Any, block_ids: Any, shard_ids: Any
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """mooncake_kvaddr's ``RankLocalStoreLayout.prepare_values`` (docs/vllm-plugin.md)."""
+    if not chunks:
+        return [], [], []
+    result: tuple[list[list[int]], list[list[int]], list[int]] = _rank_local_engine(self).prepare_values(
+        chunks, block_ids, shard_ids
+    )
+    return result
+
+
+def _rank_local_prepare_value_for_block(self: Any, block_id: int) -> tuple[list[int], list[int]]:
+    """mooncake_kvaddr's ``RankLocalStoreLayout.prepare_value_for_block``."""
+    result: tuple[list[int], list[int]] = _rank_local_engine(self).prepare_value_for_block(block_id)
+    return result
+
+
+def _rank_local_key_for(self: Any, shard_id: int, chunk_hash: Any) -> str:
+    """``prefix@hash_hex`` in one f-string (vLLM's goes through ``PoolKey.build_key_string``)."""
+    assert shard_id == 0
+    return f"{self._key_prefix}@{chunk_hash.hex()}"
+
+
+def _sharded_prepare_values(
+    self: Any, chunks: Any, block_ids: Any, shard_ids: Any
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """mooncake_kvaddr's ``TPShardedStoreLayout.prepare_values`` (docs/vllm-plugin.md)."""
+    if not chunks:
+        return [], [], []
+    result: tuple[list[list[int]], list[list[int]], list[int]] = _sharded_engine(self).prepare_values(
+        chunks, block_ids, shard_ids
+    )
+    return result
+
+
+def _sharded_key_for(self: Any, shard_id: int, chunk_hash: Any) -> str:
+    """An owned shard's key in one f-string (KeyError for a shard this rank does not own, as vLLM)."""
+    return f"{self._shard_key_prefixes[shard_id]}@{chunk_hash.hex()}"
+
+
+# --- the self-check ---------------------------------------------------------------------------------------
+
+
+def _outcome(call: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
+    try:
+        return "ok", call(*args)
+    except Exception as exc:  # the type is what is compared
+        return "raise", type(exc)
+
+
+def _same(expected: Any, actual: Any) -> bool:
+    """Equal values of equal types, recursively (lists, tuples, ints, strings)."""
+    if type(expected) is not type(actual):
+        return False
+    if isinstance(expected, (list, tuple)):
+        return len(expected) == len(actual) and all(_same(e, a) for e, a in zip(expected, actual))
+    return bool(expected == actual)
+
+
+def _compare(name: str, reference: Callable[..., Any], ours: Callable[..., Any], *args: Any) -> None:
+    """``reference(*args)`` and ``ours(*args)`` return equal values of equal types, or raise compatible
+    exception types (ours may raise a subclass); AssertionError otherwise."""
+    expected = _outcome(reference, args)
+    actual = _outcome(ours, args)
+    if expected[0] == "raise" and actual[0] == "raise":
+        # Ours may raise a subclass (e.g. an error class that is both ValueError and AssertionError).
+        if issubclass(actual[1], expected[1]):
+            return
+    elif _same(expected, actual):
+        return
+    raise AssertionError(f"{name}: vLLM gives {expected!r}, mooncake_kvaddr gives {actual!r}")
+
+
+def _reference(cls: type, name: str) -> Callable[..., Any]:
+    """vLLM's own ``cls.name``: the original when we replaced it on ``cls`` or a base class."""
+    for klass in cls.__mro__:
+        original = _ORIGINALS.get((klass, name))
+        if original is not None and original is not _INHERITED:
+            func: Callable[..., Any] = original
+            return func
+        if original is None and name in klass.__dict__:
+            func = klass.__dict__[name]
+            return func
+    raise AttributeError(f"{cls.__name__}.{name}")
+
+
+def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
+    """Compare our replacement methods with ``data``'s own (vLLM's module) on small generated cases.
+
+    Raises ``AssertionError`` naming the first difference. Needs no tensors: regions and segment templates
+    are set through vLLM's own setters.
+    """
+    rng = random.Random(seed)
+    metadata = data.KeyMetadata("self-check/model", 1, 0, 0, 0)
+    reference = {
+        f"{cls_name}.{method}": _reference(getattr(data, cls_name), method) for cls_name, method in _EXPECTED_PARAMS
+    }
+    for case in range(cases):
+        hash_block_size = rng.choice([16, 32, 64])
+        block_size = hash_block_size * rng.choice([1, 2, 4])
+        layout = data.RankLocalStoreLayout(metadata, block_size, hash_block_size)
+        regions = rng.randint(0, 5)
+        layout.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(regions)])
+        layout.set_block_len([rng.choice([256, 2048, 4096]) for _ in range(max(1, regions // 2 + case % 2))])
+        num_blocks = rng.randint(1, 9)
+        block_ids = [rng.randrange(0, 5000) for _ in range(num_blocks)]
+        token_len = num_blocks * block_size - rng.randrange(0, block_size // hash_block_size) * hash_block_size
+        chunks = [(start, min(start + block_size, token_len)) for start in range(0, token_len, block_size)]
+        shard_ids = [0] * len(chunks)
+        for name, args in (
+            ("RankLocalStoreLayout.prepare_values", (chunks, block_ids, shard_ids)),
+            ("RankLocalStoreLayout.prepare_values[empty]", ([], block_ids, [])),
+            ("RankLocalStoreLayout.prepare_values[unaligned]", ([(0, hash_block_size + 1)], block_ids, [0])),
+            ("RankLocalStoreLayout.prepare_values[shard]", (chunks[:1], block_ids, [1])),
+        ):
+            _compare(
+                name,
+                reference["RankLocalStoreLayout.prepare_values"],
+                _rank_local_prepare_values,
+                layout,
+                *args,
+            )
+        block_id = rng.randrange(0, 5000)
+        _compare(
+            "RankLocalStoreLayout.prepare_value_for_block",
+            reference["RankLocalStoreLayout.prepare_value_for_block"],
+            _rank_local_prepare_value_for_block,
+            layout,
+            block_id,
+        )
+        chunk_hash = rng.randbytes(32)
+        _compare(
+            "RankLocalStoreLayout.key_for",
+            reference["RankLocalStoreLayout.key_for"],
+            _rank_local_key_for,
+            layout,
+            0,
+            chunk_hash,
+        )
+
+        # TP-shared formats: templates installed through vLLM's own setter, two local shards.
+        layout_cls = data.LBHNCStoreLayout if case % 2 else data.LBNHCStoreLayout
+        store_tp, local_tp = 4, 2
+        tp_rank = case % local_tp
+        sharded = layout_cls(metadata, block_size, hash_block_size, local_tp, store_tp, tp_rank, 8)
+        segments = rng.randint(1, 6)
+        sharded._set_segment_templates(
+            [
+                (
+                    [rng.randrange(1 << 20, 1 << 40) for _ in range(segments)],
+                    [rng.choice([4096, 65536]) for _ in range(segments)],
+                    [rng.choice([128, 512]) for _ in range(segments)],
+                )
+                for _ in range(sharded.shards_per_rank)
+            ]
+        )
+        owned = list(sharded.local_shard_ids)
+        full = [(i * block_size, (i + 1) * block_size) for i in range(num_blocks)]
+        picks = [rng.choice(owned) for _ in full]
+        for name, args in (
+            ("TPShardedStoreLayout.prepare_values", (full, block_ids, picks)),
+            ("TPShardedStoreLayout.prepare_values[empty]", ([], block_ids, [])),
+            ("TPShardedStoreLayout.prepare_values[partial]", ([(0, block_size - 1)], block_ids, owned[:1])),
+            ("TPShardedStoreLayout.prepare_values[not owned]", (full[:1], block_ids, [owned[-1] + 1])),
+            ("TPShardedStoreLayout.prepare_values[count]", (full, block_ids, picks[:-1])),
+        ):
+            _compare(
+                name,
+                reference["TPShardedStoreLayout.prepare_values"],
+                _sharded_prepare_values,
+                sharded,
+                *args,
+            )
+        for shard in (owned[0], owned[-1] + 1):
+            _compare(
+                "TPShardedStoreLayout.key_for",
+                reference["TPShardedStoreLayout.key_for"],
+                _sharded_key_for,
+                sharded,
+                shard,
+                chunk_hash,
+            )
+
+
+#: "Class.method" -> vLLM's function, filled by :func:`_check_shape` (the self-check calls these).
+_ORIGINAL_FUNCS: dict[str, Callable[..., Any]] = {}
+
+
+def _static(cls: type, name: str) -> Any:
+    """``cls.name`` found along the MRO without running descriptors (None when absent)."""
+    try:
+        return inspect.getattr_static(cls, name)
+    except AttributeError:
+        return None
+
+
+def _params(func: Any) -> tuple[str, ...]:
+    return tuple(inspect.signature(func).parameters)[1:]
+
+
+def _check_shape(data: ModuleType, worker: ModuleType | None) -> str:
+    """Empty string when ``data`` (and ``worker``) have every class and method we replace with the expected
+    parameters; otherwise the first mismatch."""
+    for (cls_name, method), params in _EXPECTED_PARAMS.items():
+        cls = getattr(data, cls_name, None)
+        if not isinstance(cls, type):
+            return f"{DATA_MODULE}.{cls_name} is missing"
+        func = _static(cls, method)
+        if not callable(func):
+            return f"{cls_name}.{method} is missing"
+        try:
+            actual = _params(func)
+        except (TypeError, ValueError):
+            return f"{cls_name}.{method} has no readable signature"
+        if actual != params:
+            return f"{cls_name}.{method} takes {actual}, expected {params}"
+        _ORIGINAL_FUNCS[f"{cls_name}.{method}"] = _reference(cls, method)
+    for name in ("KeyMetadata", "LBHNCStoreLayout", "LBNHCStoreLayout"):
+        if not isinstance(getattr(data, name, None), type):
+            return f"{DATA_MODULE}.{name} is missing"
+    if worker is not None:
+        cls = getattr(worker, "MooncakeStoreWorker", None)
+        if not isinstance(cls, type):
+            return f"{WORKER_MODULE}.MooncakeStoreWorker is missing"
+        for method, params in _EXPECTED_WORKER_PARAMS.items():
+            func = _static(cls, method)
+            if not callable(func):
+                return f"MooncakeStoreWorker.{method} is missing"
+            if _params(func)[: len(params)] != params:
+                return f"MooncakeStoreWorker.{method} takes {_params(func)}, expected {params}"
+    return ""
+
+
+# --- the staged-transport hook on MooncakeStoreWorker --------------------------------------------------------
+
+
+def _iter_tensors(kv_caches: Any) -> Iterable[Any]:
+    values = kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
+def _all_host(kv_caches: Any) -> bool:
+    """True when every KV-cache tensor lives in host memory (``tensor.device.type == "cpu"``, duck-typed)."""
+    tensors = list(_iter_tensors(kv_caches))
+    return bool(tensors) and all(getattr(getattr(t, "device", None), "type", None) == "cpu" for t in tensors)
+
+
+def staged_settings(
+    extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> tuple[bool, int]:
+    """``(staged transport requested, staging bytes)`` from the environment (wins) and the connector's
+    ``kv_connector_extra_config``."""
+    env = os.environ if environ is None else environ
+    extra = extra_config or {}
+    if ENV_STAGED in env:
+        wanted = _truthy(env[ENV_STAGED])
+    else:
+        wanted = _truthy(extra.get(EXTRA_STAGED, False))
+    raw = env.get(ENV_STAGING_BYTES, extra.get(EXTRA_STAGING_BYTES, DEFAULT_STAGING_BYTES))
+    try:
+        nbytes = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{ENV_STAGING_BYTES}/{EXTRA_STAGING_BYTES} must be a byte count, got {raw!r}") from None
+    if nbytes <= 0:
+        raise ValueError(f"{ENV_STAGING_BYTES}/{EXTRA_STAGING_BYTES} must be > 0, got {nbytes}")
+    return wanted, nbytes
+
+
+def native_client_setting(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the native-client transport is requested: the environment (wins), else the connector's
+    ``kv_connector_extra_config``. Off by default."""
+    env = os.environ if environ is None else environ
+    if ENV_NATIVE_CLIENT in env:
+        return _truthy(env[ENV_NATIVE_CLIENT])
+    return _truthy((extra_config or {}).get(EXTRA_NATIVE_CLIENT, False))
+
+
+def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any] | None) -> Any:
+    """``store`` wrapped for the requested transports; ``store`` itself when none is requested.
+
+    Native client (any caches): a :class:`NativeMooncakeStore`. Staged (host-memory caches only; device caches
+    are passed through unchanged): a :class:`StagedMooncakeStore`, around the native wrapper when both are on
+    (its contiguous slot calls then go through the native client too).
+    """
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+    from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+    wanted, nbytes = staged_settings(extra_config)
+    if isinstance(store, StagedMooncakeStore):
+        return store
+    if native_client_setting(extra_config) and not isinstance(store, NativeMooncakeStore):
+        logger.info("mooncake_kvaddr: native-client transport on")
+        store = NativeMooncakeStore(store)
+    if not wanted:
+        return store
+    if not _all_host(kv_caches):
+        logger.info("mooncake_kvaddr: staged transport requested but the KV caches are not in host memory: off")
+        return store
+    logger.info("mooncake_kvaddr: staged transport on (%d MiB staging buffer)", nbytes >> 20)
+    return StagedMooncakeStore(store, staging_bytes=nbytes)
+
+
+def _wrap_worker(worker_cls: type) -> None:
+    original_init = _static(worker_cls, "__init__")
+    original_register = _static(worker_cls, "register_kv_caches")
+
+    def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, vllm_config, kv_cache_config, *args, **kwargs)
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        self._mooncake_kvaddr_extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+
+    def register_kv_caches(self: Any, kv_caches: Any, *args: Any, **kwargs: Any) -> Any:
+        self.store = maybe_stage_store(self.store, kv_caches, getattr(self, "_mooncake_kvaddr_extra", None))
+        return original_register(self, kv_caches, *args, **kwargs)
+
+    for name, func, original in (
+        ("__init__", __init__, original_init),
+        ("register_kv_caches", register_kv_caches, original_register),
+    ):
+        wrapper: Any = func
+        wrapper.__wrapped__ = original
+        wrapper.__qualname__ = f"{worker_cls.__qualname__}.{name}"
+        _replace(worker_cls, name, wrapper)
+
+
+# --- patching ---------------------------------------------------------------------------------------------------
+
+
+_INHERITED = object()  # marks an attribute the class inherited (unpatch deletes ours instead of restoring)
+
+
+def _replace(cls: type, name: str, value: Any) -> None:
+    _ORIGINALS.setdefault((cls, name), cls.__dict__.get(name, _INHERITED))
+    setattr(cls, name, value)
+
+
+def is_patched() -> bool:
+    """True while vLLM runs with our methods."""
+    return bool(_ORIGINALS)
+
+
+def patch(
+    *, data: ModuleType | None = None, worker: ModuleType | None = None, version: str | None = None
+) -> PatchReport:
+    """Check, self-check and patch (see the module docstring); idempotent. Returns what was done.
+
+    ``data``/``worker``/``version`` default to the installed vLLM's modules and version (tests pass their own).
+    """
+    global _REPORT
+    with _STATE_LOCK:
+        if _REPORT is not None and _REPORT.active:
+            return _REPORT
+        if data is None or version is None:
+            import importlib
+
+            import vllm
+
+            version = version or str(getattr(vllm, "__version__", "unknown"))
+            data = data or importlib.import_module(DATA_MODULE)
+            if worker is None:
+                try:
+                    worker = importlib.import_module(WORKER_MODULE)
+                except Exception as exc:  # worker needs vLLM's full stack; the layouts do not
+                    logger.debug("mooncake_kvaddr: no staged-transport hook (%s)", exc)
+                    worker = None
+        report = PatchReport(vllm_version=version)
+        if not version.startswith(SUPPORTED_VLLM_SERIES):
+            report.reason = f"vLLM {version} is not a release this plugin knows ({', '.join(SUPPORTED_VLLM_SERIES)}x)"
+            return report
+        problem = _check_shape(data, worker)
+        if problem:
+            report.reason = f"vLLM {version}'s Mooncake store module has an unexpected shape: {problem}"
+            return report
+        try:
+            self_check(data)
+        except Exception as exc:
+            report.reason = f"self-check against vLLM {version} failed: {exc}"
+            return report
+        rank_local = data.RankLocalStoreLayout
+        sharded = data.TPShardedStoreLayout
+        for cls, name, func in (
+            (rank_local, "prepare_values", _rank_local_prepare_values),
+            (rank_local, "prepare_value_for_block", _rank_local_prepare_value_for_block),
+            (rank_local, "key_for", _rank_local_key_for),
+            (sharded, "prepare_values", _sharded_prepare_values),
+            (sharded, "key_for", _sharded_key_for),
+        ):
+            _replace(cls, name, func)
+            report.patched.append(f"{cls.__name__}.{name}")
+        if worker is not None:
+            _wrap_worker(worker.MooncakeStoreWorker)
+            report.staged_hook = True
+        _REPORT = report
+        return report
+
+
+def unpatch() -> None:
+    """Restore every replaced attribute (tests and benchmarks compare with and without the plugin)."""
+    global _REPORT
+    with _STATE_LOCK:
+        for (cls, name), original in _ORIGINALS.items():
+            if original is _INHERITED:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        _ORIGINALS.clear()
+        _REPORT = None
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: patch vLLM unless turned off; never raises."""
+    if _disabled_by_env(os.environ):
+        logger.debug("mooncake_kvaddr: vLLM plugin turned off by %s", ENV_PLUGIN)
+        return
+    with _STATE_LOCK:
+        already = _REPORT is not None and _REPORT.active
+        try:
+            report = patch()
+        except Exception as exc:  # a plugin must never break vLLM's start-up
+            logger.warning("mooncake_kvaddr: vLLM left untouched: %s: %s", type(exc).__name__, exc)
+            return
+    if already:
+        return
+    global _WARNED
+    if report.active:
+        logger.info(
+            "mooncake_kvaddr: native Mooncake store paths active for vLLM %s: %s%s",
+            report.vllm_version,
+            ", ".join(report.patched),
+            " (+ staged-transport hook)" if report.staged_hook else "",
+        )
+    elif not _WARNED:
+        _WARNED = True
+        logger.warning("mooncake_kvaddr: vLLM left untouched: %s", report.reason)

@@ -1,0 +1,515 @@
+"""vLLM 0.33's own Mooncake store threads, without the plugin, with it, and with the staged transport
+(docs/vllm-plugin.md, "Measured").
+
+:class:`VllmStoreRig` runs vLLM's real ``KVCacheStoreSendingThread`` and ``KVCacheStoreRecvingThread`` on CPU
+torch KV caches (one MLA-style tensor per layer, registered through vLLM's layout) against a real Mooncake
+master; the end-to-end tests use it too. :func:`run` measures, per request: the receive thread's wall time,
+the GIL time a busy Python thread loses beside it, split by phase (vLLM's own Python, the layouts'
+``prepare_values`` calls, the store call: Mooncake's argument conversion, or our staging wrapper plus
+Mooncake's slot call), and the wall time of 1/2/4 receive threads loading 4 requests. Needs vLLM, torch and
+Mooncake; imports them only when called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["HEADLINE", "MODES", "QUICK", "RigShape", "VllmStoreRig", "plugin_mode", "run"]
+
+#: Transfer modes: vLLM alone, vLLM with the plugin's patched layouts, plugin + staged transport, plugin +
+#: native-client transport, plugin + staged transport whose slot calls go through the native client.
+MODES = ("vllm", "plugin", "staged", "native", "staged_native")
+BLOCK = 128
+
+
+@dataclass(frozen=True)
+class RigShape:
+    """One request: ``blocks`` chunks of 128 tokens, ``regions`` layers of ``region_bytes`` per block."""
+
+    blocks: int
+    regions: int
+    region_bytes: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the request."""
+        return self.blocks * BLOCK
+
+    @property
+    def request_bytes(self) -> int:
+        """Bytes one request moves."""
+        return self.blocks * self.regions * self.region_bytes
+
+
+#: The headline request: 289,024 tokens, 100 regions x 2 KiB per block, 441 MiB.
+HEADLINE = RigShape(blocks=2258, regions=100, region_bytes=2048)
+QUICK = RigShape(blocks=128, regions=32, region_bytes=2048)
+
+
+@contextlib.contextmanager
+def plugin_mode(mode: str) -> Iterator[None]:
+    """vLLM patched (``plugin``/``staged``) or untouched (``vllm``) for the duration of the block."""
+    from mooncake_kvaddr.integrations.vllm import plugin
+
+    was = plugin.is_patched()
+    if mode == "vllm":
+        plugin.unpatch()
+    else:
+        report = plugin.patch()
+        if not report.active:
+            raise RuntimeError(f"plugin not active: {report.reason}")
+    try:
+        yield
+    finally:
+        if was and not plugin.is_patched():
+            plugin.patch()
+        elif not was and plugin.is_patched():
+            plugin.unpatch()
+
+
+class VllmStoreRig:
+    """vLLM's own send/receive threads on CPU caches, one Mooncake client, one master (``master_address``).
+
+    ``staged`` wraps the client in :class:`StagedMooncakeStore` and ``native`` in :class:`NativeMooncakeStore`
+    (inside the staged wrapper when both) before the caches are registered (as the plugin's worker hook
+    does). Receive threads share one queue, as in vLLM's worker; :meth:`start_receivers` replaces them with
+    a fresh set on a fresh queue (vLLM's threads never exit; old ones stay blocked on their old, empty queue).
+    """
+
+    def __init__(
+        self,
+        master_address: str,
+        shape: RigShape,
+        *,
+        staged: bool = False,
+        native: bool = False,
+        recv_threads: int = 1,
+        staging_bytes: int = 256 << 20,
+        model: str = "rig/model",
+    ) -> None:
+        import importlib
+
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import coordinator, data, worker
+        from vllm.distributed.mooncake_store import MooncakeStoreConfig, setup_mooncake_store
+        from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec
+
+        from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+        from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+        mooncake_store = importlib.import_module("mooncake.store")
+        self._torch = torch
+        self._data = data
+        self._worker = worker
+        self.shape = shape
+        self.num_blocks = shape.blocks + 1  # block 0 is vLLM's null block
+        head_size = shape.region_bytes // (BLOCK * 2)
+        store = mooncake_store.MooncakeDistributedStore()
+        config = MooncakeStoreConfig(
+            metadata_server="P2PHANDSHAKE",
+            master_server_address=master_address,
+            protocol="tcp",
+            device_name="",
+            mode="embedded",
+            global_segment_size=max(2 * shape.request_bytes + (64 << 20), 256 << 20),
+            local_buffer_size=16 << 20,
+        )
+        setup_mooncake_store(store, config, "127.0.0.1")
+        self.raw_store = store
+        self.store: Any = NativeMooncakeStore(store) if native else store
+        if staged:
+            self.store = StagedMooncakeStore(self.store, staging_bytes=staging_bytes)
+        self.caches = [
+            torch.zeros((self.num_blocks, BLOCK, head_size), dtype=torch.float16) for _ in range(shape.regions)
+        ]
+        for cache in self.caches:
+            storage = cache.untyped_storage()
+            code = self.store.register_buffer(storage.data_ptr(), storage.nbytes())
+            if code != 0:
+                raise RuntimeError(f"register_buffer failed: {code}")
+        spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=head_size, dtype=torch.float16)
+        group = KVCacheGroupSpec([f"layer.{i}" for i in range(shape.regions)], spec)
+        self.coord = coordinator.MooncakeStoreCoordinator([group], scheduler_block_size=BLOCK, hash_block_size=BLOCK)
+        self.db = data.ChunkedTokenDatabase(data.KeyMetadata(model, 0, 0, 0, 0), BLOCK, hash_block_size=BLOCK)
+        self.db.store_layout.register_kv_caches(self.caches, self.num_blocks)
+        ready = threading.Event()
+        self.sender = worker.KVCacheStoreSendingThread(
+            self.store, self.coord, [self.db], BLOCK, 0, (1,), "kv_both", ready,
+            enable_kv_event=False, replicate_config=mooncake_store.ReplicateConfig(), enable_group_semantics=False,
+            supports_group_ids=False, record_operation=None, group_participates=[True],
+        )  # fmt: skip
+        self.sender.start()
+        ready.wait(10)
+        self.load_queue: queue.Queue[Any] = queue.Queue()
+        self.receivers: list[Any] = []
+        self.start_receivers(recv_threads)
+        self._job = 0
+
+    def start_receivers(self, count: int) -> None:
+        """``count`` new vLLM receive threads on a new shared queue."""
+        self.load_queue = queue.Queue()
+        self.receivers = []
+        for i in range(count):
+            ready = threading.Event()
+            receiver = self._worker.KVCacheStoreRecvingThread(
+                self.store, self.coord, [self.db], BLOCK, 0, ready, disk_offload_buffer_budget_bytes=None,
+                record_operation=None, request_queue=self.load_queue, group_participates=[True],
+                is_hma_required=False,
+            )  # fmt: skip
+            receiver.name = f"rig-recv-{i}"
+            receiver.start()
+            ready.wait(10)
+            self.receivers.append(receiver)
+
+    # --- requests ---------------------------------------------------------------------------------------------
+
+    def block_ids(self) -> list[int]:
+        """Block ids 1..blocks (0 is the null block vLLM skips)."""
+        return list(range(1, self.shape.blocks + 1))
+
+    def fill(self, seed: int) -> None:
+        """Random bytes in every block of every cache."""
+        gen = self._torch.Generator().manual_seed(seed)
+        for cache in self.caches:
+            noise = self._torch.randint(-(1 << 15), 1 << 15, cache.shape, generator=gen, dtype=self._torch.int16)
+            cache.view(self._torch.int16).copy_(noise)
+
+    def snapshot(self) -> list[Any]:
+        """Copies of the caches (to verify a load against)."""
+        return [cache.clone() for cache in self.caches]
+
+    def zero(self) -> None:
+        """Zero every cache (so a load that writes nothing is caught by :meth:`verify`)."""
+        for cache in self.caches:
+            cache.zero_()
+
+    def verify(self, expected: list[Any]) -> bool:
+        """True when every cache's blocks 1.. equal ``expected`` byte for byte."""
+        int16 = self._torch.int16
+        return all(
+            bool(self._torch.equal(cache[1:].view(int16), want[1:].view(int16)))
+            for cache, want in zip(self.caches, expected)
+        )
+
+    @staticmethod
+    def hashes(seed: int, blocks: int) -> list[bytes]:
+        """``blocks`` distinct 32-byte block hashes."""
+        return [seed.to_bytes(8, "little") + i.to_bytes(24, "little") for i in range(blocks)]
+
+    def store_request(self, req_id: str, hashes: list[Any], timeout: float = 120.0) -> None:
+        """Store blocks 1.. under ``hashes`` with vLLM's send thread; wait for its completion."""
+        self._job += 1
+        job = self._job
+        meta = self._data.ReqMeta(
+            req_id=req_id, token_len_chunk=len(hashes) * BLOCK, block_ids=(self.block_ids(),),
+            block_hashes=hashes, can_save=True, store_job_id=job,
+        )  # fmt: skip
+        self.sender.add_request(meta)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if job in self.sender.take_completed_saves():
+                return
+            time.sleep(0.002)
+        raise TimeoutError(f"store of {req_id} did not complete in {timeout} s")
+
+    def load_requests(self, req_ids: list[str], hashes: list[Any], timeout: float = 300.0) -> set[int]:
+        """Load ``req_ids`` (each: ``hashes`` into blocks 1..) with vLLM's receive threads; wait until every
+        one finished; return the block ids vLLM reported as failed."""
+        n = len(hashes) * BLOCK
+        for req_id in req_ids:
+            spec = self._data.LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=n, can_load=True, token_len=n)
+            meta = self._data.ReqMeta(
+                req_id=req_id, token_len_chunk=n, block_ids=(self.block_ids(),), block_hashes=hashes,
+                load_spec=spec,
+            )  # fmt: skip
+            self.load_queue.put(meta)
+        pending = set(req_ids)
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for receiver in self.receivers:
+                pending -= receiver.get_and_clear_finished_requests()
+            if pending:
+                time.sleep(0.0005)
+        failed: set[int] = set()
+        for receiver in self.receivers:
+            failed |= receiver.get_and_clear_block_ids_with_load_errors()
+        if pending:
+            raise TimeoutError(f"loads {sorted(pending)} did not finish in {timeout} s")
+        return failed
+
+    def close(self) -> None:
+        """Unregister the caches and close the Mooncake client (vLLM's threads are daemons and stay idle)."""
+        for cache in self.caches:
+            with contextlib.suppress(Exception):
+                self.store.unregister_buffer(cache.untyped_storage().data_ptr())
+        with contextlib.suppress(Exception):
+            self.store.close()
+
+
+# --- GIL accounting ------------------------------------------------------------------------------------------
+
+
+class _Spinner:
+    """A busy Python thread recording every gap over 0.2 ms as ``(start, end)``: time it could not run."""
+
+    GAP = 0.0002
+
+    def __init__(self) -> None:
+        self.gaps: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="plugin-bench-spinner")
+        self._thread.start()
+        time.sleep(0.01)
+
+    def _run(self) -> None:
+        clock = time.perf_counter
+        last = clock()
+        gaps = self.gaps
+        while not self._stop.is_set():
+            now = clock()
+            if now - last > self.GAP:
+                gaps.append((last, now))
+            last = now
+
+    def window(self, start: float, end: float) -> list[tuple[float, float]]:
+        """Gaps clipped to ``[start, end]``."""
+        return [(max(a, start), min(b, end)) for a, b in self.gaps if b > start and a < end]
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        self._thread.join()
+
+
+class _Phases:
+    """Wall intervals each instrumented phase ran in, and the calling thread's CPU time in it.
+
+    The CPU time of the receive thread (``time.thread_time``) is what it spent running: with the GIL held,
+    except inside native sections that release it (our gather/scatter copies, timed as their own phase).
+    Unlike the busy thread's stalls it is not inflated when other processes take the machine's cores.
+    """
+
+    def __init__(self) -> None:
+        self.intervals: dict[str, list[tuple[float, float]]] = {}
+        self.cpu: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        """Forget every interval and CPU total."""
+        with self._lock:
+            self.intervals.clear()
+            self.cpu.clear()
+
+    def timed(self, name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            cpu0 = time.thread_time()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                cpu = time.thread_time() - cpu0
+                end = time.perf_counter()
+                with self._lock:
+                    self.intervals.setdefault(name, []).append((start, end))
+                    self.cpu[name] = self.cpu.get(name, 0.0) + cpu
+
+        return wrapper
+
+
+def _overlap(gaps: list[tuple[float, float]], intervals: list[tuple[float, float]]) -> float:
+    total = 0.0
+    for a, b in gaps:
+        for c, d in intervals:
+            lo, hi = max(a, c), min(b, d)
+            if hi > lo:
+                total += hi - lo
+    return total
+
+
+class _Proxy:
+    """A store proxy: the named methods timed as phases, everything else forwarded."""
+
+    def __init__(self, store: Any, phases: _Phases, timed: dict[str, str]) -> None:
+        self._store = store
+        for method, phase in timed.items():
+            setattr(self, method, phases.timed(phase, getattr(store, method)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _instrument(rig: VllmStoreRig, phases: _Phases) -> Callable[[], None]:
+    """Time the layout's ``prepare_values``, the store call, and (staged) Mooncake's slot call under it."""
+    layout = rig.db.store_layout
+    layout.__dict__["prepare_values"] = phases.timed("prepare_values", layout.prepare_values)
+    proxy = _Proxy(rig.store, phases, {"batch_get_into_multi_buffers": "store call"})
+    inner = getattr(rig.store, "_store", None)
+    if inner is not None:
+        rig.store._store = _Proxy(inner, phases, {"batch_get_into": "mooncake slot call"})
+    for receiver in rig.receivers:
+        receiver.store = proxy
+        receiver.__dict__["_handle_request"] = phases.timed("request", receiver._handle_request)
+    from mooncake_kvaddr.integrations.vllm import staged_store as staged_module
+
+    staged_store: Any = staged_module
+    copy = staged_store.scatter
+    staged_store.scatter = phases.timed("scatter (GIL released)", copy)
+
+    def undo() -> None:
+        layout.__dict__.pop("prepare_values", None)
+        staged_store.scatter = copy
+        for receiver in rig.receivers:
+            receiver.store = rig.store
+            receiver.__dict__.pop("_handle_request", None)
+        if inner is not None:
+            rig.store._store = inner
+
+    return undo
+
+
+# --- the measurement ------------------------------------------------------------------------------------------
+
+
+def _single_requests(rig: VllmStoreRig, hashes: list[Any], expected: list[Any], reps: int, tag: str) -> dict[str, Any]:
+    """One request at a time on one receive thread, beside a busy Python thread.
+
+    Two views of the GIL per request (medians, ms): ``stall_*`` — time the busy thread could not run,
+    attributed to the phase it overlapped (on a loaded machine this includes time the OS gave the cores to
+    other processes); ``cpu_*`` — the receive thread's own CPU time by phase (GIL held, except the copies
+    timed as ``cpu_copy_released``). ``cpu_gil`` = request CPU - copy CPU.
+    """
+    rig.start_receivers(1)
+    phases = _Phases()
+    undo = _instrument(rig, phases)
+    spinner = _Spinner()
+    samples: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        samples.setdefault(name, []).append(value * 1e3)
+
+    ok = True
+    try:
+        for rep in range(reps + 1):
+            rig.zero()
+            phases.clear()
+            start = time.perf_counter()
+            failed = rig.load_requests([f"{tag}-single-{rep}"], hashes)
+            end = time.perf_counter()
+            ok = ok and not failed and rig.verify(expected)
+            if rep == 0:
+                continue  # warm-up (row caches, first touch of the staging buffer)
+            gaps = spinner.window(start, end)
+            held = sum(b - a for a, b in gaps)
+            pv = _overlap(gaps, phases.intervals.get("prepare_values", []))
+            call = _overlap(gaps, phases.intervals.get("store call", []))
+            add("wall", end - start)
+            add("stall", held)
+            add("stall_vllm_python", max(0.0, held - pv - call))
+            add("stall_prepare_values", pv)
+            add("stall_store_call", call)
+            cpu = phases.cpu
+            request = cpu.get("request", 0.0)
+            copy = cpu.get("scatter (GIL released)", 0.0)
+            store_call = cpu.get("store call", 0.0)
+            slots = cpu.get("mooncake slot call", 0.0)
+            add("cpu_request", request)
+            add("cpu_gil", request - copy)
+            add("cpu_vllm_python", request - cpu.get("prepare_values", 0.0) - store_call)
+            add("cpu_prepare_values", cpu.get("prepare_values", 0.0))
+            # Mooncake's own part of the store call: the whole call without staging, the slot call with it.
+            add("cpu_mooncake_call", slots if "mooncake slot call" in cpu else store_call)
+            add("cpu_staging_python", store_call - slots - copy if "mooncake slot call" in cpu else 0.0)
+            add("cpu_copy_released", copy)
+    finally:
+        spinner.close()
+        undo()
+    out: dict[str, Any] = {"bytes_ok": ok}
+    for name, values in samples.items():
+        out[f"{name}_ms"] = statistics.median(values)
+    return out
+
+
+def _measure_mode(master: str, shape: RigShape, mode: str, reps: int, thread_counts: tuple[int, ...]) -> dict[str, Any]:
+    row: dict[str, Any] = {"mode": mode, "tokens": shape.tokens, "regions": shape.regions}
+    with plugin_mode(mode):
+        staging = max(shape.request_bytes // 2, 64 << 20)
+        rig = VllmStoreRig(master, shape, staged=mode.startswith("staged"), native=mode.endswith("native"),
+                           staging_bytes=staging, model=f"bench/{mode}")  # fmt: skip
+        try:
+            hashes = rig.hashes(MODES.index(mode) + 1, shape.blocks)
+            rig.fill(7)
+            expected = rig.snapshot()
+            rig.store_request(f"store-{mode}", hashes)
+            row.update(_single_requests(rig, hashes, expected, reps, mode))
+            ok = bool(row["bytes_ok"])
+            for count in thread_counts:
+                rig.start_receivers(count)
+                samples = []
+                for rep in range(reps + 1):
+                    rig.zero()
+                    start = time.perf_counter()
+                    failed = rig.load_requests([f"{mode}-{count}thr-{rep}-{i}" for i in range(4)], hashes)
+                    samples.append(time.perf_counter() - start)
+                    ok = ok and not failed and rig.verify(expected)
+                row[f"wall_4req_{count}thr_ms"] = statistics.median(samples[1:]) * 1e3
+            row["bytes_ok"] = ok
+        finally:
+            rig.close()
+    return row
+
+
+def run(
+    quick: bool = True,
+    *,
+    reps: int | None = None,
+    master_address: str | None = None,
+    modes: tuple[str, ...] = MODES,
+) -> list[dict[str, Any]]:
+    """Measure ``modes`` (default all of :data:`MODES`); one dict per mode, times in ms, ``bytes_ok`` per mode.
+
+    Starts an embedded master unless ``master_address`` is given. ``quick`` uses a small request
+    (:data:`QUICK`); otherwise the headline one (:data:`HEADLINE`). The 4-request rows load the same stored
+    request 4 times into the same blocks (identical bytes).
+    """
+    from mooncake_kvaddr.driver.master import EmbeddedMaster
+
+    shape = QUICK if quick else HEADLINE
+    reps = reps if reps is not None else (3 if quick else 5)
+    with contextlib.ExitStack() as stack:
+        if master_address is None:
+            master = stack.enter_context(EmbeddedMaster())
+            master_address = master.rpc_address
+        return [_measure_mode(master_address, shape, mode, reps, (1, 2, 4)) for mode in modes]
+
+
+def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual runs
+    """``python -m mooncake_kvaddr.integrations.vllm.plugin_bench [--full] [--reps N]``: print JSON rows."""
+    import argparse
+    import json
+    import os
+    import sys
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--full", action="store_true", help="the headline request instead of the quick one")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    args = parser.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}")
+    rows = run(quick=not args.full, reps=args.reps, modes=modes)
+    json.dump(rows, sys.stdout, indent=1)
+    print(flush=True)
+    os._exit(0)  # vLLM's receive threads block forever on their queues
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

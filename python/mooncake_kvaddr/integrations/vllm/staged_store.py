@@ -1,0 +1,321 @@
+"""Opt-in staged transport for vLLM's Mooncake store worker with host-memory KV caches (docs/vllm-plugin.md).
+
+:class:`StagedMooncakeStore` wraps the worker's ``MooncakeDistributedStore``. Everything passes through
+unchanged except the two multi-buffer calls, which move each key through one contiguous staging slot:
+
+- ``batch_put_from_multi_buffers(keys, addrs, sizes[, config])``: native gather of every key's regions into
+  its slot (GIL released), then Mooncake's ``batch_put_from`` with one pointer and one size per key;
+- ``batch_get_into_multi_buffers(keys, addrs, sizes)``: Mooncake's ``batch_get_into`` into the slots, then a
+  native scatter of exactly the keys whose get returned the full object size. A failed key's regions are
+  never written (no stale staging bytes reach a KV cache). A key whose get succeeded with fewer bytes than
+  its regions hold is fetched again with Mooncake's own multi-buffer call, so its result is Mooncake's.
+
+A Mooncake object is the concatenation of its regions either way, so staged and multi-buffer objects are
+byte-identical and interoperate. Results are Mooncake's per-key codes, returned as Mooncake returns them.
+
+Safety: every non-empty ``(address, size)`` slice must lie inside one buffer registered through this
+wrapper's ``register_buffer`` (the KV caches vLLM registers); a call with any slice outside them, with
+arguments we do not understand, duplicate keys, empty objects, or an object larger than the staging buffer
+goes to Mooncake's own multi-buffer call unchanged. Staging never reads or writes process memory outside the
+registered buffers and its own staging buffer.
+
+Extension point: :meth:`StagedMooncakeStore._get_slots` / :meth:`_put_slots` move the staged objects
+(Mooncake's ``batch_get_into``/``batch_put_from`` here); a native Mooncake client can override these two to
+skip Mooncake's Python argument conversion.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from mooncake_kvaddr import _native
+from mooncake_kvaddr.driver.staging import StagingLease, StagingPool, gather, plan_batches, plan_slots, scatter
+
+__all__ = ["StagedMooncakeStore", "StagedStats"]
+
+logger = logging.getLogger("vllm.mooncake_kvaddr")
+
+Int64Array = npt.NDArray[np.int64]
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+@dataclass
+class StagedStats:
+    """Counters of a :class:`StagedMooncakeStore` (calls staged, calls passed through, keys re-fetched)."""
+
+    staged_gets: int = 0
+    staged_puts: int = 0
+    passthrough_gets: int = 0
+    passthrough_puts: int = 0
+    refetched_keys: int = 0
+
+
+class _Staged:
+    """One call's staging plan: matrices, slot offsets and object sizes."""
+
+    __slots__ = ("addrs", "allowed", "object_sizes", "offsets", "plan", "sizes", "total")
+
+    def __init__(self, addrs: Int64Array, sizes: Int64Array, allowed: tuple[tuple[int, int], ...]) -> None:
+        self.allowed = allowed
+        self.addrs = addrs
+        self.sizes = sizes
+        self.plan = plan_slots(sizes)
+        self.offsets = self.plan.offsets
+        self.object_sizes = self.plan.object_sizes
+        self.total = self.plan.total_bytes
+
+
+class StagedMooncakeStore:
+    """A Mooncake store whose multi-buffer calls stage host-memory KV caches (see the module docstring).
+
+    ``store`` is the wrapped ``MooncakeDistributedStore`` (or anything with its methods); ``staging_bytes`` the
+    staging buffer, shared by the threads using this store (each call leases one span, waiting while none
+    is free); ``copy_threads`` native copy threads per gather/scatter (0: by job size).
+    """
+
+    def __init__(self, store: Any, *, staging_bytes: int = 256 << 20, copy_threads: int = 0) -> None:
+        if copy_threads < 0:
+            raise ValueError(f"copy_threads must be >= 0, got {copy_threads}")
+        self._store = store
+        self._pool = StagingPool(staging_bytes)
+        self._copy_threads = copy_threads
+        self._lock = threading.Lock()
+        # Registered host buffers: ptr -> nbytes, plus a sorted snapshot for the bounds check.
+        self._buffers: dict[int, int] = {}
+        # (starts, ends, ranges) replaced as one tuple, so a reader never mixes two registrations.
+        self._ranges: tuple[Int64Array, Int64Array, tuple[tuple[int, int], ...]] = (
+            np.empty(0, dtype=np.int64),
+            np.empty(0, dtype=np.int64),
+            (),
+        )
+        self._pool_registered: bool | None = None  # None: not tried yet; False: Mooncake refused it
+        self.stats = StagedStats()
+
+    # --- pass-through ---------------------------------------------------------------------------------------
+
+    @property
+    def wrapped(self) -> Any:
+        """The Mooncake store this wraps."""
+        return self._store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Mooncake's ``register_buffer``; a buffer it accepts becomes a range staging may touch."""
+        result = self._store.register_buffer(buffer_ptr, size)
+        if result == 0 and int(size) > 0:
+            with self._lock:
+                self._buffers[int(buffer_ptr)] = int(size)
+                self._refresh_ranges()
+        return int(result) if isinstance(result, (int, np.integer)) else result
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        """Mooncake's ``unregister_buffer``; the range is dropped from staging whatever Mooncake answers."""
+        with self._lock:
+            self._buffers.pop(int(buffer_ptr), None)
+            self._refresh_ranges()
+        result: int = self._store.unregister_buffer(buffer_ptr)
+        return result
+
+    def close(self, *args: Any, **kwargs: Any) -> Any:
+        """Unregister the staging buffer (when registered), then close the wrapped store."""
+        with self._lock:
+            registered, self._pool_registered = self._pool_registered, False
+        if registered:
+            try:
+                self._store.unregister_buffer(self._pool.range[0])
+            except Exception as exc:  # closing must go on
+                logger.debug("mooncake_kvaddr: staging buffer unregister failed: %s", exc)
+        return self._store.close(*args, **kwargs)
+
+    def _refresh_ranges(self) -> None:
+        items = sorted(self._buffers.items())
+        self._ranges = (
+            np.array([p for p, _ in items], dtype=np.int64),
+            np.array([p + n for p, n in items], dtype=np.int64),
+            tuple(items),
+        )
+
+    # --- staging ------------------------------------------------------------------------------------------
+
+    def _ensure_pool_registered(self) -> bool:
+        with self._lock:
+            if self._pool_registered is None:
+                ptr, nbytes = self._pool.range
+                result = self._store.register_buffer(ptr, nbytes)
+                self._pool_registered = result == 0
+                if result != 0:
+                    logger.warning(
+                        "mooncake_kvaddr: Mooncake refused the staging buffer (%s): staged transport off", result
+                    )
+            return bool(self._pool_registered)
+
+    def _inside_registered(self, addrs: Int64Array, sizes: Int64Array, starts: Int64Array, ends: Int64Array) -> bool:
+        """True when every non-empty slice lies inside one registered buffer (vectorised, no Python loop).
+
+        Fast path: when no size is 0, each region column's whole span (lowest start to highest end) inside
+        one buffer proves every slice of that column is inside it (two reductions over the matrix). Otherwise,
+        or when a column's span crosses buffers, every slice is checked on its own.
+        """
+        if addrs.size == 0:
+            return True
+        if starts.size == 0:
+            return False
+        if int(sizes.min()) > 0 and int(addrs.min()) >= 0:
+            low = addrs.min(axis=0)
+            top = addrs.max(axis=0)
+            if bool(np.all(top <= _INT64_MAX - sizes.max(axis=0))):
+                high = (addrs + sizes).max(axis=0)
+                index = np.searchsorted(starts, low, side="right") - 1
+                if bool(np.all(index >= 0)) and bool(np.all(high <= ends[np.maximum(index, 0)])):
+                    return True
+        return self._each_slice_inside(addrs, sizes, starts, ends)
+
+    @staticmethod
+    def _each_slice_inside(addrs: Int64Array, sizes: Int64Array, starts: Int64Array, ends: Int64Array) -> bool:
+        nonempty = sizes > 0
+        a = addrs[nonempty]
+        s = sizes[nonempty]
+        if a.size == 0:
+            return True
+        if bool(np.any(a < 0)) or bool(np.any(a > _INT64_MAX - s)):
+            return False
+        index = np.searchsorted(starts, a, side="right") - 1
+        if bool(np.any(index < 0)):
+            return False
+        return bool(np.all(a + s <= ends[index]))
+
+    def _plan(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any) -> _Staged | None:
+        """The staging plan of a call, or None when the call must go to Mooncake unchanged."""
+        if not isinstance(keys, list) or not keys or not all(type(k) is str for k in keys):
+            return None
+        if len(set(keys)) != len(keys):
+            return None
+        try:
+            addrs, sizes = _native.multi_buffer_arrays(all_buffer_ptrs, all_sizes)
+        except (TypeError, ValueError, OverflowError):
+            return None  # Mooncake raises (or answers) for these itself
+        if addrs.shape[0] != len(keys):
+            return None
+        starts, ends, allowed = self._ranges
+        try:
+            staged = _Staged(addrs, sizes, allowed)
+        except (ValueError, OverflowError):
+            return None
+        if bool(np.any(staged.object_sizes <= 0)) or int(staged.object_sizes.max()) > self._pool.capacity:
+            return None
+        if not self._inside_registered(addrs, sizes, starts, ends):
+            return None
+        if not self._ensure_pool_registered():
+            return None
+        return staged
+
+    def _lease(self, staged: _Staged) -> StagingLease:
+        largest = int(staged.object_sizes.max())
+        return self._pool.acquire(largest, staged.total)
+
+    def _get_slots(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """Fetch whole objects into staging slots (override point for a native client)."""
+        result: list[int] = self._store.batch_get_into(keys, ptrs, sizes)
+        return result
+
+    def _put_slots(self, keys: list[str], ptrs: list[int], sizes: list[int], config: Sequence[Any]) -> list[int]:
+        """Store whole objects from staging slots (override point for a native client)."""
+        result: list[int] = self._store.batch_put_from(keys, ptrs, sizes, *config)
+        return result
+
+    def batch_get_into_multi_buffers(
+        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Mooncake's ``batch_get_into_multi_buffers``, staged for host KV caches (same results)."""
+        staged = None if (args or kwargs) else self._plan(keys, all_buffer_ptrs, all_sizes)
+        if staged is None:
+            self.stats.passthrough_gets += 1
+            return self._store.batch_get_into_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+        self.stats.staged_gets += 1
+        results: list[int] = []
+        lease = self._lease(staged)
+        try:
+            for start, end in plan_batches(staged.plan, lease.nbytes):
+                offsets = staged.offsets[start:end] - staged.offsets[start]
+                object_sizes = staged.object_sizes[start:end]
+                batch_keys = keys[start:end]
+                codes = self._get_slots(batch_keys, (offsets + lease.ptr).tolist(), object_sizes.tolist())
+                code_array = np.asarray(codes, dtype=np.int64)
+                if code_array.shape != object_sizes.shape:
+                    raise RuntimeError(f"Mooncake returned {len(codes)} results for {end - start} keys")
+                complete = code_array == object_sizes
+                scatter(
+                    staged.addrs[start:end],
+                    staged.sizes[start:end],
+                    lease.range,
+                    offsets,
+                    staged.allowed,
+                    select=complete,
+                    threads=self._copy_threads,
+                )
+                batch_results = list(codes)
+                short = np.flatnonzero((code_array >= 0) & ~complete)
+                if short.size:
+                    # Success with fewer bytes than the regions hold: let Mooncake fill the regions itself.
+                    self.stats.refetched_keys += int(short.size)
+                    picks = [start + int(i) for i in short]
+                    again = self._store.batch_get_into_multi_buffers(
+                        [keys[i] for i in picks],
+                        [all_buffer_ptrs[i] for i in picks],
+                        [all_sizes[i] for i in picks],
+                    )
+                    for i, code in zip(short, again):
+                        batch_results[int(i)] = code
+                results.extend(batch_results)
+        finally:
+            lease.release()
+        return results
+
+    def batch_put_from_multi_buffers(
+        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Mooncake's ``batch_put_from_multi_buffers``, staged for host KV caches (same results)."""
+        config: tuple[Any, ...] = args
+        if kwargs:
+            if set(kwargs) != {"config"} or args:
+                self.stats.passthrough_puts += 1
+                return self._store.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+            config = (kwargs["config"],)
+        staged = None if len(config) > 1 else self._plan(keys, all_buffer_ptrs, all_sizes)
+        if staged is None:
+            self.stats.passthrough_puts += 1
+            return self._store.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+        self.stats.staged_puts += 1
+        results: list[int] = []
+        lease = self._lease(staged)
+        try:
+            for start, end in plan_batches(staged.plan, lease.nbytes):
+                offsets = staged.offsets[start:end] - staged.offsets[start]
+                gather(
+                    staged.addrs[start:end],
+                    staged.sizes[start:end],
+                    lease.range,
+                    offsets,
+                    staged.allowed,
+                    threads=self._copy_threads,
+                )
+                results.extend(
+                    self._put_slots(
+                        keys[start:end], (offsets + lease.ptr).tolist(), staged.object_sizes[start:end].tolist(), config
+                    )
+                )
+        finally:
+            lease.release()
+        return results
+
+    def __repr__(self) -> str:
+        return f"StagedMooncakeStore({self._store!r}, staging={self._pool.capacity} bytes)"

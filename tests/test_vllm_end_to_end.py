@@ -1,0 +1,123 @@
+"""End to end with vLLM 0.33's own code (docs/vllm-plugin.md): the real ``KVCacheStoreSendingThread`` and
+``KVCacheStoreRecvingThread`` store and load a request through a real Mooncake master with CPU torch KV
+caches registered through vLLM's layout — without the plugin, with it, and with the staged transport —
+and the loaded bytes are compared with the stored ones. Also: a load of keys that were never stored
+reports vLLM's load error and writes nothing into the caches (no stale staging bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mooncake_kvaddr.integrations.vllm import plugin
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.33.0)")
+    pytest.importorskip("torch", reason="torch is not installed (comes with vLLM)")
+    pytest.importorskip(plugin.WORKER_MODULE, reason="vLLM has no Mooncake store worker module")
+    from mooncake_kvaddr.integrations.vllm import plugin_bench
+
+    return plugin_bench
+
+
+@pytest.fixture(autouse=True)
+def _unpatched() -> Iterator[None]:
+    plugin.unpatch()
+    yield
+    plugin.unpatch()
+
+
+@pytest.mark.parametrize("mode", ["vllm", "plugin", "staged", "native", "staged_native", "native_fallback"])
+def test_store_then_load_with_vllms_threads(
+    bench: Any, master: Any, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mooncake_kvaddr.driver.native_client import NativeClient
+
+    if mode == "native_fallback":
+        # No native client: every call goes to Mooncake's bound methods, with identical results.
+        monkeypatch.setattr(NativeClient, "from_store", classmethod(lambda cls, store: None))
+    native = "native" in mode
+    shape = bench.RigShape(blocks=12, regions=6, region_bytes=2048)
+    with bench.plugin_mode("plugin" if mode != "vllm" else "vllm"):
+        rig = bench.VllmStoreRig(master.rpc_address, shape, staged=mode.startswith("staged"), native=native,
+                                 recv_threads=2, staging_bytes=1 << 20, model=f"e2e/{mode}")  # fmt: skip
+        try:
+            if mode.endswith("native"):
+                client, why = NativeClient.probe(rig.raw_store)
+                if client is None:
+                    pytest.skip(f"native Mooncake client unavailable here: {why}")
+                client.close()
+            hashes = rig.hashes(11, shape.blocks)
+            rig.fill(3)
+            expected = rig.snapshot()
+            rig.store_request(f"store-{mode}", hashes)
+            rig.zero()
+            assert not rig.verify(expected)
+            assert rig.load_requests([f"load-{mode}-a", f"load-{mode}-b"], hashes) == set()
+            assert rig.verify(expected)
+            if mode.startswith("staged"):
+                assert rig.store.stats.staged_puts >= 1 and rig.store.stats.staged_gets >= 2
+                assert rig.store.stats.passthrough_gets == 0
+            native_store = rig.store.wrapped if mode == "staged_native" else rig.store
+            if native:
+                stats = native_store.stats
+                if mode == "native_fallback":
+                    assert native_store.native_client is None
+                    assert stats.native_calls == 0 and stats.fallback_calls >= 3  # exist, put, gets
+                else:
+                    assert native_store.native_client is not None
+                    assert stats.fallback_calls == 0 and stats.native_calls >= 3
+            elif mode != "staged":
+                assert rig.store is rig.raw_store
+            layout = rig.db.store_layout
+            assert (plugin._ENGINE_ATTR in layout.__dict__) == (mode != "vllm")
+
+            # Keys never stored: vLLM reports the blocks as failed, nothing is written into the caches.
+            rig.zero()
+            failed = rig.load_requests([f"missing-{mode}"], rig.hashes(99, shape.blocks))
+            assert failed and failed <= set(rig.block_ids())
+            assert all(not bool(cache.any()) for cache in rig.caches)
+        finally:
+            rig.close()
+
+
+@pytest.mark.parametrize(("first", "second"), [("vllm", "staged"), ("vllm", "native"), ("native", "staged_native")])
+def test_objects_interoperate_between_modes(bench: Any, master: Any, first: str, second: str) -> None:
+    """Stored by one mode, loaded through the other (and the other way): same bytes."""
+    shape = bench.RigShape(blocks=6, regions=4, region_bytes=2048)
+    model = f"e2e/interop-{first}-{second}"
+    plain = bench.VllmStoreRig(master.rpc_address, shape, native=first == "native", model=model)
+    staged = bench.VllmStoreRig(master.rpc_address, shape, staged=second.startswith("staged"),
+                                native=second.endswith("native"), staging_bytes=1 << 20, model=model)  # fmt: skip
+    try:
+        plain.fill(21)
+        expected = plain.snapshot()
+        hashes = plain.hashes(31, shape.blocks)
+        plain.store_request("interop-store", hashes)
+        with bench.plugin_mode("plugin"):
+            assert staged.load_requests(["interop-load"], hashes) == set()
+        assert staged.verify(expected)
+        staged.fill(22)
+        expected = staged.snapshot()
+        other = plain.hashes(32, shape.blocks)
+        with bench.plugin_mode("plugin"):
+            staged.store_request("interop-store-2", other)
+        assert plain.load_requests(["interop-load-2"], other) == set()
+        assert plain.verify(expected)
+    finally:
+        plain.close()
+        staged.close()
+
+
+def test_quick_bench_runs_and_bytes_match(bench: Any, master: Any) -> None:
+    rows = bench.run(quick=True, reps=1, master_address=master.rpc_address)
+    assert [row["mode"] for row in rows] == list(bench.MODES)
+    for row in rows:
+        assert row["bytes_ok"], row
+        assert row["cpu_gil_ms"] > 0 and row["wall_4req_4thr_ms"] > 0

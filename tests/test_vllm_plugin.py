@@ -1,0 +1,661 @@
+"""The vLLM plugin (docs/vllm-plugin.md): shape/version checks, the self-check, patching, the environment
+switch, differential checks of the patched methods against vLLM 0.33's own, and the staged store wrapper
+(against an in-memory store with Mooncake's result codes, and against the real Mooncake)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mooncake_kvaddr.driver.staging import StagingBuffer
+from mooncake_kvaddr.integrations.vllm import plugin
+from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+
+def _vllm_data() -> Any:
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.33.0)")
+    return pytest.importorskip(plugin.DATA_MODULE, reason="vLLM has no Mooncake store module")
+
+
+@pytest.fixture
+def data() -> Iterator[Any]:
+    """vLLM's data module, unpatched before and after the test."""
+    module = _vllm_data()
+    plugin.unpatch()
+    yield module
+    plugin.unpatch()
+
+
+# --- the plugin ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_register_patches_once_logs_one_line_and_unpatch_restores(
+    data: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(plugin.ENV_PLUGIN, raising=False)
+    original = data.RankLocalStoreLayout.__dict__["prepare_values"]
+    with caplog.at_level(logging.INFO, logger="vllm.mooncake_kvaddr"):
+        plugin.register()
+        plugin.register()  # vLLM may call plugins twice per process
+    lines = [r for r in caplog.records if r.name == "vllm.mooncake_kvaddr" and "active" in r.getMessage()]
+    assert len(lines) == 1 and "0.3" in lines[0].getMessage()
+    assert plugin.is_patched()
+    assert data.RankLocalStoreLayout.prepare_values is plugin._rank_local_prepare_values
+    assert data.TPShardedStoreLayout.prepare_values is plugin._sharded_prepare_values
+    assert data.LBNHCStoreLayout.prepare_values is plugin._sharded_prepare_values
+    plugin.unpatch()
+    assert data.RankLocalStoreLayout.__dict__["prepare_values"] is original
+    assert not plugin.is_patched()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("value", ["0", "false", "OFF", "no"])
+def test_environment_switch_turns_it_off(data: Any, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(plugin.ENV_PLUGIN, value)
+    plugin.register()
+    assert not plugin.is_patched()
+    assert data.RankLocalStoreLayout.prepare_values is not plugin._rank_local_prepare_values
+
+
+@pytest.mark.vllm
+def test_unknown_release_is_left_untouched(data: Any) -> None:
+    report = plugin.patch(data=data, version="0.31.2")
+    assert not report.active and "0.31.2" in report.reason
+    assert not plugin.is_patched()
+
+
+def _module_with(data: Any, **replace: Any) -> types.ModuleType:
+    fake = types.ModuleType("fake_vllm_data")
+    fake.__dict__.update({k: v for k, v in vars(data).items() if not k.startswith("__")})
+    fake.__dict__.update(replace)
+    return fake
+
+
+@pytest.mark.vllm
+def test_unexpected_shape_is_left_untouched(data: Any) -> None:
+    class Renamed(data.RankLocalStoreLayout):  # type: ignore[misc, name-defined]
+        def prepare_values(self, chunks: Any, block_ids: Any, store_shards: Any) -> Any:
+            return super().prepare_values(chunks, block_ids, store_shards)
+
+    report = plugin.patch(data=_module_with(data, RankLocalStoreLayout=Renamed), version="0.33.0")
+    assert not report.active and "store_shards" in report.reason
+    report = plugin.patch(data=_module_with(data, TPShardedStoreLayout=None), version="0.33.0")
+    assert not report.active and "TPShardedStoreLayout" in report.reason
+    assert not plugin.is_patched()
+
+
+@pytest.mark.vllm
+def test_self_check_catches_a_release_that_behaves_differently(data: Any) -> None:
+    class Shifted(data.RankLocalStoreLayout):  # type: ignore[misc, name-defined]
+        def prepare_values(self, chunks: Any, block_ids: Any, shard_ids: Any) -> Any:
+            addrs, sizes, ids = super().prepare_values(chunks, block_ids, shard_ids)
+            return addrs, sizes, [i + 1 for i in ids]
+
+    report = plugin.patch(data=_module_with(data, RankLocalStoreLayout=Shifted), version="0.33.0")
+    assert not report.active and "self-check" in report.reason
+    assert not plugin.is_patched()
+
+
+@pytest.mark.vllm
+def test_self_check_compares_types_too(data: Any) -> None:
+    class NumpyInts(data.RankLocalStoreLayout):  # type: ignore[misc, name-defined]
+        def prepare_value_for_block(self, block_id: int) -> Any:
+            addrs, sizes = super().prepare_value_for_block(block_id)
+            return [np.int64(a) for a in addrs], sizes
+
+    with pytest.raises(AssertionError, match="prepare_value_for_block"):
+        plugin.self_check(_module_with(data, RankLocalStoreLayout=NumpyInts))
+
+
+@pytest.mark.vllm
+def test_register_warns_once_when_it_cannot_patch(
+    data: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(plugin.ENV_PLUGIN, raising=False)
+    monkeypatch.setattr(plugin, "SUPPORTED_VLLM_SERIES", ("9.9.",))
+    monkeypatch.setattr(plugin, "_WARNED", False)
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
+        plugin.register()
+        plugin.register()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "untouched" in r.getMessage()]
+    assert len(warnings) == 1
+    assert not plugin.is_patched()
+
+
+# --- differential: patched vs vLLM's own on generated inputs ------------------------------------------------
+
+
+def _same(a: Any, b: Any) -> bool:
+    return plugin._same(a, b)
+
+
+def _outcome(fn: Any) -> tuple[str, Any]:
+    try:
+        return "ok", fn()
+    except Exception as exc:
+        return "raise", type(exc)
+
+
+def _assert_same_outcome(reference: Any, ours: Any) -> None:
+    expected, actual = _outcome(reference), _outcome(ours)
+    if expected[0] == "raise":
+        assert actual[0] == "raise" and issubclass(actual[1], expected[1]), (expected, actual)
+    else:
+        assert _same(expected, actual), (expected, actual)
+
+
+@st.composite
+def rank_local_cases(draw: Any) -> dict[str, Any]:
+    hbs = draw(st.sampled_from([1, 16, 64, 128]))
+    block_size = hbs * draw(st.sampled_from([1, 2, 4]))
+    regions = draw(st.integers(0, 40))
+    bases = draw(st.lists(st.integers(0, 1 << 46), min_size=regions, max_size=regions))
+    lens = draw(st.lists(st.integers(1, 1 << 16), min_size=1, max_size=max(1, regions)))
+    n_blocks = draw(st.integers(1, 20))
+    block_ids = draw(st.lists(st.integers(0, 1 << 20), min_size=n_blocks, max_size=n_blocks))
+    chunks = []
+    for _ in range(draw(st.integers(0, 12))):
+        first = draw(st.integers(0, n_blocks - 1))
+        units = draw(st.integers(1, block_size // hbs * 2))
+        odd = draw(st.sampled_from([0, 0, 0, 1]))
+        chunks.append((first * block_size, first * block_size + units * hbs + odd))
+    shards = [draw(st.sampled_from([0, 0, 0, 1])) for _ in chunks]
+    return {"hbs": hbs, "bs": block_size, "bases": bases, "lens": lens, "ids": block_ids, "chunks": chunks,
+            "shards": shards}  # fmt: skip
+
+
+@pytest.mark.vllm
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=rank_local_cases())
+def test_rank_local_matches_vllm(data: Any, case: dict[str, Any]) -> None:
+    plugin.patch()
+    original = plugin._ORIGINAL_FUNCS
+    layout = data.RankLocalStoreLayout(data.KeyMetadata("m", 0, 0, 0, 0), case["bs"], case["hbs"])
+    layout.set_kv_caches_base_addr(case["bases"])
+    layout.set_block_len(case["lens"])
+    args = (case["chunks"], case["ids"], case["shards"])
+    _assert_same_outcome(
+        lambda: original["RankLocalStoreLayout.prepare_values"](layout, *args), lambda: layout.prepare_values(*args)
+    )
+    for block_id in case["ids"][:3]:
+        _assert_same_outcome(
+            lambda b=block_id: original["RankLocalStoreLayout.prepare_value_for_block"](layout, b),
+            lambda b=block_id: layout.prepare_value_for_block(b),
+        )
+    # vLLM replaces the lists, or edits them in place: both must be seen by the next call.
+    layout.kv_caches_base_addr = [b + 4096 for b in case["bases"]]
+    layout.block_len.append(512)
+    _assert_same_outcome(
+        lambda: original["RankLocalStoreLayout.prepare_values"](layout, *args), lambda: layout.prepare_values(*args)
+    )
+    digest = bytes(range(32))
+    assert layout.key_for(0, digest) == original["RankLocalStoreLayout.key_for"](layout, 0, digest)
+
+
+@st.composite
+def sharded_cases(draw: Any) -> dict[str, Any]:
+    store_tp = draw(st.sampled_from([1, 2, 4, 8]))
+    local_tp = draw(st.sampled_from([d for d in (1, 2, 4, 8) if store_tp % d == 0]))
+    tp_rank = draw(st.integers(0, local_tp - 1))
+    block_size = draw(st.sampled_from([16, 64, 128]))
+    n_blocks = draw(st.integers(1, 16))
+    ids = draw(st.lists(st.integers(0, 1 << 20), min_size=n_blocks, max_size=n_blocks))
+    picks = draw(st.lists(st.integers(0, n_blocks - 1), max_size=12))
+    partial = draw(st.booleans()) and bool(picks)
+    chunks = [(p * block_size, (p + 1) * block_size - (1 if partial and i == 0 else 0)) for i, p in enumerate(picks)]
+    shard_offsets = [draw(st.integers(-1, store_tp // local_tp)) for _ in chunks]
+    segments = draw(st.integers(0, 8))
+    return {"store_tp": store_tp, "local_tp": local_tp, "tp_rank": tp_rank, "bs": block_size, "ids": ids,
+            "chunks": chunks, "shard_offsets": shard_offsets, "segments": segments,
+            "seed": draw(st.integers(0, 1 << 30)), "lbnhc": draw(st.booleans())}  # fmt: skip
+
+
+@pytest.mark.vllm
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=sharded_cases())
+def test_tp_sharded_matches_vllm(data: Any, case: dict[str, Any]) -> None:
+    plugin.patch()
+    original = plugin._ORIGINAL_FUNCS
+    cls = data.LBNHCStoreLayout if case["lbnhc"] else data.LBHNCStoreLayout
+    layout = cls(data.KeyMetadata("m", 0, 0, 0, 0), case["bs"], case["bs"], case["local_tp"], case["store_tp"],
+                 case["tp_rank"], 16)  # fmt: skip
+    rng = np.random.default_rng(case["seed"])
+    for _ in range(2):  # a second registration must replace the first
+        layout._set_segment_templates(
+            [
+                (
+                    rng.integers(1 << 20, 1 << 46, case["segments"]).tolist(),
+                    rng.integers(1, 1 << 20, case["segments"]).tolist(),
+                    rng.integers(0, 1 << 16, case["segments"]).tolist(),
+                )
+                for _ in range(layout.shards_per_rank)
+            ]
+        )
+        first = layout.local_shard_ids[0]
+        shards = [first + off for off in case["shard_offsets"]]
+        args = (case["chunks"], case["ids"], shards)
+        _assert_same_outcome(
+            lambda args=args: original["TPShardedStoreLayout.prepare_values"](layout, *args),
+            lambda args=args: layout.prepare_values(*args),
+        )
+    digest = bytes(32)
+    for shard in (first, first + layout.shards_per_rank):
+        _assert_same_outcome(
+            lambda s=shard: original["TPShardedStoreLayout.key_for"](layout, s, digest),
+            lambda s=shard: layout.key_for(s, digest),
+        )
+
+
+@pytest.mark.vllm
+def test_registered_torch_caches_match_vllm(data: Any) -> None:
+    """Regions from real tensors (dense, per-head, partial storage), vLLM's own registration."""
+    torch = pytest.importorskip("torch")
+    plugin.patch()
+    original = plugin._ORIGINAL_FUNCS
+    num_blocks = 9
+    dense = [torch.zeros(num_blocks, 16, 8, dtype=torch.float16) for _ in range(3)]
+    per_head = torch.zeros(num_blocks, 16, 2, 8).transpose(1, 2)  # block not dense -> one region per head
+    part = torch.zeros(num_blocks + 3, 16, 8)[2 : 2 + num_blocks]
+    layout = data.RankLocalStoreLayout(data.KeyMetadata("m", 0, 0, 0, 0), 16, 16)
+    layout.register_kv_caches([*dense, per_head, part], num_blocks)
+    chunks = [(0, 16), (32, 48), (64, 80)]
+    args = (chunks, list(range(num_blocks)), [0, 0, 0])
+    assert _same(original["RankLocalStoreLayout.prepare_values"](layout, *args), layout.prepare_values(*args))
+
+
+# --- the staged store wrapper ----------------------------------------------------------------------------------
+
+
+class FakeMooncake:
+    """In-memory store with the result codes the real Mooncake (0.3.13) gives for these calls: -704 missing,
+    -600 buffer smaller than the object, multi-buffer -800 when the regions hold more than the object."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.registered: list[tuple[int, int]] = []
+        self.calls: list[str] = []
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self.registered.append((ptr, size))
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        self.registered = [(p, n) for p, n in self.registered if p != ptr]
+        return 0
+
+    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], config: Any = None) -> list[int]:
+        self.calls.append("put_from")
+        for key, ptr, size in zip(keys, ptrs, sizes):
+            self.objects[key] = ctypes.string_at(ptr, size)
+        return [0] * len(keys)
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        self.calls.append("get_into")
+        out = []
+        for key, ptr, size in zip(keys, ptrs, sizes):
+            obj = self.objects.get(key)
+            if obj is None:
+                out.append(-704)
+            elif size < len(obj):
+                out.append(-600)
+            else:
+                ctypes.memmove(ptr, obj, len(obj))
+                out.append(len(obj))
+        return out
+
+    def batch_put_from_multi_buffers(self, keys: list[str], addrs: Any, sizes: Any, config: Any = None) -> list[int]:
+        self.calls.append("put_multi")
+        for key, row, lens in zip(keys, addrs, sizes):
+            self.objects[key] = b"".join(ctypes.string_at(a, n) for a, n in zip(row, lens))
+        return [0] * len(keys)
+
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], addrs: Any, sizes: Any, same_node: bool = False
+    ) -> list[int]:
+        self.calls.append("get_multi")
+        out = []
+        for key, row, lens in zip(keys, addrs, sizes):
+            obj = self.objects.get(key)
+            if obj is None:
+                out.append(-704)
+            elif sum(lens) < len(obj):
+                out.append(-600)
+            elif sum(lens) > len(obj):
+                out.append(-800)
+            else:
+                at = 0
+                for a, n in zip(row, lens):
+                    ctypes.memmove(a, obj[at : at + n], n)
+                    at += n
+                out.append(len(obj))
+        return out
+
+    def close(self) -> int:
+        return 0
+
+    def record_only(self) -> None:
+        """Multi-buffer calls are recorded but touch no memory (for addresses no store may read)."""
+
+        def put(keys: list[str], *args: Any, **kwargs: Any) -> list[int]:
+            self.calls.append("put_multi")
+            return [0] * len(keys)
+
+        def get(keys: list[str], *args: Any, **kwargs: Any) -> list[int]:
+            self.calls.append("get_multi")
+            return [-704] * len(keys)
+
+        self.batch_put_from_multi_buffers = put  # type: ignore[method-assign]
+        self.batch_get_into_multi_buffers = get  # type: ignore[method-assign]
+
+
+def _rows(cache: StagingBuffer, keys: int, regions: int, size: int) -> tuple[list[list[int]], list[list[int]]]:
+    addrs = [[cache.ptr + (r * keys + k) * size for r in range(regions)] for k in range(keys)]
+    return addrs, [[size] * regions for _ in range(keys)]
+
+
+def test_staged_round_trip_codes_and_no_stale_bytes() -> None:
+    inner = FakeMooncake()
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    cache = StagingBuffer(8 * 4 * 256)
+    assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+    cache.array[:] = np.arange(cache.nbytes, dtype=np.uint64).astype(np.uint8)
+    want = cache.array.copy()
+    addrs, sizes = _rows(cache, 8, 4, 256)
+    keys = [f"k{i}" for i in range(8)]
+    assert store.batch_put_from_multi_buffers(keys, addrs, sizes, "config") == [0] * 8
+    assert inner.calls == ["put_from"] and store.stats.staged_puts == 1
+    reference = FakeMooncake()
+    reference.batch_put_from_multi_buffers(keys, addrs, sizes)
+    assert inner.objects == reference.objects  # staged objects are byte-identical to multi-buffer ones
+
+    # k3 missing, k5 shorter than its regions: k3 is never written, k5 gets Mooncake's own answer (-800).
+    del inner.objects["k3"]
+    del reference.objects["k3"]
+    inner.objects["k5"] = inner.objects["k5"][:512]
+    cache.array[:] = 0
+    codes = store.batch_get_into_multi_buffers(keys, addrs, sizes)
+    expected = reference.batch_get_into_multi_buffers(["k3"], addrs[3:4], sizes[3:4])
+    assert codes[3] == expected[0] == -704
+    assert codes[5] == -800 and store.stats.refetched_keys == 1
+    assert all(c == 1024 for i, c in enumerate(codes) if i not in (3, 5))
+    # The regions of the missing key stay zero even though a slot was staged for it.
+    written = np.zeros(cache.nbytes, dtype=bool)
+    for k in range(8):
+        if k in (3, 5):
+            continue
+        for a in addrs[k]:
+            written[a - cache.ptr : a - cache.ptr + 256] = True
+    assert (cache.array[written] == want[written]).all()
+    assert (cache.array[~written] == 0).all()
+    assert type(codes) is list and all(type(c) is int for c in codes)
+
+
+def test_staged_passes_unregistered_memory_and_odd_calls_through() -> None:
+    inner = FakeMooncake()
+    inner.record_only()
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    cache = StagingBuffer(4096)
+    other = StagingBuffer(4096)  # never registered through the wrapper
+    store.register_buffer(cache.ptr, cache.nbytes)
+    store.batch_put_from_multi_buffers(["a"], [[other.ptr]], [[64]])
+    store.batch_put_from_multi_buffers(["b"], [[cache.ptr + 4090]], [[64]])  # runs past the buffer's end
+    store.batch_put_from_multi_buffers(["c", "c"], [[cache.ptr], [cache.ptr]], [[64], [64]])  # duplicates
+    store.batch_get_into_multi_buffers(["a"], [[cache.ptr]], [[64]], True)  # an argument we do not know
+    store.batch_put_from_multi_buffers(["d"], [[cache.ptr]], [[0]])  # empty object
+    assert inner.calls == ["put_multi"] * 3 + ["get_multi", "put_multi"]
+    assert store.stats.staged_puts == store.stats.staged_gets == 0
+    store.unregister_buffer(cache.ptr)
+    store.batch_put_from_multi_buffers(["e"], [[cache.ptr]], [[64]])
+    assert inner.calls[-1] == "put_multi"
+
+
+def test_staged_splits_requests_larger_than_the_staging_buffer() -> None:
+    inner = FakeMooncake()
+    store = StagedMooncakeStore(inner, staging_bytes=4096)
+    cache = StagingBuffer(16 * 2 * 1024)
+    store.register_buffer(cache.ptr, cache.nbytes)
+    cache.array[:] = np.random.default_rng(0).integers(0, 255, cache.nbytes, dtype=np.uint8)
+    want = cache.array.copy()
+    addrs, sizes = _rows(cache, 16, 2, 1024)
+    keys = [f"k{i}" for i in range(16)]
+    assert store.batch_put_from_multi_buffers(keys, addrs, sizes) == [0] * 16
+    cache.array[:] = 0
+    assert store.batch_get_into_multi_buffers(keys, addrs, sizes) == [2048] * 16
+    assert (cache.array == want).all()
+    assert inner.calls.count("get_into") == 8  # two 2 KiB objects per 4 KiB span
+
+
+def test_device_caches_are_passed_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plugin.ENV_STAGED, "1")
+    inner = FakeMooncake()
+
+    def tensor(kind: str) -> Any:
+        return types.SimpleNamespace(device=types.SimpleNamespace(type=kind))
+
+    assert plugin.maybe_stage_store(inner, {"a": tensor("cuda")}, None) is inner
+    assert plugin.maybe_stage_store(inner, {"a": tensor("cpu"), "b": tensor("cuda")}, None) is inner
+    staged = plugin.maybe_stage_store(inner, {"a": [tensor("cpu"), tensor("cpu")]}, None)
+    assert isinstance(staged, StagedMooncakeStore) and staged.wrapped is inner
+    assert plugin.maybe_stage_store(staged, {"a": tensor("cpu")}, None) is staged
+    monkeypatch.setenv(plugin.ENV_STAGED, "0")
+    assert plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, {plugin.EXTRA_STAGED: True}) is inner
+    monkeypatch.delenv(plugin.ENV_STAGED)
+    assert isinstance(plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, {plugin.EXTRA_STAGED: True}),
+                      StagedMooncakeStore)  # fmt: skip
+    assert plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, {}) is inner
+    with pytest.raises(ValueError, match="byte count"):
+        plugin.staged_settings({plugin.EXTRA_STAGING_BYTES: "lots"}, {})
+
+
+class _Recorder:
+    """Records ``(method, args, kwargs)`` and answers with a tag naming who answered."""
+
+    def __init__(self, tag: str, refuse: bool = False) -> None:
+        self.tag = tag
+        self.refuse = refuse
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("batch_"):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, args, kwargs))
+            if self.refuse:
+                raise ValueError("not accepted")
+            return [self.tag, name]
+
+        return call
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_native_store_dispatch_and_fallback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, available: bool
+) -> None:
+    from mooncake_kvaddr.driver.native_client import NativeClient
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    bound = _Recorder("bound")
+    client = _Recorder("native")
+    probes: list[Any] = []
+
+    def from_store(cls: Any, store: Any) -> Any:
+        probes.append(store)
+        return client if available else None
+
+    monkeypatch.setattr(NativeClient, "from_store", classmethod(from_store))
+    store = NativeMooncakeStore(bound)
+    config = object()
+    rows = [[1, 2], [3, 4]]
+    who = "native" if available else "bound"
+    with caplog.at_level(logging.INFO, logger="vllm.mooncake_kvaddr"):
+        assert store.batch_get_into_multi_buffers(["a", "b"], rows, rows) == [who, "batch_get_into_multi_buffers"]
+        assert store.batch_put_from_multi_buffers(["a", "b"], rows, rows, config)[0] == who
+        assert store.batch_is_exist(["a"])[0] == who
+        assert store.batch_get_into(["a"], [1], [2])[0] == who
+        assert store.batch_put_from(["a"], [1], [2], config)[0] == who
+        # Keyword arguments are Mooncake's business: always the bound method.
+        assert store.batch_put_from_multi_buffers(["a"], rows, rows, config=config)[0] == "bound"
+    assert probes == [bound]  # probed once, lazily
+    target = client if available else bound
+    assert target.calls[1] == ("batch_put_from_multi_buffers", (["a", "b"], rows, rows, config), {})
+    assert bound.calls[-1] == ("batch_put_from_multi_buffers", (["a"], rows, rows), {"config": config})
+    assert store.stats.native_calls == (5 if available else 0)
+    assert store.stats.fallback_calls == (1 if available else 6)
+    if not available:
+        assert sum("no native client" in r.getMessage() for r in caplog.records) == 1
+    assert store.batch_get_replica_desc is not None  # everything else is the wrapped store's
+    store.close()
+    assert bound.closed and (client.closed or not available)
+
+
+def test_native_store_refused_arguments_go_to_mooncake(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from mooncake_kvaddr.driver.native_client import NativeClient
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    bound = _Recorder("bound")
+    client = _Recorder("native", refuse=True)
+    monkeypatch.setattr(NativeClient, "from_store", classmethod(lambda cls, store: client))
+    store = NativeMooncakeStore(bound)
+    with caplog.at_level(logging.INFO, logger="vllm.mooncake_kvaddr"):
+        for _ in range(3):
+            assert store.batch_get_into_multi_buffers(["a"], "odd", "odd") == ["bound", "batch_get_into_multi_buffers"]
+    assert len(client.calls) == 3 and len(bound.calls) == 3
+    assert sum("arguments not accepted" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_native_client_setting_and_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    monkeypatch.delenv(plugin.ENV_NATIVE_CLIENT, raising=False)
+    monkeypatch.delenv(plugin.ENV_STAGED, raising=False)
+    inner = FakeMooncake()
+
+    def tensor(kind: str) -> Any:
+        return types.SimpleNamespace(device=types.SimpleNamespace(type=kind))
+
+    assert not plugin.native_client_setting(None, {})  # off by default
+    assert plugin.native_client_setting({plugin.EXTRA_NATIVE_CLIENT: True}, {})
+    assert not plugin.native_client_setting({plugin.EXTRA_NATIVE_CLIENT: True}, {plugin.ENV_NATIVE_CLIENT: "0"})
+    assert plugin.maybe_stage_store(inner, {"a": tensor("cuda")}, None) is inner
+    gpu = plugin.maybe_stage_store(inner, {"a": tensor("cuda")}, {plugin.EXTRA_NATIVE_CLIENT: "yes"})
+    assert isinstance(gpu, NativeMooncakeStore) and gpu.wrapped is inner  # device caches: just the call
+    assert plugin.maybe_stage_store(gpu, {"a": tensor("cuda")}, {plugin.EXTRA_NATIVE_CLIENT: True}) is gpu
+    both = plugin.maybe_stage_store(
+        inner, {"a": tensor("cpu")}, {plugin.EXTRA_NATIVE_CLIENT: True, plugin.EXTRA_STAGED: True}
+    )
+    assert isinstance(both, StagedMooncakeStore) and isinstance(both.wrapped, NativeMooncakeStore)
+    monkeypatch.setenv(plugin.ENV_NATIVE_CLIENT, "1")
+    assert isinstance(plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, None), NativeMooncakeStore)
+
+
+@pytest.mark.mooncake
+def test_staged_codes_equal_real_mooncake(master: Any) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", master.rpc_address) == 0
+    try:
+        store = StagedMooncakeStore(raw, staging_bytes=1 << 20)
+        cache = StagingBuffer(8 * 4 * 512)
+        assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+        cache.array[:] = np.random.default_rng(5).integers(0, 255, cache.nbytes, dtype=np.uint8)
+        want = cache.array.copy()
+        addrs, sizes = _rows(cache, 8, 4, 512)
+        keys = [f"staged-real-{i}" for i in range(8)]
+        assert store.batch_put_from_multi_buffers(keys[:6], addrs[:6], sizes[:6]) == [0] * 6
+        # k6: regions hold more than the stored object (stored from 2 regions); k7: missing.
+        assert raw.batch_put_from_multi_buffers([keys[6]], [addrs[6][:2]], [sizes[6][:2]]) == [0]
+        cache.array[:] = 0
+        staged = store.batch_get_into_multi_buffers(keys, addrs, sizes)
+        got = cache.array.copy()
+        cache.array[:] = 0
+        direct = raw.batch_get_into_multi_buffers(keys, addrs, sizes)
+        assert staged == direct
+        assert staged[:6] == [2048] * 6 and staged[6] < 0 and staged[7] < 0
+        assert (got == cache.array).all()
+        region = 8 * 512  # bytes per region row of all keys
+        for k in range(6):
+            for r in range(4):
+                at = r * region + k * 512
+                assert (got[at : at + 512] == want[at : at + 512]).all()
+        store.close()
+    finally:
+        raw.close()
+
+
+_LOADER = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from mooncake_kvaddr.integrations.vllm import plugin
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import data
+patched = data.RankLocalStoreLayout.prepare_values is plugin._rank_local_prepare_values
+print("PATCHED" if patched else "UNTOUCHED", flush=True)
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_vllms_own_plugin_loader_runs_the_entry_point(tmp_path: Any, switch: str | None) -> None:
+    """vLLM's ``load_general_plugins`` finds the ``vllm.general_plugins`` entry point (declared by a stand-in
+    dist-info, since the project is not pip-installed here) and the plugin patches vLLM, or leaves it alone
+    when switched off."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _vllm_data()
+    dist = tmp_path / "mooncake_kvaddr_plugin_probe-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mooncake-kvaddr-plugin-probe\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nmooncake_kvaddr = mooncake_kvaddr.integrations.vllm.plugin:register\n"
+    )
+    package_root = Path(plugin.__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", plugin.ENV_PLUGIN)}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(package_root)])
+    if switch is not None:
+        env[plugin.ENV_PLUGIN] = switch
+    done = subprocess.run(
+        [sys.executable, "-c", _LOADER], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == ("PATCHED" if switch is None else "UNTOUCHED")
+    active_lines = [line for line in done.stdout.splitlines() if "native Mooncake store paths active" in line]
+    assert len(active_lines) == (1 if switch is None else 0)
+
+
+def test_staged_bounds_check_slice_by_slice_when_a_column_spans_buffers() -> None:
+    inner = FakeMooncake()
+    inner.record_only()
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    first, second = StagingBuffer(4096), StagingBuffer(4096)
+    store.register_buffer(first.ptr, first.nbytes)
+    store.register_buffer(second.ptr, second.nbytes)
+    # One region column whose keys live in different buffers: every slice is inside one, so it is staged.
+    assert store.batch_put_from_multi_buffers(["x", "y"], [[first.ptr], [second.ptr]], [[256], [256]]) == [0, 0]
+    assert inner.calls == ["put_from"]
+    # A slice that starts in a buffer and ends past it is never staged.
+    store.batch_put_from_multi_buffers(["z"], [[first.ptr + 4000]], [[256]])
+    assert inner.calls[-1] == "put_multi"
+    # Near the top of the address space: no overflow, no staging.
+    store.batch_put_from_multi_buffers(["w"], [[(1 << 63) - 8]], [[256]])
+    assert inner.calls[-1] == "put_multi"
