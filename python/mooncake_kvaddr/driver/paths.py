@@ -34,7 +34,15 @@ from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
-from mooncake_kvaddr.driver.staging import CopyBackend, StagingLease, StagingPool, plan_batches, plan_slots
+from mooncake_kvaddr.driver.staging import (
+    SLOT_ALIGNMENT,
+    CopyBackend,
+    SlotPlan,
+    StagingLease,
+    StagingPool,
+    plan_batches,
+    plan_slots,
+)
 from mooncake_kvaddr.driver.store import (
     CODE_MASTER_UNREACHABLE,
     BatchResult,
@@ -75,13 +83,18 @@ class GetPlan:
     keys: list[str]
     addrs: Any
     sizes: Any
-    block_ids: Sequence[int]
+    block_ids: Sequence[int] | Int64Array
     #: Block ids outside the registered blocks (id -> reason): their chunks were dropped from the plan.
     invalid: dict[int, str] = field(default_factory=dict)
     dropped: int = 0  # chunks dropped for an invalid block id
+    #: The staging slot layout of every key in plan order, when the path planned it with the rows
+    #: (:class:`StagedPath`'s fused plan); ``None``: lay slots out from ``sizes`` when needed.
+    slots: SlotPlan | None = None
 
     def key_bytes(self) -> list[int]:
         """Each key's object size (the sum of its region sizes)."""
+        if self.slots is not None:
+            return [int(x) for x in self.slots.object_sizes.tolist()]
         if isinstance(self.sizes, np.ndarray):
             return [int(x) for x in self.sizes.sum(axis=1)] if len(self.keys) else []
         return [sum(row) for row in self.sizes]
@@ -394,6 +407,31 @@ class DirectPath(TransferPath):
         return GetOutcome(whole, CODE_MASTER_UNREACHABLE in got.codes, int(expected[whole].sum()))
 
 
+def _lay_out(object_sizes: Int64Array) -> SlotPlan:
+    """:func:`~mooncake_kvaddr.driver.staging.plan_slots`'s layout from the object sizes alone: each slot at the
+    running end rounded up to :data:`SLOT_ALIGNMENT`; ``total_bytes`` ends at the last slot's object.
+
+    The caller checks that the layout fits in int64 (the sizes come from a native plan: never negative).
+    """
+    padded = (object_sizes + (SLOT_ALIGNMENT - 1)) & -SLOT_ALIGNMENT
+    ends = np.cumsum(padded)
+    offsets = ends - padded
+    total = int(offsets[-1] + object_sizes[-1]) if len(offsets) else 0
+    return SlotPlan(offsets, object_sizes, total)
+
+
+def _sub_plan(slots: SlotPlan, start: int, end: int) -> SlotPlan:
+    """Keys ``[start, end)`` of a layout, shifted to start at 0: equal to ``plan_slots`` of their sizes
+    (every offset is aligned, so the keys keep their slots relative to the first)."""
+    if start == 0 and end == len(slots.offsets):
+        return slots
+    if start >= end:
+        return SlotPlan(slots.offsets[:0], slots.object_sizes[:0], 0)
+    offsets = slots.offsets[start:end] - slots.offsets[start]
+    object_sizes = slots.object_sizes[start:end]
+    return SlotPlan(offsets, object_sizes, int(offsets[-1] + object_sizes[-1]))
+
+
 class StagedPath(TransferPath):
     """Each key through one slot of a bounded, pre-faulted staging pool registered with Mooncake once.
 
@@ -412,6 +450,52 @@ class StagedPath(TransferPath):
 
     def describe(self) -> str:
         return f"{super().describe()}, staging pool {self.pool.capacity / (1 << 20):.1f} MiB"
+
+    def plan_get(
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash],
+        screened: Sequence[Screened],
+        skip: int,
+        tp_rank: int,
+    ) -> GetPlan:
+        """The walk, keys, int64 rows and staging slots in one native call per group (``plan_load_arrays``).
+
+        With the scatter after the get, a one-group load crosses into the native module twice; ``G`` groups
+        take ``G`` planning calls (their arrays are joined with numpy), then one scatter per staging batch
+        (docs/transfer-modes.md, "The staged load's crossings"). Rows and keys are rotated for the rank; the
+        slot layout is the native one when nothing moved, else laid out again from the object sizes (numpy,
+        the same layout as :func:`~mooncake_kvaddr.driver.staging.plan_slots`). A request with an invalid
+        block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built.
+        """
+        if any(s.bad for s in screened):
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+        parts = [
+            db.plan_load_arrays(token_len, block_hashes, screened[g].ids, skip, slot_alignment=SLOT_ALIGNMENT)
+            for g, db in enumerate(self.ctx.databases)
+        ]
+        parts = [p for p in parts if p.keys]
+        if not parts:
+            return GetPlan([], [], [], [])
+        if len(parts) == 1:
+            only = parts[0]
+            keys, addrs, sizes, ids = only.keys, only.addrs, only.sizes, only.block_ids
+            object_sizes = only.object_sizes
+        else:
+            keys = [k for p in parts for k in p.keys]
+            addrs = np.concatenate([p.addrs for p in parts])  # equal region counts: one registered layout
+            sizes = np.concatenate([p.sizes for p in parts])
+            ids = np.concatenate([p.block_ids for p in parts])
+            object_sizes = np.concatenate([p.object_sizes for p in parts])
+        if len(parts) == 1 and tp_rank % len(keys) == 0:
+            slots = SlotPlan(only.offsets, only.object_sizes, only.total_bytes)
+        else:
+            # Each rank starts at a different key so that ranks spread over the pool's segments.
+            keys, addrs, sizes = rotate(keys, tp_rank), rotate(addrs, tp_rank), rotate(sizes, tp_rank)
+            ids, object_sizes = rotate(ids, tp_rank), rotate(object_sizes, tp_rank)
+            bound = sum(p.total_bytes for p in parts) + SLOT_ALIGNMENT * len(keys)
+            slots = _lay_out(object_sizes) if bound < 1 << 63 else plan_slots(sizes)  # that one raises
+        return GetPlan(keys, addrs, sizes, ids, slots=slots)
 
     def _lease(self, object_sizes: Int64Array, total_bytes: int, deadline: RequestDeadline) -> StagingLease | None:
         """A lease for these keys, waiting at most until the deadline (``None`` if it expired meanwhile)."""
@@ -491,7 +575,7 @@ class StagedPath(TransferPath):
         addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
         keys = plan.keys[start:end]
         loaded = np.zeros(end - start, dtype=bool)
-        slots_plan = plan_slots(sizes)
+        slots_plan = plan_slots(sizes) if plan.slots is None else _sub_plan(plan.slots, start, end)
         lease = self._lease(slots_plan.object_sizes, slots_plan.total_bytes, deadline)
         clock.lap("staging_wait")
         if lease is None:
