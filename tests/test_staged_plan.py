@@ -23,7 +23,7 @@ from mooncake_kvaddr.core import keys as keys_module
 from mooncake_kvaddr.driver import staging as staging_module
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
 from mooncake_kvaddr.driver.paths import PathContext, StagedPath, TransferPath, _sub_plan
-from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, plan_slots
+from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, StagingPool, plan_slots
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import TransferRequest
 
@@ -73,8 +73,11 @@ def test_fused_plan_equals_the_walk_then_prepare_plan(
     assert fused.keys == reference.keys
     if not reference.keys:
         return
-    assert np.asarray(fused.addrs).tolist() == np.asarray(reference.addrs).tolist()
-    assert np.asarray(fused.sizes).tolist() == np.asarray(reference.sizes).tolist()
+    # The fused plan leaves the rows in walk order: key i's row is (i + row_shift) % n.
+    assert fused.row_shift == (tp_rank % len(fused.keys) if len(fused.keys) else 0)
+    rows = (np.arange(len(fused.keys)) + fused.row_shift) % len(fused.keys)
+    assert np.asarray(fused.addrs)[rows].tolist() == np.asarray(reference.addrs).tolist()
+    assert np.asarray(fused.sizes)[rows].tolist() == np.asarray(reference.sizes).tolist()
     assert np.asarray(fused.block_ids).tolist() == np.asarray(reference.block_ids).tolist()
     assert fused.key_bytes() == reference.key_bytes()
     assert fused.slots is not None
@@ -157,3 +160,35 @@ def test_a_staged_load_crosses_once_per_group_then_once_to_scatter(
         all_ids = [b for group in ids for b in group]
         assert_blocks_equal(src, all_ids, dst, all_ids)
     assert spy.calls == ["plan_load_arrays"] * groups + ["_staging_scatter"]
+
+
+@mooncake
+@pytest.mark.parametrize("tp_rank", [0, 4, 11])
+def test_a_small_pool_scatters_each_batch_into_the_right_rows(
+    store: MooncakeStore, model: str, monkeypatch: pytest.MonkeyPatch, tp_rank: int
+) -> None:
+    # Rotated keys whose batches wrap around the walk order; one key missing: its blocks stay untouched.
+    bs, chunks, regions, groups = 16, 7, 3, 2
+    src = Cache(regions, groups * chunks + 1, 1000, seed=22)
+    dst = Cache(regions, groups * chunks + 1, 1000, fill=6)
+    h = hashes(model, chunks)
+    ids = [[1 + g * chunks + i for i in range(chunks)][::-1] for g in range(groups)]
+    with (
+        transfer(store, model, src, bs, groups=groups, transfer_mode="staged") as writer,
+        transfer(
+            store, model, dst, bs, groups=groups, tp_rank=tp_rank, staging_pool=StagingPool(3 * regions * 1024)
+        ) as reader,
+    ):
+        assert writer.store(TransferRequest("r", chunks * bs, h, ids)).stored == groups * chunks
+        assert store.batch_remove([writer.databases[1].key_for(h[2])], force=True).ok
+        spy = NativeSpy(monkeypatch)
+        for db in reader.databases:
+            spy.watch(db)
+        loaded = reader.load(TransferRequest("r", chunks * bs, h, ids))
+    missing = ids[1][2]
+    good = [b for group in ids for b in group if b != missing]
+    assert loaded.failed_block_ids == {missing} and loaded.loaded_block_ids == set(good)
+    assert_blocks_equal(src, good, dst, good)
+    assert all((region[[0, missing]] == 6).all() for region in dst.regions)
+    batches = spy.calls.count("_staging_scatter")
+    assert spy.calls == ["plan_load_arrays"] * groups + ["_staging_scatter"] * batches and batches >= 4

@@ -90,6 +90,10 @@ class GetPlan:
     #: The staging slot layout of every key in plan order, when the path planned it with the rows
     #: (:class:`StagedPath`'s fused plan); ``None``: lay slots out from ``sizes`` when needed.
     slots: SlotPlan | None = None
+    #: 0: ``addrs``/``sizes`` rows are in transfer order. Else they are in walk order (the rank's rotation
+    #: was applied to the keys, block ids and slots only, not to the large matrices): key ``i`` has row
+    #: ``(i + row_shift) % len(keys)``. Only :class:`StagedPath` makes and reads such plans.
+    row_shift: int = 0
 
     def key_bytes(self) -> list[int]:
         """Each key's object size (the sum of its region sizes)."""
@@ -487,15 +491,19 @@ class StagedPath(TransferPath):
             sizes = np.concatenate([p.sizes for p in parts])
             ids = np.concatenate([p.block_ids for p in parts])
             object_sizes = np.concatenate([p.object_sizes for p in parts])
-        if len(parts) == 1 and tp_rank % len(keys) == 0:
+        shift = tp_rank % len(keys)
+        if len(parts) == 1 and shift == 0:
             slots = SlotPlan(only.offsets, only.object_sizes, only.total_bytes)
         else:
-            # Each rank starts at a different key so that ranks spread over the pool's segments.
-            keys, addrs, sizes = rotate(keys, tp_rank), rotate(addrs, tp_rank), rotate(sizes, tp_rank)
-            ids, object_sizes = rotate(ids, tp_rank), rotate(object_sizes, tp_rank)
+            # Each rank starts at a different key so that ranks spread over the pool's segments. The rows stay
+            # in walk order (rotating two (n, R) matrices would cost more than planning them): the get finds
+            # key i's row at (i + shift) % n.
+            keys, ids, object_sizes = rotate(keys, shift), rotate(ids, shift), rotate(object_sizes, shift)
             bound = sum(p.total_bytes for p in parts) + SLOT_ALIGNMENT * len(keys)
-            slots = _lay_out(object_sizes) if bound < 1 << 63 else plan_slots(sizes)  # that one raises
-        return GetPlan(keys, addrs, sizes, ids, slots=slots)
+            if bound >= 1 << 63:
+                plan_slots(sizes)  # raises OverflowError: the layout does not fit in int64
+            slots = _lay_out(object_sizes)
+        return GetPlan(keys, addrs, sizes, ids, slots=slots, row_shift=shift)
 
     def _lease(self, object_sizes: Int64Array, total_bytes: int, deadline: RequestDeadline) -> StagingLease | None:
         """A lease for these keys, waiting at most until the deadline (``None`` if it expired meanwhile)."""
@@ -572,7 +580,10 @@ class StagedPath(TransferPath):
     def get(
         self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
-        addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
+        if plan.row_shift:
+            addrs, sizes = plan.addrs, plan.sizes  # whole, in walk order: the scatter selects the batch's rows
+        else:
+            addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
         keys = plan.keys[start:end]
         loaded = np.zeros(end - start, dtype=bool)
         slots_plan = plan_slots(sizes) if plan.slots is None else _sub_plan(plan.slots, start, end)
@@ -606,7 +617,15 @@ class StagedPath(TransferPath):
                 whole = _read_whole(got, expected)
                 if whole.any():
                     # Only keys read whole: a failed key's slot holds stale bytes of an earlier request.
-                    self.copy.scatter(addrs[lo:hi], sizes[lo:hi], lease.range, slots, select=whole)
+                    if plan.row_shift:
+                        rows = (np.arange(start + lo, start + hi) + plan.row_shift) % len(plan.keys)
+                        row_slots = np.zeros(len(plan.keys), dtype=np.int64)
+                        row_slots[rows] = slots
+                        select = np.zeros(len(plan.keys), dtype=bool)
+                        select[rows] = whole
+                        self.copy.scatter(addrs, sizes, lease.range, row_slots, select=select)
+                    else:
+                        self.copy.scatter(addrs[lo:hi], sizes[lo:hi], lease.range, slots, select=whole)
                 loaded[lo:hi] = whole
                 clock.lap("scatter")
                 if CODE_MASTER_UNREACHABLE in got.codes:
