@@ -14,7 +14,7 @@ by a path with a fused plan (:class:`MultiBufferPath` does). Every put and get r
 each batch of its own; keys it no longer tries are counted ``transfer_failed`` (``docs/transfer-modes.md``,
 "Deadlines").
 
-Size: the three paths are kept in one module (~450 lines) so that their put and get can be compared side by
+Size: the three paths are kept in one module (~640 lines) so that their put and get can be compared side by
 side; a new path belongs in a module of its own.
 """
 
@@ -467,9 +467,10 @@ class StagedPath(TransferPath):
 
         With the scatter after the get, a one-group load crosses into the native module twice; ``G`` groups
         take ``G`` planning calls (their arrays are joined with numpy), then one scatter per staging batch
-        (docs/transfer-modes.md, "The staged load's crossings"). Rows and keys are rotated for the rank; the
-        slot layout is the native one when nothing moved, else laid out again from the object sizes (numpy,
-        the same layout as :func:`~mooncake_kvaddr.driver.staging.plan_slots`). A request with an invalid
+        (docs/transfer-modes.md, "The staged load's crossings"). The keys, block ids and slots are rotated for
+        the rank, the rows stay in walk order (:attr:`GetPlan.row_shift`); the slot layout is the native one
+        when nothing moved, else laid out again from the object sizes (numpy, the same layout as
+        :func:`~mooncake_kvaddr.driver.staging.plan_slots`). A request with an invalid
         block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built.
         """
         if any(s.bad for s in screened):
