@@ -14,7 +14,7 @@ by a path with a fused plan (:class:`MultiBufferPath` does). Every put and get r
 each batch of its own; keys it no longer tries are counted ``transfer_failed`` (``docs/transfer-modes.md``,
 "Deadlines").
 
-Size: the three paths are kept in one module (~450 lines) so that their put and get can be compared side by
+Size: the three paths are kept in one module (~640 lines) so that their put and get can be compared side by
 side; a new path belongs in a module of its own.
 """
 
@@ -34,7 +34,15 @@ from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
-from mooncake_kvaddr.driver.staging import CopyBackend, StagingLease, StagingPool, plan_batches, plan_slots
+from mooncake_kvaddr.driver.staging import (
+    SLOT_ALIGNMENT,
+    CopyBackend,
+    SlotPlan,
+    StagingLease,
+    StagingPool,
+    plan_batches,
+    plan_slots,
+)
 from mooncake_kvaddr.driver.store import (
     CODE_MASTER_UNREACHABLE,
     BatchResult,
@@ -75,13 +83,22 @@ class GetPlan:
     keys: list[str]
     addrs: Any
     sizes: Any
-    block_ids: Sequence[int]
+    block_ids: Sequence[int] | Int64Array
     #: Block ids outside the registered blocks (id -> reason): their chunks were dropped from the plan.
     invalid: dict[int, str] = field(default_factory=dict)
     dropped: int = 0  # chunks dropped for an invalid block id
+    #: The staging slot layout of every key in plan order, when the path planned it with the rows
+    #: (:class:`StagedPath`'s fused plan); ``None``: lay slots out from ``sizes`` when needed.
+    slots: SlotPlan | None = None
+    #: 0: ``addrs``/``sizes`` rows are in transfer order. Else they are in walk order (the rank's rotation
+    #: was applied to the keys, block ids and slots only, not to the large matrices): key ``i`` has row
+    #: ``(i + row_shift) % len(keys)``. Only :class:`StagedPath` makes and reads such plans.
+    row_shift: int = 0
 
     def key_bytes(self) -> list[int]:
         """Each key's object size (the sum of its region sizes)."""
+        if self.slots is not None:
+            return [int(x) for x in self.slots.object_sizes.tolist()]
         if isinstance(self.sizes, np.ndarray):
             return [int(x) for x in self.sizes.sum(axis=1)] if len(self.keys) else []
         return [sum(row) for row in self.sizes]
@@ -394,6 +411,31 @@ class DirectPath(TransferPath):
         return GetOutcome(whole, CODE_MASTER_UNREACHABLE in got.codes, int(expected[whole].sum()))
 
 
+def _lay_out(object_sizes: Int64Array) -> SlotPlan:
+    """:func:`~mooncake_kvaddr.driver.staging.plan_slots`'s layout from the object sizes alone: each slot at the
+    running end rounded up to :data:`SLOT_ALIGNMENT`; ``total_bytes`` ends at the last slot's object.
+
+    The caller checks that the layout fits in int64 (the sizes come from a native plan: never negative).
+    """
+    padded = (object_sizes + (SLOT_ALIGNMENT - 1)) & -SLOT_ALIGNMENT
+    ends = np.cumsum(padded)
+    offsets = ends - padded
+    total = int(offsets[-1] + object_sizes[-1]) if len(offsets) else 0
+    return SlotPlan(offsets, object_sizes, total)
+
+
+def _sub_plan(slots: SlotPlan, start: int, end: int) -> SlotPlan:
+    """Keys ``[start, end)`` of a layout, shifted to start at 0: equal to ``plan_slots`` of their sizes
+    (every offset is aligned, so the keys keep their slots relative to the first)."""
+    if start == 0 and end == len(slots.offsets):
+        return slots
+    if start >= end:
+        return SlotPlan(slots.offsets[:0], slots.object_sizes[:0], 0)
+    offsets = slots.offsets[start:end] - slots.offsets[start]
+    object_sizes = slots.object_sizes[start:end]
+    return SlotPlan(offsets, object_sizes, int(offsets[-1] + object_sizes[-1]))
+
+
 class StagedPath(TransferPath):
     """Each key through one slot of a bounded, pre-faulted staging pool registered with Mooncake once.
 
@@ -412,6 +454,57 @@ class StagedPath(TransferPath):
 
     def describe(self) -> str:
         return f"{super().describe()}, staging pool {self.pool.capacity / (1 << 20):.1f} MiB"
+
+    def plan_get(
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash],
+        screened: Sequence[Screened],
+        skip: int,
+        tp_rank: int,
+    ) -> GetPlan:
+        """The walk, keys, int64 rows and staging slots in one native call per group (``plan_load_arrays``).
+
+        With the scatter after the get, a one-group load crosses into the native module twice; ``G`` groups
+        take ``G`` planning calls (their arrays are joined with numpy), then one scatter per staging batch
+        (docs/transfer-modes.md, "The staged load's crossings"). The keys, block ids and slots are rotated for
+        the rank, the rows stay in walk order (:attr:`GetPlan.row_shift`); the slot layout is the native one
+        when nothing moved, else laid out again from the object sizes (numpy, the same layout as
+        :func:`~mooncake_kvaddr.driver.staging.plan_slots`). A request with an invalid
+        block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built.
+        """
+        if any(s.bad for s in screened):
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+        parts = [
+            db.plan_load_arrays(token_len, block_hashes, screened[g].ids, skip, slot_alignment=SLOT_ALIGNMENT)
+            for g, db in enumerate(self.ctx.databases)
+        ]
+        parts = [p for p in parts if p.keys]
+        if not parts:
+            return GetPlan([], [], [], [])
+        if len(parts) == 1:
+            only = parts[0]
+            keys, addrs, sizes, ids = only.keys, only.addrs, only.sizes, only.block_ids
+            object_sizes = only.object_sizes
+        else:
+            keys = [k for p in parts for k in p.keys]
+            addrs = np.concatenate([p.addrs for p in parts])  # equal region counts: one registered layout
+            sizes = np.concatenate([p.sizes for p in parts])
+            ids = np.concatenate([p.block_ids for p in parts])
+            object_sizes = np.concatenate([p.object_sizes for p in parts])
+        shift = tp_rank % len(keys)
+        if len(parts) == 1 and shift == 0:
+            slots = SlotPlan(only.offsets, only.object_sizes, only.total_bytes)
+        else:
+            # Each rank starts at a different key so that ranks spread over the pool's segments. The rows stay
+            # in walk order (rotating two (n, R) matrices would cost more than planning them): the get finds
+            # key i's row at (i + shift) % n.
+            keys, ids, object_sizes = rotate(keys, shift), rotate(ids, shift), rotate(object_sizes, shift)
+            bound = sum(p.total_bytes for p in parts) + SLOT_ALIGNMENT * len(keys)
+            if bound >= 1 << 63:
+                plan_slots(sizes)  # raises OverflowError: the layout does not fit in int64
+            slots = _lay_out(object_sizes)
+        return GetPlan(keys, addrs, sizes, ids, slots=slots, row_shift=shift)
 
     def _lease(self, object_sizes: Int64Array, total_bytes: int, deadline: RequestDeadline) -> StagingLease | None:
         """A lease for these keys, waiting at most until the deadline (``None`` if it expired meanwhile)."""
@@ -488,10 +581,13 @@ class StagedPath(TransferPath):
     def get(
         self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
-        addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
+        if plan.row_shift:
+            addrs, sizes = plan.addrs, plan.sizes  # whole, in walk order: the scatter selects the batch's rows
+        else:
+            addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
         keys = plan.keys[start:end]
         loaded = np.zeros(end - start, dtype=bool)
-        slots_plan = plan_slots(sizes)
+        slots_plan = plan_slots(sizes) if plan.slots is None else _sub_plan(plan.slots, start, end)
         lease = self._lease(slots_plan.object_sizes, slots_plan.total_bytes, deadline)
         clock.lap("staging_wait")
         if lease is None:
@@ -522,7 +618,15 @@ class StagedPath(TransferPath):
                 whole = _read_whole(got, expected)
                 if whole.any():
                     # Only keys read whole: a failed key's slot holds stale bytes of an earlier request.
-                    self.copy.scatter(addrs[lo:hi], sizes[lo:hi], lease.range, slots, select=whole)
+                    if plan.row_shift:
+                        rows = (np.arange(start + lo, start + hi) + plan.row_shift) % len(plan.keys)
+                        row_slots = np.zeros(len(plan.keys), dtype=np.int64)
+                        row_slots[rows] = slots
+                        select = np.zeros(len(plan.keys), dtype=bool)
+                        select[rows] = whole
+                        self.copy.scatter(addrs, sizes, lease.range, row_slots, select=select)
+                    else:
+                        self.copy.scatter(addrs[lo:hi], sizes[lo:hi], lease.range, slots, select=whole)
                 loaded[lo:hi] = whole
                 clock.lap("scatter")
                 if CODE_MASTER_UNREACHABLE in got.codes:
