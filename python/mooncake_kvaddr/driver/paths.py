@@ -471,9 +471,10 @@ class StagedPath(TransferPath):
         the rank, the rows stay in walk order (:attr:`GetPlan.row_shift`); the slot layout is the native one
         when nothing moved, else laid out again from the object sizes (numpy, the same layout as
         :func:`~mooncake_kvaddr.driver.staging.plan_slots`). A request with an invalid
-        block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built.
+        block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built;
+        so do databases without a fused array plan (vLLM 0.33 layout databases, driver/layout_adapter.py).
         """
-        if any(s.bad for s in screened):
+        if any(s.bad for s in screened) or not all(hasattr(db, "plan_load_arrays") for db in self.ctx.databases):
             return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
         parts = [
             db.plan_load_arrays(token_len, block_hashes, screened[g].ids, skip, slot_alignment=SLOT_ALIGNMENT)
