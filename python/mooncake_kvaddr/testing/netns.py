@@ -21,6 +21,9 @@ cluster left behind by a process that was SIGKILLed is removed by :func:`sweep_s
 
 Root (CAP_SYS_ADMIN + CAP_NET_ADMIN), ``ip`` from iproute2 and the Mooncake wheel are needed;
 :func:`unavailable_reason` says which one is missing (tests skip with it).
+
+Size: namespaces, processes and teardown live together (~800 lines) because teardown must know every
+resource the harness creates, on every failure path.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ What is replaced (all on vLLM's ``...mooncake.store.data`` classes, state kept o
   transport (``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=1`` or ``{"mooncake_kvaddr_native_client": true}``, host or
   device caches): the batch calls go through
   :class:`~mooncake_kvaddr.integrations.vllm.native_store.NativeMooncakeStore`. Both are off by default.
+
+Size: one module on purpose (~600 lines): the version/shape checks, the self-check and the patches must be
+read together to see that nothing is patched that was not checked first.
 """
 
 from __future__ import annotations
