@@ -3,7 +3,8 @@
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the extension.
 #
 # Usage: tests/sanitize.sh [pytest args]      (default: the test files listed below)
-# Env:   SANITIZE_DIR (build/work folder, default /tmp/mooncake_kvaddr_sanitize)
+# Env:   SANITIZE_DIR (build/work folder, default build/sanitize in this checkout; a CMake cache left there by
+#        another checkout is discarded, never reused)
 #        SANITIZE_DRIVER=0 skips the driver tests (they need the mooncake package).
 #
 # Works from a fresh clone with python3, pip, cmake, ninja and g++: pybind11 is taken from the interpreter
@@ -12,8 +13,14 @@
 # halts on the first error).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-work=${SANITIZE_DIR:-/tmp/mooncake_kvaddr_sanitize}
+work=${SANITIZE_DIR:-$root/build/sanitize}
 mkdir -p "$work"
+# A build folder configured from another source tree makes CMake refuse to run: start that one afresh.
+cache="$work/build/CMakeCache.txt"
+if [[ -f $cache ]] && ! grep -qxF "CMAKE_HOME_DIRECTORY:INTERNAL=$root" "$cache"; then
+    echo "sanitize: $work/build was configured for another source tree; rebuilding it" >&2
+    rm -rf "$work/build"
+fi
 
 if ! pybind11_dir=$(python3 -m pybind11 --cmakedir 2>/dev/null); then
     python3 -m pip install --quiet --target "$work/pydeps" pybind11
