@@ -237,9 +237,16 @@ def test_address_cache_is_bounded_and_configurable() -> None:
     chunks = [(16 * i, 16 * (i + 1)) for i in range(200)]
     block_ids = list(range(1000, 1200))
     expected = oracle.prepare_values(chunks, block_ids)
-    assert native.prepare_values(chunks, block_ids) == expected
+    # 20 rows fit the cap (~24 rows of 100 regions): cached on their second sighting.
+    for _ in range(2):
+        assert native.prepare_values(chunks[:20], block_ids) == oracle.prepare_values(chunks[:20], block_ids)
     info = native.address_cache_info()
-    assert 0 < info["bytes"] <= 100_000 and info["entries"] < 200
+    assert info["entries"] == 20 and 0 < info["bytes"] <= 100_000
+    # 200 rows do not: the cache stays within its cap.
+    for _ in range(3):
+        assert native.prepare_values(chunks, block_ids) == expected
+    info = native.address_cache_info()
+    assert info["bytes"] <= 100_000 and info["entries"] < 200
     assert native.prepare_values(chunks, block_ids) == expected
     native.address_cache_bytes = 0
     assert native.address_cache_info()["entries"] == 0
@@ -247,6 +254,7 @@ def test_address_cache_is_bounded_and_configurable() -> None:
     assert native.address_cache_info()["entries"] == 0
     native.address_cache_bytes = 1 << 30
     native.prepare_values(chunks, block_ids)
+    native.prepare_values(chunks, block_ids)  # a row is cached on its block id's second sighting
     warm = native.address_cache_info()
     native.prepare_values(chunks, block_ids)
     assert native.address_cache_info()["hits"] - warm["hits"] == 200
@@ -254,6 +262,82 @@ def test_address_cache_is_bounded_and_configurable() -> None:
     assert native.address_cache_info()["entries"] == 0
     with pytest.raises(ValueError):
         native.address_cache_bytes = -1
+
+
+def test_rows_are_cached_on_their_second_sighting() -> None:
+    bases, lens = oracle_regions(8, 2)
+    native, oracle = paired(bases, lens, 16)
+    chunks = [(16 * i, 16 * (i + 1)) for i in range(50)]
+    block_ids = list(range(5000, 5050))
+    expected = oracle.prepare_values(chunks, block_ids)
+    assert native.prepare_values(chunks, block_ids) == expected
+    assert native.address_cache_info()["entries"] == 0  # first sighting: nothing cached, nothing evicted
+    assert native.prepare_values(chunks, block_ids) == expected
+    assert native.address_cache_info()["entries"] == 50
+    before = native.address_cache_info()["hits"]
+    assert native.prepare_values(chunks, block_ids) == expected
+    assert native.address_cache_info()["hits"] - before == 50
+    # A stream of never-seen block ids never fills the cache (a colliding sighting may cache a few early).
+    for rep in range(20):
+        fresh = list(range(10_000 + 50 * rep, 10_050 + 50 * rep))
+        assert native.prepare_values(chunks, fresh) == oracle.prepare_values(chunks, fresh)
+    assert native.address_cache_info()["entries"] < 50 + 100
+    # Region changes drop the cache and the sightings: the next call sees every block id for the first time.
+    native.block_len[0] += 64
+    oracle.block_len[0] += 64
+    assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
+    assert native.address_cache_info()["entries"] == 0
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_immutable_rows_are_tuples_of_the_same_values(warm: bool) -> None:
+    bases, lens = oracle_regions(12, 3)
+    native, oracle = paired(bases, lens, BLOCK_SIZE)
+    native.immutable_rows = True
+    assert native.immutable_rows
+    rng = random.Random(1)
+    block_ids = [rng.randrange(1 << 20) for _ in range(300)]
+    chunks = upstream_chunks(rng)
+    if warm:
+        native.prepare_values(chunks, block_ids)
+        native.prepare_values(chunks, block_ids)
+    addrs, sizes, ids = native.prepare_values(chunks, block_ids)
+    want_addrs, want_sizes, want_ids = oracle.prepare_values(chunks, block_ids)
+    assert type(addrs) is list and type(sizes) is list and type(ids) is list
+    assert all(type(row) is tuple for row in addrs + sizes)
+    assert [list(row) for row in addrs] == want_addrs
+    assert [list(row) for row in sizes] == want_sizes
+    assert ids == want_ids
+    assert_native_ints(([list(row) for row in addrs], [list(row) for row in sizes], ids))
+    # prepare_value and plan_load follow the switch; lists again once it is off.
+    addr, size, block_id = native.prepare_value(*chunks[0], block_ids)
+    assert type(addr) is tuple and list(addr) == want_addrs[0] and block_id == want_ids[0]
+    assert type(size) is tuple and list(size) == want_sizes[0]
+    hashes = [bytes([i + 1]) * 8 for i in range(8)]
+    plan = native.plan_load(8 * BLOCK_SIZE, hashes, block_ids)
+    want = oracle.prepare_values([(BLOCK_SIZE * i, BLOCK_SIZE * (i + 1)) for i in range(8)], block_ids)
+    assert len(plan.addrs) == 8
+    assert all(type(row) is tuple for row in plan.addrs + plan.sizes)
+    assert [list(r) for r in plan.addrs] == want[0] and [list(r) for r in plan.sizes] == want[1]
+    native.immutable_rows = False
+    addrs, sizes, ids = native.prepare_values(chunks, block_ids)
+    assert all(type(row) is list for row in addrs + sizes)
+    assert (addrs, sizes, ids) == (want_addrs, want_sizes, want_ids)
+
+
+def test_immutable_rows_follow_region_changes() -> None:
+    bases, lens = oracle_regions(4, 4)
+    native, oracle = paired(bases, lens, 16)
+    native.immutable_rows = True
+    chunks = [(0, 16), (16, 32)]
+    for _ in range(3):
+        first = native.prepare_values(chunks, [7, 8])
+    native.kv_caches_base_addr[1] += 1 << 30
+    oracle.kv_caches_base_addr[1] += 1 << 30
+    second = native.prepare_values(chunks, [7, 8])
+    want = oracle.prepare_values(chunks, [7, 8])
+    assert [list(r) for r in second[0]] == want[0]
+    assert [list(r) for r in first[0]] != want[0]  # the earlier result kept its values
 
 
 def test_constructor_validation() -> None:

@@ -470,6 +470,24 @@ def test_use_before_setup_and_after_close_raises_instead_of_crashing(store_confi
 
 
 @mooncake
+def test_mooncake_itself_takes_tuple_rows(store: MooncakeStore, key_prefix: str) -> None:
+    # The immutable-rows output (docs/address-rows.md) hands vLLM's worker tuples, which it passes to
+    # Mooncake's own batch calls unchanged: those calls must read tuples exactly as lists.
+    client = store._client
+    src, dst = Regions(6, 3, 1 * KiB, seed=4), Regions(6, 3, 1 * KiB)
+    for region in (src, dst):
+        assert client.register_buffer(region.data.ctypes.data, region.data.nbytes) == 0
+    keys = [f"{key_prefix}/{i}" for i in range(6)]
+    codes = client.batch_put_from_multi_buffers(keys, [tuple(r) for r in src.addrs], [tuple(r) for r in src.sizes])
+    assert list(codes) == [0] * 6
+    got = client.batch_get_into_multi_buffers(keys, [tuple(r) for r in dst.addrs], tuple(tuple(r) for r in dst.sizes))
+    assert list(got) == [src.object_size] * 6
+    np.testing.assert_array_equal(dst.data, src.data)
+    for region in (src, dst):
+        assert client.unregister_buffer(region.data.ctypes.data) == 0
+
+
+@mooncake
 def test_put_exist_get_round_trip_bytes(store: MooncakeStore, key_prefix: str, spy: CallSpy) -> None:
     src = Regions(40, 5, 1 * KiB, seed=1)
     keys = [f"{key_prefix}/{i}" for i in range(40)]

@@ -72,18 +72,30 @@ py::tuple AddressTable::rows_as_lists(const Snapshot& snapshot, const std::vecto
                                       std::vector<py::object>& id_objects) {
     const Regions& regions = *snapshot.regions;
     const std::size_t n = plans.size();
+    const std::size_t width = regions.size();
     std::vector<RowRef> addr(n), size(n);
+    // Rows not cached (a block id's first sighting, or caching off): their values, built into fresh rows in
+    // step 2. fresh_at[c] is the row's offset in `fresh`, or npos for a cached row.
+    constexpr std::size_t npos = static_cast<std::size_t>(-1);
+    std::vector<std::size_t> fresh_at(n, npos);
+    std::vector<int64_t> fresh;
     std::vector<RowRef> graveyard;
-    std::vector<int64_t> scratch(regions.size());
-    // Step 1, no Python code: rows from the cache or computed (checked) and cached under the snapshot's
-    // generation. Our references keep every row alive whatever later steps (or other threads) evict.
+    std::vector<int64_t> scratch(width);
+    // Step 1, no Python code: rows from the cache, computed (checked) and cached under the snapshot's
+    // generation when admitted, or computed into `fresh`. Our references keep every cached row alive whatever
+    // later steps (or other threads) evict.
     for (std::size_t c = 0; c < n; ++c) {
         const ChunkPlan& plan = plans[c];
         addr[c] = cache_.find_address(plan.block_id, snapshot.generation);
         if (!addr[c]) {
             if (!address_row(regions, plan.block_id, scratch.data())) raise_overflow(c, plan.block_id);
-            addr[c] = std::make_shared<const IntRow>(scratch.data(), scratch.size());
-            cache_.insert_address(plan.block_id, addr[c], snapshot.generation, &graveyard);
+            if (cache_.admit(plan.block_id, snapshot.generation)) {
+                addr[c] = std::make_shared<const IntRow>(scratch.data(), width);
+                cache_.insert_address(plan.block_id, addr[c], snapshot.generation, &graveyard);
+            } else {
+                fresh_at[c] = fresh.size();
+                fresh.insert(fresh.end(), scratch.begin(), scratch.end());
+            }
         }
         size[c] = cache_.find_size(plan.block_count, snapshot.generation);
         if (!size[c]) {
@@ -91,19 +103,27 @@ py::tuple AddressTable::rows_as_lists(const Snapshot& snapshot, const std::vecto
                 raise(PyExc_OverflowError, "chunk " + std::to_string(c) + ": block_len * " +
                                                std::to_string(plan.block_count) + " blocks overflows int64");
             }
-            size[c] = std::make_shared<const IntRow>(scratch.data(), scratch.size());
+            size[c] = std::make_shared<const IntRow>(scratch.data(), width);
             cache_.insert_size(plan.block_count, size[c], snapshot.generation);
         }
     }
     graveyard.clear();
-    // Step 2: fresh lists (allocating them may start a GC pass, i.e. run Python code; nothing shared is
-    // touched any more).
+    // Step 2: the result rows — fresh lists, or (immutable_rows) tuples, the cached rows' own. Allocating may
+    // start a GC pass, i.e. run Python code; nothing shared is touched any more.
+    const bool tuples = immutable_rows_;
     const auto count = static_cast<Py_ssize_t>(n);
     py::list addr_rows(count), size_rows(count), chunk_ids(count);
     for (std::size_t c = 0; c < n; ++c) {
         const auto at = static_cast<Py_ssize_t>(c);
-        PyList_SET_ITEM(addr_rows.ptr(), at, addr[c]->new_list());
-        PyList_SET_ITEM(size_rows.ptr(), at, size[c]->new_list());
+        PyObject* row;
+        if (fresh_at[c] != npos) {
+            const int64_t* values = fresh.data() + fresh_at[c];
+            row = tuples ? new_int_tuple(values, width) : new_int_list(values, width);
+        } else {
+            row = tuples ? addr[c]->tuple_ref() : addr[c]->new_list();
+        }
+        PyList_SET_ITEM(addr_rows.ptr(), at, row);
+        PyList_SET_ITEM(size_rows.ptr(), at, tuples ? size[c]->tuple_ref() : size[c]->new_list());
         PyObject* id = id_objects[c].release().ptr();
         if (id == nullptr) {
             id = PyLong_FromLongLong(plans[c].block_id);

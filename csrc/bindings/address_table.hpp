@@ -44,7 +44,8 @@ public:
     // with the current snapshot and installs a new one (dropping the cache) if they changed.
     Snapshot sync_regions();
 
-    // Rows of validated chunks whose block ids are resolved: fresh lists (addr_rows, size_rows, ids).
+    // Rows of validated chunks whose block ids are resolved: (addr_rows, size_rows, ids), each row a fresh
+    // list, or with immutable_rows a tuple (a cached row's own: shared between results, never changed).
     py::tuple rows_as_lists(const Snapshot& snapshot, const std::vector<ChunkPlan>& plans,
                             std::vector<py::object>& id_objects);
     // The same as fresh int64 arrays (addrs (n, R), sizes (n, R), ids (n,)).
@@ -59,6 +60,9 @@ public:
     py::dict cache_info() const { return cache_.info(); }
     void clear_cache();
 
+    bool immutable_rows() const { return immutable_rows_; }
+    void set_immutable_rows(bool value) { immutable_rows_ = value; }
+
     int64_t block_size() const { return block_size_; }
     int64_t hash_block_size() const { return hash_block_size_; }
 
@@ -72,6 +76,7 @@ private:
     std::shared_ptr<const Regions> regions_;
     std::vector<int64_t> seen_lens_;
     bool synced_ = false;  // regions_ reflects a successful read of the caller's lists
+    bool immutable_rows_ = false;  // rows as tuples (no per-call copy) instead of fresh lists
     RowCache cache_;
 };
 

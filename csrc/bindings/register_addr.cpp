@@ -29,6 +29,8 @@ void register_addr(py::module_& m) {
              py::arg("token_len"), py::arg("mask_num"), py::arg("chunk_mask"), py::arg("put_step"),
              py::arg("put_step_rank"), py::arg("block_ids"), py::arg("skip_null"))
         .def_property("cache_capacity", &AddressTable::cache_capacity, &AddressTable::set_cache_capacity)
+        .def_property("immutable_rows", &AddressTable::immutable_rows, &AddressTable::set_immutable_rows,
+                      "Rows as tuples shared with the row cache (no per-call copy) instead of fresh lists.")
         .def("cache_info", &AddressTable::cache_info)
         .def("clear_cache", &AddressTable::clear_cache)
         .def_property_readonly("block_size", &AddressTable::block_size)

@@ -1,6 +1,7 @@
 // The address-row cache (row_cache.hpp).
 #include "bindings/row_cache.hpp"
 
+#include <algorithm>
 #include <utility>
 
 namespace kvaddr::py_bindings {
@@ -15,10 +16,45 @@ IntRow::IntRow(const int64_t* values, std::size_t count) {
 }
 
 IntRow::~IntRow() {
+    Py_XDECREF(tuple_);
     for (PyObject* item : items_) Py_DECREF(item);
 }
 
 PyObject* IntRow::new_list() const { return new_int_list(items_.data(), items_.size()); }
+
+PyObject* IntRow::tuple_ref() const {
+    if (tuple_ == nullptr) {
+        PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(items_.size()));  // may run a GC pass
+        if (tuple == nullptr) throw py::error_already_set();
+        for (std::size_t i = 0; i < items_.size(); ++i) {
+            Py_INCREF(items_[i]);
+            PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), items_[i]);
+        }
+        if (!items_.empty()) PyObject_GC_UnTrack(tuple);  // ints only; the empty tuple is a shared singleton
+        if (tuple_ == nullptr) {
+            tuple_ = tuple;
+        } else {
+            Py_DECREF(tuple);  // a call made during that GC pass built one first: keep one tuple per row
+        }
+    }
+    Py_INCREF(tuple_);
+    return tuple_;
+}
+
+PyObject* new_int_tuple(const int64_t* values, std::size_t count) {
+    PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(count));
+    if (tuple == nullptr) throw py::error_already_set();
+    for (std::size_t i = 0; i < count; ++i) {
+        PyObject* item = PyLong_FromLongLong(values[i]);  // ints are not GC-tracked: no collection, no Python code
+        if (item == nullptr) {
+            Py_DECREF(tuple);
+            throw py::error_already_set();
+        }
+        PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), item);
+    }
+    if (count > 0) PyObject_GC_UnTrack(tuple);  // the empty tuple is a shared singleton
+    return tuple;
+}
 
 PyObject* new_int_list(PyObject* const* items, std::size_t count) {
     PyObject* list = PyList_New(static_cast<Py_ssize_t>(count));
@@ -51,6 +87,7 @@ void RowCache::clear(std::vector<RowRef>* graveyard) {
     for (auto& entry : rows_) graveyard->push_back(std::move(entry.second));
     for (auto& entry : size_rows_) graveyard->push_back(std::move(entry.second));
     rows_.clear();
+    sightings_.clear();
     size_rows_.clear();
     order_.clear();
     bytes_ = 0;
@@ -65,6 +102,30 @@ RowRef RowCache::find_address(int64_t block_id, uint64_t generation) {
     }
     ++hits_;
     return hit->second;
+}
+
+bool RowCache::admit(int64_t block_id, uint64_t generation) {
+    if (generation != generation_ || row_cost_ > capacity_) return false;
+    if (sightings_.empty()) {
+        std::size_t bits = kMinSightingBits;
+        const std::size_t wanted = std::min(kMaxSightingBits, 16 * (capacity_ / row_cost_));
+        while (bits < wanted) bits *= 2;
+        sightings_.assign(bits / 64, 0);
+        sightings_set_ = 0;
+    }
+    // Fibonacci hashing: consecutive block ids spread over the bitmap.
+    const uint64_t mixed = static_cast<uint64_t>(block_id) * UINT64_C(0x9E3779B97F4A7C15);
+    const std::size_t bit = static_cast<std::size_t>(mixed >> 32) & (sightings_.size() * 64 - 1);
+    uint64_t& word = sightings_[bit / 64];
+    const uint64_t mask = uint64_t{1} << (bit % 64);
+    if ((word & mask) != 0) return true;
+    if (sightings_set_ >= sightings_.size() * 4) {  // a sixteenth of the bits
+        std::fill(sightings_.begin(), sightings_.end(), 0);
+        sightings_set_ = 0;
+    }
+    word |= mask;
+    ++sightings_set_;
+    return false;
 }
 
 void RowCache::insert_address(int64_t block_id, RowRef row, uint64_t generation, std::vector<RowRef>* graveyard) {
@@ -88,6 +149,7 @@ void RowCache::insert_size(int64_t block_count, RowRef row, uint64_t generation)
 
 void RowCache::set_capacity(std::size_t bytes, std::vector<RowRef>* graveyard) {
     capacity_ = bytes;
+    sightings_.clear();
     while (bytes_ > capacity_) evict_oldest(graveyard);
 }
 

@@ -1,9 +1,11 @@
 // The per-block-id cache of address rows behind the list output (docs/address-rows.md has the rules).
 //
-// A cached row is an immutable C++ array of Python ints that the cache created itself and never hands out:
-// every result gets a fresh list built from it (the items, immutable ints, are shared). So an earlier result
-// never changes, and dropping a cached row only frees ints, which runs no Python code: evicting cannot call
-// back into the database. Rows are looked up and inserted under a generation number; the database bumps it
+// A cached row is an array of Python ints that the cache created itself: every list result gets a fresh list
+// built from it (the items, immutable ints, are shared), and the immutable-rows output hands out one tuple of
+// them (it can never change). So an earlier result never changes, and dropping a cached row only frees a
+// tuple of ints, which runs no Python code: evicting cannot call back into the database. A row is cached on
+// its block id's second sighting (admit): a stream of never-seen block ids then costs no cache work and no
+// evictions, and a block id used again is cached from its second use on. Rows are looked up and inserted under a generation number; the database bumps it
 // whenever the regions change, and a call only uses or inserts rows of the generation its region snapshot
 // belongs to. Every method needs the GIL and runs no Python code, so each one is atomic for Python threads.
 #pragma once
@@ -21,7 +23,7 @@ namespace kvaddr::py_bindings {
 
 namespace py = pybind11;
 
-// R Python ints, owned. Destroy with the GIL held.
+// R Python ints, owned, and (once asked for) a tuple of them. Destroy with the GIL held.
 class IntRow {
 public:
     IntRow(const int64_t* values, std::size_t count);  // MemoryError → py::error_already_set
@@ -32,9 +34,13 @@ public:
     std::size_t size() const noexcept { return items_.size(); }
     // A new list holding the row's ints (not tracked by the cyclic GC: see new_int_list).
     PyObject* new_list() const;
+    // A new reference to the row's tuple (the immutable-rows output), built on first use. Building it
+    // allocates a GC-tracked object, which may run Python code: call it only where that is allowed.
+    PyObject* tuple_ref() const;
 
 private:
     std::vector<PyObject*> items_;
+    mutable PyObject* tuple_ = nullptr;  // the only state that changes after construction (GIL held)
 };
 using RowRef = std::shared_ptr<const IntRow>;
 
@@ -43,6 +49,8 @@ using RowRef = std::shared_ptr<const IntRow>;
 // (docs/address-rows.md). A caller that puts a reference cycle into a returned row leaks that cycle.
 PyObject* new_int_list(PyObject* const* items, std::size_t count);
 PyObject* new_int_list(const int64_t* values, std::size_t count);
+// A fresh tuple of new ints, untracked by the cyclic GC.
+PyObject* new_int_tuple(const int64_t* values, std::size_t count);
 
 class RowCache {
 public:
@@ -55,9 +63,18 @@ public:
     // Drops every row and starts a new generation. Dropped rows are moved to `graveyard`, freed by the caller.
     void clear(std::vector<RowRef>* graveyard);
     // Called when the region count changes: the byte cost of one row.
-    void set_row_width(std::size_t regions) noexcept { row_cost_ = row_cost(regions); }
+    void set_row_width(std::size_t regions) noexcept {
+        row_cost_ = row_cost(regions);
+        sightings_.clear();
+    }
 
     RowRef find_address(int64_t block_id, uint64_t generation);
+    // After a miss: whether the row should be cached now (its block id's second sighting). Sightings are
+    // bits in a hashed bitmap of 16 bits per row the cache can hold (1 Ki to 16 Mi bits), cleared once a
+    // sixteenth of it is set: a block id is cached on its second sighting at the latest (one clearing in
+    // between delays that by a sighting), and a colliding never-seen id is cached early (at most ~1 in 16).
+    // Either way only when a row gets cached changes, never a result.
+    bool admit(int64_t block_id, uint64_t generation);
     void insert_address(int64_t block_id, RowRef row, uint64_t generation, std::vector<RowRef>* graveyard);
     RowRef find_size(int64_t block_count, uint64_t generation) const;
     void insert_size(int64_t block_count, RowRef row, uint64_t generation);
@@ -71,6 +88,9 @@ private:
     static std::size_t row_cost(std::size_t regions) noexcept { return 64 + regions * (8 + 32); }
     void evict_oldest(std::vector<RowRef>* graveyard);
 
+    static constexpr std::size_t kMinSightingBits = std::size_t{1} << 10;
+    static constexpr std::size_t kMaxSightingBits = std::size_t{1} << 24;
+
     // Distinct block counts whose size rows are kept (production chunks all have count 1).
     static constexpr std::size_t kMaxSizeRows = 64;
 
@@ -81,6 +101,8 @@ private:
     uint64_t hits_ = 0;
     uint64_t misses_ = 0;
     std::unordered_map<int64_t, RowRef> rows_;
+    std::vector<uint64_t> sightings_;  // the sighting bitmap; sized lazily by admit
+    std::size_t sightings_set_ = 0;    // bits set since it was last cleared
     std::deque<int64_t> order_;  // insertion order of rows_ (FIFO eviction)
     std::unordered_map<int64_t, RowRef> size_rows_;
 };

@@ -19,6 +19,7 @@ class AddressTable:
     """Address/size matrix of one KV-cache group over the registered regions."""
 
     cache_capacity: int
+    immutable_rows: bool
     @property
     def block_size(self) -> int: ...
     @property

@@ -16,17 +16,23 @@ from mooncake_kvaddr.core.oracle import numpy_prepare_values
 
 LISTS_COLD = "native lists, cold block ids"
 LISTS_WARM = "native lists, warm block ids"
+TUPLES_COLD = "native tuples (immutable_rows), cold"
+TUPLES_WARM = "native tuples (immutable_rows), warm"
 ARRAYS = "native arrays (no Python ints)"
 
 
 def measure(shape: Shape, reps: int, include_oracle: bool = True) -> list[Result]:
     """Interleaved timings of each variant on ``shape`` (the native result is checked against the oracle)."""
     native, oracle = make_databases(shape)
+    tuples, _ = make_databases(shape)
+    tuples.immutable_rows = True
     chunks = request_chunks(shape)
     warm_ids = random.Random(0).sample(range(1 << 20), shape.chunks)
     bases, lens = native.kv_caches_base_addr, native.block_len
 
-    native.prepare_values(chunks, warm_ids)
+    for db in (native, tuples):  # a row is cached on its block id's second sighting
+        db.prepare_values(chunks, warm_ids)
+        db.prepare_values(chunks, warm_ids)
     variants: dict[str, Callable[[int], object]] = {
         ORACLE: lambda rep: oracle.prepare_values(chunks, warm_ids),
         NUMPY_BASELINE: lambda rep: numpy_prepare_values(
@@ -34,12 +40,18 @@ def measure(shape: Shape, reps: int, include_oracle: bool = True) -> list[Result
         ),
         LISTS_COLD: lambda rep: native.prepare_values(chunks, cold_block_ids(shape, rep, 1 << 21)),
         LISTS_WARM: lambda rep: native.prepare_values(chunks, warm_ids),
+        TUPLES_COLD: lambda rep: tuples.prepare_values(chunks, cold_block_ids(shape, rep, 1 << 22)),
+        TUPLES_WARM: lambda rep: tuples.prepare_values(chunks, warm_ids),
         ARRAYS: lambda rep: native.prepare_values_array(chunks, warm_ids),
     }
     if not include_oracle:
         del variants[ORACLE]
-    if native.prepare_values(chunks, warm_ids) != oracle.prepare_values(chunks, warm_ids):
+    expected = oracle.prepare_values(chunks, warm_ids)
+    if native.prepare_values(chunks, warm_ids) != expected:
         raise AssertionError("native result differs from the oracle on the benchmark shape")
+    addrs, sizes, ids = tuples.prepare_values(chunks, warm_ids)
+    if ([list(r) for r in addrs], [list(r) for r in sizes], ids) != expected:
+        raise AssertionError("native tuple rows differ from the oracle on the benchmark shape")
     return run_interleaved(variants, reps)
 
 

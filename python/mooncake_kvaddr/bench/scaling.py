@@ -21,6 +21,8 @@ SHORT = {
     NUMPY_BASELINE: "numpy",
     addresses.LISTS_COLD: "lists cold",
     addresses.LISTS_WARM: "lists warm",
+    addresses.TUPLES_COLD: "tuples cold",
+    addresses.TUPLES_WARM: "tuples warm",
     addresses.ARRAYS: "arrays",
     ORACLE: "oracle",
 }

@@ -5,7 +5,9 @@ Semantics are those of docs/address-rows.md exactly (results equal, value for va
 wrap silently or crash (docs/errors.md).
 
 Results are the caller's own: every call returns fresh lists (or fresh arrays), so editing a returned row
-never changes another result, earlier or later. The address-row cache keeps its own immutable copies.
+never changes another result, earlier or later. The address-row cache keeps its own immutable copies. With
+``immutable_rows`` on, rows come as tuples (shared with the cache, which is safe because a tuple never
+changes): the warm path's floor, for callers that only read rows (docs/address-rows.md).
 
 Thread safety: one database may be shared by any number of threads (as vLLM shares it between its send
 thread and every receive thread); every method may be called concurrently with every other. Each call
@@ -153,6 +155,19 @@ class ChunkedTokenDatabase:
         if value < 0:
             raise ValueError(f"address_cache_bytes must be >= 0, got {value}")
         self._table.cache_capacity = value
+
+    @property
+    def immutable_rows(self) -> bool:
+        """When True, ``prepare_values``, ``prepare_value`` and ``plan_load`` return each address and size row
+        as a tuple of ints (a cached row's own tuple: no per-call copy) instead of a fresh list. Values are
+        those of the list form; a tuple never changes, so no returned row can change later. Mooncake's batch
+        calls and vLLM's worker accept both (they only read rows); code that appends to a row needs the lists
+        (the default, type for type with vLLM)."""
+        return bool(self._table.immutable_rows)
+
+    @immutable_rows.setter
+    def immutable_rows(self, value: bool) -> None:
+        self._table.immutable_rows = bool(value)
 
     def address_cache_info(self) -> dict[str, int]:
         """Entries, bytes, capacity, hits and misses of the address-row cache."""
