@@ -22,6 +22,7 @@
 #include "bindings/buffer_pool.hpp"
 #include "bindings/common.hpp"
 #include "bindings/keys.hpp"
+#include "bindings/row_cache.hpp"
 #include "kvaddr/layout.hpp"
 
 namespace kvaddr::py_bindings {
@@ -37,49 +38,17 @@ using Templates = std::vector<Segments>;
 std::size_t g_layout_gil_release_min_cells = std::size_t{1} << 22;
 constexpr std::size_t kMaxSizeRows = 64;
 
-// A tuple of new Python ints (the cached, immutable form of a row), untracked by the cyclic GC.
-py::object new_int_tuple(const int64_t* values, std::size_t count) {
-    PyObject* row = PyTuple_New(static_cast<Py_ssize_t>(count));
-    if (row == nullptr) throw py::error_already_set();
-    py::object owner = py::reinterpret_steal<py::object>(row);
-    for (std::size_t i = 0; i < count; ++i) {
-        PyObject* item = PyLong_FromLongLong(values[i]);
-        if (item == nullptr) throw py::error_already_set();
-        PyTuple_SET_ITEM(row, static_cast<Py_ssize_t>(i), item);
-    }
-    // Only ints inside: no cycle possible, so keep the cyclic GC from re-scanning cached rows.
-    PyObject_GC_UnTrack(row);
-    return owner;
+// The row builders are row_cache.hpp's (new_int_list, new_int_tuple): ints only, untracked by the cyclic GC.
+
+// A tuple of new Python ints (the cached, immutable form of a row), owned.
+py::object int_tuple(const int64_t* values, std::size_t count) {
+    return py::reinterpret_steal<py::object>(new_int_tuple(values, count));
 }
 
-// A fresh list holding the items of `row` (a tuple of ints). Untracked by the cyclic GC: it holds only ints.
+// A fresh list holding the items of `row` (a tuple of ints).
 PyObject* list_from_tuple(PyObject* row) {
-    const Py_ssize_t n = PyTuple_GET_SIZE(row);
-    PyObject* out = PyList_New(n);
-    if (out == nullptr) throw py::error_already_set();
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject* item = PyTuple_GET_ITEM(row, i);
-        Py_INCREF(item);
-        PyList_SET_ITEM(out, i, item);
-    }
-    PyObject_GC_UnTrack(out);
-    return out;
-}
-
-// A fresh list of new ints.
-PyObject* new_int_list(const int64_t* values, std::size_t count) {
-    PyObject* out = PyList_New(static_cast<Py_ssize_t>(count));
-    if (out == nullptr) throw py::error_already_set();
-    for (std::size_t i = 0; i < count; ++i) {
-        PyObject* item = PyLong_FromLongLong(values[i]);
-        if (item == nullptr) {
-            Py_DECREF(out);
-            throw py::error_already_set();
-        }
-        PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
-    }
-    PyObject_GC_UnTrack(out);
-    return out;
+    const auto count = static_cast<std::size_t>(PyTuple_GET_SIZE(row));
+    return new_int_list(reinterpret_cast<PyTupleObject*>(row)->ob_item, count);
 }
 
 // Only lists, tuples and integer arrays: a dict, set or str is a caller bug, not a sequence of ids.
@@ -550,7 +519,7 @@ private:
         scratch.resize(t.count());
         if (!layout::address_row(t, plan.block_id, scratch.data())) raise_overflow(static_cast<std::size_t>(key), plan.block_id);
         if (!admit(plan.shard, plan.block_id, t.count())) return new_int_list(scratch.data(), scratch.size());
-        py::object row = new_int_tuple(scratch.data(), scratch.size());
+        py::object row = int_tuple(scratch.data(), scratch.size());
         // Creating the ints may have run Python code that re-registered the layout: never cache a stale row.
         if (generation == generation_) remember(plan.shard, plan.block_id, row.ptr(), t.count());
         return list_from_tuple(row.ptr());
@@ -569,7 +538,7 @@ private:
         ++misses_;
         scratch.resize(t.count());
         if (!layout::address_row(t, plan.block_id, scratch.data())) raise_overflow(static_cast<std::size_t>(key), plan.block_id);
-        py::object row = new_int_tuple(scratch.data(), scratch.size());
+        py::object row = int_tuple(scratch.data(), scratch.size());
         if (admit(plan.shard, plan.block_id, t.count()) && generation == generation_) {
             remember(plan.shard, plan.block_id, row.ptr(), t.count());
         }
@@ -600,7 +569,7 @@ private:
             raise(PyExc_OverflowError, "key " + std::to_string(key) + ": segment size * " + std::to_string(count) +
                                            " blocks overflows int64");
         }
-        py::object row = new_int_tuple(scratch.data(), scratch.size());
+        py::object row = int_tuple(scratch.data(), scratch.size());
         if (generation == generation_ && size_rows_.size() < kMaxSizeRows) {
             size_rows_.emplace_back(id, row.inc_ref().ptr());
         }

@@ -2,12 +2,13 @@
 //
 // A cached row is an array of Python ints that the cache created itself: every list result gets a fresh list
 // built from it (the items, immutable ints, are shared), and the immutable-rows output hands out one tuple of
-// them (it can never change). So an earlier result never changes, and dropping a cached row only frees a
-// tuple of ints, which runs no Python code: evicting cannot call back into the database. A row is cached on
+// them (it can never change). So an earlier result never changes, and dropping a cached row only frees ints
+// (and its tuple), which runs no Python code: evicting cannot call back into the database. A row is cached on
 // its block id's second sighting (admit): a stream of never-seen block ids then costs no cache work and no
-// evictions, and a block id used again is cached from its second use on. Rows are looked up and inserted under a generation number; the database bumps it
-// whenever the regions change, and a call only uses or inserts rows of the generation its region snapshot
-// belongs to. Every method needs the GIL and runs no Python code, so each one is atomic for Python threads.
+// evictions, and a block id used again is cached from its second use on. Rows are looked up and inserted
+// under a generation number; the database bumps it whenever the regions change, and a call only uses or
+// inserts rows of the generation its region snapshot belongs to. Every method needs the GIL and runs no
+// Python code, so each one is atomic for Python threads.
 #pragma once
 
 #include <pybind11/pybind11.h>
