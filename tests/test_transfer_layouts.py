@@ -174,6 +174,54 @@ def test_tail_key_boundary_load(store: MooncakeStore, model: str, mode: str) -> 
         assert torch.equal(cache[8:11], cache[1:4])
 
 
+@pytest.mark.parametrize("mode", ["multi_buffer", "staged"])
+def test_submit_load_carries_tail_key_boundaries(store: MooncakeStore, model: str, mode: str) -> None:
+    bs = 4
+    groups = [M.ChunkedTokenDatabase(M.KeyMetadata(f"{model}-g{g}", 0, 0, 0, 0), bs, bs) for g in range(2)]
+    caches = _rank_local_caches(5)
+    chained = hashes("q", 4)
+    with layout_transfer(store, groups, transfer_mode=mode, num_recv_threads=2) as transfer:
+        register_layout_caches(transfer, caches, NB)
+        assert transfer.store(TransferRequest("q", 16, chained, [[1, 2, 3, 4]] * 2)).stored == 8
+        # Group 1's tail is keyed by the 16-token boundary (block 4's object), group 0's by its own hash:
+        # as pairs through a receive thread, or TailKeyBoundary objects through load_with_boundaries.
+        request = TransferRequest("q", 12, chained, [[5, 6, 7], [8, 9, 10]], tail_key_boundaries=((1, 16),))
+        got = transfer.submit_load(request).result(timeout=60)
+        assert got.failed_block_ids == set() and got.loaded_block_ids == {5, 6, 7, 8, 9, 10}
+        same = load_with_boundaries(
+            transfer, TransferRequest("q", 12, chained, [[11, 12, 13], [11, 12, 13]]), [M.TailKeyBoundary(1, 16)]
+        )
+        assert same.failed_block_ids == set()
+        # The boundary is the request's own: a later request without one keys its tail by its own hash.
+        plain = transfer.submit_load(TransferRequest("q", 12, chained, [[14, 14, 14], [14, 14, 14]]))
+        assert plain.result(timeout=60).failed_block_ids == set()
+        adapter = transfer.databases[1]
+        assert isinstance(adapter, LayoutDatabase) and adapter._tail_tokens() is None
+        for bad, error, match in (
+            (((2, 16),), ValueError, "group_id 2"),
+            (((0, 16), (0, 12)), ValueError, "twice"),
+            ((("0", 16),), ValueError, "group_id"),
+            ((object(),), TypeError, "TailKeyBoundary"),
+            (((0, 0),), ValueError, "below one hash block"),
+        ):
+            with pytest.raises(error, match=match):
+                transfer.submit_load(TransferRequest("q", 12, chained, [[5, 6, 7]] * 2,
+                                                     tail_key_boundaries=bad)).result(timeout=60)
+    for cache in caches:
+        assert torch.equal(cache[5:7], cache[1:3]) and torch.equal(cache[7], cache[3])
+        assert torch.equal(cache[8:10], cache[1:3]) and torch.equal(cache[10], cache[4])
+
+
+def test_tail_key_boundaries_need_a_layout_transfer(store: MooncakeStore, model: str) -> None:
+    from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, KVTransfer
+
+    db = ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0), 4)
+    with KVTransfer(store, [db], start_threads=False) as transfer:
+        transfer.register_kv_caches([np.zeros((NB, 64), np.uint8)], NB)
+        with pytest.raises(ValueError, match="layout_transfer"):
+            transfer.load(TransferRequest("x", 8, hashes("x", 2), [[1, 2]], tail_key_boundaries=((0, 8),)))
+
+
 def test_lookup_with_boundaries_partial_hit(store: MooncakeStore, model: str) -> None:
     db = M.ChunkedTokenDatabase(M.KeyMetadata(model, 0, 0, 0, 0), 4, 4)
     caches = _rank_local_caches(3)

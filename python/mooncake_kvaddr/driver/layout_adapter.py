@@ -14,7 +14,8 @@ chunk). :class:`LayoutDatabase` presents a layout database through that interfac
 * lookups probe ``layout.lookup_key_prefixes(rank_namespaces)`` (see :func:`layout_transfer`).
 
 Use :func:`layout_transfer` to build the transfer, :func:`register_layout_caches` to register the caches, and
-:func:`load_with_boundaries` / :func:`lookup_with_boundaries` for vLLM 0.33's tail-key boundaries.
+:func:`load_with_boundaries` / :func:`lookup_with_boundaries` for vLLM 0.33's tail-key boundaries (or set
+``TransferRequest.tail_key_boundaries`` and use ``load``/``submit_load``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -315,25 +317,11 @@ def load_with_boundaries(
     """:meth:`KVTransfer.load`, keying each group's chunk that ends at ``request.token_len`` by its tail-key
     boundary (``block_hashes[num_tokens // hash_block_size - 1]``), as vLLM 0.33's receive thread does.
 
-    Runs in the calling thread (the boundaries are per thread; ``submit_load`` does not carry them).
+    The same as ``transfer.load`` of the request with ``tail_key_boundaries`` set (which ``submit_load``
+    carries to a receive thread too).
     """
-    adapters = _adapters(transfer)
-    tails: dict[int, int] = {}
-    for boundary in tail_key_boundaries:
-        group = boundary.group_id
-        if not 0 <= group < len(adapters):
-            raise ValueError(f"tail boundary: group_id {group} is not one of the {len(adapters)} KV-cache groups")
-        tails[group] = boundary.num_tokens
-    return _load_with(adapters, transfer, request, tails, 0)
-
-
-def _load_with(
-    adapters: list[LayoutDatabase], transfer: KVTransfer, request: TransferRequest, tails: dict[int, int], g: int
-) -> LoadResult:
-    if g == len(adapters):
-        return transfer.load(request)
-    with adapters[g].tail_boundary(tails.get(g)):
-        return _load_with(adapters, transfer, request, tails, g + 1)
+    _adapters(transfer)
+    return transfer.load(replace(request, tail_key_boundaries=tuple(tail_key_boundaries)))
 
 
 def lookup_with_boundaries(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mooncake_kvaddr.core.hashes import BlockHash
 
@@ -24,6 +25,13 @@ class TransferRequest:
             ``[0, num_blocks)`` are never transferred: their chunks are reported failed / not stored.
         skip_tokens: tokens at the start that need no transfer (store: already saved; load: computed
             locally), floored to the block size.
+        tail_key_boundaries: loads through vLLM 0.33-style layouts only
+            (:func:`~mooncake_kvaddr.driver.layout_adapter.layout_transfer`): per KV-cache group at most one
+            ``(group_id, num_tokens)`` pair (or an object with those attributes, like the lookup's
+            ``TailKeyBoundary``); that group's chunk ending at ``token_len`` is keyed by
+            ``block_hashes[num_tokens // hash_block_size - 1]``, as vLLM 0.33's receive thread does
+            (docs/vllm.md, "Driver"). Carried by ``submit_load`` to the receive thread like the rest of the
+            request.
     """
 
     req_id: str
@@ -31,6 +39,7 @@ class TransferRequest:
     block_hashes: Sequence[BlockHash]
     block_ids: Sequence[Sequence[int]]
     skip_tokens: int = 0
+    tail_key_boundaries: Sequence[Any] = ()
 
 
 @dataclass

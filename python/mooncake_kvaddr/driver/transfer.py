@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -397,12 +397,45 @@ class KVTransfer:
         is in ``failed_block_ids``; no failed chunk's blocks are written from staging. The request has a
         deadline (``StoreConfig.request_timeout_s``, from when it starts running): keys not tried before it
         passed, or after a call waited out Mooncake's transfer timeout, fail too, and ``stopped`` says why.
-        Raises :class:`~mooncake_kvaddr.driver.store.StoreClosedError` after :meth:`close`.
+        Raises :class:`~mooncake_kvaddr.driver.store.StoreClosedError` after :meth:`close`, and
+        ``TypeError``/``ValueError`` for ``tail_key_boundaries`` that are malformed or name no group (on a
+        transfer not built by ``layout_transfer`` any boundary is refused).
         """
         with self._admitted():
             return self._load_request(request)
 
+    def _tail_boundaries(self, boundaries: Sequence[Any]) -> list[tuple[Any, int]]:
+        """``(database, num_tokens)`` per boundary, checked (docs/vllm.md, "Driver")."""
+        databases = self.databases
+        if not all(hasattr(db, "tail_boundary") for db in databases):
+            raise ValueError("tail_key_boundaries: only a transfer built by layout_transfer keys loads by a "
+                             "tail-key boundary")
+        tails: dict[int, int] = {}
+        for boundary in boundaries:
+            if isinstance(boundary, tuple) and len(boundary) == 2:
+                group, tokens = boundary
+            elif hasattr(boundary, "group_id") and hasattr(boundary, "num_tokens"):
+                group, tokens = boundary.group_id, boundary.num_tokens
+            else:
+                raise TypeError(f"tail_key_boundaries: expected (group_id, num_tokens) or a TailKeyBoundary, "
+                                f"got {boundary!r}")
+            if type(group) is not int or not 0 <= group < len(databases):
+                raise ValueError(f"tail boundary: group_id {group!r} is not one of the {len(databases)} "
+                                 f"KV-cache groups")
+            if group in tails:
+                raise ValueError(f"tail boundary: group_id {group} is given twice")
+            tails[group] = tokens
+        return [(databases[group], tokens) for group, tokens in sorted(tails.items())]
+
     def _load_request(self, request: TransferRequest) -> LoadResult:
+        if not request.tail_key_boundaries:
+            return self._load_keyed(request)
+        with ExitStack() as boundaries:  # this thread's loads key the tails by the request's boundaries
+            for database, tokens in self._tail_boundaries(request.tail_key_boundaries):
+                boundaries.enter_context(database.tail_boundary(tokens))
+            return self._load_keyed(request)
+
+    def _load_keyed(self, request: TransferRequest) -> LoadResult:
         deadline = self._store.deadline()  # from the moment the request runs (not when it was queued)
         clock = Clock()
         result = LoadResult(request.req_id, timings=clock.timings, mode=self.mode)
