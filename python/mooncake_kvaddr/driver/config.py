@@ -154,9 +154,10 @@ class StoreConfig:
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
     """Deadline of one request: a store batch call, or one ``KVTransfer`` load or store. Checked before every
     Mooncake call the request makes (each sub-batch, each staged batch); once it has passed, the remaining
-    keys fail ``TRANSFER_FAILED`` without another call. A call already in flight is not interrupted, so a
-    request ends within this plus one call (at most Mooncake's fixed 60 s transfer timeout). ``None``: no
-    deadline. See ``docs/transfer-modes.md``, "Deadlines"."""
+    keys fail ``TRANSFER_FAILED`` without another call. A multi-buffer or direct call already in flight is not
+    interrupted, so such a request ends within this plus one call; a staged request stops waiting for its call
+    here (the call is abandoned, see :attr:`max_abandoned_calls`). ``None``: no deadline. See
+    ``docs/transfer-modes.md``, "Deadlines"."""
     max_abandoned_calls: int = DEFAULT_MAX_ABANDONED_CALLS
     """Staged Mooncake calls a KVTransfer may have abandoned at their request's deadline and still in flight
     (each keeps one thread and the staging slots it reads or writes until Mooncake returns). Once that many

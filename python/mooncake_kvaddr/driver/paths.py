@@ -33,6 +33,7 @@ import numpy.typing as npt
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
+from mooncake_kvaddr.driver.config import DEFAULT_MAX_ABANDONED_CALLS
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
 from mooncake_kvaddr.driver.staging import (
@@ -462,7 +463,11 @@ class StagedPath(TransferPath):
         super().__init__(ctx)
         self.pool = pool
         self.copy = copy
-        limit = ctx.store.config.max_abandoned_calls if max_abandoned_calls is None else max_abandoned_calls
+        if max_abandoned_calls is None:
+            # The store's config; a stand-in store without one (planning tests) gets the default.
+            config = getattr(ctx.store, "config", None)
+            max_abandoned_calls = getattr(config, "max_abandoned_calls", DEFAULT_MAX_ABANDONED_CALLS)
+        limit = int(max_abandoned_calls)
         #: Runs the staged Mooncake calls; counts the abandoned ones still in flight.
         self.calls = CallRunner(limit, name="KVTransferStagedCall")
 
