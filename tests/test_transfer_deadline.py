@@ -669,6 +669,25 @@ def test_call_runner_is_saturated_at_its_bound_and_never_abandons_at_0() -> None
     _join_call_threads()
 
 
+def test_an_exception_while_waiting_abandons_the_call_before_it_propagates(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = CallRunner(2, name=CALL_THREAD)
+    go = threading.Event()
+    released: list[BaseException | None] = []
+    pending = runner.submit(go.wait, 10.0, released.append)
+
+    def interrupted(timeout: float | None = None) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pending._done, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pending.wait(10.0)
+    assert pending.abandoned and runner.abandoned == 1 and released == []  # the caller must not release
+    go.set()
+    assert runner.wait_settled(5) and released == [None]
+    runner.close()
+    _join_call_threads()
+
+
 def test_lease_shrink_and_release_give_bytes_back_once() -> None:
     pool = StagingPool(8 * SLOT_ALIGNMENT)
     lease = pool.acquire(SLOT_ALIGNMENT, 6 * SLOT_ALIGNMENT)

@@ -505,6 +505,8 @@ class StagedPath(TransferPath):
         such as ``KeyboardInterrupt`` while waiting abandons the call too).
         """
         timeout = deadline.remaining()
+        if deadline.expired():
+            return None  # it passed since the caller's check: no call (nothing was handed over)
         t0 = time.perf_counter()
         pending = self.calls.submit(call, timeout, lambda _exc: lease.release())
         made.append(pending)
