@@ -92,6 +92,11 @@ TRANSFER_MODES: Final = ("auto", "staged", "multi_buffer")
 #: "Deadlines").
 DEFAULT_REQUEST_TIMEOUT_S: Final = 120.0
 
+#: Default of :attr:`StoreConfig.max_abandoned_calls`: a few hung staged calls, each holding one thread and
+#: its staging slots, before staged requests fail fast instead of piling up more.
+DEFAULT_MAX_ABANDONED_CALLS: Final = 4
+_MAX_ABANDONED_CALLS_LIMIT: Final = 1024
+
 # Mooncake refuses a smaller non-zero segment at setup ("Total size must be at least 16777216" -> -600).
 MIN_GLOBAL_SEGMENT_SIZE: Final = 16 << 20
 _MAX_SETUP_RETRIES: Final = 1000
@@ -149,9 +154,16 @@ class StoreConfig:
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
     """Deadline of one request: a store batch call, or one ``KVTransfer`` load or store. Checked before every
     Mooncake call the request makes (each sub-batch, each staged batch); once it has passed, the remaining
-    keys fail ``TRANSFER_FAILED`` without another call. A call already in flight is not interrupted, so a
-    request ends within this plus one call (at most Mooncake's fixed 60 s transfer timeout). ``None``: no
-    deadline. See ``docs/transfer-modes.md``, "Deadlines"."""
+    keys fail ``TRANSFER_FAILED`` without another call. A multi-buffer or direct call already in flight is not
+    interrupted, so such a request ends within this plus one call; a staged request stops waiting for its call
+    here (the call is abandoned, see :attr:`max_abandoned_calls`). ``None``: no deadline. See
+    ``docs/transfer-modes.md``, "Deadlines"."""
+    max_abandoned_calls: int = DEFAULT_MAX_ABANDONED_CALLS
+    """Staged Mooncake calls a KVTransfer may have abandoned at their request's deadline and still in flight
+    (each keeps one thread and the staging slots it reads or writes until Mooncake returns). Once that many
+    are in flight, new staged requests fail at once (``stopped`` says why) until one returns. ``0``: never
+    abandon a call; a staged request then waits for its call like the other modes. See
+    ``docs/transfer-modes.md``, "Deadlines"."""
     master_start_timeout_s: float = 15.0
     """How long to wait for the embedded master to be ready."""
     native_client: bool = True
@@ -232,6 +244,7 @@ class StoreConfig:
         put("close_timeout_s", check_timeout("close_timeout_s", self.close_timeout_s))
         if self.request_timeout_s is not None:
             put("request_timeout_s", check_timeout("request_timeout_s", self.request_timeout_s))
+        check_int("max_abandoned_calls", self.max_abandoned_calls, low=0, high=_MAX_ABANDONED_CALLS_LIMIT)
         put("master_start_timeout_s", check_timeout("master_start_timeout_s", self.master_start_timeout_s))
         args = self.master_args
         if isinstance(args, str) or not isinstance(args, (list, tuple)):

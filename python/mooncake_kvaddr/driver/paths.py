@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar, Final
 
 import numpy as np
@@ -32,6 +33,7 @@ import numpy.typing as npt
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
+from mooncake_kvaddr.driver.config import DEFAULT_MAX_ABANDONED_CALLS
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
 from mooncake_kvaddr.driver.staging import (
@@ -50,6 +52,7 @@ from mooncake_kvaddr.driver.store import (
     Outcome,
     RequestDeadline,
 )
+from mooncake_kvaddr.driver.workers import CallAbandoned, CallRunner, PendingCall
 
 __all__ = ["DirectPath", "GetPlan", "MultiBufferPath", "PathContext", "StagedPath", "TransferPath"]
 
@@ -443,14 +446,90 @@ class StagedPath(TransferPath):
     Get: ``batch_get_into``, then a native scatter of only the keys read whole (a failed key's slot holds
     stale bytes of an earlier request). The pool is leased per request: the whole request when it fits,
     else as much as is free (at least one key), and the request moves in as few batches as the lease allows.
+
+    Each Mooncake call runs on a :class:`~mooncake_kvaddr.driver.workers.CallRunner` thread while the request
+    waits for it until its deadline; a call still running then is abandoned (docs/transfer-modes.md,
+    "Deadlines"): its keys fail, nothing is scattered from its slots, and the lease shrinks to the slots the
+    call uses and stays held until Mooncake returns. Safe here only: a staged call touches staging memory
+    the driver owns, never the KV cache. While ``max_abandoned_calls`` abandoned calls are in flight, staged
+    requests fail at once (:attr:`calls`).
     """
 
     name = "staged"
 
-    def __init__(self, ctx: PathContext, pool: StagingPool, copy: CopyBackend) -> None:
+    def __init__(
+        self, ctx: PathContext, pool: StagingPool, copy: CopyBackend, *, max_abandoned_calls: int | None = None
+    ) -> None:
         super().__init__(ctx)
         self.pool = pool
         self.copy = copy
+        if max_abandoned_calls is None:
+            # The store's config; a stand-in store without one (planning tests) gets the default.
+            config = getattr(ctx.store, "config", None)
+            max_abandoned_calls = getattr(config, "max_abandoned_calls", DEFAULT_MAX_ABANDONED_CALLS)
+        limit = int(max_abandoned_calls)
+        #: Runs the staged Mooncake calls; counts the abandoned ones still in flight.
+        self.calls = CallRunner(limit, name="KVTransferStagedCall")
+
+    def close(self) -> None:
+        """End the idle call threads (an abandoned call's thread ends when Mooncake returns)."""
+        self.calls.close()
+
+    def _refused(self, deadline: RequestDeadline) -> bool:
+        """Whether too many abandoned calls are in flight to make another (then the request is stopped)."""
+        if not self.calls.saturated:
+            return False
+        deadline.stop(
+            f"{self.calls.abandoned} staged Mooncake call(s) abandoned at their deadline are still in flight "
+            f"(max_abandoned_calls={self.calls.max_abandoned}): a peer hangs; no new staged call until one returns"
+        )
+        return True
+
+    def _call(
+        self,
+        operation: str,
+        call: Callable[[], BatchResult],
+        lease: StagingLease,
+        span: int,
+        num_keys: int,
+        num_bytes: int,
+        deadline: RequestDeadline,
+        made: list[PendingCall[BatchResult]],
+    ) -> BatchResult | None:
+        """Make one staged Mooncake call, waiting for it at most until the deadline; appends it to ``made``.
+
+        Returns its result, or ``None`` when the call was abandoned: the deadline is then stopped with the
+        reason, the lease shrunk to the ``span`` bytes the call uses, and the lease is the call's to release
+        once Mooncake returns. The caller must neither release nor reuse a lease whose call in ``made`` is
+        :attr:`~mooncake_kvaddr.driver.workers.PendingCall.abandoned` (also when this raised: an exception
+        such as ``KeyboardInterrupt`` while waiting abandons the call too).
+        """
+        timeout = deadline.remaining()
+        if deadline.expired():
+            return None  # it passed since the caller's check: no call (nothing was handed over)
+        t0 = time.perf_counter()
+        pending = self.calls.submit(call, timeout, lambda _exc: lease.release())
+        made.append(pending)
+        try:
+            got = pending.wait(timeout)
+        except CallAbandoned:
+            lease.shrink(span)  # the rest of the lease goes back to the pool now; these slots stay the call's
+            self.ctx.metrics.record(operation, t0, num_keys, num_bytes, num_keys)
+            deadline.stop(
+                f"the request deadline of {deadline.timeout_s or 0:g} s passed during a staged Mooncake call: "
+                f"its {num_keys} key(s) failed and the call was abandoned (it still runs; its staging slots "
+                "stay leased until it returns)"
+            )
+            logger.warning("staged %s of %d key(s) abandoned after %.1f s: %s", operation, num_keys,
+                           time.perf_counter() - t0, deadline.reason)  # fmt: skip
+            return None
+        except BaseException:
+            if pending.abandoned:
+                lease.shrink(span)
+            self._record(operation, t0, num_keys, num_bytes, None)
+            raise
+        self._record(operation, t0, num_keys, num_bytes, got)
+        return got
 
     def describe(self) -> str:
         return f"{super().describe()}, staging pool {self.pool.capacity / (1 << 20):.1f} MiB"
@@ -533,14 +612,18 @@ class StagedPath(TransferPath):
         clock.lap("prepare")
         plan = plan_slots(sizes)
         ok = [False] * len(keys)
+        if self._refused(deadline):
+            count(result.outcomes, NOT_TRIED, len(keys))
+            return ok, plan.object_sizes.tolist()
         lease = self._lease(plan.object_sizes, plan.total_bytes, deadline)
         clock.lap("staging_wait")
         if lease is None:
             count(result.outcomes, NOT_TRIED, len(keys))
             return ok, plan.object_sizes.tolist()
-        with lease:
+        made: list[PendingCall[BatchResult]] = []
+        try:
             for start, end in plan_batches(plan, lease.nbytes):
-                if deadline.expired():
+                if deadline.expired() or self._refused(deadline):
                     count(result.outcomes, NOT_TRIED, len(keys) - start)
                     break
                 slots = plan.offsets[start:end] - plan.offsets[start]
@@ -553,22 +636,20 @@ class StagedPath(TransferPath):
                     continue
                 clock.lap("gather")
                 object_sizes = plan.object_sizes[start:end]
-                nbytes = int(object_sizes.sum())
-                t0 = time.perf_counter()
-                try:
-                    put = self.ctx.store.batch_put_from(
-                        keys[start:end],
-                        (slots + lease.ptr).tolist(),
-                        object_sizes.tolist(),
-                        self.ctx.replicate_config,
-                        check_values=False,
-                        deadline=deadline,
-                    )
-                except BaseException:
-                    self._record("save_put", t0, end - start, nbytes, None)
-                    raise
-                self._record("save_put", t0, end - start, nbytes, put)
+                batch_keys, ptrs, batch_sizes = keys[start:end], (slots + lease.ptr).tolist(), object_sizes.tolist()
+                put = self._call(
+                    "save_put",
+                    partial(self.ctx.store.batch_put_from, batch_keys, ptrs, batch_sizes, self.ctx.replicate_config,
+                            check_values=False, deadline=deadline),
+                    lease, int(slots[-1] + object_sizes[-1]), end - start, int(object_sizes.sum()), deadline,
+                    made,
+                )  # fmt: skip
                 clock.lap("put")
+                if put is None:
+                    # Abandoned: Mooncake may still read these slots (the lease stays the call's), and whether
+                    # it stores the objects is unknown: they count as failed (a later store finds them, or not).
+                    count(result.outcomes, NOT_TRIED, len(keys) - start)
+                    break
                 ok[start:end] = put.present
                 for outcome, n in put.summary().items():
                     count(result.outcomes, outcome, n)
@@ -577,6 +658,9 @@ class StagedPath(TransferPath):
                     # Every further batch would block only to report the same.
                     count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - end)
                     break
+        finally:
+            if not any(call.abandoned for call in made):
+                lease.release()
         return ok, plan.object_sizes.tolist()
 
     def get(
@@ -589,31 +673,35 @@ class StagedPath(TransferPath):
         keys = plan.keys[start:end]
         loaded = np.zeros(end - start, dtype=bool)
         slots_plan = plan_slots(sizes) if plan.slots is None else _sub_plan(plan.slots, start, end)
+        if self._refused(deadline):
+            count(outcomes, NOT_TRIED, len(keys))
+            return GetOutcome(loaded, False, 0)
         lease = self._lease(slots_plan.object_sizes, slots_plan.total_bytes, deadline)
         clock.lap("staging_wait")
         if lease is None:
             count(outcomes, NOT_TRIED, len(keys))
             return GetOutcome(loaded, False, 0)
-        with lease:
+        made: list[PendingCall[BatchResult]] = []
+        try:
             for lo, hi in plan_batches(slots_plan, lease.nbytes):
-                if deadline.expired():
+                if deadline.expired() or self._refused(deadline):
                     # Nothing of these keys reaches the cache: no get, no scatter.
                     count(outcomes, NOT_TRIED, len(keys) - lo)
                     break
                 slots = slots_plan.offsets[lo:hi] - slots_plan.offsets[lo]
                 expected = slots_plan.object_sizes[lo:hi]
-                nbytes = int(expected.sum())
-                t0 = time.perf_counter()
-                try:
-                    got = self.ctx.store.batch_get_into(
-                        keys[lo:hi], (slots + lease.ptr).tolist(), expected.tolist(), check_values=False,
-                        deadline=deadline,
-                    )
-                except BaseException:
-                    self._record("load_get", t0, hi - lo, nbytes, None)
-                    raise
-                self._record("load_get", t0, hi - lo, nbytes, got)
+                ptrs = (slots + lease.ptr).tolist()
+                got = self._call(
+                    "load_get",
+                    partial(self.ctx.store.batch_get_into, keys[lo:hi], ptrs, expected.tolist(), check_values=False,
+                            deadline=deadline),
+                    lease, int(slots[-1] + expected[-1]), hi - lo, int(expected.sum()), deadline, made,
+                )  # fmt: skip
                 clock.lap("get")
+                if got is None:
+                    # Abandoned: Mooncake may still write these slots, so nothing is scattered from them.
+                    count(outcomes, NOT_TRIED, len(keys) - lo)
+                    break
                 for outcome, n in got.summary().items():
                     count(outcomes, outcome, n)
                 whole = _read_whole(got, expected)
@@ -634,4 +722,7 @@ class StagedPath(TransferPath):
                     if hi < len(keys):
                         count(outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - hi)
                     return GetOutcome(loaded, True, int(slots_plan.object_sizes[loaded].sum()))
+        finally:
+            if not any(call.abandoned for call in made):
+                lease.release()
         return GetOutcome(loaded, False, int(slots_plan.object_sizes[loaded].sum()))

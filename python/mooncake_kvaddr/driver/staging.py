@@ -248,10 +248,19 @@ class StagingLease:
         return self._held
 
     def release(self) -> None:
-        """Give the bytes back to the pool (idempotent)."""
-        if self._held:
-            self._held = False
-            self._pool._release(self.offset, self.nbytes)
+        """Give the bytes back to the pool (idempotent; thread-safe, also against :meth:`shrink`)."""
+        self._pool._give_back(self, None)
+
+    def shrink(self, nbytes: int) -> None:
+        """Keep only the first ``nbytes`` of the lease (rounded up to the slot alignment, at least one
+        alignment unit) and give the rest back to the pool now. A staged call abandoned at its deadline keeps
+        just the slots it may still write or read (docs/transfer-modes.md, "Deadlines").
+
+        A lease already released stays released (another thread may release it meanwhile: the two never
+        give the same bytes back twice)."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        self._pool._give_back(self, max(SLOT_ALIGNMENT, _align_up(nbytes)))
 
     def __enter__(self) -> StagingLease:
         return self
@@ -340,22 +349,35 @@ class StagingPool:
                     )
                 self._cond.wait(remaining)
 
-    def _release(self, offset: int, nbytes: int) -> None:
+    def _give_back(self, lease: StagingLease, keep: int | None) -> None:
+        """Release ``lease`` whole (``keep=None``) or all but its first ``keep`` bytes, once, under the lock."""
         with self._cond:
-            free = self._free
-            i = 0
-            while i < len(free) and free[i][0] < offset:
-                i += 1
-            start, end = offset, offset + nbytes
-            if i < len(free) and free[i][0] == end:  # merge with the span after
-                end += free[i][1]
-                del free[i]
-            if i > 0 and free[i - 1][0] + free[i - 1][1] == start:  # and the one before
-                start = free[i - 1][0]
-                i -= 1
-                del free[i]
-            free.insert(i, (start, end - start))
-            self._cond.notify_all()
+            if not lease._held:
+                return
+            if keep is None:
+                lease._held = False
+                self._free_span(lease.offset, lease.nbytes)
+            elif keep < lease.nbytes:
+                tail = lease.nbytes - keep
+                lease.nbytes = keep
+                self._free_span(lease.offset + keep, tail)
+
+    def _free_span(self, offset: int, nbytes: int) -> None:
+        """Return a span to the free list (the lock is held)."""
+        free = self._free
+        i = 0
+        while i < len(free) and free[i][0] < offset:
+            i += 1
+        start, end = offset, offset + nbytes
+        if i < len(free) and free[i][0] == end:  # merge with the span after
+            end += free[i][1]
+            del free[i]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == start:  # and the one before
+            start = free[i - 1][0]
+            i -= 1
+            del free[i]
+        free.insert(i, (start, end - start))
+        self._cond.notify_all()
 
     def register_with(self, store: BufferRegistrar) -> None:
         """Register the whole buffer with ``store`` once; later calls for the same store only count."""

@@ -623,6 +623,11 @@ class KVTransfer:
         ``register_kv_caches``) raises :class:`~mooncake_kvaddr.driver.store.StoreClosedError`; work already
         queued still runs. Raises ``TimeoutError`` (keeping the caches registered and alive) if threads or
         calls are still running after ``timeout`` seconds; call ``close`` again later. The store stays open.
+
+        Staged Mooncake calls abandoned at a request's deadline (docs/transfer-modes.md, "Deadlines") are
+        waited for within the same ``timeout``; those still running then do not make ``close`` fail: it
+        finishes, and the staging pool stays registered with the store and allocated (each such call's lease
+        holds it) until the last of them returns, which unregisters it.
         """
         with self._cond:
             if self._released:
@@ -647,16 +652,31 @@ class KVTransfer:
                     logger.warning("KVTransfer.close: %s", exc)
         if self._pool_registered and self._pool is not None:
             self._pool_registered = False
-            try:
-                self._pool.unregister_from(self._store)  # a shared pool stays registered for the others
-            except StoreError as exc:
-                logger.warning("KVTransfer.close: staging pool: %s", exc)
+            unregister = partial(self._unregister_pool, self._pool)
+            staged = next((p for p in paths.values() if isinstance(p, StagedPath)), None)
+            if staged is None or staged.calls.wait_settled(deadline - time.monotonic()):
+                unregister()
+            else:
+                # Abandoned staged calls still run in Mooncake and write or read their slots: the pool stays
+                # registered, and alive (each call's lease holds it), until the last one returns.
+                logger.warning(
+                    "KVTransfer.close: %d abandoned staged Mooncake call(s) still in flight after %s s; the staging "
+                    "pool stays registered and allocated until they return", staged.calls.abandoned, timeout,
+                )  # fmt: skip
+                staged.calls.when_settled(unregister)
         for path in paths.values():
             path.close()
         if self._owns_pool:
             self._pool = None  # frees the buffer once no request holds a lease
         self._registered.clear()
         self._regions.clear()
+
+    def _unregister_pool(self, pool: StagingPool) -> None:
+        """Undo this transfer's registration of ``pool`` (a shared pool stays registered for the others)."""
+        try:
+            pool.unregister_from(self._store)
+        except StoreError as exc:  # also a store closed meanwhile: the registration died with its client
+            logger.warning("KVTransfer.close: staging pool: %s", exc)
 
     def __enter__(self) -> KVTransfer:
         return self
