@@ -488,6 +488,31 @@ def test_mooncake_itself_takes_tuple_rows(store: MooncakeStore, key_prefix: str)
 
 
 @mooncake
+@pytest.mark.parametrize("call", ["batch_get_into_multi_buffers", "batch_get_into"])
+def test_a_key_named_twice_in_one_get_fills_both_destinations(
+    store: MooncakeStore, key_prefix: str, spy: CallSpy, call: str
+) -> None:
+    # Mooncake's own multi-buffer get writes only one destination of a repeated key and reports both read
+    # (docs/transfer-modes.md, "Repeated keys"): the wrapper must never hand it a batch with a repeat.
+    src = Regions(3, 2, 1 * KiB, seed=7)
+    keys = [f"{key_prefix}/{i}" for i in range(3)]
+    assert store.batch_put_from_multi_buffers(keys, src.addrs, src.sizes).ok
+    order = [0, 1, 0, 2, 1, 1]
+    dst = Regions(len(order), 2, 1 * KiB)
+    named = [keys[i] for i in order]
+    spy.calls.clear()
+    if call == "batch_get_into":
+        rows = np.asarray(dst.addrs, dtype=np.int64)[:, 0].tolist()
+        got = store.batch_get_into(named, rows, [2 * KiB] * len(order))
+    else:
+        got = store.batch_get_into_multi_buffers(named, dst.addrs, dst.sizes)
+    assert got.ok and got.codes == (2 * KiB,) * len(order)
+    for slot, i in enumerate(order):
+        np.testing.assert_array_equal(dst.data[slot], src.data[i])
+    assert [n for _, n, _ in spy.calls] == [2, 3, 1]  # split before each repeat, order kept
+
+
+@mooncake
 def test_put_exist_get_round_trip_bytes(store: MooncakeStore, key_prefix: str, spy: CallSpy) -> None:
     src = Regions(40, 5, 1 * KiB, seed=1)
     keys = [f"{key_prefix}/{i}" for i in range(40)]

@@ -264,6 +264,27 @@ def _plan(counts: Sequence[int], budget: int) -> list[tuple[int, int]]:
     return spans
 
 
+def _unique_spans(keys: Sequence[Any], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` split further so that no span names one key twice (order kept).
+
+    Mooncake's batch gets read a key named twice in one call into only one of its destinations while
+    reporting both read: the other keeps stale bytes (docs/transfer-modes.md, "Repeated keys").
+    """
+    if len(set(keys)) == len(keys):
+        return spans
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        seen: set[Any] = set()
+        first = start
+        for i in range(start, end):
+            if keys[i] in seen:
+                out.append((first, i))
+                first, seen = i, set()
+            seen.add(keys[i])
+        out.append((first, end))
+    return out
+
+
 # ------------------------------------------------------------------------------------------- the store
 
 
@@ -588,7 +609,9 @@ class MooncakeStore:
         if n == 0:
             return BatchResult((), ())
         with self._admitted_batch() as client:
-            codes = self._split_call(client.batch_get_into_multi_buffers, keys, addrs, sizes, counts, deadline)
+            codes = self._split_call(
+                client.batch_get_into_multi_buffers, keys, addrs, sizes, counts, deadline, unique_keys=True
+            )
         return self._result(_Op.GET, codes, n)
 
     def batch_put_from(
@@ -628,7 +651,7 @@ class MooncakeStore:
         if n == 0:
             return BatchResult((), ())
         with self._admitted_batch() as client:
-            codes = self._split_call(client.batch_get_into, keys, ptrs, sizes, [1] * n, deadline)
+            codes = self._split_call(client.batch_get_into, keys, ptrs, sizes, [1] * n, deadline, unique_keys=True)
         return self._result(_Op.GET, codes, n)
 
     def batch_remove(self, keys: Sequence[str] | Sequence[bytes], force: bool = False) -> BatchResult:
@@ -735,8 +758,12 @@ class MooncakeStore:
         sizes: Any,
         counts: Sequence[int],
         deadline: RequestDeadline | None,
+        *,
+        unique_keys: bool = False,
     ) -> list[int]:
         """Call Mooncake once per sub-batch of the region budget; the codes of every key, in key order.
+
+        ``unique_keys`` (gets): a sub-batch never names one key twice (see :func:`_unique_spans`).
 
         Before each sub-batch: past the request's deadline (or after a hung call of the same request), the
         remaining keys get ``TRANSFER_FAILED`` and Mooncake is not called again. After one: a
@@ -748,6 +775,8 @@ class MooncakeStore:
         if deadline is None:
             deadline = self.deadline()
         spans = _plan(counts, self._config.region_budget)
+        if unique_keys:
+            spans = _unique_spans(keys, spans)
         codes: list[int] = []
         for start, end in spans:
             if deadline.expired():
