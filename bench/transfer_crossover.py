@@ -158,8 +158,13 @@ def main() -> None:
                 ms = row["ms"]
                 load_ratio = ms["staged"]["load"] / ms["multi_buffer"]["load"]
                 store_ratio = ms["staged"]["store"] / ms["multi_buffer"]["store"]
-                auto = choose_auto_mode(regions, block_bytes, local_copy=where == "in-process")
-                loss = {op: ms[auto][op] / min(ms[m][op] for m in MODES) - 1 for op in ("load", "store")}
+                auto_by_op = {
+                    op: choose_auto_mode(regions, block_bytes, local_copy=where == "in-process", direction=op)
+                    for op in ("load", "store")
+                }
+                loss = {op: ms[auto_by_op[op]][op] / min(ms[m][op] for m in MODES) - 1 for op in ("load", "store")}
+                auto = auto_by_op["load"] if len(set(auto_by_op.values())) == 1 else (
+                    f"{auto_by_op['load'][:6]}/{auto_by_op['store'][:6]}")
                 row.update(where=where, load_ratio=load_ratio, store_ratio=store_ratio, auto=auto, auto_loss=loss)
                 rows.append(row)
                 print(f"{keys:>6} {regions:>7} {block_bytes >> 10:>5}Ki | {ms['multi_buffer']['load']:>8.1f} "

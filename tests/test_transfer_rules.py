@@ -246,9 +246,19 @@ def test_auto_rule_follows_the_measured_crossover() -> None:
     assert choose_auto_mode(16, 32 << 10) == "staged"  # exactly 512 KiB
     assert choose_auto_mode(4, 128 << 10) == "staged"
     assert choose_auto_mode(16, 64 << 10) == "multi_buffer"
-    # In memory: never stage (it adds a copy of every byte and saves no network cost).
-    for regions, region_bytes in ((2, 64), (4, 2 << 10), (100, 2 << 10), (16, 32 << 10)):
-        assert choose_auto_mode(regions, region_bytes, local_copy=True) == "multi_buffer"
+    # In memory: stage only loads of keys with at most 8 regions under 32 KiB (the measured shapes where the
+    # staged get won); never stores (staging adds a copy of every byte and saves no network cost).
+    for regions, region_bytes in ((2, 64), (4, 2 << 10), (8, 2 << 10), (4, 8 << 10), (8, (32 << 10) - 1)):
+        assert choose_auto_mode(regions, region_bytes, local_copy=True) == "staged"
+        assert choose_auto_mode(regions, region_bytes, local_copy=True, direction="store") == "multi_buffer"
+    for regions, region_bytes in ((9, 2 << 10), (16, 2 << 10), (100, 2 << 10), (4, 32 << 10), (16, 32 << 10)):
+        for direction in ("load", "store"):
+            assert choose_auto_mode(regions, region_bytes, local_copy=True, direction=direction) == "multi_buffer"
+    # Over the network both directions follow the same rule.
+    assert choose_auto_mode(100, 2 << 10, direction="store") == "staged"
+    assert choose_auto_mode(16, 64 << 10, direction="store") == "multi_buffer"
+    with pytest.raises(ValueError, match="direction"):
+        choose_auto_mode(4, 2 << 10, direction="put")
     # One region per key never stages; no region at all has nothing to move.
     assert choose_auto_mode(1, 2 << 10) == choose_auto_mode(1, 1 << 20, local_copy=True) == "direct"
     assert choose_auto_mode(0, 0) == "multi_buffer"
@@ -267,25 +277,34 @@ def test_in_memory_copies_are_inferred_from_the_configuration(monkeypatch: pytes
 
 @mooncake
 @pytest.mark.parametrize(
-    ("regions", "block_bytes", "local_copy", "expected"),
+    ("regions", "block_bytes", "local_copy", "expected", "expected_store"),
     [
-        (3, 512, None, "staged"),  # the test store's master is external: network rule
-        (3, 8 << 10, None, "staged"),
-        (3, 32 << 10, None, "staged"),  # 96 KiB objects
-        (20, 32 << 10, None, "multi_buffer"),  # 640 KiB objects of 32 KiB regions
-        (3, 512, True, "multi_buffer"),  # in memory
-        (1, 32 << 10, True, "direct"),
+        (3, 512, None, "staged", "staged"),  # the test store's master is external: network rule
+        (3, 8 << 10, None, "staged", "staged"),
+        (3, 32 << 10, None, "staged", "staged"),  # 96 KiB objects
+        (20, 32 << 10, None, "multi_buffer", "multi_buffer"),  # 640 KiB objects of 32 KiB regions
+        (3, 512, True, "staged", "multi_buffer"),  # in memory, few small regions: loads staged
+        (20, 512, True, "multi_buffer", "multi_buffer"),  # in memory, many regions
+        (1, 32 << 10, True, "direct", "direct"),
     ],
 )
 def test_auto_resolves_by_the_rule_and_round_trips(
-    store: MooncakeStore, model: str, regions: int, block_bytes: int, local_copy: bool | None, expected: str
+    store: MooncakeStore,
+    model: str,
+    regions: int,
+    block_bytes: int,
+    local_copy: bool | None,
+    expected: str,
+    expected_store: str,
 ) -> None:
     src, dst = Cache(regions, 4, block_bytes, seed=6), Cache(regions, 4, block_bytes)
     h = hashes(model, 3)
     kw: dict[str, Any] = {"transfer_mode": "auto", "local_copy": local_copy, "start_threads": False}
     with transfer(store, model, src, 16, **kw) as writer, transfer(store, model, dst, 16, **kw) as reader:
-        assert writer.mode == writer.store_mode == reader.mode == expected
-        assert writer.store(TransferRequest("r", 48, h, [[1, 2, 3]])).ok
+        assert writer.mode == reader.mode == expected
+        assert writer.store_mode == reader.store_mode == expected_store
+        stored = writer.store(TransferRequest("r", 48, h, [[1, 2, 3]]))
+        assert stored.ok and stored.mode == expected_store
         loaded = reader.load(TransferRequest("r", 48, h, [[3, 2, 1]]))
         assert loaded.ok and loaded.mode == expected
     assert_blocks_equal(src, [1, 2, 3], dst, [3, 2, 1])

@@ -278,8 +278,10 @@ class KVTransfer:
             return "staged", "staged"
         region_bytes = sum(caches.block_lens) // regions
         local = copies_in_memory(self._store.config) if self._local_copy is None else self._local_copy
-        mode = choose_auto_mode(regions, region_bytes, local_copy=local)
-        return mode, mode
+        return (
+            choose_auto_mode(regions, region_bytes, local_copy=local, direction="load"),
+            choose_auto_mode(regions, region_bytes, local_copy=local, direction="store"),
+        )
 
     def _start_staging(self, ctx: PathContext, caches: RegisteredCaches) -> StagedPath:
         """Create (or adopt) the staging pool, register it with the store, set up the host copy backend."""
