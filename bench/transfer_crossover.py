@@ -84,7 +84,7 @@ def measure(store: MooncakeStore, keys: int, regions: int, block_bytes: int, rep
 @contextmanager
 def in_process_store(mib: int) -> Iterator[MooncakeStore]:
     """An embedded master and a client that holds the only segment (in-process memcpy transfers)."""
-    config = StoreConfig(global_segment_size=f"{4 * mib + 64}MiB", local_buffer_size=0,
+    config = StoreConfig(embedded_master=True, global_segment_size=f"{4 * mib + 64}MiB", local_buffer_size=0,
                          max_regions_per_batch=1 << 30)
     with MooncakeStore(config) as store:
         yield store
