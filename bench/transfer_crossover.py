@@ -163,8 +163,9 @@ def main() -> None:
                     for op in ("load", "store")
                 }
                 loss = {op: ms[auto_by_op[op]][op] / min(ms[m][op] for m in MODES) - 1 for op in ("load", "store")}
+                short = {"multi_buffer": "mb", "staged": "st", "direct": "direct"}
                 auto = auto_by_op["load"] if len(set(auto_by_op.values())) == 1 else (
-                    f"{auto_by_op['load'][:6]}/{auto_by_op['store'][:6]}")
+                    f"{short[auto_by_op['load']]} / {short[auto_by_op['store']]}")
                 row.update(where=where, load_ratio=load_ratio, store_ratio=store_ratio, auto=auto, auto_loss=loss)
                 rows.append(row)
                 print(f"{keys:>6} {regions:>7} {block_bytes >> 10:>5}Ki | {ms['multi_buffer']['load']:>8.1f} "
