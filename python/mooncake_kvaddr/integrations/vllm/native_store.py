@@ -7,8 +7,8 @@ transport uses) to :class:`~mooncake_kvaddr.driver.native_client.NativeClient`: 
 method, called with the GIL released, with the ``list[list[int]]`` arguments converted by our C++ instead of
 Mooncake's Python binding (docs/native-client.md). ``batch_get_into_multi_buffers_arrays`` takes the rows as
 int64 matrices (the plugin's receive handler uses it: no Python row at all). Results are Mooncake's per-key
-codes, as Mooncake returns them. Every other attribute is the wrapped store's. Works for device (GPU) and host caches alike:
-nothing is copied, only the call changes.
+codes, as Mooncake returns them. Every other attribute is the wrapped store's. Works for device (GPU) and host
+caches alike: nothing is copied, only the call changes.
 
 Fallback: when no native client can be built for the store (``NativeClient.from_store`` returns None: wrong
 platform, unverified Mooncake version, not a real ``MooncakeDistributedStore``, ...) or a call's arguments are
