@@ -227,15 +227,15 @@ def plan_request(
     kinds: _Kinds,
     engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
     blob_type: type,
-) -> RequestPlan | None:
-    """The whole load of ``req_meta`` (vLLM's receive rules, docs/vllm-plugin.md), or None when it is not ours
-    to plan. May raise: the caller then hands the request to vLLM's own handler. No side effects."""
+) -> RequestPlan | str:
+    """The whole load of ``req_meta`` (vLLM's receive rules, docs/vllm-plugin.md), or why it is not ours to
+    plan. May raise: the caller then hands the request to vLLM's own handler. No side effects."""
     load_spec = req_meta.load_spec
     token_len = load_spec.token_len
     mask_num = load_spec.vllm_cached_tokens // thread.block_size * thread.block_size
     source = _hash_source(req_meta.block_hashes, blob_type)
     if source is None:
-        return None
+        return "block hashes of another type"
     hashes, hash_len = source
     masks = thread.coord.load_mask(req_meta.block_hashes, token_len)
     tails = {boundary.group_id: boundary.num_tokens for boundary in load_spec.tail_key_boundaries}
@@ -246,13 +246,13 @@ def plan_request(
             continue
         mask = masks[g]
         if type(mask) is not list and type(mask) is not tuple:
-            return None
+            return "a load mask that is not a list"
         if not kinds.db_ok(db):
-            return None
+            return "a token database that is not vLLM's"
         layout = db.store_layout
         kind = kinds.layout_kind(layout)
         if not kind:
-            return None
+            return "a layout not backed by our engine"
         engine, prefixes = engines[kind](layout)
         parts.append(
             engine.plan_load(
@@ -261,7 +261,7 @@ def plan_request(
         )
     n = sum(len(part[0]) for part in parts)
     if n == 0:
-        return None  # vLLM's rotation raises ZeroDivisionError: its own handler does that
+        return "no key (vLLM's handler raises ZeroDivisionError)"
     rotation = thread.tp_rank % n
     if arrays and len({part[1].shape[1] for part in parts if len(part[0])}) > 1:
         arrays = False  # rows of different widths: no single matrix, lists as vLLM builds them
@@ -379,16 +379,15 @@ def make_handler(
     def _handle_request(self: Any, req_meta: Any) -> Any:
         """mooncake_kvaddr's receive handler (docs/vllm-plugin.md, "The receive handler")."""
         why = fast_path_refusal(self, envs)
-        plan = None
+        plan: RequestPlan | str = why
         if not why:
             arrays = getattr(self.store, ARRAY_ENTRY, None) is not None
             try:
                 plan = plan_request(self, req_meta, arrays, kinds, engines, blob_type)
             except Exception as exc:  # vLLM's handler raises its own error (or accepts what our engine refuses)
-                why = f"planning raised {type(exc).__name__}"
-            else:
-                why = "" if plan is not None else "request or layout not ours to plan"
-        if plan is None:
+                plan = why = f"planning raised {type(exc).__name__}"
+        if isinstance(plan, str):
+            why = plan
             stats.fallback_requests += 1
             stats.last_fallback = why
             return original(self, req_meta)
