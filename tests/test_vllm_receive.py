@@ -355,7 +355,7 @@ def test_receive_enabled_values() -> None:
 
 def test_self_check_catches_a_handler_that_differs(vllm: tuple[Any, Any]) -> None:
     data, worker = vllm
-    original, ours = _handlers(worker)
+    _, ours = _handlers(worker)
 
     def wrong(self: Any, req_meta: Any) -> None:
         self.tp_rank += 1  # rotates differently
@@ -438,5 +438,5 @@ def test_native_array_entry_dispatch_and_fallback(client: str) -> None:
         assert store.stats.native_calls == 1 and not bound.calls
     else:
         assert result == [4096] * 3 and store.stats.fallback_calls == 1
-        keys, rows, size_rows, types = bound.calls[0]
+        _, rows, size_rows, types = bound.calls[0]
         assert rows == addrs.tolist() and size_rows == sizes.tolist() and types[1] is list
