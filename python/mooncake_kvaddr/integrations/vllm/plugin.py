@@ -64,6 +64,7 @@ __all__ = [
     "WORKER_MODULE",
     "PatchReport",
     "is_patched",
+    "is_receive_patched",
     "maybe_stage_store",
     "native_client_setting",
     "patch",
@@ -565,6 +566,11 @@ def _replace(cls: type, name: str, value: Any) -> None:
 def is_patched() -> bool:
     """True while vLLM runs with our methods."""
     return bool(_ORIGINALS)
+
+
+def is_receive_patched() -> bool:
+    """True while vLLM's receive threads run our ``_handle_request``."""
+    return any(name == "_handle_request" for _, name in _ORIGINALS)
 
 
 def _patch_receive(data: ModuleType, worker: ModuleType, report: PatchReport) -> None:
