@@ -29,8 +29,10 @@ __all__ = ["HEADLINE", "MODES", "QUICK", "RigShape", "VllmStoreRig", "plugin_mod
 #: Transfer modes: vLLM alone; the plugin's patched layouts only (vLLM's own receive handler): alone, + staged
 #: transport, + native-client transport, + staged transport whose slot calls go through the native client; the
 #: plugin with its receive handler too (``recv*``): alone (plain Mooncake store, list rows), + staged, + native
-#: (int64 matrices to the store wrapper).
-MODES = ("vllm", "plugin", "recv", "recv_staged", "recv_native", "staged", "native", "staged_native")
+#: (int64 matrices to the store wrapper), + both (staged slot calls through the native client).
+MODES = (
+    "vllm", "plugin", "recv", "recv_staged", "recv_native", "recv_staged_native", "staged", "native", "staged_native"
+)
 BLOCK = 128
 
 
