@@ -440,3 +440,40 @@ def test_native_array_entry_dispatch_and_fallback(client: str) -> None:
         assert result == [4096] * 3 and store.stats.fallback_calls == 1
         _, rows, size_rows, types = bound.calls[0]
         assert rows == addrs.tolist() and size_rows == sizes.tolist() and types[1] is list
+
+
+def test_staged_array_entry_passes_what_it_does_not_stage_through() -> None:
+    """Other dtypes, shapes, duplicate or non-str keys: Mooncake's own call with the rows as lists, nothing
+    staged (the receive handler never sends these; other callers may)."""
+    from test_vllm_plugin import FakeMooncake
+
+    inner = FakeMooncake()
+    inner.record_only()
+    seen: list[tuple[Any, Any]] = []
+    get = inner.batch_get_into_multi_buffers
+
+    def recording(keys: list[str], addrs: Any, sizes: Any, *args: Any) -> Any:
+        seen.append((addrs, sizes))
+        return get(keys, addrs, sizes, *args)
+
+    inner.batch_get_into_multi_buffers = recording  # type: ignore[method-assign]
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    cache = StagingBuffer(4096)
+    store.register_buffer(cache.ptr, cache.nbytes)
+    addrs, sizes = _arrays(cache, 2, 2, 64)
+    cases = [
+        (["a", "b"], addrs.astype(np.float64), sizes),
+        (["a", "b"], addrs.astype(np.uint64), sizes),
+        (["a", "b"], addrs[:, :1], sizes),
+        (["a", "b"], addrs.ravel(), sizes.ravel()),
+        (["a", "a"], addrs, sizes),
+        (("a", "b"), addrs, sizes),
+        ([b"a", b"b"], addrs, sizes),
+        (["a", "b"], addrs, sizes * 0),
+    ]
+    for keys, a, s in cases:
+        assert store.batch_get_into_multi_buffers_arrays(keys, a, s) == [-704] * 2  # type: ignore[arg-type]
+        assert seen[-1] == (np.asarray(a).tolist(), np.asarray(s).tolist())
+        assert type(seen[-1][0]) is list
+    assert store.stats.staged_gets == 0 and store.stats.passthrough_gets == len(cases)
+    assert inner.calls == ["get_multi"] * len(cases)

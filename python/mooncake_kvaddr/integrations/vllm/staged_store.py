@@ -193,11 +193,16 @@ class StagedMooncakeStore:
             return False
         return bool(np.all(a + s <= ends[index]))
 
+    @staticmethod
+    def _keys_stageable(keys: Any) -> bool:
+        """A non-empty list of distinct strings (anything else goes to Mooncake unchanged)."""
+        if not isinstance(keys, list) or not keys or not all(type(k) is str for k in keys):
+            return False
+        return len(set(keys)) == len(keys)
+
     def _plan(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any) -> _Staged | None:
         """The staging plan of a call, or None when the call must go to Mooncake unchanged."""
-        if not isinstance(keys, list) or not keys or not all(type(k) is str for k in keys):
-            return None
-        if len(set(keys)) != len(keys):
+        if not self._keys_stageable(keys):
             return None
         try:
             addrs, sizes = _native.multi_buffer_arrays(all_buffer_ptrs, all_sizes)
@@ -262,10 +267,7 @@ class StagedMooncakeStore:
             and sizes.dtype == np.int64
             and addrs.ndim == 2
             and addrs.shape == sizes.shape
-            and isinstance(keys, list)
-            and keys
-            and all(type(k) is str for k in keys)
-            and len(set(keys)) == len(keys)
+            and self._keys_stageable(keys)
         ):
             staged = self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
         if staged is None:
