@@ -381,7 +381,8 @@ def make_handler(
         why = fast_path_refusal(self, envs)
         plan: RequestPlan | str = why
         if not why:
-            arrays = getattr(self.store, ARRAY_ENTRY, None) is not None
+            # The store is read again inside the call's try (as vLLM reads it there): no error escapes here.
+            arrays = getattr(getattr(self, "store", None), ARRAY_ENTRY, None) is not None
             try:
                 plan = plan_request(self, req_meta, arrays, kinds, engines, blob_type)
             except Exception as exc:  # vLLM's handler raises its own error (or accepts what our engine refuses)
