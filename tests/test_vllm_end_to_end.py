@@ -33,7 +33,10 @@ def _unpatched() -> Iterator[None]:
     plugin.unpatch()
 
 
-@pytest.mark.parametrize("mode", ["vllm", "plugin", "staged", "native", "staged_native", "native_fallback"])
+@pytest.mark.parametrize(
+    "mode",
+    ["vllm", "plugin", "staged", "native", "staged_native", "native_fallback", "recv", "recv_staged", "recv_native"],
+)
 def test_store_then_load_with_vllms_threads(
     bench: Any, master: Any, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -43,10 +46,14 @@ def test_store_then_load_with_vllms_threads(
         # No native client: every call goes to Mooncake's bound methods, with identical results.
         monkeypatch.setattr(NativeClient, "from_store", classmethod(lambda cls, store: None))
     native = "native" in mode
+    staged = "staged" in mode
     shape = bench.RigShape(blocks=12, regions=6, region_bytes=2048)
-    with bench.plugin_mode("plugin" if mode != "vllm" else "vllm"):
-        rig = bench.VllmStoreRig(master.rpc_address, shape, staged=mode.startswith("staged"), native=native,
+    with bench.plugin_mode(mode if mode.startswith("recv") or mode == "vllm" else "plugin"):
+        rig = bench.VllmStoreRig(master.rpc_address, shape, staged=staged, native=native,
                                  recv_threads=2, staging_bytes=1 << 20, model=f"e2e/{mode}")  # fmt: skip
+        handler = rig._worker.KVCacheStoreRecvingThread._handle_request
+        assert hasattr(handler, "stats") == mode.startswith("recv")
+        fast = handler.stats.fast_requests if mode.startswith("recv") else 0
         try:
             if mode.endswith("native"):
                 client, why = NativeClient.probe(rig.raw_store)
@@ -61,10 +68,12 @@ def test_store_then_load_with_vllms_threads(
             assert not rig.verify(expected)
             assert rig.load_requests([f"load-{mode}-a", f"load-{mode}-b"], hashes) == set()
             assert rig.verify(expected)
-            if mode.startswith("staged"):
+            if mode.startswith("recv"):  # both loads planned by our handler
+                assert handler.stats.fast_requests == fast + 2
+            if staged:
                 assert rig.store.stats.staged_puts >= 1 and rig.store.stats.staged_gets >= 2
                 assert rig.store.stats.passthrough_gets == 0
-            native_store = rig.store.wrapped if mode == "staged_native" else rig.store
+            native_store = rig.store.wrapped if staged and native else rig.store
             if native:
                 stats = native_store.stats
                 if mode == "native_fallback":
@@ -73,7 +82,7 @@ def test_store_then_load_with_vllms_threads(
                 else:
                     assert native_store.native_client is not None
                     assert stats.fallback_calls == 0 and stats.native_calls >= 3
-            elif mode != "staged":
+            elif not staged:
                 assert rig.store is rig.raw_store
             layout = rig.db.store_layout
             assert (plugin._ENGINE_ATTR in layout.__dict__) == (mode != "vllm")

@@ -5,9 +5,10 @@
 through), ``batch_is_exist`` and the contiguous ``batch_get_into``/``batch_put_from`` (what the staged
 transport uses) to :class:`~mooncake_kvaddr.driver.native_client.NativeClient`: Mooncake's own C++ client
 method, called with the GIL released, with the ``list[list[int]]`` arguments converted by our C++ instead of
-Mooncake's Python binding (docs/native-client.md). Results are Mooncake's per-key codes, as Mooncake
-returns them. Every other attribute is the wrapped store's. Works for device (GPU) and host caches alike:
-nothing is copied, only the call changes.
+Mooncake's Python binding (docs/native-client.md). ``batch_get_into_multi_buffers_arrays`` takes the rows as
+int64 matrices (the plugin's receive handler uses it: no Python row at all). Results are Mooncake's per-key
+codes, as Mooncake returns them. Every other attribute is the wrapped store's. Works for device (GPU) and host
+caches alike: nothing is copied, only the call changes.
 
 Fallback: when no native client can be built for the store (``NativeClient.from_store`` returns None: wrong
 platform, unverified Mooncake version, not a real ``MooncakeDistributedStore``, ...) or a call's arguments are
@@ -104,6 +105,22 @@ class NativeMooncakeStore:
     ) -> Any:
         """Mooncake's ``batch_get_into_multi_buffers`` through the native client (same results)."""
         return self._call("batch_get_into_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+
+    def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
+        """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
+        handler's entry, docs/vllm-plugin.md): the native client reads them without building a Python row;
+        without a native client (or when it refuses them) Mooncake's bound method gets the rows as lists."""
+        client = self._native()
+        if client is not None:
+            try:
+                result = client.batch_get_into_multi_buffers(keys, addrs, sizes)
+            except _REFUSED as exc:
+                self._log_once(f"batch_get_into_multi_buffers arrays not accepted ({type(exc).__name__}: {exc})")
+            else:
+                self.stats.native_calls += 1
+                return result
+        self.stats.fallback_calls += 1
+        return self._store.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
 
     def batch_put_from_multi_buffers(
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any

@@ -25,7 +25,11 @@ What is replaced (all on vLLM's ``...mooncake.store.data`` classes, state kept o
   :class:`~mooncake_kvaddr.integrations.vllm.staged_store.StagedMooncakeStore`; and the native-client
   transport (``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=1`` or ``{"mooncake_kvaddr_native_client": true}``, host or
   device caches): the batch calls go through
-  :class:`~mooncake_kvaddr.integrations.vllm.native_store.NativeMooncakeStore`. Both are off by default.
+  :class:`~mooncake_kvaddr.integrations.vllm.native_store.NativeMooncakeStore`. Both are off by default;
+- ``KVCacheStoreRecvingThread._handle_request`` (worker module): one fused native plan per KV-cache group and
+  one store call per request (:mod:`~mooncake_kvaddr.integrations.vllm.receive`), vLLM's own handler for
+  everything off that fast path; on by default, off with ``MOONCAKE_KVADDR_VLLM_RECV=0`` (the layouts stay
+  patched). It has its own shape check and self-check: if either fails, only the handler is left as vLLM's.
 
 Size: one module on purpose (~600 lines): the version/shape checks, the self-check and the patches must be
 read together to see that nothing is patched that was not checked first.
@@ -50,6 +54,7 @@ __all__ = [
     "DATA_MODULE",
     "ENV_NATIVE_CLIENT",
     "ENV_PLUGIN",
+    "ENV_RECV",
     "ENV_STAGED",
     "ENV_STAGING_BYTES",
     "EXTRA_NATIVE_CLIENT",
@@ -59,6 +64,7 @@ __all__ = [
     "WORKER_MODULE",
     "PatchReport",
     "is_patched",
+    "is_receive_patched",
     "maybe_stage_store",
     "native_client_setting",
     "patch",
@@ -69,6 +75,8 @@ __all__ = [
 
 #: Set to ``0``/``false``/``off``/``no`` to keep vLLM untouched.
 ENV_PLUGIN = "MOONCAKE_KVADDR_VLLM_PLUGIN"
+#: Set to ``0``/``false``/``off``/``no`` to keep vLLM's own receive handler (the layouts stay patched).
+ENV_RECV = "MOONCAKE_KVADDR_VLLM_RECV"
 #: Set to ``1``/``true``/``on``/``yes`` to stage host-memory KV caches through one slot per key.
 ENV_STAGED = "MOONCAKE_KVADDR_VLLM_STAGED"
 #: Staging buffer bytes per worker (default :data:`DEFAULT_STAGING_BYTES`).
@@ -124,6 +132,8 @@ class PatchReport:
     patched: list[str] = field(default_factory=list)
     staged_hook: bool = False
     reason: str = ""
+    #: Why vLLM's own receive handler was kept while the rest is patched ("" when it was replaced, or off).
+    receive_reason: str = ""
 
     @property
     def active(self) -> bool:
@@ -224,6 +234,33 @@ def _sharded_prepare_values(
 def _sharded_key_for(self: Any, shard_id: int, chunk_hash: Any) -> str:
     """An owned shard's key in one f-string (KeyError for a shard this rank does not own, as vLLM)."""
     return f"{self._shard_key_prefixes[shard_id]}@{chunk_hash.hex()}"
+
+
+def _rank_local_plan_engine(layout: Any) -> tuple[Any, list[str]]:
+    """The receive handler's view of a rank-local layout: its engine and its one key prefix."""
+    return _rank_local_engine(layout), [layout._key_prefix]
+
+
+def _sharded_plan_engine(layout: Any) -> tuple[Any, list[str]]:
+    """The receive handler's view of a TP-shared layout: its engine and the key prefix of each owned shard, in
+    ``local_shard_ids`` order (ValueError when the owned shards are not the consecutive run the engine keys)."""
+    ids = tuple(layout.store_shard_ids)
+    first = ids[0] if ids else 0
+    if ids != tuple(range(first, first + len(ids))) or len(ids) != max(int(layout.shards_per_rank), 0):
+        raise ValueError("the owned store shards are not one consecutive run")
+    return _sharded_engine(layout), [layout._shard_key_prefixes[shard] for shard in ids]
+
+
+_OURS: dict[str, Any] = {
+    "rank_local_prepare_values": _rank_local_prepare_values,
+    "rank_local_key_for": _rank_local_key_for,
+    "sharded_prepare_values": _sharded_prepare_values,
+    "sharded_key_for": _sharded_key_for,
+}
+_PLAN_ENGINES: dict[str, Callable[[Any], tuple[Any, list[str]]]] = {
+    "rank_local": _rank_local_plan_engine,
+    "sharded": _sharded_plan_engine,
+}
 
 
 # --- the self-check ---------------------------------------------------------------------------------------
@@ -531,12 +568,42 @@ def is_patched() -> bool:
     return bool(_ORIGINALS)
 
 
+def is_receive_patched() -> bool:
+    """True while vLLM's receive threads run our ``_handle_request``."""
+    return any(name == "_handle_request" for _, name in _ORIGINALS)
+
+
+def _patch_receive(data: ModuleType, worker: ModuleType, report: PatchReport) -> None:
+    """Replace ``KVCacheStoreRecvingThread._handle_request`` after its own shape check and self-check (the
+    layouts must be patched already: the handler plans only layouts backed by our engine)."""
+    from mooncake_kvaddr.integrations.vllm import receive
+
+    problem = receive.check_shape(data, worker)
+    if problem:
+        report.receive_reason = f"unexpected shape: {problem}"
+        return
+    cls = worker.KVCacheStoreRecvingThread
+    handler = receive.make_handler(_static(cls, "_handle_request"), data, worker, _OURS, _PLAN_ENGINES)
+    try:
+        receive.self_check(data, worker, handler)
+    except Exception as exc:
+        report.receive_reason = f"self-check failed: {exc}"
+        return
+    _replace(cls, "_handle_request", handler)
+    report.patched.append("KVCacheStoreRecvingThread._handle_request")
+
+
 def patch(
-    *, data: ModuleType | None = None, worker: ModuleType | None = None, version: str | None = None
+    *,
+    data: ModuleType | None = None,
+    worker: ModuleType | None = None,
+    version: str | None = None,
+    receive: bool | None = None,
 ) -> PatchReport:
     """Check, self-check and patch (see the module docstring); idempotent. Returns what was done.
 
     ``data``/``worker``/``version`` default to the installed vLLM's modules and version (tests pass their own).
+    ``receive``: replace the receive handler (None: unless :data:`ENV_RECV` turns it off).
     """
     global _REPORT
     with _STATE_LOCK:
@@ -582,6 +649,13 @@ def patch(
         if worker is not None:
             _wrap_worker(worker.MooncakeStoreWorker)
             report.staged_hook = True
+            from mooncake_kvaddr.integrations.vllm.receive import receive_enabled
+
+            if receive if receive is not None else receive_enabled(os.environ):
+                try:
+                    _patch_receive(data, worker, report)
+                except Exception as exc:  # the layouts stay patched; only the handler stays vLLM's
+                    report.receive_reason = f"{type(exc).__name__}: {exc}"
         _REPORT = report
         return report
 
@@ -621,6 +695,8 @@ def register() -> None:
             ", ".join(report.patched),
             " (+ staged-transport hook)" if report.staged_hook else "",
         )
+        if report.receive_reason:
+            logger.warning("mooncake_kvaddr: vLLM's own receive handler kept: %s", report.receive_reason)
     elif not _WARNED:
         _WARNED = True
         logger.warning("mooncake_kvaddr: vLLM left untouched: %s", report.reason)

@@ -26,9 +26,13 @@ from typing import Any
 
 __all__ = ["HEADLINE", "MODES", "QUICK", "RigShape", "VllmStoreRig", "plugin_mode", "run"]
 
-#: Transfer modes: vLLM alone, vLLM with the plugin's patched layouts, plugin + staged transport, plugin +
-#: native-client transport, plugin + staged transport whose slot calls go through the native client.
-MODES = ("vllm", "plugin", "staged", "native", "staged_native")
+#: Transfer modes: vLLM alone; the plugin's patched layouts only (vLLM's own receive handler): alone, + staged
+#: transport, + native-client transport, + staged transport whose slot calls go through the native client; the
+#: plugin with its receive handler too (``recv*``): alone (plain Mooncake store, list rows), + staged, + native
+#: (int64 matrices to the store wrapper), + both (staged slot calls through the native client).
+MODES = (
+    "vllm", "plugin", "recv", "recv_staged", "recv_native", "recv_staged_native", "staged", "native", "staged_native"
+)
 BLOCK = 128
 
 
@@ -56,25 +60,31 @@ HEADLINE = RigShape(blocks=2258, regions=100, region_bytes=2048)
 QUICK = RigShape(blocks=128, regions=32, region_bytes=2048)
 
 
+def mode_flags(mode: str) -> tuple[bool, bool, bool]:
+    """``(receive handler replaced, staged transport, native-client transport)`` of a mode of :data:`MODES`."""
+    return mode.startswith("recv"), "staged" in mode, mode.endswith("native")
+
+
 @contextlib.contextmanager
 def plugin_mode(mode: str) -> Iterator[None]:
-    """vLLM patched (``plugin``/``staged``) or untouched (``vllm``) for the duration of the block."""
+    """vLLM untouched (``vllm``), patched without the receive handler (``plugin``, ``staged``, ``native``,
+    ``staged_native``) or with it (``recv*``) for the duration of the block; the previous state afterwards."""
     from mooncake_kvaddr.integrations.vllm import plugin
 
     was = plugin.is_patched()
-    if mode == "vllm":
-        plugin.unpatch()
-    else:
-        report = plugin.patch()
-        if not report.active:
-            raise RuntimeError(f"plugin not active: {report.reason}")
+    had_receive = was and plugin.is_receive_patched()
+    plugin.unpatch()
+    if mode != "vllm":
+        receive = mode_flags(mode)[0]
+        report = plugin.patch(receive=receive)
+        if not report.active or plugin.is_receive_patched() != receive:
+            raise RuntimeError(f"plugin not active as {mode!r}: {report.reason or report.receive_reason}")
     try:
         yield
     finally:
-        if was and not plugin.is_patched():
-            plugin.patch()
-        elif not was and plugin.is_patched():
-            plugin.unpatch()
+        plugin.unpatch()
+        if was:
+            plugin.patch(receive=had_receive)
 
 
 class VllmStoreRig:
@@ -342,17 +352,27 @@ class _Proxy:
     def __init__(self, store: Any, phases: _Phases, timed: dict[str, str]) -> None:
         self._store = store
         for method, phase in timed.items():
-            setattr(self, method, phases.timed(phase, getattr(store, method)))
+            if getattr(store, method, None) is not None:
+                setattr(self, method, phases.timed(phase, getattr(store, method)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
 
-def _instrument(rig: VllmStoreRig, phases: _Phases) -> Callable[[], None]:
-    """Time the layout's ``prepare_values``, the store call, and (staged) Mooncake's slot call under it."""
+def _instrument(rig: VllmStoreRig, phases: _Phases, receive_handler: bool) -> Callable[[], None]:
+    """Time the layout's ``prepare_values`` (vLLM's handler) or the receive handler's plan (ours), the store
+    call, and (staged) Mooncake's slot call under it."""
+    from mooncake_kvaddr.integrations.vllm import receive
+
     layout = rig.db.store_layout
-    layout.__dict__["prepare_values"] = phases.timed("prepare_values", layout.prepare_values)
-    proxy = _Proxy(rig.store, phases, {"batch_get_into_multi_buffers": "store call"})
+    plan_request = receive.plan_request
+    if receive_handler:
+        # An instance override of prepare_values would send the request to vLLM's handler: time the plan.
+        receive.plan_request = phases.timed("prepare_values", plan_request)
+    else:
+        layout.__dict__["prepare_values"] = phases.timed("prepare_values", layout.prepare_values)
+    timed = {"batch_get_into_multi_buffers": "store call", receive.ARRAY_ENTRY: "store call"}
+    proxy = _Proxy(rig.store, phases, timed)
     inner = getattr(rig.store, "_store", None)
     if inner is not None:
         rig.store._store = _Proxy(inner, phases, {"batch_get_into": "mooncake slot call"})
@@ -367,6 +387,7 @@ def _instrument(rig: VllmStoreRig, phases: _Phases) -> Callable[[], None]:
 
     def undo() -> None:
         layout.__dict__.pop("prepare_values", None)
+        receive.plan_request = plan_request
         staged_store.scatter = copy
         for receiver in rig.receivers:
             receiver.store = rig.store
@@ -380,7 +401,9 @@ def _instrument(rig: VllmStoreRig, phases: _Phases) -> Callable[[], None]:
 # --- the measurement ------------------------------------------------------------------------------------------
 
 
-def _single_requests(rig: VllmStoreRig, hashes: list[Any], expected: list[Any], reps: int, tag: str) -> dict[str, Any]:
+def _single_requests(
+    rig: VllmStoreRig, hashes: list[Any], expected: list[Any], reps: int, tag: str, receive_handler: bool
+) -> dict[str, Any]:
     """One request at a time on one receive thread, beside a busy Python thread.
 
     Two views of the GIL per request (medians, ms): ``stall_*`` — time the busy thread could not run,
@@ -390,7 +413,7 @@ def _single_requests(rig: VllmStoreRig, hashes: list[Any], expected: list[Any], 
     """
     rig.start_receivers(1)
     phases = _Phases()
-    undo = _instrument(rig, phases)
+    undo = _instrument(rig, phases, receive_handler)
     spinner = _Spinner()
     samples: dict[str, list[float]] = {}
 
@@ -441,16 +464,19 @@ def _single_requests(rig: VllmStoreRig, hashes: list[Any], expected: list[Any], 
 
 def _measure_mode(master: str, shape: RigShape, mode: str, reps: int, thread_counts: tuple[int, ...]) -> dict[str, Any]:
     row: dict[str, Any] = {"mode": mode, "tokens": shape.tokens, "regions": shape.regions}
+    receive_handler, staged, native = mode_flags(mode)
     with plugin_mode(mode):
         staging = max(shape.request_bytes // 2, 64 << 20)
-        rig = VllmStoreRig(master, shape, staged=mode.startswith("staged"), native=mode.endswith("native"),
-                           staging_bytes=staging, model=f"bench/{mode}")  # fmt: skip
+        rig = VllmStoreRig(master, shape, staged=staged, native=native, staging_bytes=staging,
+                           model=f"bench/{mode}")  # fmt: skip
         try:
             hashes = rig.hashes(MODES.index(mode) + 1, shape.blocks)
             rig.fill(7)
             expected = rig.snapshot()
             rig.store_request(f"store-{mode}", hashes)
-            row.update(_single_requests(rig, hashes, expected, reps, mode))
+            handler = rig._worker.KVCacheStoreRecvingThread._handle_request
+            fallbacks = handler.stats.fallback_requests if receive_handler else 0
+            row.update(_single_requests(rig, hashes, expected, reps, mode, receive_handler))
             ok = bool(row["bytes_ok"])
             for count in thread_counts:
                 rig.start_receivers(count)
@@ -463,6 +489,8 @@ def _measure_mode(master: str, shape: RigShape, mode: str, reps: int, thread_cou
                     ok = ok and not failed and rig.verify(expected)
                 row[f"wall_4req_{count}thr_ms"] = statistics.median(samples[1:]) * 1e3
             row["bytes_ok"] = ok
+            if receive_handler:  # requests our handler handed to vLLM's (0: every one took the fast path)
+                row["recv_fallbacks"] = handler.stats.fallback_requests - fallbacks
         finally:
             rig.close()
     return row

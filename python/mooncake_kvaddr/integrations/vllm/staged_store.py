@@ -193,16 +193,25 @@ class StagedMooncakeStore:
             return False
         return bool(np.all(a + s <= ends[index]))
 
+    @staticmethod
+    def _keys_stageable(keys: Any) -> bool:
+        """A non-empty list of distinct strings (anything else goes to Mooncake unchanged)."""
+        if not isinstance(keys, list) or not keys or not all(type(k) is str for k in keys):
+            return False
+        return len(set(keys)) == len(keys)
+
     def _plan(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any) -> _Staged | None:
         """The staging plan of a call, or None when the call must go to Mooncake unchanged."""
-        if not isinstance(keys, list) or not keys or not all(type(k) is str for k in keys):
-            return None
-        if len(set(keys)) != len(keys):
+        if not self._keys_stageable(keys):
             return None
         try:
             addrs, sizes = _native.multi_buffer_arrays(all_buffer_ptrs, all_sizes)
         except (TypeError, ValueError, OverflowError):
             return None  # Mooncake raises (or answers) for these itself
+        return self._plan_matrices(keys, addrs, sizes)
+
+    def _plan_matrices(self, keys: list[str], addrs: Int64Array, sizes: Int64Array) -> _Staged | None:
+        """The staging plan of a call whose rows are already int64 matrices (see :meth:`_plan`)."""
         if addrs.shape[0] != len(keys):
             return None
         starts, ends, allowed = self._ranges
@@ -241,6 +250,41 @@ class StagedMooncakeStore:
             self.stats.passthrough_gets += 1
             return self._store.batch_get_into_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
         self.stats.staged_gets += 1
+        return self._staged_get(
+            keys, staged, lambda picks: ([all_buffer_ptrs[i] for i in picks], [all_sizes[i] for i in picks])
+        )
+
+    def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
+        """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
+        handler's entry, docs/vllm-plugin.md): staged without building a Python row; a call staging does not
+        take goes to the wrapped store's array entry when it has one (our native-client wrapper), else to its
+        ``batch_get_into_multi_buffers`` with the rows as lists."""
+        staged = None
+        if (
+            isinstance(addrs, np.ndarray)
+            and isinstance(sizes, np.ndarray)
+            and addrs.dtype == np.int64
+            and sizes.dtype == np.int64
+            and addrs.ndim == 2
+            and addrs.shape == sizes.shape
+            and self._keys_stageable(keys)
+        ):
+            staged = self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
+        if staged is None:
+            self.stats.passthrough_gets += 1
+            entry = getattr(self._store, "batch_get_into_multi_buffers_arrays", None)
+            if entry is not None:
+                return entry(keys, addrs, sizes)
+            rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
+            return self._store.batch_get_into_multi_buffers(keys, *rows)
+        self.stats.staged_gets += 1
+        return self._staged_get(
+            keys, staged, lambda picks: (staged.addrs[picks].tolist(), staged.sizes[picks].tolist())
+        )
+
+    def _staged_get(self, keys: list[str], staged: _Staged, rows_of: Any) -> list[int]:
+        """Fetch ``keys`` through staging slots and scatter the complete ones; ``rows_of(picks)`` gives the
+        rows of the keys at ``picks`` for Mooncake's own call (keys whose get came back short)."""
         results: list[int] = []
         lease = self._lease(staged)
         try:
@@ -268,11 +312,8 @@ class StagedMooncakeStore:
                     # Success with fewer bytes than the regions hold: let Mooncake fill the regions itself.
                     self.stats.refetched_keys += int(short.size)
                     picks = [start + int(i) for i in short]
-                    again = self._store.batch_get_into_multi_buffers(
-                        [keys[i] for i in picks],
-                        [all_buffer_ptrs[i] for i in picks],
-                        [all_sizes[i] for i in picks],
-                    )
+                    pick_addrs, pick_sizes = rows_of(picks)
+                    again = self._store.batch_get_into_multi_buffers([keys[i] for i in picks], pick_addrs, pick_sizes)
                     for i, code in zip(short, again):
                         batch_results[int(i)] = code
                 results.extend(batch_results)

@@ -1,0 +1,541 @@
+"""A replacement for vLLM 0.32/0.33's ``KVCacheStoreRecvingThread._handle_request`` (docs/vllm-plugin.md,
+"The receive handler").
+
+vLLM's handler builds every load in Python: per participating KV-cache group it walks ``process_tokens``,
+filters chunks by the group's load mask, keys the tail chunk by its tail-key boundary, calls ``key_for`` once
+per chunk and shard and ``prepare_values`` once, concatenates the groups, rotates every list by ``tp_rank``,
+and hands Mooncake ``list[list[int]]`` rows. Ours does each group in ONE native call (the layout engine's
+``plan_load``, docs/vllm.md "Fused plan"), concatenates and rotates, and makes the one store call:
+
+- with int64 matrices when the store offers ``batch_get_into_multi_buffers_arrays`` (our
+  :class:`StagedMooncakeStore` and :class:`NativeMooncakeStore`: no Python row is ever built);
+- with lists of lists of ints, value-equal to vLLM's, for any other store (a plain Mooncake store).
+
+The observable behaviour is vLLM's: the same keys in the same order, value-equal rows, the same
+``_report_load_error``/``_record_operation`` calls, ``set_finished_request`` and ``request_queue.task_done()``
+once. Anything outside the fast path goes to vLLM's own handler unchanged (:func:`fast_path_refusal`): a disk
+offload budget, ``VLLM_MOONCAKE_STORE_TIER_LOG`` on, a layout or token database not backed by our engine
+(a subclass overriding a method, an instance override), hashes, masks or block ids of a shape we do not
+take, an empty load (vLLM raises ``ZeroDivisionError`` from its rotation: its own handler raises it), and
+any exception while planning (vLLM's handler then raises its own exception, or succeeds where our engine is
+stricter). Planning has no side effects, so handing over after a refusal is safe.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ENV_RECV",
+    "ReceiveStats",
+    "RequestPlan",
+    "check_shape",
+    "fast_path_refusal",
+    "make_handler",
+    "plan_request",
+    "receive_enabled",
+    "self_check",
+]
+
+#: Set to ``0``/``false``/``off``/``no`` to keep vLLM's own receive handler (the layouts stay patched).
+ENV_RECV = "MOONCAKE_KVADDR_VLLM_RECV"
+
+#: The array entry point our store wrappers offer (keys, (n, w) int64 addrs, (n, w) int64 sizes).
+ARRAY_ENTRY = "batch_get_into_multi_buffers_arrays"
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+# Parameters (after self) of what this module relies on, as vLLM 0.32/0.33 declare them.
+_EXPECTED_THREAD: dict[str, tuple[str, ...]] = {
+    "_handle_request": ("req_meta",),
+    "_report_load_error": ("req_id", "block_ids"),
+    "_record_operation": ("operation", "start_time", "num_keys", "num_bytes", "status", "num_failed_keys"),
+    "set_finished_request": ("req_id",),
+    "__init__": (
+        "store", "coord", "token_databases", "block_size", "tp_rank", "ready_event",
+        "disk_offload_buffer_budget_bytes", "record_operation", "request_queue", "group_participates",
+        "is_hma_required",
+    ),
+}  # fmt: skip
+_EXPECTED_PROCESS_TOKENS = ("token_len", "block_hashes", "mask_num", "chunk_mask", "put_step", "put_step_rank")
+
+
+def receive_enabled(environ: Mapping[str, str]) -> bool:
+    """False when :data:`ENV_RECV` turns the replacement handler off (on by default with the plugin)."""
+    value = environ.get(ENV_RECV)
+    return value is None or value.strip().lower() not in {"0", "false", "off", "no"}
+
+
+def _params(func: Any) -> tuple[str, ...]:
+    return tuple(inspect.signature(func).parameters)[1:]
+
+
+def check_shape(data: ModuleType, worker: ModuleType) -> str:
+    """Empty string when vLLM's receive thread and token database have the shape this module relies on;
+    otherwise the first mismatch."""
+    cls = getattr(worker, "KVCacheStoreRecvingThread", None)
+    if not isinstance(cls, type):
+        return "KVCacheStoreRecvingThread is missing"
+    for method, params in _EXPECTED_THREAD.items():
+        func = inspect.getattr_static(cls, method, None)
+        if not callable(func):
+            return f"KVCacheStoreRecvingThread.{method} is missing"
+        try:
+            actual = _params(func)
+        except (TypeError, ValueError):
+            return f"KVCacheStoreRecvingThread.{method} has no readable signature"
+        if actual != params:
+            return f"KVCacheStoreRecvingThread.{method} takes {actual}, expected {params}"
+    db = getattr(data, "ChunkedTokenDatabase", None)
+    func = inspect.getattr_static(db, "process_tokens", None) if isinstance(db, type) else None
+    if not callable(func) or _params(func) != _EXPECTED_PROCESS_TOKENS:
+        return "ChunkedTokenDatabase.process_tokens is missing or has another signature"
+    for name in ("envs", "logger"):
+        if getattr(worker, name, None) is None:
+            return f"{worker.__name__}.{name} is missing"
+    for name in ("BlobBlockHashes", "LoadSpec", "ReqMeta", "TailKeyBoundary"):
+        if not isinstance(getattr(data, name, None), type):
+            return f"{data.__name__}.{name} is missing"
+    return ""
+
+
+# --- planning ----------------------------------------------------------------------------------------------
+
+
+class RequestPlan:
+    """One request's load, after concatenation and rotation: keys, rows and block ids, index-aligned.
+
+    ``arrays``: rows are (n, w) int64 matrices and ``block_ids`` an int64 array; otherwise lists of lists of
+    ints and a list of ints (vLLM's own types)."""
+
+    __slots__ = ("addrs", "arrays", "block_ids", "keys", "sizes")
+
+    def __init__(self, keys: list[str], addrs: Any, sizes: Any, block_ids: Any, arrays: bool) -> None:
+        self.keys = keys
+        self.addrs = addrs
+        self.sizes = sizes
+        self.block_ids = block_ids
+        self.arrays = arrays
+
+    def total_bytes(self) -> int:
+        """The sum of every size (vLLM's ``num_bytes`` of the load), exact."""
+        if not self.arrays:
+            return sum(map(sum, self.sizes))
+        sizes = self.sizes
+        if sizes.size == 0:
+            return 0
+        top = int(sizes.max())
+        if int(sizes.min()) >= 0 and top <= _INT64_MAX // max(1, sizes.size):
+            return int(sizes.sum())
+        return sum(int(v) for v in sizes.ravel().tolist())
+
+    def block_id_list(self, indices: list[int] | None = None) -> list[int]:
+        """Block ids (all, or those at ``indices``) as a list of Python ints."""
+        ids = self.block_ids
+        if indices is None:
+            return list(ids.tolist()) if self.arrays else list(ids)
+        if self.arrays:
+            return [int(ids[i]) for i in indices]
+        return [ids[i] for i in indices]
+
+
+class _Kinds:
+    """Which token databases and layouts are ours to plan, cached per type (vLLM's classes rarely change)."""
+
+    def __init__(self, data: ModuleType, ours: Mapping[str, Any]) -> None:
+        self._data = data
+        self._ours = ours
+        self._db_types: dict[type, bool] = {}
+        self._layout_types: dict[type, str] = {}
+        self._lock = threading.Lock()
+
+    def db_ok(self, db: Any) -> bool:
+        cls = type(db)
+        known = self._db_types.get(cls)
+        if known is None:
+            base = self._data.ChunkedTokenDatabase
+            known = isinstance(db, base) and inspect.getattr_static(cls, "process_tokens") is inspect.getattr_static(
+                base, "process_tokens"
+            )
+            with self._lock:
+                self._db_types[cls] = known
+        return known
+
+    def layout_kind(self, layout: Any) -> str:
+        """``"rank_local"``, ``"sharded"`` or ``""`` (not ours: vLLM's handler)."""
+        cls = type(layout)
+        kind = self._layout_types.get(cls)
+        if kind is None:
+            kind = self._classify(cls)
+            with self._lock:
+                self._layout_types[cls] = kind
+        if kind and ("prepare_values" in layout.__dict__ or "key_for" in layout.__dict__):
+            return ""  # an instance override: vLLM would call it
+        return kind
+
+    def _classify(self, cls: type) -> str:
+        data = self._data
+        static = inspect.getattr_static
+        for kind, base, prepare, key_for in (
+            ("rank_local", data.RankLocalStoreLayout, "rank_local_prepare_values", "rank_local_key_for"),
+            ("sharded", data.TPShardedStoreLayout, "sharded_prepare_values", "sharded_key_for"),
+        ):
+            if (
+                issubclass(cls, base)
+                and static(cls, "prepare_values") is self._ours[prepare]
+                and static(cls, "key_for") is self._ours[key_for]
+                and static(cls, "local_shard_ids") is static(base, "local_shard_ids")
+            ):
+                return kind
+        return ""
+
+
+def _hash_source(hashes: Any, blob_type: type) -> tuple[Any, int | None] | None:
+    """What the engine reads the hashes from: the list itself, or a ``BlobBlockHashes``'s flat byte blob."""
+    if type(hashes) is list or type(hashes) is tuple:
+        return hashes, None
+    if type(hashes) is blob_type:
+        blob = getattr(hashes, "_blob", None)
+        hash_len = getattr(hashes, "_hash_len", None)
+        if (
+            isinstance(blob, memoryview)
+            and blob.ndim == 1
+            and blob.itemsize == 1
+            and type(hash_len) is int
+            and hash_len > 0
+            and len(blob) % hash_len == 0
+        ):
+            return blob, hash_len
+    return None
+
+
+def plan_request(
+    thread: Any,
+    req_meta: Any,
+    arrays: bool,
+    kinds: _Kinds,
+    engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
+    blob_type: type,
+) -> RequestPlan | str:
+    """The whole load of ``req_meta`` (vLLM's receive rules, docs/vllm-plugin.md), or why it is not ours to
+    plan. May raise: the caller then hands the request to vLLM's own handler. No side effects."""
+    load_spec = req_meta.load_spec
+    token_len = load_spec.token_len
+    mask_num = load_spec.vllm_cached_tokens // thread.block_size * thread.block_size
+    source = _hash_source(req_meta.block_hashes, blob_type)
+    if source is None:
+        return "block hashes of another type"
+    hashes, hash_len = source
+    masks = thread.coord.load_mask(req_meta.block_hashes, token_len)
+    tails = {boundary.group_id: boundary.num_tokens for boundary in load_spec.tail_key_boundaries}
+    parts: list[tuple[Any, ...]] = []
+    participates = thread.group_participates
+    for g, db in enumerate(thread.token_databases):
+        if not participates[g]:
+            continue
+        mask = masks[g]
+        if type(mask) is not list and type(mask) is not tuple:
+            return "a load mask that is not a list"
+        if not kinds.db_ok(db):
+            return "a token database that is not vLLM's"
+        layout = db.store_layout
+        kind = kinds.layout_kind(layout)
+        if not kind:
+            return "a layout not backed by our engine"
+        engine, prefixes = engines[kind](layout)
+        parts.append(
+            engine.plan_load(
+                prefixes, hashes, hash_len, token_len, mask_num, mask, tails.get(g), req_meta.block_ids[g], arrays
+            )
+        )
+    n = sum(len(part[0]) for part in parts)
+    if n == 0:
+        return "no key (vLLM's handler raises ZeroDivisionError)"
+    rotation = thread.tp_rank % n
+    if arrays and len({part[1].shape[1] for part in parts if len(part[0])}) > 1:
+        arrays = False  # rows of different widths: no single matrix, lists as vLLM builds them
+        parts = [(p[0], p[1].tolist(), p[2].tolist(), p[3].tolist()) for p in parts]
+    if len(parts) == 1:
+        keys, addrs, sizes, ids = parts[0]
+    elif arrays:
+        kept = [p for p in parts if len(p[0])]
+        keys = [key for p in kept for key in p[0]]
+        addrs, sizes, ids = (np.concatenate([p[i] for p in kept]) for i in (1, 2, 3))
+    else:
+        keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
+    if rotation:
+        keys = keys[rotation:] + keys[:rotation]
+        if arrays:
+            addrs, sizes, ids = (np.concatenate((m[rotation:], m[:rotation])) for m in (addrs, sizes, ids))
+        else:
+            addrs, sizes, ids = (m[rotation:] + m[:rotation] for m in (addrs, sizes, ids))
+    return RequestPlan(keys, addrs, sizes, ids, arrays)
+
+
+def fast_path_refusal(thread: Any, envs: Any) -> str:
+    """Why this thread's requests go to vLLM's own handler ("" when they may take the fast path)."""
+    if getattr(thread, "usable_disk_offload_buffer_budget_bytes", None) is not None:
+        return "disk offload budget set"
+    if getattr(envs, "VLLM_MOONCAKE_STORE_TIER_LOG", True):
+        return "VLLM_MOONCAKE_STORE_TIER_LOG on"
+    return ""
+
+
+# --- the handler --------------------------------------------------------------------------------------------
+
+
+def _execute(thread: Any, req_id: Any, plan: RequestPlan, logger: Any) -> None:
+    """The store call and vLLM's bookkeeping around it (one batch: no disk-offload split on this path)."""
+    keys = plan.keys
+    batch_bytes = 0
+    load_get_start = time.perf_counter()
+    try:
+        batch_bytes = plan.total_bytes()
+        store = thread.store
+        entry = getattr(store, ARRAY_ENTRY, None) if plan.arrays else None
+        load_get_start = time.perf_counter()
+        if entry is not None:
+            res = entry(keys, plan.addrs, plan.sizes)
+        elif plan.arrays:
+            res = store.batch_get_into_multi_buffers(keys, plan.addrs.tolist(), plan.sizes.tolist())
+        else:
+            res = store.batch_get_into_multi_buffers(keys, plan.addrs, plan.sizes)
+        codes = res if type(res) is list else list(res)
+        if len(codes) != len(keys):
+            raise ValueError(f"the store returned {len(codes)} results for {len(keys)} keys")
+        failed = [i for i, value in enumerate(codes) if value < 0]
+        thread._record_operation(
+            "load_get",
+            load_get_start,
+            len(keys),
+            num_bytes=batch_bytes,
+            status="partial_failure" if failed else "ok",
+            num_failed_keys=len(failed),
+        )
+        if failed:
+            thread._report_load_error(req_id, plan.block_id_list(failed))
+            logger.warning(
+                "Mooncake load of request %s: %d of %d keys failed (first: %s)",
+                req_id,
+                len(failed),
+                len(keys),
+                [(keys[i], codes[i]) for i in failed[:3]],
+            )
+    except Exception as exc:
+        thread._report_load_error(req_id, plan.block_id_list())
+        thread._record_operation(
+            "load_get",
+            load_get_start,
+            len(keys),
+            num_bytes=batch_bytes,
+            status="error",
+            num_failed_keys=len(keys),
+        )
+        logger.warning("Mooncake load of request %s (keys %s...) raised: %s", req_id, keys[:3], exc)
+    thread.set_finished_request(req_id)
+    thread.request_queue.task_done()
+
+
+@dataclass
+class ReceiveStats:
+    """Requests the replacement handler planned itself, and those it handed to vLLM's own handler (with the
+    last reason). Counters only: updated without a lock, exact enough to see which path runs."""
+
+    fast_requests: int = 0
+    fallback_requests: int = 0
+    last_fallback: str = ""
+
+
+def make_handler(
+    original: Callable[[Any, Any], Any],
+    data: ModuleType,
+    worker: ModuleType,
+    ours: Mapping[str, Any],
+    engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
+) -> Callable[[Any, Any], Any]:
+    """The replacement ``_handle_request``; ``original`` is vLLM's (called for everything off the fast path).
+
+    ``ours``: the plugin's layout methods (``rank_local_prepare_values``, ``rank_local_key_for``,
+    ``sharded_prepare_values``, ``sharded_key_for``): a layout class whose methods are these is backed by our
+    engine. ``engines``: per layout kind, ``layout -> (engine, key prefix per local shard)``.
+    """
+    kinds = _Kinds(data, ours)
+    blob_type = data.BlobBlockHashes
+    envs = worker.envs
+    logger = worker.logger
+    stats = ReceiveStats()
+
+    def _handle_request(self: Any, req_meta: Any) -> Any:
+        """mooncake_kvaddr's receive handler (docs/vllm-plugin.md, "The receive handler")."""
+        why = fast_path_refusal(self, envs)
+        plan: RequestPlan | str = why
+        if not why:
+            # The store is read again inside the call's try (as vLLM reads it there): no error escapes here.
+            arrays = getattr(getattr(self, "store", None), ARRAY_ENTRY, None) is not None
+            try:
+                plan = plan_request(self, req_meta, arrays, kinds, engines, blob_type)
+            except Exception as exc:  # vLLM's handler raises its own error (or accepts what our engine refuses)
+                plan = why = f"planning raised {type(exc).__name__}"
+        if isinstance(plan, str):
+            why = plan
+            stats.fallback_requests += 1
+            stats.last_fallback = why
+            return original(self, req_meta)
+        stats.fast_requests += 1
+        _execute(self, req_meta.req_id, plan, logger)
+        return None
+
+    handler: Any = _handle_request
+    handler.__wrapped__ = original
+    handler.__qualname__ = "KVCacheStoreRecvingThread._handle_request"
+    handler.stats = stats
+    result: Callable[[Any, Any], Any] = handler
+    return result
+
+
+# --- self-check ----------------------------------------------------------------------------------------------
+
+
+class _RecordingStore:
+    """A store that records each multi-buffer get (as plain lists) and answers from a script."""
+
+    def __init__(self, answer: Callable[[list[str]], Any]) -> None:
+        self.calls: list[tuple[list[str], list[list[int]], list[list[int]]]] = []
+        self._answer = answer
+
+    def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+        self.calls.append((list(keys), [list(map(int, r)) for r in addrs], [list(map(int, r)) for r in sizes]))
+        return self._answer(list(keys))
+
+
+class _ArrayRecordingStore(_RecordingStore):
+    """The same, with the array entry point our store wrappers offer."""
+
+    def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+        return self.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
+
+
+class _Coord:
+    def __init__(self, masks: tuple[list[bool], ...]) -> None:
+        self.masks = masks
+
+    def load_mask(self, block_hashes: Any, token_len: int) -> tuple[list[bool], ...]:
+        return self.masks
+
+
+def _run_once(
+    worker: ModuleType, handler: Callable[[Any, Any], Any], store: Any, coord: Any, dbs: list[Any],
+    block_size: int, tp_rank: int, participates: list[bool], req_meta: Any,
+) -> tuple[Any, ...]:  # fmt: skip
+    records: list[tuple[Any, ...]] = []
+
+    def record(**kwargs: Any) -> None:
+        kwargs.pop("duration_seconds")
+        records.append(tuple(sorted(kwargs.items())))
+
+    q: queue.Queue[Any] = queue.Queue()
+    q.put(req_meta)
+    q.get()
+    thread = worker.KVCacheStoreRecvingThread(
+        store, coord, dbs, block_size, tp_rank, threading.Event(), disk_offload_buffer_budget_bytes=None,
+        record_operation=record, request_queue=q, group_participates=participates, is_hma_required=False,
+    )  # fmt: skip
+    try:
+        handler(thread, req_meta)
+        outcome: Any = "ok"
+    except Exception as exc:  # the type is compared
+        outcome = type(exc)
+    return (
+        outcome,
+        store.calls,
+        records,
+        sorted(thread.get_and_clear_block_ids_with_load_errors()),
+        sorted(thread.get_and_clear_finished_requests()),
+        q.unfinished_tasks,
+    )
+
+
+def self_check(
+    data: ModuleType, worker: ModuleType, handler: Callable[[Any, Any], Any], *, seed: int = 0, cases: int = 8
+) -> None:
+    """vLLM's own handler and ``handler`` on small generated requests (two groups, masks, tail keys, rotation,
+    failing and raising stores, plain and array stores): identical store calls and side effects, else
+    ``AssertionError``."""
+    me = threading.get_ident()
+    quiet = _DropThread(me)
+    worker.logger.addFilter(quiet)  # the failing-store cases log vLLM's warnings: not at start-up
+    try:
+        _self_check(data, worker, handler, random.Random(seed), cases)
+    finally:
+        worker.logger.removeFilter(quiet)
+
+
+class _DropThread(logging.Filter):
+    def __init__(self, ident: int) -> None:
+        super().__init__()
+        self.ident = ident
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.ident
+
+
+def _self_check(data: ModuleType, worker: ModuleType, handler: Any, rng: random.Random, cases: int) -> None:
+    original = worker.KVCacheStoreRecvingThread._handle_request
+    original = getattr(original, "__wrapped__", original)
+    stats = getattr(handler, "stats", None)
+    fast_before = stats.fast_requests if stats is not None else 0
+    metadata = data.KeyMetadata("self-check/recv", 1, 0, 0, 0)
+    for case in range(cases):
+        block_size = 64
+        rank_local = data.RankLocalStoreLayout(metadata, block_size, 16)
+        rank_local.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(3)])
+        rank_local.set_block_len([4096])
+        sharded = data.LBHNCStoreLayout(metadata, block_size, block_size, 2, 4, case % 2, 8)
+        sharded._set_segment_templates(
+            [([rng.randrange(1 << 20, 1 << 40)] * 2, [65536, 65536], [512, 512]) for _ in range(2)]
+        )
+        dbs = [
+            data.ChunkedTokenDatabase(metadata, block_size, 16, rank_local),
+            data.ChunkedTokenDatabase(metadata, block_size, block_size, sharded),
+        ]
+        blocks = rng.randint(1, 6)
+        token_len = blocks * block_size - 16 * rng.randrange(0, 3 if case % 2 == 0 else 1)
+        hashes = [rng.randbytes(32) for _ in range(blocks * 4)]
+        masks = tuple([rng.random() < 0.8 for _ in range(blocks + 1)] for _ in dbs)
+        tails = (data.TailKeyBoundary(0, rng.randrange(16, token_len + 1, 16)),) if case % 3 == 0 else ()
+        spec = data.LoadSpec(
+            vllm_cached_tokens=rng.randrange(0, token_len), kvpool_cached_tokens=token_len, can_load=True,
+            token_len=token_len, tail_key_boundaries=tails,
+        )  # fmt: skip
+        block_ids = ([rng.randrange(1, 500) for _ in range(blocks)], [rng.randrange(1, 500) for _ in range(blocks)])
+        meta = data.ReqMeta(
+            req_id=f"self-check-{case}", token_len_chunk=token_len, block_ids=block_ids, block_hashes=hashes,
+            load_spec=spec,
+        )  # fmt: skip
+        mode = case % 4
+
+        def answer(keys: list[str], mode: int = mode) -> Any:
+            if mode == 3:
+                raise RuntimeError("store down")
+            return [-704 if mode == 2 and i % 2 else 4096 for i in range(len(keys))]
+
+        participates = [True, case % 5 != 4]
+        store_cls = _ArrayRecordingStore if case % 2 else _RecordingStore
+        args = (_Coord(masks), dbs, block_size, case % 3, participates, meta)
+        expected = _run_once(worker, original, _RecordingStore(answer), *args)
+        actual = _run_once(worker, handler, store_cls(answer), *args)
+        if expected != actual:
+            raise AssertionError(f"receive handler, case {case}: vLLM gives {expected!r}, ours {actual!r}")
+    if stats is not None and stats.fast_requests == fast_before:
+        raise AssertionError("receive handler: no self-check request took the fast path")

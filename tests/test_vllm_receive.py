@@ -1,0 +1,479 @@
+"""The plugin's receive handler (docs/vllm-plugin.md, "The receive handler") against vLLM 0.33's own
+``KVCacheStoreRecvingThread._handle_request``: both run on the same generated requests (several KV-cache groups,
+rank-local and TP-shared layouts, groups that do not participate, load masks, unaligned ``mask_num``, tail-key
+boundaries, ``tp_rank`` rotation, list and blob hashes, stores that fail keys, raise or answer the wrong count)
+against recording stores, and must make the same store calls (keys, rows value-equal, list types where vLLM
+passes lists) with the same error, record, finish and ``task_done`` side effects. Plus the fallback rules, the
+switch, and the array entry points of the store wrappers."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mooncake_kvaddr.driver.staging import StagingBuffer
+from mooncake_kvaddr.integrations.vllm import plugin, receive
+from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def vllm() -> Iterator[tuple[Any, Any]]:
+    """vLLM's data and worker modules, patched with the receive handler for the module's tests."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.33.0)")
+    data = pytest.importorskip(plugin.DATA_MODULE, reason="vLLM has no Mooncake store module")
+    worker = pytest.importorskip(plugin.WORKER_MODULE, reason="vLLM has no Mooncake store worker module")
+    plugin.unpatch()
+    report = plugin.patch(receive=True)
+    assert report.active and "KVCacheStoreRecvingThread._handle_request" in report.patched, report
+    yield data, worker
+    plugin.unpatch()
+
+
+def _handlers(worker: Any) -> tuple[Any, Any]:
+    ours = worker.KVCacheStoreRecvingThread.__dict__["_handle_request"]
+    return ours.__wrapped__, ours
+
+
+# --- recording stores -------------------------------------------------------------------------------------------
+
+
+def _answer(behaviour: str, keys: list[str]) -> Any:
+    if behaviour == "raise":
+        raise RuntimeError("store down")
+    if behaviour == "short":
+        return [1] * (len(keys) - 1)
+    if behaviour == "fail":
+        return [-704 if sum(key.encode()) % 3 == 0 else 4096 for key in keys]
+    return [4096] * len(keys)
+
+
+class ListStore:
+    """Records ``batch_get_into_multi_buffers`` calls with the row types it was given."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.calls: list[tuple[Any, ...]] = []
+
+    def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+        types = (type(keys), type(addrs), {type(r) for r in addrs}, {type(v) for r in addrs for v in r})
+        self.calls.append((list(keys), [list(r) for r in addrs], [list(r) for r in sizes], types))
+        return _answer(self.behaviour, list(keys))
+
+
+class ArrayStore(ListStore):
+    """Also offers the array entry point (as our store wrappers do); records those calls as lists."""
+
+    def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+        assert addrs.dtype == np.int64 and sizes.dtype == np.int64 and addrs.ndim == 2
+        assert addrs.shape == sizes.shape == (len(keys), addrs.shape[1])
+        rows = addrs.tolist()
+        types = (type(keys), list, {list} if rows else set(), {int} if rows and rows[0] else set())
+        self.calls.append((list(keys), rows, sizes.tolist(), types))
+        return _answer(self.behaviour, list(keys))
+
+
+class Coord:
+    def __init__(self, masks: Any) -> None:
+        self.masks = masks
+
+    def load_mask(self, block_hashes: Any, token_len: int) -> Any:
+        return self.masks
+
+
+def run_handler(worker: Any, handler: Any, store: Any, case: dict[str, Any]) -> tuple[Any, ...]:
+    """``handler`` on a fresh vLLM receive thread; every observable side effect."""
+    records: list[tuple[Any, ...]] = []
+    errors: list[tuple[Any, list[int]]] = []
+
+    def record(**kwargs: Any) -> None:
+        assert kwargs.pop("duration_seconds") >= 0
+        records.append(tuple(sorted(kwargs.items())))
+
+    q: queue.Queue[Any] = queue.Queue()
+    q.put(case["meta"])
+    q.get()
+    thread = worker.KVCacheStoreRecvingThread(
+        store, Coord(case["masks"]), case["dbs"], case["block_size"], case["tp_rank"], threading.Event(),
+        disk_offload_buffer_budget_bytes=case.get("budget"), record_operation=record, request_queue=q,
+        group_participates=case["participates"], is_hma_required=False,
+    )  # fmt: skip
+    thread._report_load_error = lambda req_id, block_ids: errors.append((req_id, list(block_ids)))
+    try:
+        handler(thread, case["meta"])
+        outcome: Any = "ok"
+    except Exception as exc:
+        outcome = type(exc)
+    return outcome, store.calls, records, errors, thread.get_and_clear_finished_requests(), q.unfinished_tasks
+
+
+# --- generated requests ------------------------------------------------------------------------------------------
+
+
+def build_case(data: Any, draw: Any) -> dict[str, Any]:
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    hbs = 16
+    n_groups = rng.randint(1, 3)
+    metadata = data.KeyMetadata(rng.choice(["m/x", "modèle/ü"]), 1, 0, 0, 0)
+    specs = []
+    for _ in range(n_groups):
+        kind = rng.choice(["rank_local", "rank_local", "lbhnc", "lbnhc"])
+        block_size = rng.choice([16, 32, 64])
+        specs.append((kind, block_size))
+    lcm = int(np.lcm.reduce([bs for _, bs in specs]))
+    blocks = rng.choice([0, 1, 2, 3, 4, 5, 6, 6, 7, 8])
+    token_len = blocks * lcm
+    if rng.randint(0, 3) == 0:
+        token_len -= hbs * rng.randint(0, 3)  # a partial tail chunk (TP-shared groups refuse it)
+    token_len = max(token_len, 0)
+    if rng.randint(0, 40) == 0:
+        token_len += 3  # not hash-block aligned: vLLM asserts
+    n_hashes = token_len // hbs + rng.choice([0, 0, 0, 0, 0, 0, 1, 3, -1])
+    hashes = [rng.randbytes(32) for _ in range(max(n_hashes, 0))]
+    block_hashes: Any = hashes
+    if rng.random() < 0.5:
+        block_hashes = data.BlobBlockHashes(memoryview(b"".join(hashes)), 32)
+    dbs, masks, block_ids = [], [], []
+    widths = rng.choice(["same", "mixed"])
+    for kind, block_size in specs:
+        chunks = -(-token_len // block_size)
+        if kind == "rank_local":
+            layout = data.RankLocalStoreLayout(metadata, block_size, hbs)
+            regions = 3 if widths == "same" else rng.randint(1, 5)
+            layout.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(regions)])
+            layout.set_block_len([rng.choice([256, 4096]) for _ in range(rng.randint(1, regions))])
+        else:
+            local_tp, store_tp = rng.choice([(1, 1), (1, 2), (2, 4), (2, 2), (1, 4), (4, 2)])
+            cls = data.LBHNCStoreLayout if kind == "lbhnc" else data.LBNHCStoreLayout
+            layout = cls(metadata, block_size, hbs, local_tp, store_tp, rng.randrange(local_tp), 8)
+            segments = 3 if widths == "same" else rng.randint(1, 4)
+            layout._set_segment_templates(
+                [
+                    (
+                        [rng.randrange(1 << 20, 1 << 40) for _ in range(segments)],
+                        [rng.choice([4096, 65536]) for _ in range(segments)],
+                        [rng.choice([128, 512]) for _ in range(segments)],
+                    )
+                    for _ in range(layout.shards_per_rank)
+                ]
+            )
+        dbs.append(data.ChunkedTokenDatabase(metadata, block_size, hbs, layout))
+        mask_len = max(0, chunks + rng.randint(-2, 2))
+        masks.append([rng.random() < 0.8 for _ in range(mask_len)])
+        ids_len = max(0, chunks - (1 if rng.randint(0, 30) == 0 else 0))
+        block_ids.append([rng.randrange(0, 2000) for _ in range(ids_len)])
+    participates = [rng.randint(0, 4) > 0 for _ in specs]
+    tails = []
+    for g in range(n_groups + 1):  # a boundary for a group that does not exist is ignored
+        if token_len >= hbs and rng.randint(0, 2) == 0:
+            tails.append(data.TailKeyBoundary(g, rng.randrange(0, token_len + 1, hbs)))
+    thread_block_size = rng.choice([16, 32, 64])
+    spec = data.LoadSpec(
+        vllm_cached_tokens=rng.choice([0, 0, 0, 0, 8, 16, 17, 64, 100, token_len]),
+        kvpool_cached_tokens=token_len,
+        can_load=True, token_len=token_len, tail_key_boundaries=tuple(tails),
+    )  # fmt: skip
+    meta = data.ReqMeta(
+        req_id=f"req-{rng.randrange(1000)}", token_len_chunk=token_len, block_ids=tuple(block_ids),
+        block_hashes=block_hashes, load_spec=spec,
+    )  # fmt: skip
+    return {
+        "dbs": dbs,
+        "masks": tuple(masks),
+        "participates": participates,
+        "block_size": thread_block_size,
+        "tp_rank": rng.randint(0, 7),
+        "meta": meta,
+    }
+
+
+FAST = {"count": 0}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(draw=st.data(), behaviour=st.sampled_from(["ok", "ok", "fail", "raise", "short"]), arrays=st.booleans())
+def test_receive_handler_matches_vllms(vllm: tuple[Any, Any], draw: Any, behaviour: str, arrays: bool) -> None:
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = build_case(data, draw.draw)
+    expected = run_handler(worker, original, ListStore(behaviour), case)
+    before = ours.stats.fast_requests
+    actual = run_handler(worker, ours, (ArrayStore if arrays else ListStore)(behaviour), case)
+    assert actual == expected
+    FAST["count"] += ours.stats.fast_requests - before
+
+
+def test_the_differential_test_exercised_the_fast_path(vllm: tuple[Any, Any]) -> None:
+    """Guard against a vacuous differential test (every request handed back to vLLM)."""
+    if FAST["count"] == 0:
+        pytest.skip("the differential test did not run in this session")
+    assert FAST["count"] >= 100
+
+
+# --- fixed cases: fast path, fallbacks, the empty load -------------------------------------------------------------
+
+
+def _simple_case(data: Any, blocks: int = 4, *, tp_rank: int = 0, budget: int | None = None) -> dict[str, Any]:
+    metadata = data.KeyMetadata("m/simple", 1, 0, 0, 0)
+    layout = data.RankLocalStoreLayout(metadata, 64, 16)
+    layout.set_kv_caches_base_addr([1 << 30, 1 << 31])
+    layout.set_block_len([4096])
+    token_len = blocks * 64
+    hashes = [bytes([i]) * 32 for i in range(token_len // 16)]
+    spec = data.LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=token_len, can_load=True, token_len=token_len)
+    meta = data.ReqMeta(req_id="simple", token_len_chunk=token_len, block_ids=(list(range(1, blocks + 1)),),
+                        block_hashes=hashes, load_spec=spec)  # fmt: skip
+    return {
+        "dbs": [data.ChunkedTokenDatabase(metadata, 64, 16, layout)],
+        "masks": ([True] * blocks,),
+        "participates": [True],
+        "block_size": 64,
+        "tp_rank": tp_rank,
+        "meta": meta,
+        "budget": budget,
+    }
+
+
+def test_fast_path_taken_and_rotation(vllm: tuple[Any, Any]) -> None:
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = _simple_case(data, tp_rank=5)
+    before = ours.stats.fast_requests
+    expected = run_handler(worker, original, ListStore("ok"), case)
+    actual = run_handler(worker, ours, ArrayStore("ok"), case)
+    assert actual == expected and ours.stats.fast_requests == before + 1
+    keys = actual[1][0][0]
+    assert keys[0].endswith(bytes([5 % 4 * 4 + 3]).hex() * 32)  # rotated by tp_rank % 4 chunks
+
+
+def test_empty_load_raises_like_vllm(vllm: tuple[Any, Any]) -> None:
+    """No key at all: vLLM's rotation divides by zero; the request is neither finished nor marked done."""
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = _simple_case(data, blocks=0)
+    expected = run_handler(worker, original, ListStore("ok"), case)
+    assert expected[0] is ZeroDivisionError and expected[5] == 1
+    assert run_handler(worker, ours, ArrayStore("ok"), case) == expected
+
+
+def test_disk_offload_budget_and_tier_log_go_to_vllm(vllm: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    for case in (_simple_case(data, budget=1 << 30), _simple_case(data, budget=10000)):
+        before = ours.stats.fallback_requests
+        assert run_handler(worker, ours, ListStore("ok"), case) == run_handler(
+            worker, original, ListStore("ok"), case
+        )
+        assert ours.stats.fallback_requests == before + 1
+        assert ours.stats.last_fallback == "disk offload budget set"
+    monkeypatch.setenv("VLLM_MOONCAKE_STORE_TIER_LOG", "1")
+
+    class TierStore(ListStore):
+        def batch_get_replica_desc(self, keys: Any) -> dict[str, Any]:
+            return {}
+
+    case = _simple_case(data)
+    before = ours.stats.fallback_requests
+    assert run_handler(worker, ours, TierStore("ok"), case) == run_handler(worker, original, TierStore("ok"), case)
+    assert ours.stats.fallback_requests == before + 1
+
+
+def test_a_layout_not_backed_by_our_engine_goes_to_vllm(vllm: tuple[Any, Any]) -> None:
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = _simple_case(data)
+    layout = case["dbs"][0].store_layout
+    calls: list[int] = []
+    vllms = layout.prepare_values
+
+    def counting(*args: Any) -> Any:
+        calls.append(1)
+        return vllms(*args)
+
+    layout.prepare_values = counting  # an instance override: vLLM would call it
+    before = ours.stats.fallback_requests
+    assert run_handler(worker, ours, ArrayStore("ok"), case) == run_handler(worker, original, ListStore("ok"), case)
+    assert ours.stats.fallback_requests == before + 1 and len(calls) == 2
+
+    class Subclass(data.RankLocalStoreLayout):
+        def key_for(self, shard_id: int, chunk_hash: Any) -> str:
+            return "custom@" + chunk_hash.hex()
+
+    other = Subclass(data.KeyMetadata("m/sub", 1, 0, 0, 0), 64, 16)
+    other.set_kv_caches_base_addr([1 << 30])
+    other.set_block_len([4096])
+    case["dbs"] = [data.ChunkedTokenDatabase(other.metadata, 64, 16, other)]
+    result = run_handler(worker, ours, ArrayStore("ok"), case)
+    assert result == run_handler(worker, original, ListStore("ok"), case)
+    assert all(key.startswith("custom@") for key in result[1][0][0])
+
+
+# --- the switch ------------------------------------------------------------------------------------------------------
+
+
+def test_switch_keeps_vllms_handler_and_unpatch_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    worker = pytest.importorskip(plugin.WORKER_MODULE, reason="vLLM has no Mooncake store worker module")
+    cls = worker.KVCacheStoreRecvingThread
+    was = plugin.is_patched()
+    plugin.unpatch()
+    vllms = cls.__dict__["_handle_request"]
+    try:
+        monkeypatch.setenv(plugin.ENV_RECV, "0")
+        report = plugin.patch()
+        assert report.active and "KVCacheStoreRecvingThread._handle_request" not in report.patched
+        assert cls.__dict__["_handle_request"] is vllms
+        plugin.unpatch()
+        monkeypatch.delenv(plugin.ENV_RECV)
+        report = plugin.patch()
+        assert "KVCacheStoreRecvingThread._handle_request" in report.patched
+        assert cls.__dict__["_handle_request"].__wrapped__ is vllms
+        plugin.unpatch()
+        assert cls.__dict__["_handle_request"] is vllms
+    finally:
+        plugin.unpatch()
+        if was:
+            plugin.patch(receive=True)
+
+
+def test_receive_enabled_values() -> None:
+    assert receive.receive_enabled({})
+    assert receive.receive_enabled({receive.ENV_RECV: "1"})
+    for off in ("0", "false", "OFF", " no "):
+        assert not receive.receive_enabled({receive.ENV_RECV: off})
+
+
+def test_self_check_catches_a_handler_that_differs(vllm: tuple[Any, Any]) -> None:
+    data, worker = vllm
+    _, ours = _handlers(worker)
+
+    def wrong(self: Any, req_meta: Any) -> None:
+        self.tp_rank += 1  # rotates differently
+        try:
+            ours(self, req_meta)
+        finally:
+            self.tp_rank -= 1
+
+    wrong.stats = ours.stats  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="receive handler"):
+        receive.self_check(data, worker, wrong)
+    receive.self_check(data, worker, ours)
+
+
+# --- array entry points of the store wrappers ------------------------------------------------------------------------
+
+
+def _arrays(cache: StagingBuffer, keys: int, regions: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    addrs = np.array(
+        [[cache.ptr + (r * keys + k) * size for r in range(regions)] for k in range(keys)], dtype=np.int64
+    )
+    return addrs, np.full((keys, regions), size, dtype=np.int64)
+
+
+def test_staged_array_entry_equals_the_list_entry() -> None:
+    from test_vllm_plugin import FakeMooncake
+
+    inner = FakeMooncake()
+    store = StagedMooncakeStore(inner, staging_bytes=4096)
+    cache = StagingBuffer(16 * 2 * 1024)
+    store.register_buffer(cache.ptr, cache.nbytes)
+    cache.array[:] = np.random.default_rng(0).integers(0, 255, cache.nbytes, dtype=np.uint8)
+    want = cache.array.copy()
+    addrs, sizes = _arrays(cache, 16, 2, 1024)
+    keys = [f"k{i}" for i in range(16)]
+    assert store.batch_put_from_multi_buffers(keys, addrs.tolist(), sizes.tolist()) == [0] * 16
+    del inner.objects["k3"]
+    inner.objects["k5"] = inner.objects["k5"][:512]
+    cache.array[:] = 0
+    by_lists = store.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
+    got_lists = cache.array.copy()
+    cache.array[:] = 0
+    staged_before = store.stats.staged_gets
+    by_arrays = store.batch_get_into_multi_buffers_arrays(keys, addrs, sizes)
+    assert by_arrays == by_lists and by_arrays[3] == -704 and by_arrays[5] == -800
+    assert store.stats.staged_gets == staged_before + 1
+    assert (cache.array == got_lists).all()
+    assert (cache.array[: 1024 * 3] == want[: 1024 * 3]).all()
+    # Outside the registered buffers: Mooncake's own call, with the rows as lists.
+    other = StagingBuffer(4096)
+    outside, outside_sizes = _arrays(other, 2, 1, 64)
+    inner.calls.clear()
+    assert store.batch_get_into_multi_buffers_arrays(["k0", "k1"], outside, outside_sizes) == [-600, -600]
+    assert inner.calls == ["get_multi"] and store.stats.passthrough_gets == 1
+
+
+class _Client:
+    def __init__(self, refuse: bool) -> None:
+        self.refuse = refuse
+        self.calls: list[Any] = []
+
+    def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        if self.refuse:
+            raise ValueError("refused")
+        self.calls.append((keys, addrs, sizes))
+        return [7] * len(keys)
+
+
+@pytest.mark.parametrize("client", ["native", "refusing", "none"])
+def test_native_array_entry_dispatch_and_fallback(client: str) -> None:
+    bound = ListStore("ok")
+    store = NativeMooncakeStore(bound)
+    fake = None if client == "none" else _Client(client == "refusing")
+    store._client = fake
+    addrs = np.arange(6, dtype=np.int64).reshape(3, 2)
+    sizes = np.ones((3, 2), dtype=np.int64)
+    result = store.batch_get_into_multi_buffers_arrays(["a", "b", "c"], addrs, sizes)
+    if client == "native":
+        assert result == [7, 7, 7] and fake is not None and fake.calls[0][1] is addrs
+        assert store.stats.native_calls == 1 and not bound.calls
+    else:
+        assert result == [4096] * 3 and store.stats.fallback_calls == 1
+        _, rows, size_rows, types = bound.calls[0]
+        assert rows == addrs.tolist() and size_rows == sizes.tolist() and types[1] is list
+
+
+def test_staged_array_entry_passes_what_it_does_not_stage_through() -> None:
+    """Other dtypes, shapes, duplicate or non-str keys: Mooncake's own call with the rows as lists, nothing
+    staged (the receive handler never sends these; other callers may)."""
+    from test_vllm_plugin import FakeMooncake
+
+    inner = FakeMooncake()
+    inner.record_only()
+    seen: list[tuple[Any, Any]] = []
+    get = inner.batch_get_into_multi_buffers
+
+    def recording(keys: list[str], addrs: Any, sizes: Any, *args: Any) -> Any:
+        seen.append((addrs, sizes))
+        return get(keys, addrs, sizes, *args)
+
+    inner.batch_get_into_multi_buffers = recording  # type: ignore[method-assign]
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    cache = StagingBuffer(4096)
+    store.register_buffer(cache.ptr, cache.nbytes)
+    addrs, sizes = _arrays(cache, 2, 2, 64)
+    cases = [
+        (["a", "b"], addrs.astype(np.float64), sizes),
+        (["a", "b"], addrs.astype(np.uint64), sizes),
+        (["a", "b"], addrs[:, :1], sizes),
+        (["a", "b"], addrs.ravel(), sizes.ravel()),
+        (["a", "a"], addrs, sizes),
+        (("a", "b"), addrs, sizes),
+        ([b"a", b"b"], addrs, sizes),
+        (["a", "b"], addrs, sizes * 0),
+    ]
+    for keys, a, s in cases:
+        assert store.batch_get_into_multi_buffers_arrays(keys, a, s) == [-704] * 2  # type: ignore[arg-type]
+        assert seen[-1] == (np.asarray(a).tolist(), np.asarray(s).tolist())
+        assert type(seen[-1][0]) is list
+    assert store.stats.staged_gets == 0 and store.stats.passthrough_gets == len(cases)
+    assert inner.calls == ["get_multi"] * len(cases)
