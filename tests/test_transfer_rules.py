@@ -246,12 +246,13 @@ def test_auto_rule_follows_the_measured_crossover() -> None:
     assert choose_auto_mode(16, 32 << 10) == "staged"  # exactly 512 KiB
     assert choose_auto_mode(4, 128 << 10) == "staged"
     assert choose_auto_mode(16, 64 << 10) == "multi_buffer"
-    # In memory: stage only loads of keys with at most 8 regions under 32 KiB (the measured shapes where the
+    # In memory: stage only loads of keys with at most 8 regions under 4 KiB (the measured shapes where the
     # staged get won); never stores (staging adds a copy of every byte and saves no network cost).
-    for regions, region_bytes in ((2, 64), (4, 2 << 10), (8, 2 << 10), (4, 8 << 10), (8, (32 << 10) - 1)):
+    for regions, region_bytes in ((2, 64), (4, 2 << 10), (8, 2 << 10), (8, (4 << 10) - 1)):
         assert choose_auto_mode(regions, region_bytes, local_copy=True) == "staged"
         assert choose_auto_mode(regions, region_bytes, local_copy=True, direction="store") == "multi_buffer"
-    for regions, region_bytes in ((9, 2 << 10), (16, 2 << 10), (100, 2 << 10), (4, 32 << 10), (16, 32 << 10)):
+    for regions, region_bytes in ((9, 2 << 10), (16, 2 << 10), (100, 2 << 10), (4, 4 << 10), (4, 8 << 10),
+                                  (16, 32 << 10)):
         for direction in ("load", "store"):
             assert choose_auto_mode(regions, region_bytes, local_copy=True, direction=direction) == "multi_buffer"
     # Over the network both directions follow the same rule.

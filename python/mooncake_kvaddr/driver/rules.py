@@ -26,6 +26,7 @@ from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.store import StoreError
 
 __all__ = [
+    "AUTO_MEMORY_LOAD_STAGED_BELOW",
     "AUTO_MEMORY_LOAD_STAGED_MAX_REGIONS",
     "AUTO_NETWORK_STAGED_BELOW",
     "AUTO_NETWORK_STAGED_OBJECT_MAX",
@@ -187,10 +188,12 @@ class OperationRecorder:
 #: (measured with ``bench/transfer_crossover.py``; the table is in ``docs/transfer-modes.md``).
 AUTO_NETWORK_STAGED_BELOW: Final = 32 << 10
 AUTO_NETWORK_STAGED_OBJECT_MAX: Final = 512 << 10
-#: In memory ``auto`` stages *loads* of keys with at most this many regions smaller than
-#: :data:`AUTO_NETWORK_STAGED_BELOW` (the many-small-keys shapes where the staged get measured 7-15 % faster
-#: by the median); every other in-memory load, and every in-memory store, is multi-buffer.
+#: In memory ``auto`` stages *loads* of keys with at most this many regions, each smaller than
+#: :data:`AUTO_MEMORY_LOAD_STAGED_BELOW` (many keys of a few 2 KiB regions: the staged get measured 1-9 %
+#: faster; at 4 and 8 KiB regions multi-buffer was 6-30 % faster); every other in-memory load, and every
+#: in-memory store, is multi-buffer.
 AUTO_MEMORY_LOAD_STAGED_MAX_REGIONS: Final = 8
+AUTO_MEMORY_LOAD_STAGED_BELOW: Final = 4 << 10
 
 
 def choose_auto_mode(
@@ -210,7 +213,9 @@ def choose_auto_mode(
     if local_copy:
         # In memory there is no per-region network cost to save, and staging adds a copy of every byte; only
         # loads of many keys with a few small regions each came out ahead staged.
-        few_small = regions_per_key <= AUTO_MEMORY_LOAD_STAGED_MAX_REGIONS and small_regions
+        few_small = (
+            regions_per_key <= AUTO_MEMORY_LOAD_STAGED_MAX_REGIONS and region_bytes < AUTO_MEMORY_LOAD_STAGED_BELOW
+        )
         return "staged" if direction == "load" and few_small else "multi_buffer"
     small_object = regions_per_key * region_bytes <= AUTO_NETWORK_STAGED_OBJECT_MAX
     return "staged" if small_regions or small_object else "multi_buffer"
