@@ -549,10 +549,16 @@ def test_native_client_setting_and_hook(monkeypatch: pytest.MonkeyPatch) -> None
     def tensor(kind: str) -> Any:
         return types.SimpleNamespace(device=types.SimpleNamespace(type=kind))
 
-    assert not plugin.native_client_setting(None, {})  # off by default
+    assert plugin.native_client_setting(None, {})  # on by default (it falls back where unverified)
+    assert not plugin.native_client_setting({plugin.EXTRA_NATIVE_CLIENT: False}, {})
+    assert not plugin.native_client_setting({plugin.EXTRA_NATIVE_CLIENT: "off"}, {})
     assert plugin.native_client_setting({plugin.EXTRA_NATIVE_CLIENT: True}, {})
     assert not plugin.native_client_setting({plugin.EXTRA_NATIVE_CLIENT: True}, {plugin.ENV_NATIVE_CLIENT: "0"})
-    assert plugin.maybe_stage_store(inner, {"a": tensor("cuda")}, None) is inner
+    assert plugin.native_client_setting({plugin.EXTRA_NATIVE_CLIENT: False}, {plugin.ENV_NATIVE_CLIENT: "1"})
+    off = {plugin.EXTRA_NATIVE_CLIENT: False}
+    assert plugin.maybe_stage_store(inner, {"a": tensor("cuda")}, off) is inner
+    default = plugin.maybe_stage_store(inner, {"a": tensor("cuda")}, None)
+    assert isinstance(default, NativeMooncakeStore) and default.wrapped is inner
     gpu = plugin.maybe_stage_store(inner, {"a": tensor("cuda")}, {plugin.EXTRA_NATIVE_CLIENT: "yes"})
     assert isinstance(gpu, NativeMooncakeStore) and gpu.wrapped is inner  # device caches: just the call
     assert plugin.maybe_stage_store(gpu, {"a": tensor("cuda")}, {plugin.EXTRA_NATIVE_CLIENT: True}) is gpu
@@ -561,7 +567,9 @@ def test_native_client_setting_and_hook(monkeypatch: pytest.MonkeyPatch) -> None
     )
     assert isinstance(both, StagedMooncakeStore) and isinstance(both.wrapped, NativeMooncakeStore)
     monkeypatch.setenv(plugin.ENV_NATIVE_CLIENT, "1")
-    assert isinstance(plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, None), NativeMooncakeStore)
+    assert isinstance(plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, off), NativeMooncakeStore)
+    monkeypatch.setenv(plugin.ENV_NATIVE_CLIENT, "0")
+    assert plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, None) is inner
 
 
 @pytest.mark.mooncake

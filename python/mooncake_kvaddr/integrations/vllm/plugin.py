@@ -19,13 +19,14 @@ What is replaced (all on vLLM's ``...mooncake.store.data`` classes, state kept o
 
 - ``RankLocalStoreLayout.prepare_values``, ``.prepare_value_for_block`` and ``.key_for``;
 - ``TPShardedStoreLayout.prepare_values`` (and so ``LBHNCStoreLayout``/``LBNHCStoreLayout``) and ``.key_for``;
-- ``MooncakeStoreWorker.__init__``/``.register_kv_caches`` get a thin wrapper, active only when the staged
-  transport is switched on (``MOONCAKE_KVADDR_VLLM_STAGED=1`` or ``kv_connector_extra_config``
+- ``MooncakeStoreWorker.__init__``/``.register_kv_caches`` get a thin wrapper that sets up the transports:
+  the native-client transport (on by default; off with ``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=0`` or
+  ``{"mooncake_kvaddr_native_client": false}``; host or device caches): the batch calls go through
+  :class:`~mooncake_kvaddr.integrations.vllm.native_store.NativeMooncakeStore`, which calls Mooncake's C++
+  client only where it was verified for the installed Mooncake and Mooncake's own method otherwise; and the
+  staged transport, off by default (``MOONCAKE_KVADDR_VLLM_STAGED=1`` or ``kv_connector_extra_config``
   ``{"mooncake_kvaddr_staged": true}``): host-memory KV caches then move through
-  :class:`~mooncake_kvaddr.integrations.vllm.staged_store.StagedMooncakeStore`; and the native-client
-  transport (``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=1`` or ``{"mooncake_kvaddr_native_client": true}``, host or
-  device caches): the batch calls go through
-  :class:`~mooncake_kvaddr.integrations.vllm.native_store.NativeMooncakeStore`. Both are off by default;
+  :class:`~mooncake_kvaddr.integrations.vllm.staged_store.StagedMooncakeStore`;
 - ``KVCacheStoreRecvingThread._handle_request`` (worker module): one fused native plan per KV-cache group and
   one store call per request (:mod:`~mooncake_kvaddr.integrations.vllm.receive`), vLLM's own handler for
   everything off that fast path; on by default, off with ``MOONCAKE_KVADDR_VLLM_RECV=0`` (the layouts stay
@@ -496,12 +497,14 @@ def staged_settings(
 
 
 def native_client_setting(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the native-client transport is requested: the environment (wins), else the connector's
-    ``kv_connector_extra_config``. Off by default."""
+    """Whether the native-client transport is wanted: the environment (wins), else the connector's
+    ``kv_connector_extra_config``. On by default, like the driver's ``StoreConfig.native_client``: the
+    wrapper only calls Mooncake's C++ client where that client was verified for the installed Mooncake, and
+    passes every call to Mooncake's own method otherwise (docs/vllm-plugin.md, "Native-client transport")."""
     env = os.environ if environ is None else environ
     if ENV_NATIVE_CLIENT in env:
         return _truthy(env[ENV_NATIVE_CLIENT])
-    return _truthy((extra_config or {}).get(EXTRA_NATIVE_CLIENT, False))
+    return _truthy((extra_config or {}).get(EXTRA_NATIVE_CLIENT, True))
 
 
 def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any] | None) -> Any:
