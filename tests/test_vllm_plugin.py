@@ -436,6 +436,7 @@ def test_staged_splits_requests_larger_than_the_staging_buffer() -> None:
 
 def test_device_caches_are_passed_through(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(plugin.ENV_STAGED, "1")
+    monkeypatch.setenv(plugin.ENV_NATIVE_CLIENT, "0")  # the staged wrapper alone (the native one: below)
     inner = FakeMooncake()
 
     def tensor(kind: str) -> Any:
