@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <typeinfo>
 #include <utility>
@@ -39,24 +40,26 @@ constexpr const char* kReplicateConfigName = "N8mooncake15ReplicateConfigE";  //
 // Calls made into Mooncake by any MooncakeClient (tests check that refused set-ups call nothing).
 std::atomic<uint64_t> g_calls{0};
 
-// Nanoseconds the calling thread's last call spent with the GIL released (for the benchmark: the rest of the
-// call's wall time is GIL-held work).
+// Nanoseconds the calling thread's last call did not hold the GIL: from the release until it held the GIL
+// again, waiting to re-acquire it included (for the benchmark: the rest of the call's wall time is GIL-held
+// work).
 thread_local uint64_t t_released_ns = 0;
 
-// gil_scoped_release that also records how long the GIL was released.
+// gil_scoped_release that also records how long the calling thread was without the GIL.
 class TimedRelease {
 public:
-    TimedRelease() : start_(std::chrono::steady_clock::now()) {}
+    TimedRelease() : start_(std::chrono::steady_clock::now()) { release_.emplace(); }
     TimedRelease(const TimedRelease&) = delete;
     TimedRelease& operator=(const TimedRelease&) = delete;
     ~TimedRelease() {
+        release_.reset();  // re-acquire first, so the wait for the GIL counts as released time
         t_released_ns = static_cast<uint64_t>(
             std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count());
     }
 
 private:
-    std::chrono::steady_clock::time_point start_;  // constructed before the release, read after the re-acquire
-    py::gil_scoped_release release_;
+    std::chrono::steady_clock::time_point start_;
+    std::optional<py::gil_scoped_release> release_;
 };
 
 // A std::type_info that names mooncake::ReplicateConfig, for pybind11's cross-module "conduit" protocol:
@@ -661,7 +664,8 @@ void register_mooncake_client(py::module_& m) {
         "Why this build cannot call Mooncake's client natively ('' if it can).");
     m.def(
         "mooncake_client_last_release_ns", [] { return t_released_ns; },
-        "Nanoseconds this thread's last native Mooncake call ran with the GIL released (for benchmarks).");
+        "Nanoseconds this thread's last native Mooncake call went without the GIL: released until re-acquired "
+        "(for benchmarks).");
     m.def(
         "mooncake_client_call_count", [] { return g_calls.load(std::memory_order_relaxed); },
         "Calls made into Mooncake by native clients in this process (for tests).");

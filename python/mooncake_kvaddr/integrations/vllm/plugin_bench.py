@@ -312,6 +312,8 @@ class _Phases:
     def __init__(self) -> None:
         self.intervals: dict[str, list[tuple[float, float]]] = {}
         self.cpu: dict[str, float] = {}
+        self.native_cpu = 0.0  # CPU time of the calling thread inside native-client calls
+        self.native_held = 0.0  # the part of those calls' wall time with the GIL held (see _NativeTimer)
         self._lock = threading.Lock()
 
     def clear(self) -> None:
@@ -319,6 +321,13 @@ class _Phases:
         with self._lock:
             self.intervals.clear()
             self.cpu.clear()
+            self.native_cpu = self.native_held = 0.0
+
+    def add_native(self, cpu: float, held: float) -> None:
+        """Account one native-client call."""
+        with self._lock:
+            self.native_cpu += cpu
+            self.native_held += held
 
     def timed(self, name: str, func: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -334,6 +343,34 @@ class _Phases:
                     self.cpu[name] = self.cpu.get(name, 0.0) + cpu
 
         return wrapper
+
+
+class _NativeTimer:
+    """A native Mooncake client whose batch calls are accounted in ``phases``: the calling thread's CPU time,
+    and the call's wall time minus the interval its C++ ran with the GIL released
+    (``mooncake_client_last_release_ns``, which counts the wait to take the GIL back as released): the part
+    it held the GIL, i.e. converting the arguments and the results."""
+
+    def __init__(self, client: Any, phases: _Phases) -> None:
+        self._client = client
+        self._phases = phases
+
+    def __getattr__(self, name: str) -> Any:
+        from mooncake_kvaddr import _native
+
+        target = getattr(self._client, name)
+        if not name.startswith("batch_"):
+            return target
+
+        def call(*args: Any) -> Any:
+            cpu0, start = time.thread_time(), time.perf_counter()
+            result = target(*args)  # a refused call raises before Mooncake: not accounted
+            wall, cpu = time.perf_counter() - start, time.thread_time() - cpu0
+            released = _native.mooncake_client_last_release_ns() / 1e9
+            self._phases.add_native(cpu, max(0.0, wall - released))
+            return result
+
+        return call
 
 
 def _overlap(gaps: list[tuple[float, float]], intervals: list[tuple[float, float]]) -> float:
@@ -380,12 +417,19 @@ def _instrument(rig: VllmStoreRig, phases: _Phases, receive_handler: bool) -> Ca
         receiver.store = proxy
         receiver.__dict__["_handle_request"] = phases.timed("request", receiver._handle_request)
     from mooncake_kvaddr.integrations.vllm import staged_store as staged_module
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
 
     staged_store: Any = staged_module
     copy = staged_store.scatter
     staged_store.scatter = phases.timed("scatter (GIL released)", copy)
+    native_store = next((s for s in (rig.store, inner) if isinstance(s, NativeMooncakeStore)), None)
+    native_client = None if native_store is None else native_store.native_client
+    if native_store is not None and native_client is not None:
+        native_store._client = _NativeTimer(native_client, phases)
 
     def undo() -> None:
+        if native_store is not None and native_client is not None:
+            native_store._client = native_client
         layout.__dict__.pop("prepare_values", None)
         receive.plan_request = plan_request
         staged_store.scatter = copy
@@ -409,7 +453,8 @@ def _single_requests(
     Two views of the GIL per request (medians, ms): ``stall_*`` — time the busy thread could not run,
     attributed to the phase it overlapped (on a loaded machine this includes time the OS gave the cores to
     other processes); ``cpu_*`` — the receive thread's own CPU time by phase (GIL held, except the copies
-    timed as ``cpu_copy_released``). ``cpu_gil`` = request CPU - copy CPU.
+    timed as ``cpu_copy_released``, and the native-client calls' CPU beyond their GIL-held wall time, timed as
+    ``cpu_native_released``). ``cpu_gil`` = request CPU - both.
     """
     rig.start_receivers(1)
     phases = _Phases()
@@ -445,14 +490,16 @@ def _single_requests(
             copy = cpu.get("scatter (GIL released)", 0.0)
             store_call = cpu.get("store call", 0.0)
             slots = cpu.get("mooncake slot call", 0.0)
+            native_released = max(0.0, phases.native_cpu - phases.native_held)
             add("cpu_request", request)
-            add("cpu_gil", request - copy)
+            add("cpu_gil", request - copy - native_released)
             add("cpu_vllm_python", request - cpu.get("prepare_values", 0.0) - store_call)
             add("cpu_prepare_values", cpu.get("prepare_values", 0.0))
             # Mooncake's own part of the store call: the whole call without staging, the slot call with it.
             add("cpu_mooncake_call", slots if "mooncake slot call" in cpu else store_call)
             add("cpu_staging_python", store_call - slots - copy if "mooncake slot call" in cpu else 0.0)
             add("cpu_copy_released", copy)
+            add("cpu_native_released", native_released)
     finally:
         spinner.close()
         undo()
