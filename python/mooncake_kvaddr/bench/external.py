@@ -64,11 +64,19 @@ def vllm_threads(quick: bool) -> dict[str, Any] | None:
     rows: list[dict[str, Any]] = plugin_bench.run(quick)
     if not rows:
         return None
-    label_key = "mode" if "mode" in rows[0] else next(iter(rows[0]))
-    numeric = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    cols = tuple(Col(k, k, ".2f") for k in numeric[:8])
-    return table("vLLM 0.33's own send/receive threads per request (real Mooncake master)",
-                 "vLLM 0.33 alone (no plugin)", _rows_by(rows, label_key), cols, label=label_key)
+    base = next((row for row in rows if row.get("mode") == "vllm"), rows[0])
+    for row in rows:
+        for key in ("cpu_gil_ms", "stall_ms"):
+            if row.get(key) and base.get(key):
+                row[key.replace("_ms", "_x")] = base[key] / row[key]
+    cols = (Col("wall_ms", "wall ms", ".1f"), Col("cpu_gil_ms", "GIL ms", ".1f"), Col("cpu_gil_x", "GIL x", ".1f", "x"),
+            Col("stall_ms", "stall ms", ".1f"), Col("stall_x", "stall x", ".1f", "x"),
+            Col("cpu_vllm_python_ms", "vLLM py", ".1f"), Col("cpu_prepare_values_ms", "plan", ".1f"),
+            Col("cpu_mooncake_call_ms", "mooncake", ".1f"), Col("cpu_staging_python_ms", "staging py", ".1f"),
+            Col("wall_4req_4thr_ms", "4 req/4 thr", ".0f"), Col("bytes_ok", "bytes ok"))
+    return table("vLLM 0.33's own send/receive threads per request (real Mooncake master); GIL ms = receive-thread "
+                 "CPU with the GIL (docs/vllm-plugin.md), stall = a busy Python thread's lost time",
+                 "vLLM 0.33 alone (no plugin); x = its value / the mode's", _rows_by(rows, "mode"), cols, label="mode")
 
 
 def multihost(quick: bool) -> dict[str, Any] | None:
