@@ -23,8 +23,12 @@ def _run(script: str, *args: str) -> str:
     if not path.exists():
         pytest.skip(f"{script} is not in this tree (tests copied without the checkout)")
     pytest.importorskip("mooncake.store")
+    import mooncake_kvaddr
+
+    # The package this test process imports (the source tree's or the installed one), and tests/ for helpers.
+    package_root = Path(mooncake_kvaddr.__file__).resolve().parent.parent
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(package_root), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=300, env=env,
                           cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
