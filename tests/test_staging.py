@@ -624,3 +624,35 @@ def test_gil_is_released_during_a_large_copy() -> None:
 def test_native_constants() -> None:
     assert _native.STAGING_SLOT_ALIGNMENT == SLOT_ALIGNMENT == 64
     assert isinstance(_native.STAGING_STREAMING_STORES, bool)
+
+
+def test_a_staging_buffer_collected_during_a_lookup_cannot_deadlock() -> None:
+    # A staging buffer freed by the cyclic GC while a raw (ptr, nbytes) range is being checked: the collection
+    # runs inside the check (any allocation may start it). It must neither deadlock nor break the check. Run
+    # in a subprocess: a deadlock there times out instead of hanging the suite.
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import gc
+        import numpy as np
+        from mooncake_kvaddr.driver.staging import HostCopyBackend, StagingBuffer
+
+        region = np.arange(4096, dtype=np.uint8)
+        backend = HostCopyBackend([(region.ctypes.data, region.nbytes)])
+        addrs = np.array([[region.ctypes.data]], dtype=np.int64)
+        sizes = np.array([[64]], dtype=np.int64)
+        offsets = np.array([0], dtype=np.int64)
+        keep = StagingBuffer(4096)
+        gc.set_threshold(1, 1, 1)
+        for i in range(3000):
+            doomed = StagingBuffer(4096)
+            doomed.cycle = doomed  # freed only by the cyclic GC, at some allocation to come
+            del doomed
+            backend.gather(addrs, sizes, (keep.ptr, 4096), offsets)
+        print("done")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-3000:]

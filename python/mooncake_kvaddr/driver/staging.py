@@ -406,21 +406,19 @@ class StagingPool:
 
 
 # Live staging buffers by their first byte: the only memory a gather may write and a scatter may read as
-# staging. Entries leave when their buffer is collected.
+# staging. The references carry no callback: a callback would run inside whatever allocation started a garbage
+# collection, possibly while this thread holds the lock below (a deadlock). Dead entries are dropped at the next
+# registration instead, and a dead reference is never a candidate.
 _LIVE_STAGING: dict[int, weakref.ref[StagingBuffer]] = {}
 _LIVE_STAGING_LOCK = threading.Lock()
 
 
 def _register_staging(buffer: StagingBuffer) -> None:
-    ptr = buffer.ptr
-
-    def forget(ref: weakref.ref[StagingBuffer], ptr: int = ptr) -> None:
-        with _LIVE_STAGING_LOCK:
-            if _LIVE_STAGING.get(ptr) is ref:
-                del _LIVE_STAGING[ptr]
-
     with _LIVE_STAGING_LOCK:
-        _LIVE_STAGING[ptr] = weakref.ref(buffer, forget)
+        dead = [ptr for ptr, ref in _LIVE_STAGING.items() if ref() is None]
+        for ptr in dead:
+            del _LIVE_STAGING[ptr]
+        _LIVE_STAGING[buffer.ptr] = weakref.ref(buffer)
 
 
 StagingArg = StagingBuffer | StagingLease | MemoryRange
