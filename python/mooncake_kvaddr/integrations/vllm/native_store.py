@@ -83,17 +83,26 @@ class NativeMooncakeStore:
                 client = self._client
         return client
 
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    def _native_call(self, name: str, args: tuple[Any, ...], what: str) -> tuple[bool, Any]:
+        """``(True, result)`` of the native client's ``name(*args)``; ``(False, None)`` when there is no native
+        client or it refuses the arguments before calling Mooncake (logged once per reason as ``what``)."""
         client = self._native()
+        if client is None:
+            return False, None
+        try:
+            result = getattr(client, name)(*args)
+        except _REFUSED as exc:
+            self._log_once(f"{what} not accepted ({type(exc).__name__}: {exc})")
+            return False, None
+        self.stats.native_calls += 1
+        return True, result
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             self._log_once(f"{name} called with keyword arguments {sorted(kwargs)}")
-        elif client is not None:
-            try:
-                result = getattr(client, name)(*args)
-            except _REFUSED as exc:
-                self._log_once(f"{name} arguments not accepted ({type(exc).__name__}: {exc})")
-            else:
-                self.stats.native_calls += 1
+        else:
+            done, result = self._native_call(name, args, f"{name} arguments")
+            if done:
                 return result
         self.stats.fallback_calls += 1
         return getattr(self._store, name)(*args, **kwargs)
@@ -110,15 +119,10 @@ class NativeMooncakeStore:
         """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
         handler's entry, docs/vllm-plugin.md): the native client reads them without building a Python row;
         without a native client (or when it refuses them) Mooncake's bound method gets the rows as lists."""
-        client = self._native()
-        if client is not None:
-            try:
-                result = client.batch_get_into_multi_buffers(keys, addrs, sizes)
-            except _REFUSED as exc:
-                self._log_once(f"batch_get_into_multi_buffers arrays not accepted ({type(exc).__name__}: {exc})")
-            else:
-                self.stats.native_calls += 1
-                return result
+        args = (keys, addrs, sizes)
+        done, result = self._native_call("batch_get_into_multi_buffers", args, "batch_get_into_multi_buffers arrays")
+        if done:
+            return result
         self.stats.fallback_calls += 1
         return self._store.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
 
