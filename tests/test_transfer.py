@@ -25,7 +25,7 @@ mooncake = pytest.mark.mooncake
 @pytest.mark.parametrize(
     ("mode", "resolved", "store_phases", "load_phases"),
     [
-        ("multi_buffer", "multi_buffer", {"keys", "exist", "prepare", "put"}, {"plan", "get"}),
+        ("multi_buffer", "multi_buffer", {"keys", "exist", "prepare", "put"}, {"plan", "probe", "get"}),
         ("auto", "staged", {"keys", "exist", "prepare", "staging_wait", "gather", "put"},
          {"plan", "staging_wait", "get", "scatter"}),
     ],

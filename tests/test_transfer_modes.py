@@ -319,8 +319,11 @@ def test_one_region_layouts_use_the_contiguous_calls_without_staging(
         assert_blocks_equal(src, ids[:5], dst, ids[::-1][:5])
         assert (dst.regions[0][ids[::-1][5:]] == 7).all()
     assert calls.named("batch_put_from") == [5]
-    expected_get = "batch_get_into_multi_buffers" if other_mode == "multi_buffer" else "batch_get_into"
-    assert calls.named(expected_get) == [10]
+    if other_mode == "multi_buffer":
+        assert calls.named("batch_get_into_multi_buffers") == [10]
+    else:
+        # The peer probe (this store's master is not embedded: network rules) reads one key first.
+        assert calls.named("batch_get_into") == ([1] if reader.probes_peers else []) + [10]
 
 
 @mooncake

@@ -34,6 +34,7 @@ from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.config import DEFAULT_MAX_ABANDONED_CALLS
+from mooncake_kvaddr.driver.probe import PeerProbe, PeerScreen
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
 from mooncake_kvaddr.driver.staging import (
@@ -77,6 +78,9 @@ class PathContext:
     caches: RegisteredCaches
     replicate_config: Any
     metrics: OperationRecorder
+    #: Proves new peers responsive before a get Mooncake writes into the KV cache itself (multi-buffer,
+    #: direct); ``None``: no probing (docs/multihost.md, "Hung peer").
+    probe: PeerProbe | None = None
 
 
 @dataclass
@@ -234,6 +238,52 @@ def _read_whole(got: BatchResult, expected: Int64Array) -> BoolArray:
     return whole
 
 
+def _take(rows: Any, picks: npt.NDArray[np.intp]) -> Any:
+    """The rows at ``picks`` of a list or an array."""
+    if isinstance(rows, np.ndarray):
+        return rows[picks]
+    return [rows[int(i)] for i in picks]
+
+
+def _spread(values: BoolArray, picks: npt.NDArray[np.intp], n: int) -> BoolArray:
+    """``values`` of the keys at ``picks`` as a mask over all ``n`` keys (False elsewhere)."""
+    out = np.zeros(n, dtype=bool)
+    out[picks] = values
+    return out
+
+
+def _screen_peers(
+    ctx: PathContext, keys: list[str], deadline: RequestDeadline, outcomes: dict[str, int]
+) -> tuple[PeerScreen | None, npt.NDArray[np.intp] | None]:
+    """Ask the probe which of ``keys`` may go to Mooncake: ``(screen, picks)``; ``picks`` is ``None`` for all
+    of them, else the indices allowed (the others are counted not tried here)."""
+    if ctx.probe is None:
+        return None, None
+    screen = ctx.probe.screen(keys, deadline)
+    if screen.stop:
+        count(outcomes, NOT_TRIED, len(keys))
+        return screen, np.zeros(0, dtype=np.intp)
+    if screen.allowed is None:
+        return screen, None
+    picks = np.flatnonzero(screen.allowed)
+    count(outcomes, NOT_TRIED, len(keys) - len(picks))
+    return screen, picks
+
+
+def _after_peers(
+    ctx: PathContext, screen: PeerScreen | None, picks: npt.NDArray[np.intp] | None, n: int, got: BatchResult
+) -> BoolArray:
+    """Per key of the whole sub-batch: read whole by ``got`` (made for ``picks``); the probe forgets the peers
+    of the keys whose transfer failed."""
+    loaded = np.fromiter((o is Outcome.OK for o in got.outcomes), dtype=bool, count=len(got.outcomes))
+    failed = np.fromiter((o is Outcome.TRANSFER_FAILED for o in got.outcomes), dtype=bool, count=len(got.outcomes))
+    if picks is not None:
+        loaded, failed = _spread(loaded, picks, n), _spread(failed, picks, n)
+    if ctx.probe is not None and screen is not None:
+        ctx.probe.forget(screen.endpoints, failed)
+    return loaded
+
+
 class MultiBufferPath(TransferPath):
     """Every key's regions go to ``batch_*_multi_buffers``: as int64 matrices when the store's native client
     is on (no Python object per region), else as Python lists (one fused native plan per group)."""
@@ -326,7 +376,15 @@ class MultiBufferPath(TransferPath):
         self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
         keys = plan.keys[start:end]
-        sizes = plan.sizes[start:end]
+        addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
+        n = len(keys)
+        screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes)
+        if screen is not None:
+            clock.lap("probe")
+        if picks is not None:
+            if len(picks) == 0:
+                return GetOutcome(np.zeros(n, dtype=bool), False, 0)
+            keys, addrs, sizes = _take(keys, picks), _take(addrs, picks), _take(sizes, picks)
         if self.ctx.metrics.callback is None:
             nbytes = 0
         elif isinstance(sizes, np.ndarray):
@@ -335,18 +393,16 @@ class MultiBufferPath(TransferPath):
             nbytes = sum(map(sum, sizes))
         t0 = time.perf_counter()
         try:
-            got = self.ctx.store.batch_get_into_multi_buffers(
-                keys, plan.addrs[start:end], sizes, check_values=False, deadline=deadline
-            )
+            got = self.ctx.store.batch_get_into_multi_buffers(keys, addrs, sizes, check_values=False, deadline=deadline)
         except BaseException:
             self._record("load_get", t0, len(keys), nbytes, None)
             raise
         finally:
             clock.lap("get")
         self._record("load_get", t0, len(keys), nbytes, got)
-        for outcome, n in got.summary().items():
-            count(outcomes, outcome, n)
-        loaded = np.fromiter((o is Outcome.OK for o in got.outcomes), dtype=bool, count=len(keys))
+        for outcome, k in got.summary().items():
+            count(outcomes, outcome, k)
+        loaded = _after_peers(self.ctx, screen, picks, n, got)
         return GetOutcome(loaded, CODE_MASTER_UNREACHABLE in got.codes, got.bytes_transferred)
 
 
@@ -395,12 +451,20 @@ class DirectPath(TransferPath):
         self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
         self._check_slices(plan.addrs[start:end], plan.sizes[start:end])
-        expected = plan.sizes[start:end, 0]
+        ptrs, expected = plan.addrs[start:end, 0], plan.sizes[start:end, 0]
         keys = plan.keys[start:end]
+        n = len(keys)
+        screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes)
+        if screen is not None:
+            clock.lap("probe")
+        if picks is not None:
+            if len(picks) == 0:
+                return GetOutcome(np.zeros(n, dtype=bool), False, 0)
+            keys, ptrs, expected = _take(keys, picks), ptrs[picks], expected[picks]
         t0 = time.perf_counter()
         try:
             got = self.ctx.store.batch_get_into(
-                keys, plan.addrs[start:end, 0].tolist(), expected.tolist(), check_values=False, deadline=deadline
+                keys, ptrs.tolist(), expected.tolist(), check_values=False, deadline=deadline
             )
         except BaseException:
             self._record("load_get", t0, len(keys), int(expected.sum()), None)
@@ -408,10 +472,14 @@ class DirectPath(TransferPath):
         finally:
             clock.lap("get")
         self._record("load_get", t0, len(keys), int(expected.sum()), got)
-        for outcome, n in got.summary().items():
-            count(outcomes, outcome, n)
+        for outcome, k in got.summary().items():
+            count(outcomes, outcome, k)
         whole = _read_whole(got, expected)
-        return GetOutcome(whole, CODE_MASTER_UNREACHABLE in got.codes, int(expected[whole].sum()))
+        nbytes = int(expected[whole].sum())
+        if picks is not None:
+            whole = _spread(whole, picks, n)
+        _after_peers(self.ctx, screen, picks, n, got)
+        return GetOutcome(whole, CODE_MASTER_UNREACHABLE in got.codes, nbytes)
 
 
 def _lay_out(object_sizes: Int64Array) -> SlotPlan:

@@ -654,6 +654,33 @@ class MooncakeStore:
             codes = self._split_call(client.batch_get_into, keys, ptrs, sizes, [1] * n, deadline, unique_keys=True)
         return self._result(_Op.GET, codes, n)
 
+    def replica_locations(self, keys: Sequence[str]) -> list[tuple[tuple[str, int], ...]] | None:
+        """Where each key's memory replicas live: per key, ``(transport endpoint, object bytes)`` of each.
+
+        A key that does not exist (or has no memory replica) gets ``()``. ``None`` when the Mooncake client
+        has no replica query (``batch_get_replica_desc``). Asks the master only, never a peer, and moves no
+        bytes; like a get, it grants each object a read lease. Used to prove a peer responsive before a load
+        that Mooncake writes into the KV cache itself (docs/multihost.md, "Hung peer").
+        """
+        n = _check_keys(keys)
+        if n == 0:
+            return []
+        with self._admitted() as client:
+            query = getattr(client, "batch_get_replica_desc", None)
+            if query is None:
+                return None
+            found = query(list(keys))
+        out: list[tuple[tuple[str, int], ...]] = []
+        for key in keys:
+            places: list[tuple[str, int]] = []
+            for replica in found.get(key, ()) if isinstance(found, dict) else ():
+                if not replica.is_memory_replica():
+                    continue
+                where = replica.get_memory_descriptor().buffer_descriptor
+                places.append((str(where.transport_endpoint), int(where.size)))
+            out.append(tuple(places))
+        return out
+
     def batch_remove(self, keys: Sequence[str] | Sequence[bytes], force: bool = False) -> BatchResult:
         """Remove keys: ``OK``, ``NOT_FOUND``, or ``HAS_LEASE`` (read recently) unless ``force``."""
         n = _check_keys(keys)

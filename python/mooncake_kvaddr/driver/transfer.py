@@ -54,6 +54,7 @@ from mooncake_kvaddr.driver.paths import (
     StagedPath,
     TransferPath,
 )
+from mooncake_kvaddr.driver.probe import PeerProbe
 from mooncake_kvaddr.driver.results import Clock, LoadResult, StoreResult, TransferRequest, count
 from mooncake_kvaddr.driver.rules import (
     LOAD_ERRORS,
@@ -110,6 +111,11 @@ class KVTransfer:
         local_copy: for ``"auto"``: whether Mooncake moves this transfer's bytes by an in-process copy (the
             only segment is in this process) rather than over the network; ``None`` (default) infers it from
             the store's configuration (:func:`~mooncake_kvaddr.driver.rules.copies_in_memory`).
+        probe_peers: whether a multi-buffer or direct load first asks the master where its keys live and
+            proves each peer it has not read from yet responsive with a small read it can abandon at the
+            request's deadline (:mod:`~mooncake_kvaddr.driver.probe`): a hung peer then costs the load its
+            deadline, not ~61 s per key. ``None`` (default): on unless Mooncake copies in memory (see
+            ``local_copy``). Staged loads need no probe: their calls are abandoned at the deadline themselves.
     """
 
     def __init__(
@@ -129,6 +135,7 @@ class KVTransfer:
         disk_offload_buffer_budget_bytes: int | None = None,
         disk_offload_usable_ratio: float = 0.9,
         local_copy: bool | None = None,
+        probe_peers: bool | None = None,
     ) -> None:
         if not databases:
             raise ValueError("databases: need one ChunkedTokenDatabase per KV-cache group (at least one)")
@@ -156,6 +163,8 @@ class KVTransfer:
         self._regions: list[np.ndarray[Any, Any]] = []
         self._registered: list[int] = []
         self._local_copy = local_copy
+        self._probe_peers = probe_peers
+        self._probe: PeerProbe | None = None
         # No path until register_kv_caches: every block id is checked against the registered caches.
         self._get_path: TransferPath | None = None
         self._put_path: TransferPath | None = None
@@ -177,6 +186,15 @@ class KVTransfer:
 
     def _context(self, caches: RegisteredCaches) -> PathContext:
         return PathContext(self._store, self.databases, caches, self.replicate_config, self._metrics)
+
+    def _copies_in_memory(self) -> bool:
+        return copies_in_memory(self._store.config) if self._local_copy is None else self._local_copy
+
+    @property
+    def probes_peers(self) -> bool:
+        """Whether loads that Mooncake writes into the KV cache itself (multi-buffer, direct) first prove new
+        peers responsive (:mod:`~mooncake_kvaddr.driver.probe`); set by :meth:`register_kv_caches`."""
+        return self._probe is not None
 
     @property
     def mooncake_store(self) -> MooncakeStore:
@@ -255,6 +273,11 @@ class KVTransfer:
                 for base, nbytes in caches.buffers:
                     self._store.register_buffer(base, nbytes)
                     self._registered.append(base)
+            probe = self._probe_peers if self._probe_peers is not None else not self._copies_in_memory()
+            if probe and get_mode != "staged":
+                # Mooncake writes this load path's bytes into the KV cache itself: such a call cannot be
+                # abandoned, so a new peer is proven responsive first (docs/multihost.md, "Hung peer").
+                self._probe = ctx.probe = PeerProbe(self._store, self._store.config.max_abandoned_calls)
             for mode in (get_mode, put_mode):
                 if mode not in paths:
                     paths[mode] = DirectPath(ctx) if mode == "direct" else MultiBufferPath(ctx)
@@ -277,7 +300,7 @@ class KVTransfer:
         if self.transfer_mode == "staged":
             return "staged", "staged"
         region_bytes = sum(caches.block_lens) // regions
-        local = copies_in_memory(self._store.config) if self._local_copy is None else self._local_copy
+        local = self._copies_in_memory()
         return (
             choose_auto_mode(regions, region_bytes, local_copy=local, direction="load"),
             choose_auto_mode(regions, region_bytes, local_copy=local, direction="store"),
@@ -668,6 +691,8 @@ class KVTransfer:
                 staged.calls.when_settled(unregister)
         for path in paths.values():
             path.close()
+        if self._probe is not None:
+            self._probe.close()  # an abandoned probe keeps its own buffer until Mooncake returns
         if self._owns_pool:
             self._pool = None  # frees the buffer once no request holds a lease
         self._registered.clear()
