@@ -46,3 +46,9 @@ def test_transfer_crossover_script_runs() -> None:
 def test_native_driver_bench_script_runs() -> None:
     out = _run("tools/bench_native_driver.py", "--keys", "16", "--repeats", "1")
     assert out.strip(), "the script printed nothing"
+
+
+def test_mooncake_copy_threads_script_runs() -> None:
+    out = _run("bench/mooncake_copy_threads.py", "--keys", "16", "--regions", "4", "--reps", "1", "--threads", "1,2")
+    assert "bytes verified" in out, out
+    assert sum(line.strip().startswith(("batch_get_into", "numpy")) for line in out.splitlines()) == 3, out
