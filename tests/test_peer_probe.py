@@ -294,3 +294,16 @@ def test_replica_locations_reads_mooncake_descriptors(monkeypatch: pytest.Monkey
         assert r.store.replica_locations([]) == []
         with pytest.raises(TypeError):
             r.store.replica_locations("not a list of keys")  # type: ignore[arg-type]
+
+
+def test_a_failing_replica_query_lets_the_get_go_ahead(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+    with rig(monkeypatch, "multi_buffer", model) as r:
+
+        def broken(keys: list[str]) -> dict[str, list[Any]]:
+            raise RuntimeError("master hiccup")
+
+        r.client.batch_get_replica_desc = broken  # type: ignore[attr-defined]
+        dst = _dst(r)
+        with r.transfer(dst) as reader:
+            r.check(reader.load(r.request()), dst, IDS)
+        assert r.names() == ["batch_get_into_multi_buffers"]

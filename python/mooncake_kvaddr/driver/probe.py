@@ -118,8 +118,8 @@ class PeerProbe:
                 "the keys live: no key was handed to Mooncake"
             )
             return PeerScreen(stop=True)
-        except StoreError as exc:
-            logger.warning("peer probe: replica query failed (%s); the get goes ahead unprobed", exc)
+        except Exception as exc:  # the master's answer is advice: the get meets a real failure itself
+            logger.warning("peer probe: replica query failed (%r); the get goes ahead unprobed", exc)
             return _GO
         if located is None:
             self._unsupported = True
