@@ -130,3 +130,17 @@ def test_quick_bench_runs_and_bytes_match(bench: Any, master: Any) -> None:
     for row in rows:
         assert row["bytes_ok"], row
         assert row["cpu_gil_ms"] > 0 and row["wall_4req_4thr_ms"] > 0
+
+
+def test_quick_bench_over_tcp_between_processes_moves_the_bytes(bench: Any, master: Any) -> None:
+    """``remote``: vLLM's worker holds no segment, a separate ``mooncake_client`` does (TCP between
+    processes); the environment the run raises Mooncake's TCP limits in is restored afterwards."""
+    import os
+
+    before = {name: os.environ.get(name) for name in bench.REMOTE_TCP_ENV}
+    rows = bench.run(quick=True, reps=1, master_address=master.rpc_address, modes=("vllm", "recv_staged"),
+                     remote=True)  # fmt: skip
+    assert [row["mode"] for row in rows] == ["vllm", "recv_staged"]
+    for row in rows:
+        assert row["remote"] and row["bytes_ok"], row
+    assert {name: os.environ.get(name) for name in bench.REMOTE_TCP_ENV} == before

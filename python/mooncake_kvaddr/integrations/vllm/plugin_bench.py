@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HEADLINE", "MODES", "QUICK", "RigShape", "VllmStoreRig", "plugin_mode", "run"]
+__all__ = ["HEADLINE", "MODES", "QUICK", "REMOTE", "RigShape", "VllmStoreRig", "plugin_mode", "run"]
 
 #: Transfer modes: vLLM alone; the plugin's patched layouts only (vLLM's own receive handler): alone, + staged
 #: transport, + native-client transport, + staged transport whose slot calls go through the native client; the
@@ -58,6 +58,16 @@ class RigShape:
 #: The headline request: 289,024 tokens, 100 regions x 2 KiB per block, 441 MiB.
 HEADLINE = RigShape(blocks=2258, regions=100, region_bytes=2048)
 QUICK = RigShape(blocks=128, regions=32, region_bytes=2048)
+#: Over TCP between processes (``remote``): 32,768 tokens, 100 regions x 2 KiB per block, 50 MiB (vLLM's
+#: multi-buffer call moves ~25-80 MiB/s at 2 KiB regions over TCP here, so the headline would take minutes).
+REMOTE = RigShape(blocks=256, regions=100, region_bytes=2048)
+#: Mooncake's TCP queue limits raised so that vLLM's one call per request (25,600 regions; four at once on
+#: four receive threads) is admitted at all; with the defaults it fails every key (docs/vllm-plugin.md).
+REMOTE_TCP_ENV = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+    "MC_TCP_ADMISSION_TIMEOUT_MS": "600000",
+}
 
 
 def mode_flags(mode: str) -> tuple[bool, bool, bool]:
@@ -106,6 +116,7 @@ class VllmStoreRig:
         recv_threads: int = 1,
         staging_bytes: int = 256 << 20,
         model: str = "rig/model",
+        segment: bool = True,
     ) -> None:
         import importlib
 
@@ -130,8 +141,8 @@ class VllmStoreRig:
             master_server_address=master_address,
             protocol="tcp",
             device_name="",
-            mode="embedded",
-            global_segment_size=max(2 * shape.request_bytes + (64 << 20), 256 << 20),
+            mode="embedded" if segment else "standalone-store",
+            global_segment_size=max(2 * shape.request_bytes + (64 << 20), 256 << 20) if segment else 0,
             local_buffer_size=16 << 20,
         )
         setup_mooncake_store(store, config, "127.0.0.1")
@@ -509,14 +520,37 @@ def _single_requests(
     return out
 
 
-def _measure_mode(master: str, shape: RigShape, mode: str, reps: int, thread_counts: tuple[int, ...]) -> dict[str, Any]:
-    row: dict[str, Any] = {"mode": mode, "tokens": shape.tokens, "regions": shape.regions}
+def _restore_env(saved: dict[str, str | None]) -> None:
+    import os
+
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _wait_for_segment(rig: VllmStoreRig, timeout: float = 30.0) -> None:
+    """Until a small put finds space: the remote segment holder has mounted its segment."""
+    deadline = time.monotonic() + timeout
+    while rig.raw_store.put("plugin-bench-ready", b"x") != 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no segment to store into after {timeout} s (the segment holder did not come up)")
+        time.sleep(0.2)
+
+
+def _measure_mode(
+    master: str, shape: RigShape, mode: str, reps: int, thread_counts: tuple[int, ...], *, remote: bool = False
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"mode": mode, "tokens": shape.tokens, "regions": shape.regions, "remote": remote}
     receive_handler, staged, native = mode_flags(mode)
     with plugin_mode(mode):
         staging = max(shape.request_bytes // 2, 64 << 20)
         rig = VllmStoreRig(master, shape, staged=staged, native=native, staging_bytes=staging,
-                           model=f"bench/{mode}")  # fmt: skip
+                           model=f"bench/{mode}", segment=not remote)  # fmt: skip
         try:
+            if remote:
+                _wait_for_segment(rig)
             hashes = rig.hashes(MODES.index(mode) + 1, shape.blocks)
             rig.fill(7)
             expected = rig.snapshot()
@@ -549,22 +583,36 @@ def run(
     reps: int | None = None,
     master_address: str | None = None,
     modes: tuple[str, ...] = MODES,
+    remote: bool = False,
 ) -> list[dict[str, Any]]:
     """Measure ``modes`` (default all of :data:`MODES`); one dict per mode, times in ms, ``bytes_ok`` per mode.
 
     Starts an embedded master unless ``master_address`` is given. ``quick`` uses a small request
     (:data:`QUICK`); otherwise the headline one (:data:`HEADLINE`). The 4-request rows load the same stored
-    request 4 times into the same blocks (identical bytes).
+    request 4 times into the same blocks (identical bytes). ``remote``: vLLM's worker holds no segment; a
+    separate ``mooncake_client`` process does, so every byte crosses Mooncake's TCP transport between
+    processes (request :data:`REMOTE`, or :data:`QUICK` with ``quick``; Mooncake's TCP queue limits raised as
+    in :data:`REMOTE_TCP_ENV`, set in this process's environment for the run and restored after).
     """
+    import os
+
     from mooncake_kvaddr.driver.master import EmbeddedMaster
 
-    shape = QUICK if quick else HEADLINE
+    shape = QUICK if quick else (REMOTE if remote else HEADLINE)
     reps = reps if reps is not None else (3 if quick else 5)
     with contextlib.ExitStack() as stack:
+        if remote:
+            saved = {name: os.environ.get(name) for name in REMOTE_TCP_ENV}
+            stack.callback(_restore_env, saved)
+            os.environ.update(REMOTE_TCP_ENV)  # before any Mooncake client (and the holder) starts
         if master_address is None:
             master = stack.enter_context(EmbeddedMaster())
             master_address = master.rpc_address
-        return [_measure_mode(master_address, shape, mode, reps, (1, 2, 4)) for mode in modes]
+        if remote:
+            from mooncake_kvaddr.bench.tcp import segment_holder
+
+            stack.enter_context(segment_holder(master_address, 2 * len(modes) * shape.request_bytes + (256 << 20)))
+        return [_measure_mode(master_address, shape, mode, reps, (1, 2, 4), remote=remote) for mode in modes]
 
 
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual runs
@@ -578,12 +626,13 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual ru
     parser.add_argument("--full", action="store_true", help="the headline request instead of the quick one")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    parser.add_argument("--remote", action="store_true", help="the segment in another process: TCP between processes")
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}")
-    rows = run(quick=not args.full, reps=args.reps, modes=modes)
+    rows = run(quick=not args.full, reps=args.reps, modes=modes, remote=args.remote)
     json.dump(rows, sys.stdout, indent=1)
     print(flush=True)
     os._exit(0)  # vLLM's receive threads block forever on their queues
