@@ -253,13 +253,14 @@ def _spread(values: BoolArray, picks: npt.NDArray[np.intp], n: int) -> BoolArray
 
 
 def _screen_peers(
-    ctx: PathContext, keys: list[str], deadline: RequestDeadline, outcomes: dict[str, int]
+    ctx: PathContext, keys: list[str], deadline: RequestDeadline, outcomes: dict[str, int], clock: Clock
 ) -> tuple[PeerScreen | None, npt.NDArray[np.intp] | None]:
     """Ask the probe which of ``keys`` may go to Mooncake: ``(screen, picks)``; ``picks`` is ``None`` for all
-    of them, else the indices allowed (the others are counted not tried here)."""
+    of them, else the indices allowed (the others are counted not tried here). Its time is the "probe" phase."""
     if ctx.probe is None:
         return None, None
     screen = ctx.probe.screen(keys, deadline)
+    clock.lap("probe")
     if screen.stop:
         count(outcomes, NOT_TRIED, len(keys))
         return screen, np.zeros(0, dtype=np.intp)
@@ -378,9 +379,7 @@ class MultiBufferPath(TransferPath):
         keys = plan.keys[start:end]
         addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
         n = len(keys)
-        screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes)
-        if screen is not None:
-            clock.lap("probe")
+        screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
         if picks is not None:
             if len(picks) == 0:
                 return GetOutcome(np.zeros(n, dtype=bool), False, 0)
@@ -454,9 +453,7 @@ class DirectPath(TransferPath):
         ptrs, expected = plan.addrs[start:end, 0], plan.sizes[start:end, 0]
         keys = plan.keys[start:end]
         n = len(keys)
-        screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes)
-        if screen is not None:
-            clock.lap("probe")
+        screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
         if picks is not None:
             if len(picks) == 0:
                 return GetOutcome(np.zeros(n, dtype=bool), False, 0)
