@@ -145,17 +145,18 @@ def run(chunks: int, regions: int, block_bytes: int, reps: int) -> dict[str, Any
                 time.sleep(0.1)
             md = KeyMetadata("tcp", 0, 0, 0, 0)
 
-            def pair(store_: Any, mode: str) -> tuple[Any, Any]:
+            def pair(store_: Any, mode: str, probe: bool | None = None) -> tuple[Any, Any]:
                 writer = KVTransfer(store_, [ChunkedTokenDatabase(md, block_size)], transfer_mode=mode,
                                     start_threads=False)
                 reader = KVTransfer(store_, [ChunkedTokenDatabase(md, block_size)], transfer_mode=mode,
-                                    start_threads=False)
+                                    start_threads=False, probe_peers=probe)
                 writer.register_kv_caches(source, num_blocks)
                 reader.register_kv_caches(target, num_blocks)
                 return writer, reader
 
             paths = {STAGED: pair(store, "staged"), SPLIT: pair(store, "multi_buffer"),
-                     SPLIT_BOUND: pair(bound_store, "multi_buffer"), VLLM: pair(single_call_store, "multi_buffer")}
+                     SPLIT_BOUND: pair(bound_store, "multi_buffer"),
+                     VLLM: pair(single_call_store, "multi_buffer", probe=False)}  # vLLM probes no peer
             stores = {STAGED: store, SPLIT: store, SPLIT_BOUND: bound_store, VLLM: single_call_store}
             refill = paths[STAGED][0]  # puts the data back when a path's own store failed, so its load is timed
             for name, (writer, reader) in paths.items():

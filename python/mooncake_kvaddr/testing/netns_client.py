@@ -9,6 +9,7 @@ the protocol only. The commands drive the project's :class:`~mooncake_kvaddr.dri
 ``setup``       connect a named store (``master``, ``hostname``, ``segment``, optional ``region_budget``,
                 ``request_timeout_s``)
 ``cache``       a host KV cache (``regions`` x ``blocks`` x ``block_bytes``) and a KVTransfer in ``mode``
+                (optional ``probe_peers``, as KVTransfer's)
 ``fill``        fill a cache with the bytes of data set ``seed``
 ``store``       store ``chunks`` chunks (blocks 1..chunks) under key tag ``tag``
 ``load``        sentinel-fill blocks 1..chunks, load them, verify every chunk against data set ``seed``
@@ -121,8 +122,10 @@ class _Cache:
         staging = args.get("staging_bytes")
         self.pool = StagingPool(int(staging)) if staging else None
         db = ChunkedTokenDatabase(KeyMetadata(str(args.get("model", "mh")), 0, 0, 0, 0), self.block_size)
+        probe = args.get("probe_peers")
         self.xfer = KVTransfer(
-            store, [db], transfer_mode=str(args["mode"]), start_threads=False, staging_pool=self.pool
+            store, [db], transfer_mode=str(args["mode"]), start_threads=False, staging_pool=self.pool,
+            probe_peers=None if probe is None else bool(probe),
         )
         self.xfer.register_kv_caches(self.regions, self.blocks)
 
