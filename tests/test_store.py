@@ -488,6 +488,23 @@ def test_mooncake_itself_takes_tuple_rows(store: MooncakeStore, key_prefix: str)
 
 
 @mooncake
+def test_replica_locations_name_the_peer_holding_each_key(store: MooncakeStore, key_prefix: str) -> None:
+    # The peer probe's question to the master (driver/probe.py): which peer holds each key, and its size.
+    src = Regions(3, 2, 1 * KiB, seed=5)
+    keys = [f"{key_prefix}/{i}" for i in range(3)]
+    assert store.batch_put_from_multi_buffers(keys, src.addrs, src.sizes).ok
+    located = store.replica_locations([*keys, f"{key_prefix}/missing"])
+    assert located is not None and located[-1] == ()
+    endpoints = {endpoint for places in located[:-1] for endpoint, _ in places}
+    assert len(endpoints) == 1  # this process holds the only segment
+    (endpoint,) = endpoints
+    host, port = endpoint.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    assert [places for places in located[:-1]] == [((endpoint, src.object_size),)] * 3
+    assert store.replica_locations([]) == []
+
+
+@mooncake
 @pytest.mark.parametrize("call", ["batch_get_into_multi_buffers", "batch_get_into"])
 def test_a_key_named_twice_in_one_get_fills_both_destinations(
     store: MooncakeStore, key_prefix: str, spy: CallSpy, call: str
