@@ -307,3 +307,10 @@ def test_a_failing_replica_query_lets_the_get_go_ahead(monkeypatch: pytest.Monke
         with r.transfer(dst) as reader:
             r.check(reader.load(r.request()), dst, IDS)
         assert r.names() == ["batch_get_into_multi_buffers"]
+
+
+@pytest.mark.parametrize("name", ["probe_peers", "local_copy"])
+def test_the_switches_take_booleans_only(monkeypatch: pytest.MonkeyPatch, model: str, name: str) -> None:
+    with rig(monkeypatch, "multi_buffer", model) as r:
+        with pytest.raises(TypeError, match=name):
+            r.transfer(_dst(r), **{name: "false"})  # vLLM-style configs read "false" as true: refused

@@ -69,6 +69,7 @@ from mooncake_kvaddr.driver.rules import (
 )
 from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, CopyBackend, HostCopyBackend, StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore, Outcome, RequestDeadline, StoreClosedError, StoreError
+from mooncake_kvaddr.driver.values import check_bool
 from mooncake_kvaddr.driver.workers import TransferThreads
 
 __all__ = ["KVTransfer", "LoadResult", "StoreResult", "TransferRequest"]
@@ -162,8 +163,8 @@ class KVTransfer:
         self._metrics = OperationRecorder(record_operation)
         self._regions: list[np.ndarray[Any, Any]] = []
         self._registered: list[int] = []
-        self._local_copy = local_copy
-        self._probe_peers = probe_peers
+        self._local_copy = None if local_copy is None else check_bool("local_copy", local_copy)
+        self._probe_peers = None if probe_peers is None else check_bool("probe_peers", probe_peers)
         self._probe: PeerProbe | None = None
         # No path until register_kv_caches: every block id is checked against the registered caches.
         self._get_path: TransferPath | None = None
