@@ -295,7 +295,7 @@ public:
             py::tuple r = rows;
             return py::make_tuple(py::list(), r[0], r[1], r[2]);
         }
-        parsed.templates = current_templates();  // vLLM's prepare_values reads the regions after the walk
+        take_snapshot(parsed);  // vLLM's prepare_values reads the regions after the walk
         validate(parsed);
         resolve(parsed, block_ids);
         // Keys last among the inputs: the hashes are read after every other argument was converted.
@@ -355,11 +355,22 @@ private:
         std::vector<KeyPlan> plans;
         std::vector<py::object> id_objects;  // exact-int block ids reusable as output (empty otherwise)
         std::shared_ptr<const Templates> templates;
+        uint64_t generation = 0;  // the cache generation `templates` belongs to
     };
 
     Parsed with_templates(Parsed p) {
-        p.templates = current_templates();
+        take_snapshot(p);
         return p;
+    }
+
+    // The template snapshot and the cache generation it belongs to, taken together (no Python code runs
+    // between the install in sync_regions and the read of generation_). Rows computed from this snapshot are
+    // only looked up in, and inserted into, the cache of that generation: a callback that re-registers the
+    // layout later in the call (and a nested call that syncs the new regions) cannot make this call read rows
+    // of the new regions, nor leave rows of the old ones cached under the new generation.
+    void take_snapshot(Parsed& p) {
+        p.templates = current_templates();
+        p.generation = generation_;
     }
 
     std::shared_ptr<const Templates> current_templates() { return tp_shared_ ? templates_ : sync_regions(); }
@@ -383,7 +394,7 @@ private:
                 if (s != 0) raise(PyExc_AssertionError, "rank-local layout: shard id " + std::to_string(s) + " is not 0");
             }
         }
-        p.templates = current_templates();
+        take_snapshot(p);
         chunk_bounds(chunks, &p.starts, &p.ends);
         if (p.starts.size() != shards.size()) raise(PyExc_RuntimeError, "chunks changed size during the call");
         p.shards = std::move(shards);
@@ -457,7 +468,7 @@ private:
 
     py::tuple materialize_lists(Parsed& p) {
         const std::shared_ptr<const Templates> templates = p.templates;  // keeps the snapshot alive
-        const uint64_t generation = generation_;
+        const uint64_t generation = p.generation;  // the snapshot's, not the current one (see take_snapshot)
         const auto n = static_cast<Py_ssize_t>(p.plans.size());
         py::list addr_rows(n), size_rows(n), ids(n);
         std::vector<int64_t> scratch;
@@ -508,7 +519,7 @@ private:
     PyObject* address_list(const Segments& t, const KeyPlan& plan, uint64_t generation, std::vector<int64_t>& scratch,
                            Py_ssize_t key) {
         auto& shard = rows_[plan.shard];
-        auto hit = shard.find(plan.block_id);
+        auto hit = generation == generation_ ? shard.find(plan.block_id) : shard.end();
         if (hit != shard.end()) {
             ++hits_;
             // Own a reference: building the list allocates, and a GC pass may clear the cache meanwhile.
@@ -530,7 +541,7 @@ private:
     py::object address_tuple(const Segments& t, const KeyPlan& plan, uint64_t generation,
                              std::vector<int64_t>& scratch, Py_ssize_t key) {
         auto& shard = rows_[plan.shard];
-        auto hit = shard.find(plan.block_id);
+        auto hit = generation == generation_ ? shard.find(plan.block_id) : shard.end();
         if (hit != shard.end()) {
             ++hits_;
             return py::reinterpret_borrow<py::object>(hit->second);
@@ -561,8 +572,10 @@ private:
                           Py_ssize_t key) {
         const int64_t count = t.size_scales ? plan.block_count : 1;
         const std::pair<std::size_t, int64_t> id{plan.shard, count};
-        for (const auto& entry : size_rows_) {
-            if (entry.first == id) return py::reinterpret_borrow<py::object>(entry.second);
+        if (generation == generation_) {
+            for (const auto& entry : size_rows_) {
+                if (entry.first == id) return py::reinterpret_borrow<py::object>(entry.second);
+            }
         }
         scratch.resize(t.count());
         if (!layout::size_row(t, count, scratch.data())) {
@@ -570,7 +583,7 @@ private:
                                            " blocks overflows int64");
         }
         py::object row = int_tuple(scratch.data(), scratch.size());
-        if (generation == generation_ && size_rows_.size() < kMaxSizeRows) {
+        if (generation == generation_ && size_rows_.size() < kMaxSizeRows && !has_size_row(id)) {
             size_rows_.emplace_back(id, row.inc_ref().ptr());
         }
         return row;
@@ -579,9 +592,19 @@ private:
     // Approximate bytes a cached row keeps alive: the tuple and its int objects.
     static std::size_t row_cost(std::size_t width) { return 64 + width * (8 + 32); }
 
+    bool has_size_row(const std::pair<std::size_t, int64_t>& id) const {
+        for (const auto& entry : size_rows_) {
+            if (entry.first == id) return true;
+        }
+        return false;
+    }
+
+    // Caches `row` unless the (shard, block id) is cached already: building the row allocated, and a GC pass
+    // there may have run a finalizer whose nested call cached the same row (a second entry would leak a
+    // reference and leave an order_ entry whose eviction finds nothing).
     void remember(std::size_t shard, int64_t block_id, PyObject* row, std::size_t width) {
         const std::size_t cost = row_cost(width);
-        if (cost > cache_capacity_) return;
+        if (cost > cache_capacity_ || rows_[shard].count(block_id) != 0) return;
         while (cache_bytes_ + cost > cache_capacity_) evict_oldest();
         Py_INCREF(row);
         rows_[shard].emplace(block_id, row);

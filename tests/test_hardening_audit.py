@@ -1,0 +1,131 @@
+"""Regression tests from an adversarial audit of the hardening promises (issue 9, SECURITY.md).
+
+Each test is a case the earlier hardening tests missed: mostly the vLLM 0.32+ mirror's layout engine
+(``integrations.vllm.data``: ``ChunkedTokenDatabase`` over ``RankLocalStoreLayout`` / TP-shared layouts), which
+the seed-era database's tests do not reach, and the transfer driver's block-id screen.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+
+from mooncake_kvaddr import _native
+from mooncake_kvaddr.integrations.vllm.data import ChunkedTokenDatabase, KeyMetadata, RankLocalStoreLayout
+
+MD = KeyMetadata("m", 0, 0, 0, 0)
+BASES = [1000, 2000]
+LENS = [10, 10]
+
+
+def rank_local() -> tuple[ChunkedTokenDatabase, RankLocalStoreLayout]:
+    layout = RankLocalStoreLayout(MD, 16, 16)
+    db = ChunkedTokenDatabase(MD, 16, 16, layout)
+    db.set_kv_caches_base_addr(list(BASES))
+    db.set_block_len(list(LENS))
+    return db, layout
+
+
+def expected_row(bases: list[int], block_id: int) -> list[int]:
+    return [b + block_id * n for b, n in zip(bases, LENS, strict=True)]
+
+
+# --- re-entrancy in the layout engine -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("immutable", [False, True])
+@pytest.mark.parametrize("nested", ["prepare_value_for_block", "prepare_values", "plan_load"])
+def test_layout_index_that_reconfigures_and_reenters_never_caches_stale_rows(immutable: bool, nested: str) -> None:
+    # The block id's __index__ edits the region list in place and makes a nested call, which syncs the new
+    # regions (a new cache generation). The outer call computed on its earlier snapshot; before the fix it
+    # then cached those old-region rows under the new generation, and every later call returned them.
+    db, layout = rank_local()
+    layout.immutable_rows = immutable
+    db.store_layout.prepare_values([(0, 16)], [5], [0])
+    new_bases = [10**6, 2000]
+
+    class Reconfigures:
+        done = False
+
+        def __index__(self) -> int:
+            if not Reconfigures.done:
+                Reconfigures.done = True
+                db.kv_caches_base_addr[0] = new_bases[0]
+                if nested == "prepare_value_for_block":
+                    db.prepare_value_for_block(3)
+                elif nested == "prepare_values":
+                    layout.prepare_values([(0, 16)], [3], [0])
+                else:
+                    layout.plan_load(16, [b"h0"], 0, None, [3])
+            return 7
+
+    layout.prepare_values([(0, 16), (16, 32)], [Reconfigures(), 7], [0, 0])
+    for _ in range(3):
+        addrs, _, _ = layout.prepare_values([(0, 16), (16, 32)], [7, 7], [0, 0])
+        assert [list(r) for r in addrs] == [expected_row(new_bases, 7)] * 2
+        keys, addrs, _, _ = layout.plan_load(32, [b"h0", b"h1"], 0, None, [7, 7])
+        assert [list(r) for r in addrs] == [expected_row(new_bases, 7)] * 2
+
+
+@pytest.mark.parametrize("immutable", [False, True])
+def test_layout_finalizer_caching_the_same_row_mid_call_keeps_the_cache_consistent(immutable: bool) -> None:
+    # A GC pass while the outer call builds a row it is about to cache runs a finalizer whose nested call
+    # caches the same (shard, block id). Before the fix the outer call cached it a second time: a leaked
+    # reference and an order entry whose eviction dereferenced a missing map entry (SIGSEGV).
+    row_cost = 64 + len(BASES) * 40
+    for k in range(12):
+        db, layout = rank_local()
+        layout.immutable_rows = immutable
+        state = {"count": 0, "on": False, "busy": False}
+
+        class Bomb:
+            def __init__(self) -> None:
+                self.me = self
+
+            def __del__(self) -> None:
+                if not state["on"] or state["busy"]:
+                    return
+                Bomb()
+                n = state["count"]
+                state["count"] += 1
+                if n == k:
+                    state["busy"] = True
+                    layout.prepare_values([(0, 16), (16, 32)], [9, 9], [0, 0])
+                    state["busy"] = False
+
+        layout.prepare_values([(0, 16)], [9], [0])  # the first sighting of block 9
+        gc.collect()
+        Bomb()
+        old = gc.get_threshold()
+        state["on"] = True
+        gc.set_threshold(1, 1000, 1000)
+        try:
+            addrs, _, _ = layout.prepare_values([(0, 16)], [9], [0])
+        finally:
+            gc.set_threshold(*old)
+            state["on"] = False
+        gc.collect()
+        assert [list(r) for r in addrs] == [expected_row(BASES, 9)]
+        info = layout.row_cache_info()
+        assert info["bytes"] == info["entries"] * row_cost, (k, info)
+        layout.row_cache_bytes = 0  # evicts every entry: must find each one
+        assert layout.row_cache_info()["entries"] == 0
+        layout.row_cache_bytes = 1 << 20
+        assert [list(r) for r in layout.prepare_values([(0, 16)], [9], [0])[0]] == [expected_row(BASES, 9)]
+
+
+def test_native_layout_engine_directly_gets_the_same_guarantees() -> None:
+    engine = _native.LayoutEngine(16, 16, False, 0, 1, 1 << 20)
+    bases, lens = list(BASES), list(LENS)
+    engine.set_region_sources(bases, lens)
+
+    class Reconfigures:
+        def __index__(self) -> int:
+            bases[0] = 10**6
+            engine.prepare_value_for_block(1)
+            return 7
+
+    engine.prepare_values([(0, 16), (16, 32)], [Reconfigures(), 7], [0, 0])
+    assert engine.prepare_values([(0, 16)], [7], [0])[0] == [[10**6 + 70, 2070]]
