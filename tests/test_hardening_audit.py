@@ -129,3 +129,70 @@ def test_native_layout_engine_directly_gets_the_same_guarantees() -> None:
 
     engine.prepare_values([(0, 16), (16, 32)], [Reconfigures(), 7], [0, 0])
     assert engine.prepare_values([(0, 16)], [7], [0])[0] == [[10**6 + 70, 2070]]
+
+
+# --- the transfer driver's block-id screen --------------------------------------------------------------------
+
+
+class LyingInt(int):
+    """An int subclass whose comparisons always say yes: min/max/range checks on it prove nothing."""
+
+    def __lt__(self, other: object) -> bool:
+        return True
+
+    __le__ = __gt__ = __ge__ = __lt__
+    __hash__ = int.__hash__
+
+
+class Flips:
+    """An __index__ that answers a good id the first time and a wild one afterwards (comparisons lie too)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __index__(self) -> int:
+        self.calls += 1
+        return 1 if self.calls == 1 else 10**5
+
+    def __lt__(self, other: object) -> bool:
+        return True
+
+    __le__ = __gt__ = __ge__ = __lt__
+
+
+@pytest.mark.parametrize("mode", ["multi_buffer", "auto", "staged"])
+@pytest.mark.parametrize("make_bad", [lambda: LyingInt(10**5), lambda: LyingInt(-3), Flips])
+def test_block_ids_whose_comparisons_or_index_lie_never_reach_mooncake(
+    monkeypatch: pytest.MonkeyPatch, mode: str, make_bad: Any
+) -> None:
+    # Before the fix the screen trusted min()/max() (the objects' own comparisons): in multi_buffer mode the
+    # id 10**5 reached Mooncake, whose put read unrelated process memory into the store (here the fake's
+    # ctypes read segfaulted).
+    from fake_mooncake import fake_store
+    from kvaddr_testing import Cache, hashes, make_transfer
+    from mooncake_kvaddr.driver.transfer import TransferRequest
+
+    regions = 1 if mode == "auto" else 3
+    with fake_store(monkeypatch) as (store, fake):
+        src = Cache(regions, 9, 256, seed=1)
+        with make_transfer(store, "m", src, 16, transfer_mode=mode, start_threads=False) as xfer:
+            h = hashes("m", 2)
+            bad = make_bad()
+            stored = xfer.store(TransferRequest("r", 32, h, [[2, bad]]))
+            # The chunk on the bad id is either stored from the block its first answer named (Flips: one
+            # conversion, block 1) or reported invalid; never anything else.
+            if isinstance(bad, Flips):
+                assert stored.ok and bad.calls == 1
+                assert fake.objects[xfer.databases[0].key_for(h[1])] == src.object_bytes(1)
+            else:
+                assert stored.stored == 1 and set(stored.invalid_block_ids) == {int(bad)}
+                assert xfer.databases[0].key_for(h[1]) not in fake.objects
+            before = src.snapshot()
+            bad = make_bad()
+            loaded = xfer.load(TransferRequest("r", 32, h, [[2, bad]]))
+            if isinstance(bad, Flips):
+                assert loaded.ok and loaded.loaded_block_ids == {1, 2} and bad.calls == 1
+            else:
+                assert loaded.loaded_block_ids == {2} and set(loaded.invalid_block_ids) == {int(bad)}
+            for region, old in zip(src.regions, before, strict=True):  # the same bytes came back, nothing else
+                assert region.tobytes() == old.tobytes()

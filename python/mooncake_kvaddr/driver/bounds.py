@@ -15,6 +15,7 @@ Together these bound every slice: a chunk covers one block, so its slice of regi
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,20 +84,26 @@ class RegisteredCaches:
         """
         if isinstance(block_ids, (dict, set, frozenset, str, bytes, bytearray)):
             raise TypeError(f"block_ids: expected a sequence of ints, got {type(block_ids).__name__}")
-        ids: list[int] = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
+        raw: list[Any] = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
+        # Each id becomes an exact int once, here, and only that value is checked and planned with: an int
+        # subclass whose comparisons lie, or an __index__ that answers differently the next time, must not
+        # pass the range check with one value and reach Mooncake with another.
+        # (A bool counts as the int it is, as in the native entry points and in vLLM's list indexing.)
+        try:
+            ids: list[int] = list(map(operator.index, raw))
+        except TypeError:
+            for i, value in enumerate(raw):
+                if not isinstance(value, (int, np.integer)):
+                    raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}") from None
+            raise
         if not ids:
             return Screened(ids, {})
-        try:
-            if min(ids) >= 0 and max(ids) < self.num_blocks:  # the common case: two C-level passes
-                return Screened(ids, {})
-        except TypeError:
-            pass
+        if min(ids) >= 0 and max(ids) < self.num_blocks:  # the common case: two C-level passes over exact ints
+            return Screened(ids, {})
         bad: dict[int, str] = {}
         for i, value in enumerate(ids):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}")
             if not 0 <= value < self.num_blocks:
-                bad[i] = self.problem(int(value))
+                bad[i] = self.problem(value)
         return Screened(ids, bad)
 
     def check_databases(self, databases: Sequence[ChunkedTokenDatabase]) -> None:
