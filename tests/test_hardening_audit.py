@@ -65,55 +65,56 @@ def test_layout_index_that_reconfigures_and_reenters_never_caches_stale_rows(imm
     for _ in range(3):
         addrs, _, _ = layout.prepare_values([(0, 16), (16, 32)], [7, 7], [0, 0])
         assert [list(r) for r in addrs] == [expected_row(new_bases, 7)] * 2
-        keys, addrs, _, _ = layout.plan_load(32, [b"h0", b"h1"], 0, None, [7, 7])
+        _, addrs, _, _ = layout.plan_load(32, [b"h0", b"h1"], 0, None, [7, 7])
         assert [list(r) for r in addrs] == [expected_row(new_bases, 7)] * 2
 
 
 @pytest.mark.parametrize("immutable", [False, True])
-def test_layout_finalizer_caching_the_same_row_mid_call_keeps_the_cache_consistent(immutable: bool) -> None:
+@pytest.mark.parametrize("k", range(12))
+def test_layout_finalizer_caching_the_same_row_mid_call_keeps_the_cache_consistent(immutable: bool, k: int) -> None:
     # A GC pass while the outer call builds a row it is about to cache runs a finalizer whose nested call
     # caches the same (shard, block id). Before the fix the outer call cached it a second time: a leaked
-    # reference and an order entry whose eviction dereferenced a missing map entry (SIGSEGV).
+    # reference and an order entry whose eviction dereferenced a missing map entry (SIGSEGV). `k` picks the
+    # GC pass (during the outer call) at which the nested call runs.
     row_cost = 64 + len(BASES) * 40
-    for k in range(12):
-        db, layout = rank_local()
-        layout.immutable_rows = immutable
-        state = {"count": 0, "on": False, "busy": False}
+    _, layout = rank_local()
+    layout.immutable_rows = immutable
+    state = {"count": 0, "on": False, "busy": False}
 
-        class Bomb:
-            def __init__(self) -> None:
-                self.me = self
+    class Bomb:
+        def __init__(self) -> None:
+            self.me = self
 
-            def __del__(self) -> None:
-                if not state["on"] or state["busy"]:
-                    return
-                Bomb()
-                n = state["count"]
-                state["count"] += 1
-                if n == k:
-                    state["busy"] = True
-                    layout.prepare_values([(0, 16), (16, 32)], [9, 9], [0, 0])
-                    state["busy"] = False
+        def __del__(self) -> None:
+            if not state["on"] or state["busy"]:
+                return
+            Bomb()
+            n = state["count"]
+            state["count"] += 1
+            if n == k:
+                state["busy"] = True
+                layout.prepare_values([(0, 16), (16, 32)], [9, 9], [0, 0])
+                state["busy"] = False
 
-        layout.prepare_values([(0, 16)], [9], [0])  # the first sighting of block 9
-        gc.collect()
-        Bomb()
-        old = gc.get_threshold()
-        state["on"] = True
-        gc.set_threshold(1, 1000, 1000)
-        try:
-            addrs, _, _ = layout.prepare_values([(0, 16)], [9], [0])
-        finally:
-            gc.set_threshold(*old)
-            state["on"] = False
-        gc.collect()
-        assert [list(r) for r in addrs] == [expected_row(BASES, 9)]
-        info = layout.row_cache_info()
-        assert info["bytes"] == info["entries"] * row_cost, (k, info)
-        layout.row_cache_bytes = 0  # evicts every entry: must find each one
-        assert layout.row_cache_info()["entries"] == 0
-        layout.row_cache_bytes = 1 << 20
-        assert [list(r) for r in layout.prepare_values([(0, 16)], [9], [0])[0]] == [expected_row(BASES, 9)]
+    layout.prepare_values([(0, 16)], [9], [0])  # the first sighting of block 9
+    gc.collect()
+    Bomb()
+    old = gc.get_threshold()
+    state["on"] = True
+    gc.set_threshold(1, 1000, 1000)
+    try:
+        addrs, _, _ = layout.prepare_values([(0, 16)], [9], [0])
+    finally:
+        gc.set_threshold(*old)
+        state["on"] = False
+    gc.collect()
+    assert [list(r) for r in addrs] == [expected_row(BASES, 9)]
+    info = layout.row_cache_info()
+    assert info["bytes"] == info["entries"] * row_cost, info
+    layout.row_cache_bytes = 0  # evicts every entry: must find each one
+    assert layout.row_cache_info()["entries"] == 0
+    layout.row_cache_bytes = 1 << 20
+    assert [list(r) for r in layout.prepare_values([(0, 16)], [9], [0])[0]] == [expected_row(BASES, 9)]
 
 
 def test_native_layout_engine_directly_gets_the_same_guarantees() -> None:
