@@ -197,3 +197,72 @@ def test_block_ids_whose_comparisons_or_index_lie_never_reach_mooncake(
                 assert loaded.loaded_block_ids == {2} and set(loaded.invalid_block_ids) == {int(bad)}
             for region, old in zip(src.regions, before, strict=True):  # the same bytes came back, nothing else
                 assert region.tobytes() == old.tobytes()
+
+
+# --- region lists: strict types (vLLM's np.asarray raises for these; the engine read dict keys, set order,
+# --- bytes values, and a generator once then as empty) ------------------------------------------------------
+
+
+BAD_REGION_LISTS = [
+    lambda: {1000: 0, 2000: 1},
+    lambda: {1000, 2000},
+    lambda: frozenset({1000}),
+    lambda: b"\x01\x02",
+    lambda: bytearray(b"\x01"),
+    lambda: "12",
+    lambda: (x for x in [1000, 2000]),
+    lambda: iter([1000, 2000]),
+]
+
+
+@pytest.mark.parametrize("make", BAD_REGION_LISTS)
+@pytest.mark.parametrize("which", ["base", "block_len"])
+@pytest.mark.parametrize("flavour", ["mirror", "seed"])
+def test_region_lists_must_be_sequences_of_ints(make: Any, which: str, flavour: str) -> None:
+    from mooncake_kvaddr import ChunkedTokenDatabase as SeedDatabase
+
+    db: Any = ChunkedTokenDatabase(MD, 16) if flavour == "mirror" else SeedDatabase(MD, 16)
+    bad = make()
+    with pytest.raises(TypeError, match="must be a sequence"):
+        if which == "base":
+            db.set_kv_caches_base_addr(bad)
+        else:
+            db.set_block_len(bad)
+    # Nothing was installed: the database still computes from its last good regions.
+    db.set_kv_caches_base_addr([1000, 2000])
+    db.set_block_len([10])
+    rows = db.store_layout.prepare_values([(0, 16)], [1], [0]) if flavour == "mirror" else db.prepare_values(
+        [(0, 16)], [1]
+    )
+    assert [list(r) for r in rows[0]] == [[1010, 2010]]
+
+
+def test_region_lists_accept_lists_tuples_ranges_and_int_arrays() -> None:
+    import numpy as np
+
+    for bases in ([1000, 2000], (1000, 2000), range(1000, 2001, 1000), np.array([1000, 2000], np.int64)):
+        db = ChunkedTokenDatabase(MD, 16)
+        db.set_kv_caches_base_addr(bases)  # type: ignore[arg-type]
+        db.set_block_len((10,))  # type: ignore[arg-type]
+        assert db.store_layout.prepare_values([(0, 16)], [1], [0])[0] == [[1010, 2010]]
+        assert db.prepare_value_for_block(2) == ([1020, 2020], [10, 10])
+
+
+# --- TP-shared shard ids: compared before any arithmetic ---------------------------------------------------
+
+
+@pytest.mark.parametrize("shard", [-(2**63), -1, 0, 3, 2**63 - 1])
+def test_tp_shared_foreign_shard_ids_are_refused_without_overflow(shard: int) -> None:
+    # first shard 1: before the fix `shard - first_shard` was computed before the ownership check, a signed
+    # overflow (UB; UBSan) for shard -2**63.
+    engine = _native.LayoutEngine(16, 16, True, 1, 2, 1 << 20)
+    engine.set_templates([([0], [64], [64]), ([4096], [64], [64])])
+    with pytest.raises(ValueError, match="not owned"):
+        engine.prepare_values([(0, 16)], [1], [shard])
+    assert engine.prepare_values([(0, 16), (0, 16)], [1], [1, 2])[0] == [[64], [4160]]
+
+
+@pytest.mark.parametrize(("first", "count"), [(-1, 1), (2**63 - 1, 2), (-(2**63), 0)])
+def test_tp_shared_shard_range_must_fit_in_int64(first: int, count: int) -> None:
+    with pytest.raises(ValueError, match="first_shard"):
+        _native.LayoutEngine(16, 16, True, first, count, 1 << 20)

@@ -221,4 +221,12 @@ void refuse_non_sequence(py::handle obj, const char* what) {
     }
 }
 
+void require_region_sequence(py::handle obj, const char* what) {
+    // An iterator or generator would be consumed by the first call and read as empty by every later one.
+    if (refused_container(obj.ptr()) || !PySequence_Check(obj.ptr())) {
+        raise(PyExc_TypeError, std::string(what) + " must be a sequence of ints (list, tuple or integer array), not " +
+                                   type_name(obj.ptr()));
+    }
+}
+
 }  // namespace kvaddr::py_bindings

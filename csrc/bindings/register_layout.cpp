@@ -21,6 +21,7 @@
 
 #include "bindings/buffer_pool.hpp"
 #include "bindings/common.hpp"
+#include "bindings/inputs.hpp"
 #include "bindings/keys.hpp"
 #include "bindings/row_cache.hpp"
 #include "kvaddr/layout.hpp"
@@ -159,6 +160,10 @@ public:
         if (n_shards < 0 || (!tp_shared && (n_shards != 1 || first_shard != 0))) {
             throw py::value_error("a rank-local layout has the one shard 0; a TP-shared one n_shards >= 0");
         }
+        int64_t end_shard = 0;  // shard ids first_shard + k (k < n_shards) must be int64s: no wrap in plan_load
+        if (first_shard < 0 || !add_checked(first_shard, n_shards, &end_shard)) {
+            throw py::value_error("first_shard must be >= 0 and first_shard + n_shards must fit in int64");
+        }
         auto empty = std::make_shared<Templates>(static_cast<std::size_t>(n_shards));
         for (Segments& t : *empty) {
             t.size_scales = !tp_shared;
@@ -176,6 +181,8 @@ public:
     // Rank-local: the caller's region lists, re-read (and compared) on every call, as vLLM reads them.
     void set_region_sources(py::object base, py::object block_len) {
         require_rank_local("set_region_sources");
+        require_region_sequence(base, "kv_caches_base_addr");
+        require_region_sequence(block_len, "block_len");
         base_source_ = std::move(base);
         block_len_source_ = std::move(block_len);
         synced_ = false;
@@ -428,11 +435,12 @@ private:
             if (rows_.empty()) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
             const auto owned = static_cast<int64_t>(rows_.size());
             for (std::size_t k = 0; k < n; ++k) {
-                const int64_t local = p.shards[k] - first_shard_;  // no overflow: both sides are small or checked
-                if (p.shards[k] < first_shard_ || local >= owned) {
+                // Compare before subtracting: a caller's shard id may be any int64 (first_shard_ >= 0, so
+                // shards[k] - first_shard_ cannot overflow once shards[k] >= first_shard_).
+                if (p.shards[k] < first_shard_ || p.shards[k] - first_shard_ >= owned) {
                     raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
                 }
-                p.plans[k].shard = static_cast<std::size_t>(local);
+                p.plans[k].shard = static_cast<std::size_t>(p.shards[k] - first_shard_);
             }
         }
     }

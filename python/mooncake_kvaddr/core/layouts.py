@@ -209,8 +209,8 @@ class RankLocalStoreLayout(_EngineLayout):
 
     @kv_caches_base_addr.setter
     def kv_caches_base_addr(self, value: list[int]) -> None:
+        self._engine.set_region_sources(value, self._block_lens)  # TypeError for a non-sequence: kept nothing
         self._base_addrs = value
-        self._engine.set_region_sources(self._base_addrs, self._block_lens)
 
     @property
     def block_len(self) -> list[int]:
@@ -219,8 +219,8 @@ class RankLocalStoreLayout(_EngineLayout):
 
     @block_len.setter
     def block_len(self, value: list[int]) -> None:
+        self._engine.set_region_sources(self._base_addrs, value)
         self._block_lens = value
-        self._engine.set_region_sources(self._base_addrs, self._block_lens)
 
     @property
     def local_shard_ids(self) -> tuple[StoreShardId, ...]:
