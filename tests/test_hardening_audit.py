@@ -266,3 +266,46 @@ def test_tp_shared_foreign_shard_ids_are_refused_without_overflow(shard: int) ->
 def test_tp_shared_shard_range_must_fit_in_int64(first: int, count: int) -> None:
     with pytest.raises(ValueError, match="first_shard"):
         _native.LayoutEngine(16, 16, True, first, count, 1 << 20)
+
+
+# --- TP-shared layouts: segments re-registered after the transfer's registration --------------------------
+
+
+@pytest.mark.parametrize("how", ["layout.register_kv_caches", "templates"])
+def test_tp_shared_layout_reregistered_after_the_transfer_moves_nothing(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # A buggy engine re-registers a TP-shared layout with other tensors after the transfer registered its KV
+    # caches. Before the fix the transfer screened block ids against num_blocks only, and a store put the
+    # other tensor's bytes (memory the transfer never registered) into the shared store.
+    torch = pytest.importorskip("torch")
+    from fake_mooncake import fake_store
+    from kvaddr_testing import hashes
+    from mooncake_kvaddr.driver.layout_adapter import layout_transfer, register_layout_caches
+    from mooncake_kvaddr.driver.transfer import TransferRequest
+    from mooncake_kvaddr.integrations.vllm.data import LBHNCStoreLayout
+
+    nb, bs, heads = 4, 4, 2
+    md = KeyMetadata("m", 0, 0, 0, 0, store_namespace=LBHNCStoreLayout.shared_namespace(1, 1))
+    layout = LBHNCStoreLayout(md, bs, bs, 1, 1, 0, heads)
+    db = ChunkedTokenDatabase(md, bs, bs, layout)
+    caches = [torch.zeros((nb, heads, bs, 8))]
+    secret = torch.full((nb, heads, bs, 8), 7.0)
+    with fake_store(monkeypatch) as (store, fake):
+        with layout_transfer(store, [db], start_threads=False) as xfer:
+            register_layout_caches(xfer, caches, nb)
+            h = hashes("m", 2)
+            assert xfer.store(TransferRequest("r", 4, h[:1], [[1]])).stored == 1  # the registered caches: fine
+            if how == "templates":
+                block = secret.stride(0) * 4
+                layout._set_segment_templates([([secret.data_ptr()], [block], [block])])
+            else:
+                layout.register_kv_caches([secret], nb)
+            with pytest.raises(ValueError, match="outside the KV caches registered"):
+                xfer.store(TransferRequest("r", 8, h, [[1, 2]]))
+            loaded = xfer.load(TransferRequest("r", 4, h[:1], [[3]]))
+            assert loaded.failed_block_ids == {3} and "outside the KV caches registered" in (loaded.error or "")
+            assert not caches[0][3].any()
+            assert len(fake.objects) == 1 and all(b"\x00\x00\xe0@" not in v for v in fake.objects.values())
+            layout.register_kv_caches(caches, nb)  # back to the registered caches: moves again
+            assert xfer.load(TransferRequest("r", 4, h[:1], [[3]])).loaded_block_ids == {3}
