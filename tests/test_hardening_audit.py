@@ -309,3 +309,49 @@ def test_tp_shared_layout_reregistered_after_the_transfer_moves_nothing(
             assert len(fake.objects) == 1 and all(b"\x00\x00\xe0@" not in v for v in fake.objects.values())
             layout.register_kv_caches(caches, nb)  # back to the registered caches: moves again
             assert xfer.load(TransferRequest("r", 4, h[:1], [[3]])).loaded_block_ids == {3}
+
+
+# --- container subclasses: read through their own __getitem__, as the reference reads them ----------------
+
+
+class OffsetTable(list):  # type: ignore[type-arg]
+    """A block table that translates logical positions (a list subclass overriding __getitem__)."""
+
+    def __getitem__(self, index: Any) -> Any:
+        return list.__getitem__(self, index) + 100
+
+
+class SwappedChunk(tuple):  # type: ignore[type-arg]
+    """A chunk whose c[0]/c[1] are not its stored items."""
+
+    def __getitem__(self, index: Any) -> Any:
+        return tuple.__getitem__(self, index) + 16
+
+
+def test_list_subclass_block_ids_are_read_through_getitem_like_vllm() -> None:
+    vllm_data = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data")
+    from mooncake_kvaddr import ChunkedTokenDatabase as SeedDatabase
+    from mooncake_kvaddr.core.oracle import OracleChunkedTokenDatabase
+
+    chunks = [(0, 16), (16, 32)]
+    reference = vllm_data.ChunkedTokenDatabase(vllm_data.KeyMetadata("m", 0, 0, 0, 0), 16)
+    mirror = ChunkedTokenDatabase(MD, 16)
+    for db in (reference, mirror):
+        db.set_kv_caches_base_addr([0, 1 << 20])
+        db.set_block_len([64])
+    want = reference.store_layout.prepare_values(chunks, OffsetTable([1, 2]), [0, 0])
+    assert want[2] == [101, 102]
+    assert mirror.store_layout.prepare_values(chunks, OffsetTable([1, 2]), [0, 0]) == want
+    assert mirror.store_layout.prepare_values(chunks, tuple(OffsetTable([1, 2])), [0, 0]) != want  # plain tuple
+    seed, oracle = SeedDatabase(MD, 16), OracleChunkedTokenDatabase(MD, 16)
+    for db in (seed, oracle):
+        db.set_kv_caches_base_addr([0, 1 << 20])
+        db.set_block_len([64])
+    assert seed.prepare_values(chunks, OffsetTable([1, 2])) == oracle.prepare_values(chunks, OffsetTable([1, 2]))
+    assert seed.prepare_values(chunks, OffsetTable([1, 2]))[2] == [101, 102]
+    # A chunk that is a tuple subclass is read through c[0], c[1] too.
+    swapped = [SwappedChunk((0, 16))]
+    assert mirror.store_layout.prepare_values(swapped, [5, 6, 7], [0]) == reference.store_layout.prepare_values(
+        swapped, [5, 6, 7], [0]
+    )
+    assert seed.prepare_values(swapped, [5, 6, 7]) == oracle.prepare_values(swapped, [5, 6, 7])

@@ -16,7 +16,8 @@ namespace {
 std::pair<int64_t, int64_t> chunk_bounds(PyObject* chunk, Py_ssize_t index) {
     const std::string what = "chunk " + std::to_string(index);
     py::object start, end;
-    if ((PyTuple_Check(chunk) || PyList_Check(chunk)) && PySequence_Fast_GET_SIZE(chunk) >= 2) {
+    // Exact tuples and lists only: a subclass may override __getitem__, which the reference's c[0] calls.
+    if ((PyTuple_CheckExact(chunk) || PyList_CheckExact(chunk)) && PySequence_Fast_GET_SIZE(chunk) >= 2) {
         start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 0));
         end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 1));
     } else {
@@ -102,11 +103,13 @@ ChunkSpans parse_chunk_items(const FastSequence& seq, int64_t block_size, int64_
 
 BlockIdSource::BlockIdSource(py::handle obj) : obj_(py::reinterpret_borrow<py::object>(obj)) {
     PyObject* o = obj.ptr();
-    if (PyList_Check(o)) {
+    // Exact lists and tuples are read directly; a subclass is a generic sequence, read by index through its
+    // own __getitem__ as the reference's block_ids[i] does (an override must not be bypassed).
+    if (PyList_CheckExact(o)) {
         kind_ = Kind::list;
         return;
     }
-    if (PyTuple_Check(o)) {
+    if (PyTuple_CheckExact(o)) {
         kind_ = Kind::tuple;
         length_ = PyTuple_GET_SIZE(o);
         return;

@@ -123,12 +123,24 @@ void chunk_bounds(py::handle chunks, std::vector<int64_t>* starts, std::vector<i
     for (Py_ssize_t c = 0; c < seq.size(); ++c) {
         py::object chunk = seq.at(c);
         PyObject* p = chunk.ptr();
-        if (!(PyTuple_Check(p) || PyList_Check(p)) || PySequence_Fast_GET_SIZE(p) < 2) {
+        if (!(PyTuple_Check(p) || PyList_Check(p))) {
             raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple, not " + type_name(p));
         }
-        // Hold both items: converting the first can run __index__, which may shrink a list chunk.
-        py::object start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 0));
-        py::object end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 1));
+        // Hold both items: converting the first can run __index__, which may shrink a list chunk. A subclass
+        // (say a named tuple with its own __getitem__) is read through c[0] and c[1], as vLLM reads it.
+        py::object start, end;
+        if (PyTuple_CheckExact(p) || PyList_CheckExact(p)) {
+            if (PySequence_Fast_GET_SIZE(p) < 2) {
+                raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple");
+            }
+            start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 0));
+            end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 1));
+        } else {
+            start = py::reinterpret_steal<py::object>(PySequence_GetItem(p, 0));
+            if (!start) throw py::error_already_set();
+            end = py::reinterpret_steal<py::object>(PySequence_GetItem(p, 1));
+            if (!end) throw py::error_already_set();
+        }
         starts->push_back(as_int64(start.ptr(), "chunk start"));
         ends->push_back(as_int64(end.ptr(), "chunk end"));
     }
@@ -459,10 +471,28 @@ private:
             return;
         }
         check_id_container(block_ids.ptr(), "block_ids");
+        if (!PyList_CheckExact(block_ids.ptr()) && !PyTuple_CheckExact(block_ids.ptr())) {
+            resolve_by_index(p, block_ids);  // a subclass: its own __len__/__getitem__, as vLLM's block_ids[i]
+            return;
+        }
         FastSequence ids(block_ids.ptr(), "block_ids");
         for (std::size_t k = 0; k < n; ++k) {
             const int64_t at = wrap_index(floor_div(p.starts[k], block_size_), static_cast<std::size_t>(ids.size()), k);
             py::object item = ids.at(static_cast<Py_ssize_t>(at));
+            p.plans[k].block_id = as_int64(item.ptr(), "block id");
+            check_block_id(p.plans[k].block_id);
+            if (PyLong_CheckExact(item.ptr())) p.id_objects[k] = std::move(item);
+        }
+    }
+
+    // resolve() for a list or tuple subclass: len() and block_ids[i] through the object's own methods.
+    void resolve_by_index(Parsed& p, py::handle block_ids) const {
+        const Py_ssize_t length = PyObject_Length(block_ids.ptr());
+        if (length < 0) throw py::error_already_set();
+        for (std::size_t k = 0; k < p.plans.size(); ++k) {
+            const int64_t at = wrap_index(floor_div(p.starts[k], block_size_), static_cast<std::size_t>(length), k);
+            py::object item = py::reinterpret_steal<py::object>(PySequence_GetItem(block_ids.ptr(), at));
+            if (!item) throw py::error_already_set();
             p.plans[k].block_id = as_int64(item.ptr(), "block id");
             check_block_id(p.plans[k].block_id);
             if (PyLong_CheckExact(item.ptr())) p.id_objects[k] = std::move(item);
