@@ -355,3 +355,30 @@ def test_list_subclass_block_ids_are_read_through_getitem_like_vllm() -> None:
         swapped, [5, 6, 7], [0]
     )
     assert seed.prepare_values(swapped, [5, 6, 7]) == oracle.prepare_values(swapped, [5, 6, 7])
+
+
+# --- loose types in the row and lookup helpers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", [b"ab", bytearray(b"ab"), "ab", {1: 2}, {1, 2}])
+def test_multi_buffer_rows_refuse_bytes_str_dict_set(row: Any) -> None:
+    # bytes rows were read as their byte values (b"ab" -> addresses 97, 98).
+    with pytest.raises(TypeError, match="sequence of ints"):
+        _native.multi_buffer_arrays([row], [[1, 1]])
+    with pytest.raises(TypeError, match="sequence of ints"):
+        _native.multi_buffer_arrays([[4096, 8192]], [row])
+    with pytest.raises(TypeError, match="sequence of ints"):
+        _native.multi_buffer_arrays(row, [[1, 1]])
+
+
+def test_reduce_exists_accepts_numpy_integer_widths() -> None:
+    import numpy as np
+
+    from mooncake_kvaddr.core.keys import reduce_exists
+
+    results = [1, 1, 1, 0, 1, 1]
+    for width in (np.int64(2), np.int32(2), np.uint8(2)):
+        assert reduce_exists(results, width) == [True, False, True]
+    assert reduce_exists(results, [np.int64(3), np.int64(3)]) == [True, False]
+    with pytest.raises(ValueError, match="positive"):
+        reduce_exists(results, np.int64(0))

@@ -199,7 +199,9 @@ std::vector<int64_t> exist_values(py::handle results) {
 py::list reduce_exists(py::handle results, py::handle widths) {
     const std::vector<int64_t> values = exist_values(results);
     std::vector<int64_t> unit_widths;
-    if (PyLong_Check(widths.ptr())) {  // an int (no Python code: PyLong_Check excludes __index__ objects)
+    // One int for every unit: an int, or an __index__ object that is not a sequence (a numpy integer). The
+    // results are C++ values already, so the __index__ call cannot change them.
+    if (PyLong_Check(widths.ptr()) || (PyIndex_Check(widths.ptr()) && !PySequence_Check(widths.ptr()))) {
         const int64_t w = as_int64(widths, "width");
         if (w <= 0) raise(PyExc_ValueError, "width must be positive, got " + std::to_string(w));
         if (values.size() % static_cast<std::size_t>(w) != 0) {
