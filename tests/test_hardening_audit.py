@@ -382,3 +382,52 @@ def test_reduce_exists_accepts_numpy_integer_widths() -> None:
     assert reduce_exists(results, [np.int64(3), np.int64(3)]) == [True, False]
     with pytest.raises(ValueError, match="positive"):
         reduce_exists(results, np.int64(0))
+
+
+# --- the transfer's region check must not trust __eq__ ---------------------------------------------------------
+
+
+class EqualToAnything(list):  # type: ignore[type-arg]
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class IntEqualToAnything(int):
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = int.__hash__
+
+
+@pytest.mark.parametrize("how", ["list subclass", "int subclass items"])
+@pytest.mark.parametrize("mode", ["multi_buffer", "auto", "staged"])
+def test_regions_whose_equality_lies_move_nothing(monkeypatch: pytest.MonkeyPatch, how: str, mode: str) -> None:
+    # Before the fix the transfer compared the database's lists with ==: these said "equal" and, in
+    # multi_buffer mode, a store put the bytes at the wild base (here a 0x41-filled array) into the store.
+    import numpy as np
+
+    from fake_mooncake import fake_store
+    from kvaddr_testing import Cache, hashes, make_transfer
+    from mooncake_kvaddr.driver.transfer import TransferRequest
+
+    regions = 1 if mode == "auto" else 2
+    secret = np.full(4096, 0x41, np.uint8)
+    with fake_store(monkeypatch) as (store, fake):
+        src = Cache(regions, 9, 64, seed=1)
+        with make_transfer(store, "m", src, 16, transfer_mode=mode, start_threads=False) as xfer:
+            wild = [int(secret.ctypes.data)] * regions
+            bad = EqualToAnything(wild) if how == "list subclass" else [IntEqualToAnything(w) for w in wild]
+            xfer.databases[0].set_kv_caches_base_addr(bad)
+            with pytest.raises(ValueError, match="changed after register_kv_caches"):
+                xfer.store(TransferRequest("r", 16, hashes("m", 1), [[1]]))
+            loaded = xfer.load(TransferRequest("r", 16, hashes("m", 1), [[1]]))
+            assert loaded.failed_block_ids == {1} and "changed after register_kv_caches" in (loaded.error or "")
+            assert not fake.objects and not (secret != 0x41).any()

@@ -27,6 +27,11 @@ from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 __all__ = ["RegisteredCaches", "Screened"]
 
 
+def _exact_ints(values: object) -> bool:
+    """``values`` is a ``list`` (not a subclass) of ``int`` objects (not subclasses, not bools)."""
+    return type(values) is list and all(type(v) is int for v in values)
+
+
 @dataclass(frozen=True)
 class Screened:
     """A snapshot of one group's block ids and which positions hold an invalid id (position -> reason)."""
@@ -110,7 +115,10 @@ class RegisteredCaches:
         """Raise ``ValueError`` unless every database holds exactly the registered regions."""
         bases, lens = list(self.bases), list(self.block_lens)
         for g, db in enumerate(databases):
-            if db.kv_caches_base_addr != bases or db.block_len != lens:
+            # Exact lists of exact ints only: a list or int subclass can make == say yes while the native code
+            # reads other values (its stored items, an int's real value), which would then reach Mooncake.
+            now_bases, now_lens = db.kv_caches_base_addr, db.block_len
+            if not (_exact_ints(now_bases) and _exact_ints(now_lens)) or now_bases != bases or now_lens != lens:
                 raise ValueError(
                     f"databases[{g}]: its regions changed after register_kv_caches; refusing to move bytes "
                     "outside the registered KV caches"
