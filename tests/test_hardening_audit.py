@@ -431,3 +431,32 @@ def test_regions_whose_equality_lies_move_nothing(monkeypatch: pytest.MonkeyPatc
             loaded = xfer.load(TransferRequest("r", 16, hashes("m", 1), [[1]]))
             assert loaded.failed_block_ids == {1} and "changed after register_kv_caches" in (loaded.error or "")
             assert not fake.objects and not (secret != 0x41).any()
+
+
+# --- numpy block ids in another byte order ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [">i8", ">i4", ">i2", ">u8", ">u4", ">u2", "<i8", "<u4"])
+def test_byte_swapped_block_id_arrays_read_their_values(dtype: str) -> None:
+    # The seed-era database read a byte-swapped array's raw bytes as native integers: block id 1 of a '>i4'
+    # array became 16777216 (an address 1 GiB past the region for 64-byte blocks).
+    import numpy as np
+
+    from mooncake_kvaddr import ChunkedTokenDatabase as SeedDatabase
+    from mooncake_kvaddr.core.oracle import OracleChunkedTokenDatabase
+
+    ids = np.array([1, 2, 3], dtype=dtype)
+    chunks = [(0, 16), (16, 32), (32, 48)]
+    native, oracle = SeedDatabase(MD, 16), OracleChunkedTokenDatabase(MD, 16)
+    for db in (native, oracle):
+        db.set_kv_caches_base_addr([1 << 20, 1 << 30])
+        db.set_block_len([64])
+    want = oracle.prepare_values(chunks, ids)
+    assert native.prepare_values(chunks, ids) == want
+    assert native.prepare_values_array(chunks, ids)[0].tolist() == want[0]
+    assert native.plan_load(48, [b"a", b"b", b"c"], ids, 0).addrs == want[0]
+    assert native.plan_store(48, [b"a", b"b", b"c"], ids, 0).block_ids == [1, 2, 3]
+    mirror = ChunkedTokenDatabase(MD, 16)
+    mirror.set_kv_caches_base_addr([1 << 20, 1 << 30])
+    mirror.set_block_len([64])
+    assert mirror.store_layout.prepare_values(chunks, ids, [0, 0, 0])[0] == want[0]

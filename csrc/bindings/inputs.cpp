@@ -117,6 +117,13 @@ BlockIdSource::BlockIdSource(py::handle obj) : obj_(py::reinterpret_borrow<py::o
     if (py::isinstance<py::array>(obj)) {
         auto arr = py::reinterpret_borrow<py::array>(obj);
         const char kind = arr.dtype().kind();
+        if ((kind == 'i' || kind == 'u') && !arr.dtype().attr("isnative").cast<bool>()) {
+            // Items are read below as native-endian integers: a byte-swapped array (dtype '>i8' on this
+            // machine) is converted to the same type in native order first (numpy's C code, no user code), and
+            // that copy is what we hold and read.
+            arr = py::reinterpret_borrow<py::array>(arr.attr("astype")(arr.dtype().attr("newbyteorder")("=")));
+            obj_ = arr;
+        }
         if (kind != 'i' && kind != 'u') {
             raise(PyExc_TypeError, "block_ids must hold integers, not numpy dtype " +
                                        py::str(arr.dtype()).cast<std::string>());
