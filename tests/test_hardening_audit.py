@@ -460,3 +460,27 @@ def test_byte_swapped_block_id_arrays_read_their_values(dtype: str) -> None:
     mirror.set_kv_caches_base_addr([1 << 20, 1 << 30])
     mirror.set_block_len([64])
     assert mirror.store_layout.prepare_values(chunks, ids, [0, 0, 0])[0] == want[0]
+
+
+# --- the staged wrapper's registrations ------------------------------------------------------------------------
+
+
+def test_staged_wrapper_survives_registrations_its_range_table_cannot_hold() -> None:
+    # A buffer Mooncake accepted at [2**63 - 10, +100) (or a negative pointer, a float) made the wrapper's
+    # int64 range table raise OverflowError, on that registration and on every later one.
+    from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+    class Store:
+        def register_buffer(self, ptr: Any, size: Any) -> int:
+            return 0
+
+        def unregister_buffer(self, ptr: Any) -> int:
+            return 0
+
+    staged = StagedMooncakeStore(Store(), staging_bytes=1 << 16)
+    for ptr, size in ((2**63 - 10, 100), (-4096, 100), (1.5, 10), (4096, 2**70), (0, 64)):
+        assert staged.register_buffer(ptr, size) == 0
+    assert staged.register_buffer(8192, 100) == 0
+    assert staged._ranges[2] == ((8192, 100),)  # only the range staging may touch
+    assert staged.unregister_buffer(1.5) == 0 and staged.unregister_buffer(8192) == 0
+    assert staged._ranges[2] == ()
