@@ -484,3 +484,19 @@ def test_staged_wrapper_survives_registrations_its_range_table_cannot_hold() -> 
     assert staged._ranges[2] == ((8192, 100),)  # only the range staging may touch
     assert staged.unregister_buffer(1.5) == 0 and staged.unregister_buffer(8192) == 0
     assert staged._ranges[2] == ()
+
+
+@pytest.mark.parametrize("tail", [-(2**63), -(2**63) + 1, -1, 0, 2**63 - 1])
+def test_layout_plan_load_tail_tokens_extremes_index_like_python(tail: int) -> None:
+    # hash_block_size 1: tail // 1 - 1 wrapped for tail = -2**63 (signed overflow, UB; UBSan).
+    layout = RankLocalStoreLayout(MD, 1, 1)
+    layout.set_kv_caches_base_addr([1 << 20])
+    layout.set_block_len([8])
+    hashes = [b"a", b"b", b"c"]
+    index = tail // 1 - 1
+    if -len(hashes) <= index < len(hashes):
+        keys, _, _, _ = layout.plan_load(3, hashes, 0, None, [1, 2, 3], tail)
+        assert keys[-1] == layout.key_for(0, hashes[index])
+    else:
+        with pytest.raises(IndexError):
+            layout.plan_load(3, hashes, 0, None, [1, 2, 3], tail)

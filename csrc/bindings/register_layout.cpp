@@ -298,8 +298,13 @@ public:
         for (const WalkedChunk& c : walked) {
             int64_t hash_index = c.hash_index;
             if (has_tail && c.end == token_len) {
-                hash_index = wrap_index(floor_div(tail, hash_block_size_) - 1, static_cast<std::size_t>(source.size()),
-                                        parsed.starts.size());
+                // vLLM's block_hashes[tail // hash_block_size - 1], Python indexing; the - 1 is checked (a
+                // tail_tokens of -2**63 with hash_block_size 1 would wrap).
+                int64_t tail_index = 0;
+                if (!add_checked(floor_div(tail, hash_block_size_), -1, &tail_index)) {
+                    raise(PyExc_IndexError, "tail_tokens " + std::to_string(tail) + " names no block hash");
+                }
+                hash_index = wrap_index(tail_index, static_cast<std::size_t>(source.size()), parsed.starts.size());
             }
             for (std::size_t k = 0; k < rows_.size(); ++k) {
                 parsed.starts.push_back(c.start);
