@@ -500,3 +500,21 @@ def test_layout_plan_load_tail_tokens_extremes_index_like_python(tail: int) -> N
     else:
         with pytest.raises(IndexError):
             layout.plan_load(3, hashes, 0, None, [1, 2, 3], tail)
+
+
+# --- the chunk walk: an empty range far apart -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("token_len", "mask_num"), [(-(2**63), 2**63 - 1), (-(2**63) + 16, 2**62), (-16, 2**63 - 1), (0, 2**63 - 1)]
+)
+def test_walk_whose_first_chunk_is_far_past_its_last_is_empty_without_overflow(token_len: int, mask_num: int) -> None:
+    # first chunk = mask_num // block_size, stop = ceil(token_len / block_size): stop - first overflowed (UB;
+    # UBSan) when the two were more than 2**63 apart, before the empty walk was noticed; the wrapped length
+    # then made an empty walk raise OverflowError (token_len -2**63 + 16, mask_num 2**62).
+    from mooncake_kvaddr import ChunkedTokenDatabase as SeedDatabase
+
+    assert _native.chunk_walk(token_len, 4, 1, 1, mask_num, None, 1, 0) == ([], [], [])
+    assert _native.chunk_walk(token_len, 4, 1, 1, mask_num, [True] * 4, 1, 0, absolute_mask=True) == ([], [], [])
+    for db in (SeedDatabase(MD, 1), ChunkedTokenDatabase(MD, 1)):
+        assert list(db.process_tokens(token_len, [b"a", b"b", b"c", b"d"], mask_num)) == []

@@ -270,6 +270,9 @@ std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle 
     }
     const int64_t first = walk_first_chunk(p);
     int64_t stop = walk_stop_chunk(p);
+    // An empty walk, noticed before stop - first is computed: the two may be more than 2**63 apart (a large
+    // mask_num with a very negative token_len), and the wrapped difference made the walk raise.
+    if (stop <= first) return out;
     // Every walked chunk names a distinct hash, so a walk longer than the hashes is refused up front (a lying
     // n_hashes or __len__ must not make us loop for 2**62 chunks).
     if (stop - first > n_hashes) stop = first + n_hashes;
