@@ -89,18 +89,27 @@ class RegisteredCaches:
         """
         if isinstance(block_ids, (dict, set, frozenset, str, bytes, bytearray)):
             raise TypeError(f"block_ids: expected a sequence of ints, got {type(block_ids).__name__}")
-        raw: list[Any] = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
         # Each id becomes an exact int once, here, and only that value is checked and planned with: an int
         # subclass whose comparisons lie, or an __index__ that answers differently the next time, must not
-        # pass the range check with one value and reach Mooncake with another.
-        # (A bool counts as the int it is, as in the native entry points and in vLLM's list indexing.)
-        try:
-            ids: list[int] = list(map(operator.index, raw))
-        except TypeError:
-            for i, value in enumerate(raw):
-                if not isinstance(value, (int, np.integer)):
-                    raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}") from None
-            raise
+        # pass the range check with one value and reach Mooncake with another. An integer array's tolist()
+        # already gives exact ints. (A bool counts as the int it is, as in the native entry points and in
+        # vLLM's list indexing.)
+        ids: list[int]
+        if isinstance(block_ids, np.ndarray) and block_ids.dtype.kind in "iu":
+            ids = block_ids.tolist()
+        else:
+            raw: Any = block_ids
+            if isinstance(block_ids, np.ndarray):
+                raw = block_ids.tolist()
+            elif type(block_ids) not in (list, tuple):
+                raw = list(block_ids)  # one pass over the caller's object: a snapshot
+            try:
+                ids = list(map(operator.index, raw))
+            except TypeError:
+                for i, value in enumerate(raw):
+                    if not isinstance(value, (int, np.integer)):
+                        raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}") from None
+                raise
         if not ids:
             return Screened(ids, {})
         if min(ids) >= 0 and max(ids) < self.num_blocks:  # the common case: two C-level passes over exact ints
