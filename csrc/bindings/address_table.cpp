@@ -22,8 +22,8 @@ AddressTable::AddressTable(int64_t block_size, int64_t hash_block_size, std::siz
 }
 
 void AddressTable::set_regions(py::object base, py::object block_len) {
-    refuse_non_sequence(base, "kv_caches_base_addr");
-    refuse_non_sequence(block_len, "block_len");
+    require_region_sequence(base, "kv_caches_base_addr");
+    require_region_sequence(block_len, "block_len");
     base_source_ = std::move(base);
     block_len_source_ = std::move(block_len);
 }

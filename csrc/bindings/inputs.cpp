@@ -16,7 +16,8 @@ namespace {
 std::pair<int64_t, int64_t> chunk_bounds(PyObject* chunk, Py_ssize_t index) {
     const std::string what = "chunk " + std::to_string(index);
     py::object start, end;
-    if ((PyTuple_Check(chunk) || PyList_Check(chunk)) && PySequence_Fast_GET_SIZE(chunk) >= 2) {
+    // Exact tuples and lists only: a subclass may override __getitem__, which the reference's c[0] calls.
+    if ((PyTuple_CheckExact(chunk) || PyList_CheckExact(chunk)) && PySequence_Fast_GET_SIZE(chunk) >= 2) {
         start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 0));
         end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 1));
     } else {
@@ -102,11 +103,13 @@ ChunkSpans parse_chunk_items(const FastSequence& seq, int64_t block_size, int64_
 
 BlockIdSource::BlockIdSource(py::handle obj) : obj_(py::reinterpret_borrow<py::object>(obj)) {
     PyObject* o = obj.ptr();
-    if (PyList_Check(o)) {
+    // Exact lists and tuples are read directly; a subclass is a generic sequence, read by index through its
+    // own __getitem__ as the reference's block_ids[i] does (an override must not be bypassed).
+    if (PyList_CheckExact(o)) {
         kind_ = Kind::list;
         return;
     }
-    if (PyTuple_Check(o)) {
+    if (PyTuple_CheckExact(o)) {
         kind_ = Kind::tuple;
         length_ = PyTuple_GET_SIZE(o);
         return;
@@ -114,6 +117,13 @@ BlockIdSource::BlockIdSource(py::handle obj) : obj_(py::reinterpret_borrow<py::o
     if (py::isinstance<py::array>(obj)) {
         auto arr = py::reinterpret_borrow<py::array>(obj);
         const char kind = arr.dtype().kind();
+        if ((kind == 'i' || kind == 'u') && !arr.dtype().attr("isnative").cast<bool>()) {
+            // Items are read below as native-endian integers: a byte-swapped array (dtype '>i8' on this
+            // machine) is converted to the same type in native order first (numpy's C code, no user code), and
+            // that copy is what we hold and read.
+            arr = py::reinterpret_borrow<py::array>(arr.attr("astype")(arr.dtype().attr("newbyteorder")("=")));
+            obj_ = arr;
+        }
         if (kind != 'i' && kind != 'u') {
             raise(PyExc_TypeError, "block_ids must hold integers, not numpy dtype " +
                                        py::str(arr.dtype()).cast<std::string>());
@@ -218,6 +228,14 @@ void resolve_block_ids(const BlockIdSource& ids, const std::vector<int64_t>& sta
 void refuse_non_sequence(py::handle obj, const char* what) {
     if (refused_container(obj.ptr())) {
         raise(PyExc_TypeError, std::string(what) + " must be a sequence, not " + type_name(obj.ptr()));
+    }
+}
+
+void require_region_sequence(py::handle obj, const char* what) {
+    // An iterator or generator would be consumed by the first call and read as empty by every later one.
+    if (refused_container(obj.ptr()) || !PySequence_Check(obj.ptr())) {
+        raise(PyExc_TypeError, std::string(what) + " must be a sequence of ints (list, tuple or integer array), not " +
+                                   type_name(obj.ptr()));
     }
 }
 

@@ -60,4 +60,8 @@ void resolve_block_ids(const BlockIdSource& ids, const std::vector<int64_t>& sta
 // TypeError unless `obj` may be read as a sequence of flags or ints (dict, set, str, bytes are refused).
 void refuse_non_sequence(py::handle obj, const char* what);
 
+// TypeError unless `obj` may be kept as a region list that every call re-reads: a sequence (dict, set, str,
+// bytes, iterators and generators are refused).
+void require_region_sequence(py::handle obj, const char* what);
+
 }  // namespace kvaddr::py_bindings

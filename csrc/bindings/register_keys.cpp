@@ -199,7 +199,9 @@ std::vector<int64_t> exist_values(py::handle results) {
 py::list reduce_exists(py::handle results, py::handle widths) {
     const std::vector<int64_t> values = exist_values(results);
     std::vector<int64_t> unit_widths;
-    if (PyLong_Check(widths.ptr())) {  // an int (no Python code: PyLong_Check excludes __index__ objects)
+    // One int for every unit: an int, or an __index__ object that is not a sequence (a numpy integer). The
+    // results are C++ values already, so the __index__ call cannot change them.
+    if (PyLong_Check(widths.ptr()) || (PyIndex_Check(widths.ptr()) && !PySequence_Check(widths.ptr()))) {
         const int64_t w = as_int64(widths, "width");
         if (w <= 0) raise(PyExc_ValueError, "width must be positive, got " + std::to_string(w));
         if (values.size() % static_cast<std::size_t>(w) != 0) {
@@ -268,6 +270,9 @@ std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle 
     }
     const int64_t first = walk_first_chunk(p);
     int64_t stop = walk_stop_chunk(p);
+    // An empty walk, noticed before stop - first is computed: the two may be more than 2**63 apart (a large
+    // mask_num with a very negative token_len), and the wrapped difference made the walk raise.
+    if (stop <= first) return out;
     // Every walked chunk names a distinct hash, so a walk longer than the hashes is refused up front (a lying
     // n_hashes or __len__ must not make us loop for 2**62 chunks).
     if (stop - first > n_hashes) stop = first + n_hashes;

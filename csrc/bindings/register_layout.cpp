@@ -21,6 +21,7 @@
 
 #include "bindings/buffer_pool.hpp"
 #include "bindings/common.hpp"
+#include "bindings/inputs.hpp"
 #include "bindings/keys.hpp"
 #include "bindings/row_cache.hpp"
 #include "kvaddr/layout.hpp"
@@ -122,12 +123,24 @@ void chunk_bounds(py::handle chunks, std::vector<int64_t>* starts, std::vector<i
     for (Py_ssize_t c = 0; c < seq.size(); ++c) {
         py::object chunk = seq.at(c);
         PyObject* p = chunk.ptr();
-        if (!(PyTuple_Check(p) || PyList_Check(p)) || PySequence_Fast_GET_SIZE(p) < 2) {
+        if (!(PyTuple_Check(p) || PyList_Check(p))) {
             raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple, not " + type_name(p));
         }
-        // Hold both items: converting the first can run __index__, which may shrink a list chunk.
-        py::object start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 0));
-        py::object end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 1));
+        // Hold both items: converting the first can run __index__, which may shrink a list chunk. A subclass
+        // (say a named tuple with its own __getitem__) is read through c[0] and c[1], as vLLM reads it.
+        py::object start, end;
+        if (PyTuple_CheckExact(p) || PyList_CheckExact(p)) {
+            if (PySequence_Fast_GET_SIZE(p) < 2) {
+                raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple");
+            }
+            start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 0));
+            end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 1));
+        } else {
+            start = py::reinterpret_steal<py::object>(PySequence_GetItem(p, 0));
+            if (!start) throw py::error_already_set();
+            end = py::reinterpret_steal<py::object>(PySequence_GetItem(p, 1));
+            if (!end) throw py::error_already_set();
+        }
         starts->push_back(as_int64(start.ptr(), "chunk start"));
         ends->push_back(as_int64(end.ptr(), "chunk end"));
     }
@@ -159,6 +172,10 @@ public:
         if (n_shards < 0 || (!tp_shared && (n_shards != 1 || first_shard != 0))) {
             throw py::value_error("a rank-local layout has the one shard 0; a TP-shared one n_shards >= 0");
         }
+        int64_t end_shard = 0;  // shard ids first_shard + k (k < n_shards) must be int64s: no wrap in plan_load
+        if (first_shard < 0 || !add_checked(first_shard, n_shards, &end_shard)) {
+            throw py::value_error("first_shard must be >= 0 and first_shard + n_shards must fit in int64");
+        }
         auto empty = std::make_shared<Templates>(static_cast<std::size_t>(n_shards));
         for (Segments& t : *empty) {
             t.size_scales = !tp_shared;
@@ -176,6 +193,8 @@ public:
     // Rank-local: the caller's region lists, re-read (and compared) on every call, as vLLM reads them.
     void set_region_sources(py::object base, py::object block_len) {
         require_rank_local("set_region_sources");
+        require_region_sequence(base, "kv_caches_base_addr");
+        require_region_sequence(block_len, "block_len");
         base_source_ = std::move(base);
         block_len_source_ = std::move(block_len);
         synced_ = false;
@@ -279,8 +298,13 @@ public:
         for (const WalkedChunk& c : walked) {
             int64_t hash_index = c.hash_index;
             if (has_tail && c.end == token_len) {
-                hash_index = wrap_index(floor_div(tail, hash_block_size_) - 1, static_cast<std::size_t>(source.size()),
-                                        parsed.starts.size());
+                // vLLM's block_hashes[tail // hash_block_size - 1], Python indexing; the - 1 is checked (a
+                // tail_tokens of -2**63 with hash_block_size 1 would wrap).
+                int64_t tail_index = 0;
+                if (!add_checked(floor_div(tail, hash_block_size_), -1, &tail_index)) {
+                    raise(PyExc_IndexError, "tail_tokens " + std::to_string(tail) + " names no block hash");
+                }
+                hash_index = wrap_index(tail_index, static_cast<std::size_t>(source.size()), parsed.starts.size());
             }
             for (std::size_t k = 0; k < rows_.size(); ++k) {
                 parsed.starts.push_back(c.start);
@@ -295,7 +319,7 @@ public:
             py::tuple r = rows;
             return py::make_tuple(py::list(), r[0], r[1], r[2]);
         }
-        parsed.templates = current_templates();  // vLLM's prepare_values reads the regions after the walk
+        take_snapshot(parsed);  // vLLM's prepare_values reads the regions after the walk
         validate(parsed);
         resolve(parsed, block_ids);
         // Keys last among the inputs: the hashes are read after every other argument was converted.
@@ -355,11 +379,22 @@ private:
         std::vector<KeyPlan> plans;
         std::vector<py::object> id_objects;  // exact-int block ids reusable as output (empty otherwise)
         std::shared_ptr<const Templates> templates;
+        uint64_t generation = 0;  // the cache generation `templates` belongs to
     };
 
     Parsed with_templates(Parsed p) {
-        p.templates = current_templates();
+        take_snapshot(p);
         return p;
+    }
+
+    // The template snapshot and the cache generation it belongs to, taken together (no Python code runs
+    // between the install in sync_regions and the read of generation_). Rows computed from this snapshot are
+    // only looked up in, and inserted into, the cache of that generation: a callback that re-registers the
+    // layout later in the call (and a nested call that syncs the new regions) cannot make this call read rows
+    // of the new regions, nor leave rows of the old ones cached under the new generation.
+    void take_snapshot(Parsed& p) {
+        p.templates = current_templates();
+        p.generation = generation_;
     }
 
     std::shared_ptr<const Templates> current_templates() { return tp_shared_ ? templates_ : sync_regions(); }
@@ -383,7 +418,7 @@ private:
                 if (s != 0) raise(PyExc_AssertionError, "rank-local layout: shard id " + std::to_string(s) + " is not 0");
             }
         }
-        p.templates = current_templates();
+        take_snapshot(p);
         chunk_bounds(chunks, &p.starts, &p.ends);
         if (p.starts.size() != shards.size()) raise(PyExc_RuntimeError, "chunks changed size during the call");
         p.shards = std::move(shards);
@@ -417,11 +452,12 @@ private:
             if (rows_.empty()) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
             const auto owned = static_cast<int64_t>(rows_.size());
             for (std::size_t k = 0; k < n; ++k) {
-                const int64_t local = p.shards[k] - first_shard_;  // no overflow: both sides are small or checked
-                if (p.shards[k] < first_shard_ || local >= owned) {
+                // Compare before subtracting: a caller's shard id may be any int64 (first_shard_ >= 0, so
+                // shards[k] - first_shard_ cannot overflow once shards[k] >= first_shard_).
+                if (p.shards[k] < first_shard_ || p.shards[k] - first_shard_ >= owned) {
                     raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
                 }
-                p.plans[k].shard = static_cast<std::size_t>(local);
+                p.plans[k].shard = static_cast<std::size_t>(p.shards[k] - first_shard_);
             }
         }
     }
@@ -440,10 +476,28 @@ private:
             return;
         }
         check_id_container(block_ids.ptr(), "block_ids");
+        if (!PyList_CheckExact(block_ids.ptr()) && !PyTuple_CheckExact(block_ids.ptr())) {
+            resolve_by_index(p, block_ids);  // a subclass: its own __len__/__getitem__, as vLLM's block_ids[i]
+            return;
+        }
         FastSequence ids(block_ids.ptr(), "block_ids");
         for (std::size_t k = 0; k < n; ++k) {
             const int64_t at = wrap_index(floor_div(p.starts[k], block_size_), static_cast<std::size_t>(ids.size()), k);
             py::object item = ids.at(static_cast<Py_ssize_t>(at));
+            p.plans[k].block_id = as_int64(item.ptr(), "block id");
+            check_block_id(p.plans[k].block_id);
+            if (PyLong_CheckExact(item.ptr())) p.id_objects[k] = std::move(item);
+        }
+    }
+
+    // resolve() for a list or tuple subclass: len() and block_ids[i] through the object's own methods.
+    void resolve_by_index(Parsed& p, py::handle block_ids) const {
+        const Py_ssize_t length = PyObject_Length(block_ids.ptr());
+        if (length < 0) throw py::error_already_set();
+        for (std::size_t k = 0; k < p.plans.size(); ++k) {
+            const int64_t at = wrap_index(floor_div(p.starts[k], block_size_), static_cast<std::size_t>(length), k);
+            py::object item = py::reinterpret_steal<py::object>(PySequence_GetItem(block_ids.ptr(), at));
+            if (!item) throw py::error_already_set();
             p.plans[k].block_id = as_int64(item.ptr(), "block id");
             check_block_id(p.plans[k].block_id);
             if (PyLong_CheckExact(item.ptr())) p.id_objects[k] = std::move(item);
@@ -457,7 +511,7 @@ private:
 
     py::tuple materialize_lists(Parsed& p) {
         const std::shared_ptr<const Templates> templates = p.templates;  // keeps the snapshot alive
-        const uint64_t generation = generation_;
+        const uint64_t generation = p.generation;  // the snapshot's, not the current one (see take_snapshot)
         const auto n = static_cast<Py_ssize_t>(p.plans.size());
         py::list addr_rows(n), size_rows(n), ids(n);
         std::vector<int64_t> scratch;
@@ -508,7 +562,7 @@ private:
     PyObject* address_list(const Segments& t, const KeyPlan& plan, uint64_t generation, std::vector<int64_t>& scratch,
                            Py_ssize_t key) {
         auto& shard = rows_[plan.shard];
-        auto hit = shard.find(plan.block_id);
+        auto hit = generation == generation_ ? shard.find(plan.block_id) : shard.end();
         if (hit != shard.end()) {
             ++hits_;
             // Own a reference: building the list allocates, and a GC pass may clear the cache meanwhile.
@@ -530,7 +584,7 @@ private:
     py::object address_tuple(const Segments& t, const KeyPlan& plan, uint64_t generation,
                              std::vector<int64_t>& scratch, Py_ssize_t key) {
         auto& shard = rows_[plan.shard];
-        auto hit = shard.find(plan.block_id);
+        auto hit = generation == generation_ ? shard.find(plan.block_id) : shard.end();
         if (hit != shard.end()) {
             ++hits_;
             return py::reinterpret_borrow<py::object>(hit->second);
@@ -561,8 +615,10 @@ private:
                           Py_ssize_t key) {
         const int64_t count = t.size_scales ? plan.block_count : 1;
         const std::pair<std::size_t, int64_t> id{plan.shard, count};
-        for (const auto& entry : size_rows_) {
-            if (entry.first == id) return py::reinterpret_borrow<py::object>(entry.second);
+        if (generation == generation_) {
+            for (const auto& entry : size_rows_) {
+                if (entry.first == id) return py::reinterpret_borrow<py::object>(entry.second);
+            }
         }
         scratch.resize(t.count());
         if (!layout::size_row(t, count, scratch.data())) {
@@ -570,7 +626,7 @@ private:
                                            " blocks overflows int64");
         }
         py::object row = int_tuple(scratch.data(), scratch.size());
-        if (generation == generation_ && size_rows_.size() < kMaxSizeRows) {
+        if (generation == generation_ && size_rows_.size() < kMaxSizeRows && !has_size_row(id)) {
             size_rows_.emplace_back(id, row.inc_ref().ptr());
         }
         return row;
@@ -579,9 +635,19 @@ private:
     // Approximate bytes a cached row keeps alive: the tuple and its int objects.
     static std::size_t row_cost(std::size_t width) { return 64 + width * (8 + 32); }
 
+    bool has_size_row(const std::pair<std::size_t, int64_t>& id) const {
+        for (const auto& entry : size_rows_) {
+            if (entry.first == id) return true;
+        }
+        return false;
+    }
+
+    // Caches `row` unless the (shard, block id) is cached already: building the row allocated, and a GC pass
+    // there may have run a finalizer whose nested call cached the same row (a second entry would leak a
+    // reference and leave an order_ entry whose eviction finds nothing).
     void remember(std::size_t shard, int64_t block_id, PyObject* row, std::size_t width) {
         const std::size_t cost = row_cost(width);
-        if (cost > cache_capacity_) return;
+        if (cost > cache_capacity_ || rows_[shard].count(block_id) != 0) return;
         while (cache_bytes_ + cost > cache_capacity_) evict_oldest();
         Py_INCREF(row);
         rows_[shard].emplace(block_id, row);

@@ -23,6 +23,12 @@ namespace {
 
 // Snapshot of one row: a strong reference to a tuple of its items.
 py::tuple row_snapshot(PyObject* row, const char* what, Py_ssize_t key) {
+    // str/bytes/bytearray iterate as characters or byte values, dict/set as keys: never rows of ints.
+    if (PyUnicode_Check(row) || PyBytes_Check(row) || PyByteArray_Check(row) || PyDict_Check(row) ||
+        PyAnySet_Check(row)) {
+        raise(PyExc_TypeError, std::string(what) + (key < 0 ? std::string(" rows") : " row " + std::to_string(key)) +
+                                   " must be a sequence of ints, not " + type_name(row));
+    }
     PyObject* tuple = PySequence_Tuple(row);
     if (tuple == nullptr) {
         PyErr_Clear();

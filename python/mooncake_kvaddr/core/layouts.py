@@ -19,6 +19,7 @@ methods (``shape``, ``stride()``, ``element_size()``, ``data_ptr()``, ``untyped_
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -209,8 +210,8 @@ class RankLocalStoreLayout(_EngineLayout):
 
     @kv_caches_base_addr.setter
     def kv_caches_base_addr(self, value: list[int]) -> None:
+        self._engine.set_region_sources(value, self._block_lens)  # TypeError for a non-sequence: kept nothing
         self._base_addrs = value
-        self._engine.set_region_sources(self._base_addrs, self._block_lens)
 
     @property
     def block_len(self) -> list[int]:
@@ -219,8 +220,8 @@ class RankLocalStoreLayout(_EngineLayout):
 
     @block_len.setter
     def block_len(self, value: list[int]) -> None:
+        self._engine.set_region_sources(self._base_addrs, value)
         self._block_lens = value
-        self._engine.set_region_sources(self._base_addrs, self._block_lens)
 
     @property
     def local_shard_ids(self) -> tuple[StoreShardId, ...]:
@@ -322,6 +323,11 @@ class TPShardedStoreLayout(_EngineLayout):
         self._engine = _native.LayoutEngine(
             block_size, hash_block_size, True, first, max(self.shards_per_rank, 0), DEFAULT_ROW_CACHE_BYTES
         )
+        # The installed templates, one (bases, strides, sizes) per local shard, as the engine holds them, and a
+        # version that is odd while an install is in progress (so a reader can tell whether the rows it just
+        # computed came from the templates it read; see driver/layout_adapter.py).
+        self._templates: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
+        self._templates_version = 0
 
     @property
     def local_shard_ids(self) -> tuple[StoreShardId, ...]:
@@ -343,7 +349,22 @@ class TPShardedStoreLayout(_EngineLayout):
 
     def _set_segment_templates(self, templates: Sequence[tuple[list[int], list[int], list[int]]]) -> None:
         """Install one ``(bases, block strides, sizes)`` template per local shard."""
-        self._engine.set_templates([(list(b), list(s), list(z)) for b, s, z in templates])
+        fresh = tuple(
+            (tuple(map(operator.index, b)), tuple(map(operator.index, s)), tuple(map(operator.index, z)))
+            for b, s, z in templates
+        )
+        self._templates_version += 1  # odd: an install is in progress
+        try:
+            self._engine.set_templates([(list(b), list(s), list(z)) for b, s, z in fresh])
+            self._templates = fresh
+        finally:
+            self._templates_version += 1
+
+    @property
+    def segment_templates(self) -> tuple[int, tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]]:
+        """``(version, templates)``: the installed ``(bases, strides, sizes)`` of every local shard and the
+        install's version (odd while an install is in progress)."""
+        return self._templates_version, self._templates
 
     def _has_packed_strides(self, head_stride: int, token_stride: int, content_bytes: int) -> bool:
         raise NotImplementedError

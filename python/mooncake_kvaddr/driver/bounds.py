@@ -15,6 +15,7 @@ Together these bound every slice: a chunk covers one block, so its slice of regi
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,11 @@ import numpy as np
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 
 __all__ = ["RegisteredCaches", "Screened"]
+
+
+def _exact_ints(values: object) -> bool:
+    """``values`` is a ``list`` (not a subclass) of ``int`` objects (not subclasses, not bools)."""
+    return type(values) is list and all(type(v) is int for v in values)
 
 
 @dataclass(frozen=True)
@@ -83,27 +89,45 @@ class RegisteredCaches:
         """
         if isinstance(block_ids, (dict, set, frozenset, str, bytes, bytearray)):
             raise TypeError(f"block_ids: expected a sequence of ints, got {type(block_ids).__name__}")
-        ids: list[int] = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
+        # Each id becomes an exact int once, here, and only that value is checked and planned with: an int
+        # subclass whose comparisons lie, or an __index__ that answers differently the next time, must not
+        # pass the range check with one value and reach Mooncake with another. An integer array's tolist()
+        # already gives exact ints. (A bool counts as the int it is, as in the native entry points and in
+        # vLLM's list indexing.)
+        ids: list[int]
+        if isinstance(block_ids, np.ndarray) and block_ids.dtype.kind in "iu":
+            ids = block_ids.tolist()
+        else:
+            raw: Any = block_ids
+            if isinstance(block_ids, np.ndarray):
+                raw = block_ids.tolist()
+            elif type(block_ids) not in (list, tuple):
+                raw = list(block_ids)  # one pass over the caller's object: a snapshot
+            try:
+                ids = list(map(operator.index, raw))
+            except TypeError:
+                for i, value in enumerate(raw):
+                    if not isinstance(value, (int, np.integer)):
+                        raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}") from None
+                raise
         if not ids:
             return Screened(ids, {})
-        try:
-            if min(ids) >= 0 and max(ids) < self.num_blocks:  # the common case: two C-level passes
-                return Screened(ids, {})
-        except TypeError:
-            pass
+        if min(ids) >= 0 and max(ids) < self.num_blocks:  # the common case: two C-level passes over exact ints
+            return Screened(ids, {})
         bad: dict[int, str] = {}
         for i, value in enumerate(ids):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}")
             if not 0 <= value < self.num_blocks:
-                bad[i] = self.problem(int(value))
+                bad[i] = self.problem(value)
         return Screened(ids, bad)
 
     def check_databases(self, databases: Sequence[ChunkedTokenDatabase]) -> None:
         """Raise ``ValueError`` unless every database holds exactly the registered regions."""
         bases, lens = list(self.bases), list(self.block_lens)
         for g, db in enumerate(databases):
-            if db.kv_caches_base_addr != bases or db.block_len != lens:
+            # Exact lists of exact ints only: a list or int subclass can make == say yes while the native code
+            # reads other values (its stored items, an int's real value), which would then reach Mooncake.
+            now_bases, now_lens = db.kv_caches_base_addr, db.block_len
+            if not (_exact_ints(now_bases) and _exact_ints(now_lens)) or now_bases != bases or now_lens != lens:
                 raise ValueError(
                     f"databases[{g}]: its regions changed after register_kv_caches; refusing to move bytes "
                     "outside the registered KV caches"

@@ -34,6 +34,7 @@ from mooncake_kvaddr.core.database import LoadPlan, LoadWalk, StorePlan
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.layouts import LayoutTokenDatabase, RankLocalStoreLayout, TPShardedStoreLayout
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.driver.bounds import RegisteredCaches
 from mooncake_kvaddr.driver.lookup import GroupSpecLike, LookupResult, ParallelLayout, StoreLookup
 from mooncake_kvaddr.driver.results import LoadResult, TransferRequest
 from mooncake_kvaddr.driver.store import MooncakeStore
@@ -94,6 +95,53 @@ class LayoutDatabase:
         self._bases: list[int] = []
         self._lens: list[int] = []
         self._tail = threading.local()
+        # TP-shared: the caches the transfer registered, and the template version last proven inside them.
+        self._caches: RegisteredCaches | None = None
+        self._checked_version: int | None = None
+
+    # ------------------------------------------------------------------ TP-shared segments vs the registration
+
+    def bind_registered_caches(self, caches: RegisteredCaches) -> None:
+        """Called by :meth:`KVTransfer.register_kv_caches`: the buffers every slice must stay inside."""
+        self._caches = caches
+        self._checked_version = None
+
+    def _segments_version(self) -> int | None:
+        """TP-shared: prove the layout's installed segment templates keep every slice of every registered block
+        (ids ``[0, num_blocks)``, which the transfer's screen enforces) inside one registered buffer, and return
+        the templates' version; the caller re-reads the version after computing rows (:meth:`_same_segments`).
+        A layout re-registered after the transfer registered its caches (other tensors, other memory) is
+        refused: its rows would move process memory the transfer never registered. Rank-local: ``None`` (its
+        regions are checked against the registration by the transfer itself) and before a transfer registered
+        caches (an adapter used on its own computes rows but moves nothing)."""
+        caches = self._caches
+        if caches is None or not isinstance(self.layout, TPShardedStoreLayout):
+            return None  # no transfer registered caches through this adapter: it moves no bytes itself
+        version, templates = self.layout.segment_templates
+        if version == self._checked_version:
+            return version
+        if version % 2:
+            raise RuntimeError("the store layout is being re-registered: retry")
+        last = caches.num_blocks - 1
+        for shard, (bases, strides, sizes) in enumerate(templates):
+            for segment, (base, stride, size) in enumerate(zip(bases, strides, sizes, strict=True)):
+                if size == 0:
+                    continue
+                low = base + min(0, last * stride)
+                high = base + max(0, last * stride) + size
+                if size < 0 or not any(ptr <= low and high <= ptr + n for ptr, n in caches.buffers):
+                    raise ValueError(
+                        f"store shard {self.shard_ids[shard]} segment {segment}: its slices "
+                        f"[{low:#x}, {high:#x}) lie outside the KV caches registered with the transfer (was the "
+                        "layout re-registered after register_kv_caches?); refusing to move bytes outside them"
+                    )
+        self._checked_version = version
+        return version
+
+    def _same_segments(self, version: int | None) -> None:
+        """Raise unless the templates are still those of ``version`` (an install ran meanwhile)."""
+        if version is not None and self.layout.segment_templates[0] != version:  # type: ignore[union-attr]
+            raise RuntimeError("the store layout was re-registered during the call: nothing moved")
 
     # ------------------------------------------------------------------ regions
 
@@ -195,9 +243,11 @@ class LayoutDatabase:
         self, token_len: int, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], mask_num: int = 0
     ) -> LoadPlan:
         """The layout's fused load plan (keys, rows, block ids), with this thread's tail boundary if any."""
+        version = self._segments_version()
         keys, addrs, sizes, ids = self.layout.plan_load(
             token_len, block_hashes, mask_num, None, list(block_ids), self._tail_tokens()
         )
+        self._same_segments(version)
         self._check_rows(sizes)
         return LoadPlan(keys, addrs, sizes, ids)
 
@@ -227,7 +277,9 @@ class LayoutDatabase:
     ) -> tuple[list[list[int]], list[list[int]], list[int]]:
         """The layout's rows of ``(start, end, shard_id)`` entries (lists)."""
         pairs, shards = self._split(chunks)
+        version = self._segments_version()
         rows = self.layout.prepare_values(pairs, list(block_ids), shards)
+        self._same_segments(version)
         self._check_rows(rows[1])
         return rows
 
@@ -236,7 +288,9 @@ class LayoutDatabase:
     ) -> tuple[Int64Array, Int64Array, Int64Array]:
         """The layout's rows of ``(start, end, shard_id)`` entries (int64 arrays)."""
         pairs, shards = self._split(chunks)
+        version = self._segments_version()
         rows = self.layout.prepare_values_array(pairs, block_ids, shards)
+        self._same_segments(version)
         self._check_rows(rows[1])
         return rows
 

@@ -287,6 +287,9 @@ class KVTransfer:
             for db in self.databases:
                 db.set_kv_caches_base_addr(list(caches.bases))
                 db.set_block_len(list(caches.block_lens))
+                bind = getattr(db, "bind_registered_caches", None)  # layout adapters check their own segments
+                if bind is not None:
+                    bind(caches)
             chosen = get_mode if get_mode == put_mode else f"load {get_mode} / store {put_mode}"
             detail = "; ".join(dict.fromkeys(path.describe() for path in paths.values()))
             logger.info("KVTransfer: transfer mode %s -> %s (%s)", self.transfer_mode, chosen, detail)

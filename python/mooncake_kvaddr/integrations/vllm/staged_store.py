@@ -27,6 +27,7 @@ skip Mooncake's Python argument conversion.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,16 +112,33 @@ class StagedMooncakeStore:
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Mooncake's ``register_buffer``; a buffer it accepts becomes a range staging may touch."""
         result = self._store.register_buffer(buffer_ptr, size)
-        if result == 0 and int(size) > 0:
+        span = self._as_range(buffer_ptr, size)
+        if result == 0 and span is not None:
             with self._lock:
-                self._buffers[int(buffer_ptr)] = int(size)
+                self._buffers[span[0]] = span[1]
                 self._refresh_ranges()
         return int(result) if isinstance(result, (int, np.integer)) else result
+
+    @staticmethod
+    def _as_range(buffer_ptr: Any, size: Any) -> tuple[int, int] | None:
+        """``(ptr, size)`` as ints when they describe a non-empty range inside ``[1, 2**63)``, else None: such
+        a buffer is left to Mooncake (staging never touches it) instead of breaking every later registration
+        (the int64 bounds of the range table could not hold it)."""
+        try:
+            ptr, nbytes = operator.index(buffer_ptr), operator.index(size)
+        except TypeError:
+            return None
+        if ptr <= 0 or nbytes <= 0 or ptr + nbytes > (1 << 63) - 1:
+            return None
+        return ptr, nbytes
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         """Mooncake's ``unregister_buffer``; the range is dropped from staging whatever Mooncake answers."""
         with self._lock:
-            self._buffers.pop(int(buffer_ptr), None)
+            try:
+                self._buffers.pop(operator.index(buffer_ptr), None)
+            except TypeError:
+                pass
             self._refresh_ranges()
         result: int = self._store.unregister_buffer(buffer_ptr)
         return result
