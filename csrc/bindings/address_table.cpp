@@ -44,6 +44,7 @@ Snapshot AddressTable::sync_regions() {
         }
     }
     // From here to the return no Python code runs: the comparison and the install are atomic.
+    pin_.check(bases, lens);  // the values this call computes from, against a transfer's registration
     if (synced_ && bases == regions_->base && lens == seen_lens_) return Snapshot{regions_, cache_.generation()};
     if (!bases.empty() && lens.empty()) {
         raise(errors().block_len, "block_len is empty but " + std::to_string(bases.size()) +

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "bindings/inputs.hpp"
+#include "bindings/region_pin.hpp"
 #include "bindings/row_cache.hpp"
 #include "kvaddr/address.hpp"
 
@@ -43,6 +44,12 @@ public:
     // Reads the caller's lists (may run Python code), then — with no Python code in between — compares them
     // with the current snapshot and installs a new one (dropping the cache) if they changed.
     Snapshot sync_regions();
+
+    // A transfer's registered regions (region_pin.hpp): while pinned, a call whose lists hold other values
+    // raises ValueError inside the call instead of computing addresses from them.
+    void pin_regions(py::handle bases, py::handle block_len) { pin_.pin(bases, block_len); }
+    void unpin_regions() { pin_.unpin(); }
+    std::size_t region_pins() const { return pin_.count(); }
 
     // Rows of validated chunks whose block ids are resolved: (addr_rows, size_rows, ids), each row a fresh
     // list, or with immutable_rows a tuple (a cached row's own: shared between results, never changed).
@@ -78,6 +85,7 @@ private:
     bool synced_ = false;  // regions_ reflects a successful read of the caller's lists
     bool immutable_rows_ = false;  // rows as tuples (no per-call copy) instead of fresh lists
     RowCache cache_;
+    RegionPin pin_;
 };
 
 }  // namespace kvaddr::py_bindings

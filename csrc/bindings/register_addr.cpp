@@ -33,6 +33,9 @@ void register_addr(py::module_& m) {
                       "Rows as tuples shared with the row cache (no per-call copy) instead of fresh lists.")
         .def("cache_info", &AddressTable::cache_info)
         .def("clear_cache", &AddressTable::clear_cache)
+        .def("pin_regions", &AddressTable::pin_regions, py::arg("kv_caches_base_addr"), py::arg("block_len"))
+        .def("unpin_regions", &AddressTable::unpin_regions)
+        .def_property_readonly("region_pins", &AddressTable::region_pins)
         .def_property_readonly("block_size", &AddressTable::block_size)
         .def_property_readonly("hash_block_size", &AddressTable::hash_block_size);
 }

@@ -23,6 +23,7 @@
 #include "bindings/common.hpp"
 #include "bindings/inputs.hpp"
 #include "bindings/keys.hpp"
+#include "bindings/region_pin.hpp"
 #include "bindings/row_cache.hpp"
 #include "kvaddr/layout.hpp"
 
@@ -352,6 +353,12 @@ public:
         return info;
     }
 
+    // A transfer's registered regions (region_pin.hpp); rank-local only (TP-shared rows come from the
+    // installed templates, checked by the transfer's layout adapter).
+    void pin_regions(py::handle bases, py::handle block_len) { pin_.pin(bases, block_len); }
+    void unpin_regions() { pin_.unpin(); }
+    std::size_t region_pins() const { return pin_.count(); }
+
     void clear_cache() {
         ++generation_;
         // Detach first, release after: the maps stay consistent whatever a DECREF runs.
@@ -678,6 +685,7 @@ private:
         if (needs_lens) {
             for (Py_ssize_t i = 0; i < block_len.size(); ++i) lens.push_back(as_int64(block_len.at(i).ptr(), "block_len item"));
         }
+        pin_.check(bases, lens);  // the values this call computes from, against a transfer's registration
         if (synced_ && bases == seen_bases_ && lens == seen_lens_) return templates_;
         if (needs_lens && lens.empty()) {
             raise(errors().block_len, "block_len is empty but " + std::to_string(bases.size()) +
@@ -717,6 +725,7 @@ private:
     std::shared_ptr<const Templates> templates_;
     py::object base_source_, block_len_source_;
     std::vector<int64_t> seen_bases_, seen_lens_;
+    RegionPin pin_;
     bool synced_ = false;
     uint64_t generation_ = 0;
     std::vector<std::unordered_map<int64_t, PyObject*>> rows_;  // per local shard: block id → address tuple
@@ -758,6 +767,9 @@ void register_layout(py::module_& m) {
                        "Rows as shared immutable tuples (no per-call copy) instead of fresh lists.")
         .def("cache_info", &LayoutEngine::cache_info)
         .def("clear_cache", &LayoutEngine::clear_cache)
+        .def("pin_regions", &LayoutEngine::pin_regions, py::arg("kv_caches_base_addr"), py::arg("block_len"))
+        .def("unpin_regions", &LayoutEngine::unpin_regions)
+        .def_property_readonly("region_pins", &LayoutEngine::region_pins)
         .def_property_readonly("segment_count", &LayoutEngine::segment_count);
 }
 

@@ -177,6 +177,15 @@ class ChunkedTokenDatabase:
         """Drop every cached address row."""
         self._table.clear_cache()
 
+    def _pin_regions(self, kv_caches_base_addr: list[int], block_len: list[int]) -> None:
+        """Driver hook (``KVTransfer.register_kv_caches``): until :meth:`_unpin_regions`, every call whose
+        region lists hold other values raises ``ValueError`` inside the call (SECURITY.md)."""
+        self._table.pin_regions(kv_caches_base_addr, block_len)
+
+    def _unpin_regions(self) -> None:
+        """Drop one pin of :meth:`_pin_regions`."""
+        self._table.unpin_regions()
+
     # Keys.
     @property
     def key_prefix(self) -> str:

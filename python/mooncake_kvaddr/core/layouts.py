@@ -201,6 +201,15 @@ class RankLocalStoreLayout(_EngineLayout):
         self._block_lens: list[int] = []
         self._engine.set_region_sources(self._base_addrs, self._block_lens)
 
+    def _pin_regions(self, kv_caches_base_addr: list[int], block_len: list[int]) -> None:
+        """Driver hook (``KVTransfer.register_kv_caches``): until :meth:`_unpin_regions`, every call whose
+        region lists hold other values raises ``ValueError`` inside the call (SECURITY.md)."""
+        self._engine.pin_regions(kv_caches_base_addr, block_len)
+
+    def _unpin_regions(self) -> None:
+        """Drop one pin of :meth:`_pin_regions`."""
+        self._engine.unpin_regions()
+
     # The lists are kept by reference, as vLLM keeps them; the engine re-reads them on every call, so an
     # in-place edit takes effect (and drops cached rows) like in vLLM.
     @property

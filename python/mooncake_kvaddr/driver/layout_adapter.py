@@ -98,6 +98,7 @@ class LayoutDatabase:
         # TP-shared: the caches the transfer registered, and the template version last proven inside them.
         self._caches: RegisteredCaches | None = None
         self._checked_version: int | None = None
+        self._pins = 0  # rank-local: pins this adapter holds on its layout's regions
 
     # ------------------------------------------------------------------ TP-shared segments vs the registration
 
@@ -161,6 +162,20 @@ class LayoutDatabase:
             self.layout.set_kv_caches_base_addr(base_addrs)
         else:
             self._bases = base_addrs
+
+    def _pin_regions(self, kv_caches_base_addr: list[int], block_len: list[int]) -> None:
+        """Rank-local: pin the layout's regions (its native engine then refuses other values inside each call);
+        TP-shared: nothing to pin (its rows come from installed templates, checked by
+        :meth:`bind_registered_caches`)."""
+        if isinstance(self.layout, RankLocalStoreLayout):
+            self.layout._pin_regions(kv_caches_base_addr, block_len)
+            self._pins += 1
+
+    def _unpin_regions(self) -> None:
+        """Drop one pin of :meth:`_pin_regions`."""
+        if self._pins and isinstance(self.layout, RankLocalStoreLayout):
+            self._pins -= 1
+            self.layout._unpin_regions()
 
     def set_block_len(self, block_lens: list[int]) -> None:
         """See :meth:`set_kv_caches_base_addr`."""

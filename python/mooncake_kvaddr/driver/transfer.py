@@ -166,6 +166,7 @@ class KVTransfer:
         self._local_copy = None if local_copy is None else check_bool("local_copy", local_copy)
         self._probe_peers = None if probe_peers is None else check_bool("probe_peers", probe_peers)
         self._probe: PeerProbe | None = None
+        self._pinned: list[Any] = []  # databases whose regions this transfer pinned (unpinned by close)
         # No path until register_kv_caches: every block id is checked against the registered caches.
         self._get_path: TransferPath | None = None
         self._put_path: TransferPath | None = None
@@ -187,6 +188,24 @@ class KVTransfer:
 
     def _context(self, caches: RegisteredCaches) -> PathContext:
         return PathContext(self._store, self.databases, caches, self.replicate_config, self._metrics)
+
+    def _pin_regions(self, caches: RegisteredCaches) -> None:
+        """Pin each database's regions to the registered ones (a database without the hook is checked by
+        :meth:`~mooncake_kvaddr.driver.bounds.RegisteredCaches.check_databases` alone)."""
+        try:
+            for db in self.databases:
+                pin = getattr(db, "_pin_regions", None)
+                if pin is not None:
+                    pin(list(caches.bases), list(caches.block_lens))
+                    self._pinned.append(db)
+        except BaseException:
+            self._unpin_regions()
+            raise
+
+    def _unpin_regions(self) -> None:
+        pinned, self._pinned = self._pinned, []
+        for db in pinned:
+            db._unpin_regions()
 
     def _copies_in_memory(self) -> bool:
         return copies_in_memory(self._store.config) if self._local_copy is None else self._local_copy
@@ -265,31 +284,37 @@ class KVTransfer:
             if self._get_path is not None:
                 raise RuntimeError("register_kv_caches: regions are already registered")
             caches = RegisteredCaches.from_regions(regions, num_blocks)
-            ctx = self._context(caches)
-            get_mode, put_mode = self._resolve_modes(caches)
-            paths: dict[str, TransferPath] = {}
-            if "staged" in (get_mode, put_mode):
-                paths["staged"] = self._start_staging(ctx, caches)
-            if {get_mode, put_mode} - {"staged"}:
-                for base, nbytes in caches.buffers:
-                    self._store.register_buffer(base, nbytes)
-                    self._registered.append(base)
-            probe = self._probe_peers if self._probe_peers is not None else not self._copies_in_memory()
-            if probe and get_mode != "staged":
-                # Mooncake writes this load path's bytes into the KV cache itself: such a call cannot be
-                # abandoned, so a new peer is proven responsive first (docs/multihost.md, "Hung peer").
-                self._probe = ctx.probe = PeerProbe(self._store, self._store.config.max_abandoned_calls)
-            for mode in (get_mode, put_mode):
-                if mode not in paths:
-                    paths[mode] = DirectPath(ctx) if mode == "direct" else MultiBufferPath(ctx)
-            self._get_path, self._put_path = paths[get_mode], paths[put_mode]
-            self._regions = list(regions)
-            for db in self.databases:
-                db.set_kv_caches_base_addr(list(caches.bases))
-                db.set_block_len(list(caches.block_lens))
-                bind = getattr(db, "bind_registered_caches", None)  # layout adapters check their own segments
-                if bind is not None:
-                    bind(caches)
+            # Pinned before anything changes: from now on each native call checks the regions it computes from
+            # against these, inside the call (a thread editing a database's lists cannot slip others in).
+            self._pin_regions(caches)
+            with ExitStack() as undo:
+                undo.callback(self._unpin_regions)
+                ctx = self._context(caches)
+                get_mode, put_mode = self._resolve_modes(caches)
+                paths: dict[str, TransferPath] = {}
+                if "staged" in (get_mode, put_mode):
+                    paths["staged"] = self._start_staging(ctx, caches)
+                if {get_mode, put_mode} - {"staged"}:
+                    for base, nbytes in caches.buffers:
+                        self._store.register_buffer(base, nbytes)
+                        self._registered.append(base)
+                probe = self._probe_peers if self._probe_peers is not None else not self._copies_in_memory()
+                if probe and get_mode != "staged":
+                    # Mooncake writes this load path's bytes into the KV cache itself: such a call cannot be
+                    # abandoned, so a new peer is proven responsive first (docs/multihost.md, "Hung peer").
+                    self._probe = ctx.probe = PeerProbe(self._store, self._store.config.max_abandoned_calls)
+                for mode in (get_mode, put_mode):
+                    if mode not in paths:
+                        paths[mode] = DirectPath(ctx) if mode == "direct" else MultiBufferPath(ctx)
+                self._get_path, self._put_path = paths[get_mode], paths[put_mode]
+                self._regions = list(regions)
+                for db in self.databases:
+                    db.set_kv_caches_base_addr(list(caches.bases))
+                    db.set_block_len(list(caches.block_lens))
+                    bind = getattr(db, "bind_registered_caches", None)  # layout adapters check their own segments
+                    if bind is not None:
+                        bind(caches)
+                undo.pop_all()  # registered: the pins stay until close()
             chosen = get_mode if get_mode == put_mode else f"load {get_mode} / store {put_mode}"
             detail = "; ".join(dict.fromkeys(path.describe() for path in paths.values()))
             logger.info("KVTransfer: transfer mode %s -> %s (%s)", self.transfer_mode, chosen, detail)
@@ -697,6 +722,7 @@ class KVTransfer:
             path.close()
         if self._probe is not None:
             self._probe.close()  # an abandoned probe keeps its own buffer until Mooncake returns
+        self._unpin_regions()
         if self._owns_pool:
             self._pool = None  # frees the buffer once no request holds a lease
         self._registered.clear()

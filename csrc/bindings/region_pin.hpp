@@ -1,0 +1,69 @@
+// The regions a transfer registered, checked inside every call that reads a database's region lists
+// (SECURITY.md, "What is validated where").
+//
+// A database keeps references to the caller's region lists and re-reads them on every call (the reference
+// does the same), so another thread can edit them between the transfer's own check of the lists and the
+// call that computes addresses from them. While a transfer has pinned a table, each call compares the values
+// it just read — the very values its rows are computed from — with the pinned ones, with no Python code in
+// between, and refuses the call when they differ: no address outside the registered KV caches is ever
+// computed for a transfer. Several transfers may pin the same values (a count); other values are refused.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bindings/common.hpp"
+
+namespace kvaddr::py_bindings {
+
+class RegionPin {
+public:
+    // Pin the int sequences `bases` / `lens` (read once, here, into values this pin owns).
+    void pin(py::handle bases, py::handle lens) { pin(read(bases, "kv_caches_base_addr"), read(lens, "block_len")); }
+
+    // Pin `bases` / `lens` (ValueError when pinned to other values by another transfer).
+    void pin(std::vector<int64_t> bases, std::vector<int64_t> lens) {
+        if (count_ > 0 && (bases != bases_ || lens != lens_)) {
+            raise(PyExc_ValueError, "the regions are pinned to other values by another transfer (one database may "
+                                    "serve transfers over the same KV caches only)");
+        }
+        if (count_ == 0) {
+            bases_ = std::move(bases);
+            lens_ = std::move(lens);
+        }
+        ++count_;
+    }
+
+    // Drop one pin (a no-op when none is held).
+    void unpin() {
+        if (count_ > 0 && --count_ == 0) {
+            bases_.clear();
+            lens_.clear();
+        }
+    }
+
+    std::size_t count() const { return count_; }
+
+    // ValueError when pinned and the lists just read hold other values than the pinned ones.
+    void check(const std::vector<int64_t>& bases, const std::vector<int64_t>& lens) const {
+        if (count_ > 0 && (bases != bases_ || lens != lens_)) {
+            raise(PyExc_ValueError, "kv_caches_base_addr / block_len changed after register_kv_caches: refusing to "
+                                    "compute addresses outside the registered KV caches");
+        }
+    }
+
+private:
+    static std::vector<int64_t> read(py::handle obj, const char* what) {
+        FastSequence seq(obj.ptr(), what);
+        std::vector<int64_t> out;
+        for (Py_ssize_t i = 0; i < seq.size(); ++i) out.push_back(as_int64(seq.at(i).ptr(), what));
+        return out;
+    }
+
+    std::vector<int64_t> bases_, lens_;
+    std::size_t count_ = 0;
+};
+
+}  // namespace kvaddr::py_bindings
