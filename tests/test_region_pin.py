@@ -136,3 +136,45 @@ def test_the_rank_local_layout_engine_refuses_edited_regions_while_pinned(what: 
         layout.prepare_values_array([(0, 16)], [3], [0])
     layout._unpin_regions()
     assert len(layout.prepare_values([(0, 16)], [3], [0])[0][0]) == 2  # the caller's regions again
+
+
+class _Mutating:
+    """An item whose ``__index__`` empties the list being read (a hostile caller)."""
+
+    def __init__(self, target: list[Any], value: int) -> None:
+        self.target, self.value = target, value
+
+    def __index__(self) -> int:
+        self.target.clear()
+        return self.value
+
+
+@pytest.mark.parametrize("engine", ["table", "layout"])
+def test_pin_regions_refuses_hostile_input_cleanly(engine: str) -> None:
+    from mooncake_kvaddr import _native
+
+    def make() -> Any:
+        if engine == "table":
+            return _native.AddressTable(16, 16, 0)
+        return _native.LayoutEngine(16, 16, False, 0, 1, 0)
+
+    for bases, lens, error in [
+        ({1: 2}, [64], TypeError), ("ab", [64], TypeError), ([1.5], [64], TypeError), (None, [64], TypeError),
+        ([1 << 64], [64], OverflowError), ([-(1 << 64)], [64], OverflowError), ([1 << 20], iter([64]), TypeError),
+    ]:
+        target = make()
+        with pytest.raises(error):
+            target.pin_regions(bases, lens)
+        assert target.region_pins == 0  # nothing pinned by a refused call
+    target = make()
+    hostile: list[Any] = [1 << 20, 2 << 20]
+    hostile.insert(0, _Mutating(hostile, 3 << 20))
+    target.pin_regions(hostile, [64])  # reads what is there while it reads (the list shrank to nothing): no crash
+    assert target.region_pins == 1 and hostile == []
+    target.unpin_regions()
+    target.pin_regions([1 << 20], [64])
+    with pytest.raises(ValueError, match="pinned to other values"):
+        target.pin_regions([2 << 20], [64])
+    target.unpin_regions()
+    target.unpin_regions()  # one more than held: a no-op, never negative
+    assert target.region_pins == 0

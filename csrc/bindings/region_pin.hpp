@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bindings/common.hpp"
+#include "bindings/inputs.hpp"
 
 namespace kvaddr::py_bindings {
 
@@ -56,6 +57,7 @@ public:
 
 private:
     static std::vector<int64_t> read(py::handle obj, const char* what) {
+        require_region_sequence(obj, what);  // dict/set/str/bytes/iterators refused, as for set_regions
         FastSequence seq(obj.ptr(), what);
         std::vector<int64_t> out;
         for (Py_ssize_t i = 0; i < seq.size(); ++i) out.push_back(as_int64(seq.at(i).ptr(), what));
