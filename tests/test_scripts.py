@@ -52,3 +52,12 @@ def test_mooncake_copy_threads_script_runs() -> None:
     out = _run("bench/mooncake_copy_threads.py", "--keys", "16", "--regions", "4", "--reps", "1", "--threads", "1,2")
     assert "bytes verified" in out, out
     assert sum(line.strip().startswith(("batch_get_into", "numpy")) for line in out.splitlines()) == 3, out
+
+
+def test_object_floor_script_runs(tmp_path: Path) -> None:
+    out = _run("bench/object_floor.py", "--reps", "1", "--json", str(tmp_path / "floor.json"))
+    assert "target 3x" in out and "floor, cold" in out, out
+    import json
+
+    report = json.loads((tmp_path / "floor.json").read_text())
+    assert all(ms > 0 for ms in report["median_ms"].values()), report
