@@ -33,7 +33,6 @@ import pytest
 from fake_mooncake import fake_store
 from kvaddr_testing import Cache, hashes, make_transfer
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
-from mooncake_kvaddr.driver import staging as staging_module
 from mooncake_kvaddr.driver.staging import StagingBuffer, StagingLease, StagingPool, gather, scatter
 from mooncake_kvaddr.driver.store import MooncakeStore, StoreClosedError, StoreError
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
@@ -65,7 +64,9 @@ class _ChangingRegions(list):  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("mode", ["multi_buffer", "staged", "auto"])
 @pytest.mark.parametrize("container", ["generator", "changing"])
-def test_registered_regions_are_the_arrays_kept_alive(monkeypatch: pytest.MonkeyPatch, mode: str, container: str) -> None:
+def test_registered_regions_are_the_arrays_kept_alive(
+    monkeypatch: pytest.MonkeyPatch, mode: str, container: str
+) -> None:
     regions = 1 if mode == "auto" else 2
     with fake_store(monkeypatch) as (store, _fake):
         arrays = [np.zeros((4, 256), np.uint8) for _ in range(regions)]
@@ -123,7 +124,8 @@ def test_a_failed_registration_releases_everything_it_registered(monkeypatch: py
         # The transfer is usable afterwards: the same registration succeeds now.
         monkeypatch.setattr(fake, "register_buffer", lambda ptr, size: live.add(ptr) or 0)
         xfer.register_kv_caches(cache.regions, 4)
-        assert (xfer.mode, xfer.store_mode) == (("multi_buffer",) * 2 if mode == "multi_buffer" else ("staged", "multi_buffer"))
+        expected = ("multi_buffer", "multi_buffer") if mode == "multi_buffer" else ("staged", "multi_buffer")
+        assert (xfer.mode, xfer.store_mode) == expected
         xfer.close()
         assert live == set() and pool._registrations == {}
 
@@ -239,8 +241,8 @@ def test_a_staged_transfer_never_hands_mooncake_a_lease_outside_its_pool(monkeyp
             loaded = reader.load(TransferRequest("r", 32, h, [[1, 2]]))
             assert loaded.failed_block_ids == {1, 2} and not loaded.loaded_block_ids
             assert loaded.error is not None and "staging" in loaded.error
-            stored = reader.store(TransferRequest("r2", 32, hashes("m2", 2), [[1, 2]]))
-            assert stored.stored == 0 and not stored.ok
+            with pytest.raises(ValueError, match="not project-owned staging"):
+                reader.store(TransferRequest("r2", 32, hashes("m2", 2), [[1, 2]]))
         assert [c for c in fake.calls if c[0] in ("batch_get_into", "batch_put_from")] == []
 
 

@@ -43,6 +43,7 @@ from mooncake_kvaddr.driver.staging import (
     SlotPlan,
     StagingLease,
     StagingPool,
+    check_staging,
     plan_batches,
     plan_slots,
 )
@@ -657,11 +658,19 @@ class StagedPath(TransferPath):
         largest = int(object_sizes.max()) if len(object_sizes) else 0
         timeout = STAGING_WAIT_S if remaining is None else min(STAGING_WAIT_S, remaining)
         try:
-            return self.pool.acquire(largest, total_bytes, timeout=timeout)
+            lease = self.pool.acquire(largest, total_bytes, timeout=timeout)
         except TimeoutError:
             if deadline.expired():
                 return None
             raise
+        try:
+            # Mooncake writes (get) and reads (put) the slots at lease.ptr + offset: the lease must lie inside a
+            # live staging buffer this package allocated, whatever pool object handed it out (SECURITY.md).
+            check_staging(lease)
+        except (TypeError, ValueError) as exc:
+            # Not given back: a range outside the pool's buffer is not the pool's to reuse.
+            raise ValueError(f"the staging pool handed out a lease that is not project-owned staging: {exc}") from exc
+        return lease
 
     def put(
         self,

@@ -283,18 +283,28 @@ class KVTransfer:
         with self._admitted():
             if self._get_path is not None:
                 raise RuntimeError("register_kv_caches: regions are already registered")
-            caches = RegisteredCaches.from_regions(regions, num_blocks)
+            # One pass over the caller's container: the arrays validated are the arrays kept alive (an iterator
+            # or a sequence whose iteration changes must not leave the registered memory unowned).
+            if isinstance(regions, (str, bytes, dict)):
+                raise TypeError(f"regions: expected a sequence of numpy arrays, got {type(regions).__name__}")
+            arrays = list(regions)
+            caches = RegisteredCaches.from_regions(arrays, num_blocks)
             # Pinned before anything changes: from now on each native call checks the regions it computes from
             # against these, inside the call (a thread editing a database's lists cannot slip others in).
             self._pin_regions(caches)
             with ExitStack() as undo:
+                # A failure below undoes everything registered so far (in reverse order): nothing leaks, and a
+                # later register_kv_caches starts from scratch.
                 undo.callback(self._unpin_regions)
                 ctx = self._context(caches)
                 get_mode, put_mode = self._resolve_modes(caches)
                 paths: dict[str, TransferPath] = {}
+                undo.callback(self._undo_paths, paths)
                 if "staged" in (get_mode, put_mode):
+                    undo.callback(self._undo_staging)
                     paths["staged"] = self._start_staging(ctx, caches)
                 if {get_mode, put_mode} - {"staged"}:
+                    undo.callback(self._unregister_buffers)
                     for base, nbytes in caches.buffers:
                         self._store.register_buffer(base, nbytes)
                         self._registered.append(base)
@@ -302,22 +312,55 @@ class KVTransfer:
                 if probe and get_mode != "staged":
                     # Mooncake writes this load path's bytes into the KV cache itself: such a call cannot be
                     # abandoned, so a new peer is proven responsive first (docs/multihost.md, "Hung peer").
+                    undo.callback(self._close_probe)
                     self._probe = ctx.probe = PeerProbe(self._store, self._store.config.max_abandoned_calls)
                 for mode in (get_mode, put_mode):
                     if mode not in paths:
                         paths[mode] = DirectPath(ctx) if mode == "direct" else MultiBufferPath(ctx)
-                self._get_path, self._put_path = paths[get_mode], paths[put_mode]
-                self._regions = list(regions)
+                self._regions = arrays
+                undo.callback(self._regions.clear)
                 for db in self.databases:
                     db.set_kv_caches_base_addr(list(caches.bases))
                     db.set_block_len(list(caches.block_lens))
                     bind = getattr(db, "bind_registered_caches", None)  # layout adapters check their own segments
                     if bind is not None:
                         bind(caches)
+                # Published last: no request plans with a path before everything above succeeded.
+                self._get_path, self._put_path = paths[get_mode], paths[put_mode]
                 undo.pop_all()  # registered: the pins stay until close()
             chosen = get_mode if get_mode == put_mode else f"load {get_mode} / store {put_mode}"
             detail = "; ".join(dict.fromkeys(path.describe() for path in paths.values()))
             logger.info("KVTransfer: transfer mode %s -> %s (%s)", self.transfer_mode, chosen, detail)
+
+    def _undo_paths(self, paths: dict[str, TransferPath]) -> None:
+        """A failed registration: close the paths it built (their call threads)."""
+        for path in paths.values():
+            path.close()
+
+    def _undo_staging(self) -> None:
+        """A failed registration: unregister the staging pool it registered; forget a pool it made."""
+        if self._pool_registered and self._pool is not None:
+            self._pool_registered = False
+            self._unregister_pool(self._pool)
+        if self._owns_pool:
+            self._pool = None
+
+    def _unregister_buffers(self) -> None:
+        """Unregister the KV-cache buffers this transfer registered (a failed registration, or close)."""
+        registered, self._registered = self._registered, []
+        if not self._store.ready:
+            return  # the registrations died with the client
+        for base in registered:
+            try:
+                self._store.unregister_buffer(base)
+            except StoreError as exc:
+                # Releasing must not fail over bookkeeping; the registration dies with the client anyway.
+                logger.warning("KVTransfer: %s", exc)
+
+    def _close_probe(self) -> None:
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.close()  # an abandoned probe keeps its own buffer until Mooncake returns
 
     def _resolve_modes(self, caches: RegisteredCaches) -> tuple[str, str]:
         """(load mode, store mode) for the registered layout (see ``docs/transfer-modes.md``)."""
@@ -654,21 +697,24 @@ class KVTransfer:
 
     def start(self) -> None:
         """Start the send thread and the receive threads (idempotent)."""
-        if self._closed:
-            raise StoreClosedError("KVTransfer is closed: no calls after close()")
-        self._workers.start()
+        with self._cond:  # close() marks the transfer closed under this lock before it stops the threads
+            if self._closed:
+                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+            self._workers.start()
 
     def submit_store(self, request: TransferRequest) -> Future[StoreResult]:
         """Queue a store on the send thread."""
-        if self._closed:
-            raise StoreClosedError("KVTransfer is closed: no calls after close()")
-        return self._workers.submit_store(request)
+        with self._cond:  # queued before close() stops the threads (so it runs), or refused
+            if self._closed:
+                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+            return self._workers.submit_store(request)
 
     def submit_load(self, request: TransferRequest) -> Future[LoadResult]:
         """Queue a load; the first free receive thread takes it."""
-        if self._closed:
-            raise StoreClosedError("KVTransfer is closed: no calls after close()")
-        return self._workers.submit_load(request)
+        with self._cond:  # queued before close() stops the threads (so it runs), or refused
+            if self._closed:
+                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+            return self._workers.submit_load(request)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued work, stop the threads, wait for calls in flight, unregister the buffers.
@@ -694,16 +740,12 @@ class KVTransfer:
         with self._cond:
             if not self._cond.wait_for(lambda: self._in_flight == 0, max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"KVTransfer.close: {self._in_flight} call(s) still running after {timeout} s")
+            if self._released:
+                return  # another thread's close() got here first and releases everything (once)
             paths = {id(p): p for p in (self._get_path, self._put_path) if p is not None}
             self._get_path = self._put_path = None
             self._released = True
-        if self._store.ready:
-            for base in self._registered:
-                try:
-                    self._store.unregister_buffer(base)
-                except StoreError as exc:
-                    # Closing must not fail over bookkeeping; the registration dies with the client anyway.
-                    logger.warning("KVTransfer.close: %s", exc)
+        self._unregister_buffers()
         if self._pool_registered and self._pool is not None:
             self._pool_registered = False
             unregister = partial(self._unregister_pool, self._pool)
@@ -720,13 +762,11 @@ class KVTransfer:
                 staged.calls.when_settled(unregister)
         for path in paths.values():
             path.close()
-        if self._probe is not None:
-            self._probe.close()  # an abandoned probe keeps its own buffer until Mooncake returns
+        self._close_probe()
         self._unpin_regions()
         if self._owns_pool:
             self._pool = None  # frees the buffer once no request holds a lease
-        self._registered.clear()
-        self._regions.clear()
+        self._regions = []
 
     def _unregister_pool(self, pool: StagingPool) -> None:
         """Undo this transfer's registration of ``pool`` (a shared pool stays registered for the others)."""
