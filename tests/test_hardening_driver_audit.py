@@ -382,3 +382,96 @@ def test_a_submit_racing_close_is_either_run_or_refused(monkeypatch: pytest.Monk
         result = future.result(timeout=10)  # accepted: it must run (it never completed before the fix)
         assert result is not None
         xfer.close()
+
+
+# ------------------------------------------------------------------------------------------- regions and rows
+
+
+@pytest.mark.parametrize("kind", ["readonly", "bytes", "object"])
+def test_regions_a_load_cannot_write_as_bytes_are_refused(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A load writes raw bytes into every registered region: read-only memory (an immutable ``bytes`` behind
+    the array) would be corrupted or fault inside Mooncake, and an object array holds pointers (a store would
+    put process addresses into the shared pool, a load would write garbage pointers)."""
+    with fake_store(monkeypatch) as (store, _fake):
+        if kind == "readonly":
+            region = np.zeros((4, 256), np.uint8)
+            region.flags.writeable = False
+        elif kind == "bytes":
+            region = np.frombuffer(bytes(1024), np.uint8).reshape(4, 256)
+        else:
+            region = np.empty((4, 32), dtype=object)
+        xfer = _transfer(store, "m", "multi_buffer")
+        with pytest.raises((TypeError, ValueError), match=r"regions\[1\]"):
+            xfer.register_kv_caches([np.zeros((4, 256), np.uint8), region], 4)
+        assert xfer.path is None
+        xfer.close()
+
+
+class _WildRows(ChunkedTokenDatabase):
+    """A database subclass whose rows point at other memory (a buggy custom planner)."""
+
+    target = 0
+
+    def prepare_values(self, chunks: Any, block_ids: Any) -> Any:
+        addrs, sizes, ids = super().prepare_values(chunks, block_ids)
+        return [[self.target] * len(row) for row in addrs], sizes, ids
+
+    def prepare_values_array(self, chunks: Any, block_ids: Any) -> Any:
+        addrs, sizes, ids = super().prepare_values_array(chunks, block_ids)
+        return np.full_like(addrs, self.target), sizes, ids
+
+    def plan_load(self, *args: Any, **kwargs: Any) -> Any:
+        plan = super().plan_load(*args, **kwargs)
+        return plan._replace(addrs=[[self.target] * len(row) for row in plan.addrs])
+
+
+@pytest.mark.parametrize("arrays", [False, True])
+def test_multi_buffer_rows_from_a_database_subclass_stay_inside_the_caches(
+    monkeypatch: pytest.MonkeyPatch, arrays: bool
+) -> None:
+    secret = np.full(1 << 16, 0x53, np.uint8)
+    with fake_store(monkeypatch) as (store, fake):
+        if arrays:
+            monkeypatch.setattr(type(store), "native_client_active", property(lambda self: True))
+        db = _WildRows(KeyMetadata("m", 0, 0, 0, 0), 16)
+        db.target = int(secret.ctypes.data)
+        xfer = KVTransfer(store, [db], transfer_mode="multi_buffer", start_threads=False)
+        cache = Cache(2, 4, 256, seed=9)
+        xfer.register_kv_caches(cache.regions, 4)
+        h = hashes("m", 2)
+        with pytest.raises(ValueError, match="outside the registered"):
+            xfer.store(TransferRequest("r", 32, h, [[1, 2]]))
+        assert not any(b"\x53" * 64 in v for v in fake.objects.values()), "process memory put into the store"
+        fake.objects.update({k: bytes(512) for k in db.keys_for(h)})
+        loaded = xfer.load(TransferRequest("r", 32, h, [[1, 2]]))
+        assert loaded.failed_block_ids == {1, 2} and not loaded.loaded_block_ids
+        assert loaded.error is not None and "outside the registered" in loaded.error
+        assert (secret == 0x53).all(), "a load wrote outside the registered caches"
+        xfer.close()
+
+
+class _WildSlots(ChunkedTokenDatabase):
+    """A database subclass whose fused staged plan lays slots out far past any lease."""
+
+    def plan_load_arrays(self, *args: Any, **kwargs: Any) -> Any:
+        plan = super().plan_load_arrays(*args, **kwargs)
+        offsets = plan.offsets.copy()
+        offsets[1:] += 1 << 40  # every key after the first: a slot 1 TiB past the lease
+        return plan._replace(offsets=offsets)
+
+
+def test_a_staged_slot_layout_from_a_database_subclass_is_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    with fake_store(monkeypatch) as (store, _fake):
+        src = Cache(2, 4, 256, seed=4)
+        h = hashes("m", 2)
+        with make_transfer(store, "m", src, 16, transfer_mode="staged", start_threads=False) as writer:
+            assert writer.store(TransferRequest("r", 32, h, [[1, 2]])).ok
+        dst = Cache(2, 4, 256)
+        xfer = KVTransfer(store, [_WildSlots(KeyMetadata("m", 0, 0, 0, 0), 16)], transfer_mode="staged",
+                          start_threads=False)  # fmt: skip
+        xfer.register_kv_caches(dst.regions, 4)
+        loaded = xfer.load(TransferRequest("r", 32, h, [[1, 2]]))  # crashed inside the get before the fix
+        assert loaded.ok and loaded.loaded_block_ids == {1, 2}
+        for a, b in zip(src.regions, dst.regions, strict=True):
+            np.testing.assert_array_equal(a[1:3], b[1:3])
+        xfer.close()

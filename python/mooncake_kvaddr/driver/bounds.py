@@ -64,6 +64,12 @@ class RegisteredCaches:
         for i, region in enumerate(regions):
             if not isinstance(region, np.ndarray) or not region.flags.c_contiguous:
                 raise TypeError(f"regions[{i}]: expected a C-contiguous numpy array")
+            if region.dtype.hasobject:
+                # Its bytes are object pointers: a store would put process addresses into the shared pool.
+                raise TypeError(f"regions[{i}]: an array of Python objects is not KV-cache memory")
+            if not region.flags.writeable:
+                # A load writes into every registered region (read-only memory: corrupted or a fault in Mooncake).
+                raise ValueError(f"regions[{i}]: read-only array: loads write into the registered KV caches")
             if region.nbytes == 0 or region.nbytes % num_blocks:
                 raise ValueError(f"regions[{i}]: {region.nbytes} bytes is not a multiple of {num_blocks} blocks")
             base = int(region.ctypes.data)

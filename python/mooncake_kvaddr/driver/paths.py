@@ -56,7 +56,17 @@ from mooncake_kvaddr.driver.store import (
 )
 from mooncake_kvaddr.driver.workers import CallAbandoned, CallRunner, PendingCall
 
-__all__ = ["DirectPath", "GetPlan", "MultiBufferPath", "PathContext", "StagedPath", "TransferPath"]
+__all__ = [
+    "DirectPath",
+    "GetPlan",
+    "MultiBufferPath",
+    "PathContext",
+    "StagedPath",
+    "TransferPath",
+    "check_rows_inside",
+    "register_bounded_rows",
+    "rows_bounded",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,62 @@ BoolArray = npt.NDArray[np.bool_]
 STAGING_WAIT_S: Final = 300.0
 #: The outcome of keys a request no longer tries once its deadline has expired.
 NOT_TRIED: Final = Outcome.TRANSFER_FAILED.value
+
+
+#: The methods whose rows Mooncake is handed in the multi-buffer mode.
+_ROW_METHODS: Final = ("prepare_values", "prepare_values_array", "plan_load", "plan_load_arrays")
+#: Database types whose rows are bounded by construction (computed natively from the pinned, registered regions
+#: and screened block ids): exact type -> a per-instance check (e.g. no row method overridden on the instance).
+_BOUNDED_ROWS: dict[type, Callable[[Any], bool]] = {}
+
+
+def _no_instance_overrides(obj: Any) -> bool:
+    """No row method replaced on the instance itself."""
+    own = getattr(obj, "__dict__", {})
+    return not any(name in own for name in _ROW_METHODS)
+
+
+def register_bounded_rows(cls: type, check: Callable[[Any], bool] = _no_instance_overrides) -> None:
+    """Declare that databases of exactly ``cls`` (not subclasses) compute rows inside the registered caches
+    whenever ``check(database)`` holds; the multi-buffer path then skips its own slice check for them."""
+    _BOUNDED_ROWS[cls] = check
+
+
+register_bounded_rows(ChunkedTokenDatabase)
+
+
+def rows_bounded(databases: Sequence[Any]) -> bool:
+    """Whether every database's rows are bounded by construction (see :func:`register_bounded_rows`). Anything
+    else - a subclass overriding how rows are computed, a duck-typed planner - has every row checked against the
+    registered caches before Mooncake sees it."""
+    for db in databases:
+        check = _BOUNDED_ROWS.get(type(db))
+        if check is None or not check(db):
+            return False
+    return True
+
+
+def _rows_outside(caches: RegisteredCaches, addrs: Any, sizes: Any) -> int | None:
+    """The first key (row) with a slice outside the registered caches, or ``None`` when every slice is inside.
+
+    Rows that are not integer rows of equal length (or overflow int64) count as outside from the first one."""
+    try:
+        a = np.asarray(addrs, dtype=np.int64)
+        s = np.asarray(sizes, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    if a.ndim != 2 or a.shape != s.shape or a.shape[1] != caches.regions_per_key:
+        return 0 if len(a) else None
+    inside = caches.slices_inside(a, s)
+    bad = np.flatnonzero(~inside)
+    return int(bad[0]) if bad.size else None
+
+
+def check_rows_inside(caches: RegisteredCaches, addrs: Any, sizes: Any) -> None:
+    """``ValueError`` unless every ``(address, size)`` slice lies inside its registered region."""
+    key = _rows_outside(caches, addrs, sizes)
+    if key is not None:
+        raise ValueError(f"key {key}: its region lies outside the registered caches")
 
 
 @dataclass
@@ -314,6 +380,12 @@ class MultiBufferPath(TransferPath):
             ids.extend(b)
         return addrs, sizes, ids
 
+    def _check_unbounded(self, addrs: Any, sizes: Any) -> None:
+        """Mooncake's multi-buffer calls read and write the rows' slices with no check of their own: rows from a
+        database whose rows are not bounded by construction (:func:`rows_bounded`) are checked here."""
+        if not rows_bounded(self.ctx.databases):
+            check_rows_inside(self.ctx.caches, addrs, sizes)
+
     def plan_get(
         self,
         token_len: int,
@@ -353,6 +425,7 @@ class MultiBufferPath(TransferPath):
         deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
+        self._check_unbounded(addrs, sizes)
         if isinstance(sizes, np.ndarray):
             key_bytes = sizes.sum(axis=1).tolist()
         else:
@@ -379,6 +452,7 @@ class MultiBufferPath(TransferPath):
     ) -> GetOutcome:
         keys = plan.keys[start:end]
         addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
+        self._check_unbounded(addrs, sizes)
         n = len(keys)
         screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
         if picks is not None:
@@ -443,9 +517,7 @@ class DirectPath(TransferPath):
 
     def _check_slices(self, addrs: Int64Array, sizes: Int64Array) -> None:
         # Mooncake's contiguous calls read and write these ranges with no check of their own.
-        inside = self.ctx.caches.slices_inside(addrs, sizes)
-        if not inside.all():
-            raise ValueError(f"key {int(np.flatnonzero(~inside)[0])}: its region lies outside the registered caches")
+        check_rows_inside(self.ctx.caches, addrs, sizes)
 
     def get(
         self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
@@ -619,7 +691,13 @@ class StagedPath(TransferPath):
         block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built;
         so do databases without a fused array plan (vLLM 0.33 layout databases, driver/layout_adapter.py).
         """
-        if any(s.bad for s in screened) or not all(hasattr(db, "plan_load_arrays") for db in self.ctx.databases):
+        if (
+            any(s.bad for s in screened)
+            or not all(hasattr(db, "plan_load_arrays") for db in self.ctx.databases)
+            or not rows_bounded(self.ctx.databases)
+        ):
+            # The fused plan's slot layout decides where Mooncake writes inside the lease: only a database whose
+            # plan is ours is trusted with it; any other gets slots laid out here from its sizes.
             return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
         parts = [
             db.plan_load_arrays(token_len, block_hashes, screened[g].ids, skip, slot_alignment=SLOT_ALIGNMENT)

@@ -312,7 +312,7 @@ class KVTransfer:
                 if probe and get_mode != "staged":
                     # Mooncake writes this load path's bytes into the KV cache itself: such a call cannot be
                     # abandoned, so a new peer is proven responsive first (docs/multihost.md, "Hung peer").
-                    undo.callback(self._close_probe)
+                    undo.callback(self._close_probe, forget=True)
                     self._probe = ctx.probe = PeerProbe(self._store, self._store.config.max_abandoned_calls)
                 for mode in (get_mode, put_mode):
                     if mode not in paths:
@@ -357,8 +357,11 @@ class KVTransfer:
                 # Releasing must not fail over bookkeeping; the registration dies with the client anyway.
                 logger.warning("KVTransfer: %s", exc)
 
-    def _close_probe(self) -> None:
-        probe, self._probe = self._probe, None
+    def _close_probe(self, *, forget: bool = False) -> None:
+        """Close the peer probe (``forget``: a failed registration, which also drops it)."""
+        probe = self._probe
+        if forget:
+            self._probe = None
         if probe is not None:
             probe.close()  # an abandoned probe keeps its own buffer until Mooncake returns
 
