@@ -168,6 +168,9 @@ class GetPlan:
     #: was applied to the keys, block ids and slots only, not to the large matrices): key ``i`` has row
     #: ``(i + row_shift) % len(keys)``. Only :class:`StagedPath` makes and reads such plans.
     row_shift: int = 0
+    #: The databases' rows were bounded by construction when this plan was made (:func:`rows_bounded`);
+    #: ``False`` (the default): the rows are checked against the registered caches before Mooncake sees them.
+    bounded: bool = False
 
     def key_bytes(self) -> list[int]:
         """Each key's object size (the sum of its region sizes)."""
@@ -224,6 +227,7 @@ class TransferPath:
         ``screened`` holds each group's block ids (a snapshot) and the positions of invalid ones: chunks on
         those are dropped before any row is computed and reported in :attr:`GetPlan.invalid`.
         """
+        bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         keys: list[str] = []
         parts: list[Int64Array] = []
         groups: list[int] = []
@@ -255,7 +259,7 @@ class TransferPath:
         else:
             dropped = 0
         addrs, sizes, ids = self.prepare(chunks, groups, [s.ids for s in screened])
-        return GetPlan(keys, addrs, sizes, ids, invalid, dropped)
+        return GetPlan(keys, addrs, sizes, ids, invalid, dropped, bounded=bounded)
 
     # ------------------------------------------------------------------ moving bytes
 
@@ -380,10 +384,11 @@ class MultiBufferPath(TransferPath):
             ids.extend(b)
         return addrs, sizes, ids
 
-    def _check_unbounded(self, addrs: Any, sizes: Any) -> None:
+    def _check_unbounded(self, addrs: Any, sizes: Any, bounded: bool) -> None:
         """Mooncake's multi-buffer calls read and write the rows' slices with no check of their own: rows from a
-        database whose rows are not bounded by construction (:func:`rows_bounded`) are checked here."""
-        if not rows_bounded(self.ctx.databases):
+        database whose rows are not bounded by construction (:func:`rows_bounded`, when the rows were computed
+        and now) are checked here."""
+        if not (bounded and rows_bounded(self.ctx.databases)):
             check_rows_inside(self.ctx.caches, addrs, sizes)
 
     def plan_get(
@@ -401,6 +406,7 @@ class MultiBufferPath(TransferPath):
         """
         if self._arrays or any(s.bad for s in screened):
             return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+        bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         keys: list[str] = []
         addrs: list[Sequence[int]] = []
         sizes: list[Sequence[int]] = []
@@ -412,7 +418,9 @@ class MultiBufferPath(TransferPath):
             sizes.extend(plan.sizes)
             ids.extend(plan.block_ids)
         # Each rank starts at a different key so that ranks spread over the pool's segments.
-        return GetPlan(rotate(keys, tp_rank), rotate(addrs, tp_rank), rotate(sizes, tp_rank), rotate(ids, tp_rank))
+        return GetPlan(
+            rotate(keys, tp_rank), rotate(addrs, tp_rank), rotate(sizes, tp_rank), rotate(ids, tp_rank), bounded=bounded
+        )
 
     def put(
         self,
@@ -424,8 +432,9 @@ class MultiBufferPath(TransferPath):
         result: StoreResult,
         deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
+        bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
-        self._check_unbounded(addrs, sizes)
+        self._check_unbounded(addrs, sizes, bounded)
         if isinstance(sizes, np.ndarray):
             key_bytes = sizes.sum(axis=1).tolist()
         else:
@@ -452,7 +461,7 @@ class MultiBufferPath(TransferPath):
     ) -> GetOutcome:
         keys = plan.keys[start:end]
         addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
-        self._check_unbounded(addrs, sizes)
+        self._check_unbounded(addrs, sizes, plan.bounded)
         n = len(keys)
         screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
         if picks is not None:
@@ -703,6 +712,8 @@ class StagedPath(TransferPath):
             db.plan_load_arrays(token_len, block_hashes, screened[g].ids, skip, slot_alignment=SLOT_ALIGNMENT)
             for g, db in enumerate(self.ctx.databases)
         ]
+        if not rows_bounded(self.ctx.databases):  # changed while planning: lay the slots out here after all
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
         parts = [p for p in parts if p.keys]
         if not parts:
             return GetPlan([], [], [], [])
