@@ -475,3 +475,34 @@ def test_a_staged_slot_layout_from_a_database_subclass_is_not_trusted(monkeypatc
         for a, b in zip(src.regions, dst.regions, strict=True):
             np.testing.assert_array_equal(a[1:3], b[1:3])
         xfer.close()
+
+
+class _RetainedRows(ChunkedTokenDatabase):
+    """A database subclass that keeps the rows it returns (and may edit them later, from another thread)."""
+
+    kept: list[Any]
+
+    def prepare_values(self, chunks: Any, block_ids: Any) -> Any:
+        rows = super().prepare_values(chunks, block_ids)
+        self.kept = rows[0]
+        return rows
+
+
+def test_rows_edited_after_the_check_never_reach_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = np.full(1 << 12, 0x53, np.uint8)
+    with fake_store(monkeypatch) as (store, fake):
+        db = _RetainedRows(KeyMetadata("m", 0, 0, 0, 0), 16)
+        xfer = KVTransfer(store, [db], transfer_mode="multi_buffer", start_threads=False)
+        cache = Cache(2, 4, 256, seed=9)
+        xfer.register_kv_caches(cache.regions, 4)
+        put = store.batch_put_from_multi_buffers
+
+        def edit_then_put(*args: Any, **kwargs: Any) -> Any:
+            for row in db.kept:  # what another thread could do right after the driver's check
+                row[:] = [int(secret.ctypes.data)] * len(row)
+            return put(*args, **kwargs)
+
+        monkeypatch.setattr(store, "batch_put_from_multi_buffers", edit_then_put)
+        assert xfer.store(TransferRequest("r", 32, hashes("m", 2), [[1, 2]])).ok
+        assert not any(b"\x53" * 64 in v for v in fake.objects.values()), "process memory put into the store"
+        xfer.close()

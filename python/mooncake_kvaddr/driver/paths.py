@@ -113,27 +113,26 @@ def rows_bounded(databases: Sequence[Any]) -> bool:
     return True
 
 
-def _rows_outside(caches: RegisteredCaches, addrs: Any, sizes: Any) -> int | None:
-    """The first key (row) with a slice outside the registered caches, or ``None`` when every slice is inside.
+def check_rows_inside(caches: RegisteredCaches, addrs: Any, sizes: Any) -> tuple[Int64Array, Int64Array]:
+    """Fresh int64 copies of the rows, every ``(address, size)`` slice of which lies inside its registered
+    region; ``ValueError`` (naming the first bad key) otherwise.
 
-    Rows that are not integer rows of equal length (or overflow int64) count as outside from the first one."""
+    Hand Mooncake the copies, never the rows checked: whoever made the rows may still hold them and edit them
+    after the check. Rows that are not integer rows of one length per registered region (or overflow int64)
+    are refused from the first key."""
     try:
-        a = np.asarray(addrs, dtype=np.int64)
-        s = np.asarray(sizes, dtype=np.int64)
+        a = np.array(addrs, dtype=np.int64, copy=True)
+        s = np.array(sizes, dtype=np.int64, copy=True)
     except (TypeError, ValueError, OverflowError):
-        return 0
+        raise ValueError("key 0: its region lies outside the registered caches (rows are not int64 rows)") from None
+    if len(a) == 0 and len(s) == 0:
+        return a.reshape(0, caches.regions_per_key), s.reshape(0, caches.regions_per_key)
     if a.ndim != 2 or a.shape != s.shape or a.shape[1] != caches.regions_per_key:
-        return 0 if len(a) else None
+        raise ValueError("key 0: its region lies outside the registered caches (rows of another shape)")
     inside = caches.slices_inside(a, s)
-    bad = np.flatnonzero(~inside)
-    return int(bad[0]) if bad.size else None
-
-
-def check_rows_inside(caches: RegisteredCaches, addrs: Any, sizes: Any) -> None:
-    """``ValueError`` unless every ``(address, size)`` slice lies inside its registered region."""
-    key = _rows_outside(caches, addrs, sizes)
-    if key is not None:
-        raise ValueError(f"key {key}: its region lies outside the registered caches")
+    if not inside.all():
+        raise ValueError(f"key {int(np.flatnonzero(~inside)[0])}: its region lies outside the registered caches")
+    return a, s
 
 
 @dataclass
@@ -384,12 +383,16 @@ class MultiBufferPath(TransferPath):
             ids.extend(b)
         return addrs, sizes, ids
 
-    def _check_unbounded(self, addrs: Any, sizes: Any, bounded: bool) -> None:
-        """Mooncake's multi-buffer calls read and write the rows' slices with no check of their own: rows from a
-        database whose rows are not bounded by construction (:func:`rows_bounded`, when the rows were computed
-        and now) are checked here."""
-        if not (bounded and rows_bounded(self.ctx.databases)):
-            check_rows_inside(self.ctx.caches, addrs, sizes)
+    def _check_unbounded(self, addrs: Any, sizes: Any, bounded: bool) -> tuple[Any, Any]:
+        """The rows to hand Mooncake. Its multi-buffer calls read and write the slices with no check of their
+        own: rows from a database whose rows are not bounded by construction (:func:`rows_bounded`, when the
+        rows were computed and now) are replaced by checked copies (of the same kind: arrays or lists)."""
+        if bounded and rows_bounded(self.ctx.databases):
+            return addrs, sizes
+        a, s = check_rows_inside(self.ctx.caches, addrs, sizes)
+        if isinstance(addrs, np.ndarray):
+            return a, s
+        return a.tolist(), s.tolist()
 
     def plan_get(
         self,
@@ -434,7 +437,7 @@ class MultiBufferPath(TransferPath):
     ) -> tuple[list[bool], list[int]]:
         bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
-        self._check_unbounded(addrs, sizes, bounded)
+        addrs, sizes = self._check_unbounded(addrs, sizes, bounded)
         if isinstance(sizes, np.ndarray):
             key_bytes = sizes.sum(axis=1).tolist()
         else:
@@ -461,7 +464,7 @@ class MultiBufferPath(TransferPath):
     ) -> GetOutcome:
         keys = plan.keys[start:end]
         addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
-        self._check_unbounded(addrs, sizes, plan.bounded)
+        addrs, sizes = self._check_unbounded(addrs, sizes, plan.bounded)
         n = len(keys)
         screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
         if picks is not None:
@@ -505,7 +508,7 @@ class DirectPath(TransferPath):
         deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
-        self._check_slices(addrs, sizes)
+        addrs, sizes = check_rows_inside(self.ctx.caches, addrs, sizes)  # Mooncake gets the checked copies
         clock.lap("prepare")
         object_sizes = sizes[:, 0].tolist()
         t0 = time.perf_counter()
@@ -524,15 +527,12 @@ class DirectPath(TransferPath):
         result.back_pressure = result.back_pressure or put.back_pressure
         return put.present, object_sizes
 
-    def _check_slices(self, addrs: Int64Array, sizes: Int64Array) -> None:
-        # Mooncake's contiguous calls read and write these ranges with no check of their own.
-        check_rows_inside(self.ctx.caches, addrs, sizes)
-
     def get(
         self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
-        self._check_slices(plan.addrs[start:end], plan.sizes[start:end])
-        ptrs, expected = plan.addrs[start:end, 0], plan.sizes[start:end, 0]
+        # Mooncake's contiguous calls write these ranges with no check of their own: it gets the checked copies.
+        addrs, sizes = check_rows_inside(self.ctx.caches, plan.addrs[start:end], plan.sizes[start:end])
+        ptrs, expected = addrs[:, 0], sizes[:, 0]
         keys = plan.keys[start:end]
         n = len(keys)
         screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
