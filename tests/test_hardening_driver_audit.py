@@ -506,3 +506,64 @@ def test_rows_edited_after_the_check_never_reach_mooncake(monkeypatch: pytest.Mo
         assert xfer.store(TransferRequest("r", 32, hashes("m", 2), [[1, 2]])).ok
         assert not any(b"\x53" * 64 in v for v in fake.objects.values()), "process memory put into the store"
         xfer.close()
+
+
+# ------------------------------------------------------------------------------------------- load results
+
+
+@pytest.mark.parametrize("kind", ["int64 array", "uint32 array", "index objects"])
+def test_a_load_that_fails_to_plan_reports_every_named_block_failed(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A planning error (here: hashes of the wrong type) fails the whole load; every block the request names
+    must then be in ``failed_block_ids``, whatever integer type the ids came as (vLLM treats a block not
+    reported failed as loaded)."""
+
+    class Index:
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __index__(self) -> int:
+            return self.value
+
+    ids: Any = {
+        "int64 array": np.array([1, 2, 3], dtype=np.int64),
+        "uint32 array": np.array([1, 2, 3], dtype=np.uint32),
+        "index objects": [Index(1), Index(2), Index(3)],
+    }[kind]
+    with fake_store(monkeypatch) as (store, _fake):
+        cache = Cache(2, 5, 256)
+        with make_transfer(store, "m", cache, 16, transfer_mode="multi_buffer", start_threads=False) as xfer:
+            loaded = xfer.load(TransferRequest("r", 48, [1, 2, 3], [ids]))  # type: ignore[list-item]
+    assert loaded.error is not None and "bytes" in loaded.error
+    assert loaded.failed_block_ids == {1, 2, 3} and not loaded.loaded_block_ids
+    assert all(type(b) is int for b in loaded.failed_block_ids)
+
+
+@pytest.mark.parametrize("block_ids", [None, [5], [None], 7])
+def test_a_load_with_malformed_block_ids_reports_instead_of_raising(
+    monkeypatch: pytest.MonkeyPatch, block_ids: Any
+) -> None:
+    with fake_store(monkeypatch) as (store, _fake):
+        cache = Cache(2, 5, 256)
+        with make_transfer(store, "m", cache, 16, transfer_mode="multi_buffer", start_threads=False) as xfer:
+            loaded = xfer.load(TransferRequest("r", 48, hashes("m", 3), block_ids))
+    assert loaded.error is not None and "TypeError" in loaded.error
+    assert not loaded.loaded_block_ids
+
+
+def test_a_user_index_error_propagates_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    mine = TypeError("my __index__ refuses")
+
+    class Refusing:
+        def __index__(self) -> int:
+            raise mine
+
+    with fake_store(monkeypatch) as (store, _fake):
+        cache = Cache(2, 5, 256)
+        with make_transfer(store, "m", cache, 16, transfer_mode="multi_buffer", start_threads=False) as xfer:
+            with pytest.raises(TypeError) as raised:
+                xfer.store(TransferRequest("r", 32, hashes("m", 2), [[1, Refusing()]]))
+            assert raised.value is mine
+            loaded = xfer.load(TransferRequest("r", 32, hashes("m", 2), [[1, Refusing()]]))
+            assert loaded.error == "TypeError: my __index__ refuses" and loaded.failed_block_ids == {1}

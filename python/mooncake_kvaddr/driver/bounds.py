@@ -113,9 +113,9 @@ class RegisteredCaches:
                 ids = list(map(operator.index, raw))
             except TypeError:
                 for i, value in enumerate(raw):
-                    if not isinstance(value, (int, np.integer)):
+                    if not hasattr(type(value), "__index__"):
                         raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}") from None
-                raise
+                raise  # an __index__ of the caller's raised it: unchanged
         if not ids:
             return Screened(ids, {})
         if min(ids) >= 0 and max(ids) < self.num_blocks:  # the common case: two C-level passes over exact ints

@@ -79,6 +79,24 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+def _plain_ids(block_ids: Any) -> list[int]:
+    """Every id of every group of a request that reads as an integer without running user code (``int``,
+    numpy integers and integer arrays); anything else is skipped. Never raises."""
+    out: list[int] = []
+    try:
+        groups = list(block_ids) if isinstance(block_ids, (list, tuple)) else []
+        for ids in groups:
+            if isinstance(ids, np.ndarray):
+                if ids.dtype.kind in "iu" and ids.ndim == 1:
+                    out.extend(ids.tolist())
+                continue
+            if isinstance(ids, (list, tuple)):
+                out.extend(int(b) for b in ids if isinstance(b, (int, np.integer)) and not isinstance(b, bool))
+    except Exception:  # a list subclass's own methods may raise: report what was read
+        logger.debug("load: block ids only partly readable for the failure report", exc_info=True)
+    return out
+
+
 class KVTransfer:
     """Moves one worker's KV-cache chunks to and from a :class:`MooncakeStore`.
 
@@ -539,14 +557,15 @@ class KVTransfer:
         deadline = self._store.deadline()  # from the moment the request runs (not when it was queued)
         clock = Clock()
         result = LoadResult(request.req_id, timings=clock.timings, mode=self.mode)
-        skip = floor_to(request.skip_tokens, self.lcm_block_size)
+        screened: list[Screened] | None = None
         try:
+            skip = floor_to(request.skip_tokens, self.lcm_block_size)
             path = self._registered_path(self._get_path)
             _, screened = self._screen(path, request)
             plan = path.plan_get(request.token_len, request.block_hashes, screened, skip, self.tp_rank)
         except LOAD_ERRORS as exc:
             # Nothing moved; every block the request names is reported failed.
-            self._fail_request(request, result, exc)
+            self._fail_request(request, result, exc, screened)
             clock.lap("plan")
             return result
         clock.lap("plan")
@@ -651,10 +670,18 @@ class KVTransfer:
         return plan_ids, screened
 
     @staticmethod
-    def _fail_request(request: TransferRequest, result: LoadResult, exc: BaseException) -> None:
+    def _fail_request(
+        request: TransferRequest, result: LoadResult, exc: BaseException, screened: Sequence[Screened] | None
+    ) -> None:
+        """Report a load that moved nothing: the error, and every block id it names as failed (vLLM counts a
+        block not reported failed as loaded). The ids come from the screen's snapshot when the request got that
+        far, else from the request as far as it reads as integers (never raises: this is the error path)."""
         result.error = describe(exc)
-        for ids in request.block_ids:
-            result.failed_block_ids.update(b for b in ids if isinstance(b, int) and not isinstance(b, bool))
+        if screened is not None:
+            for s in screened:
+                result.failed_block_ids.update(s.ids)
+        else:
+            result.failed_block_ids.update(_plain_ids(request.block_ids))
         logger.warning("load %s: %s", request.req_id, result.error)
 
     def lookup(
