@@ -567,3 +567,32 @@ def test_a_user_index_error_propagates_unchanged(monkeypatch: pytest.MonkeyPatch
             assert raised.value is mine
             loaded = xfer.load(TransferRequest("r", 32, hashes("m", 2), [[1, Refusing()]]))
             assert loaded.error == "TypeError: my __index__ refuses" and loaded.failed_block_ids == {1}
+
+
+class _ShortAnswers(_RecordingStore):
+    """A store whose contiguous calls answer one result too few (or a short read) - never trusted blindly."""
+
+    def batch_get_into(self, keys: Any, ptrs: Any, sizes: Any) -> Any:
+        return self._call("batch_get_into", [1] * len(keys))  # success with fewer bytes: re-fetched
+
+    def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any, *args: Any) -> Any:
+        return self._call("batch_get_into_multi_buffers", [512] * (len(keys) - 1))
+
+    def batch_put_from(self, keys: Any, ptrs: Any, sizes: Any, *config: Any) -> Any:
+        return self._call("batch_put_from", [0] * (len(keys) - 1))
+
+
+def test_the_staged_wrapper_never_reports_results_it_did_not_get() -> None:
+    raw = _ShortAnswers()
+    store = StagedMooncakeStore(raw, staging_bytes=1 << 16)
+    kv = np.zeros((4, 256), np.uint8)
+    base = int(kv.ctypes.data)
+    assert store.register_buffer(base, kv.nbytes) == 0
+    addrs = [[base, base + 256], [base + 512, base + 768]]
+    sizes = [[256, 256], [256, 256]]
+    with pytest.raises(RuntimeError, match="results for 2 keys"):
+        store.batch_put_from_multi_buffers(["a", "b"], addrs, sizes)
+    with pytest.raises(RuntimeError, match="results for 2 keys"):
+        store.batch_get_into_multi_buffers(["a", "b"], addrs, sizes)
+    assert store.stats.staged_puts == 1 and store.stats.staged_gets == 1
+    store.close()

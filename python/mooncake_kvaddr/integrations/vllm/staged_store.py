@@ -359,8 +359,13 @@ class StagedMooncakeStore:
                     self.stats.refetched_keys += int(short.size)
                     picks = [start + int(i) for i in short]
                     pick_addrs, pick_sizes = rows_of(picks)
-                    again = self._store.batch_get_into_multi_buffers([keys[i] for i in picks], pick_addrs, pick_sizes)
-                    for i, code in zip(short, again):
+                    again = list(
+                        self._store.batch_get_into_multi_buffers([keys[i] for i in picks], pick_addrs, pick_sizes)
+                    )
+                    if len(again) != len(picks):
+                        # A key must never keep its short (successful-looking) code without being read whole.
+                        raise RuntimeError(f"Mooncake returned {len(again)} results for {len(picks)} keys")
+                    for i, code in zip(short, again, strict=True):
                         batch_results[int(i)] = code
                 results.extend(batch_results)
         finally:
@@ -399,11 +404,15 @@ class StagedMooncakeStore:
                     staged.allowed,
                     threads=self._copy_threads,
                 )
-                results.extend(
+                codes = list(
                     self._put_slots(
                         keys[start:end], (offsets + lease.ptr).tolist(), staged.object_sizes[start:end].tolist(), config
                     )
                 )
+                if len(codes) != end - start:
+                    # Misaligned codes would report other keys stored.
+                    raise RuntimeError(f"Mooncake returned {len(codes)} results for {end - start} keys")
+                results.extend(codes)
         finally:
             lease.release()
         return results
