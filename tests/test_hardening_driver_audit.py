@@ -365,10 +365,12 @@ def test_a_submit_racing_close_is_either_run_or_refused(monkeypatch: pytest.Monk
         cache = Cache(2, 4, 256, seed=2)
         xfer = make_transfer(store, "m", cache, 16, transfer_mode="multi_buffer")
         submit = xfer._workers._submit
+        closers: list[threading.Thread] = []
 
         def close_meanwhile(jobs: Any, request: Any) -> Any:
             # close() runs in another thread right after the submit's closed check passed.
             closer = threading.Thread(target=xfer.close)
+            closers.append(closer)
             closer.start()
             closer.join(0.5)
             return submit(jobs, request)
@@ -378,9 +380,13 @@ def test_a_submit_racing_close_is_either_run_or_refused(monkeypatch: pytest.Monk
         try:
             future = xfer.submit_load(request) if direction == "load" else xfer.submit_store(request)
         except StoreClosedError:
-            return  # refused: fine
-        result = future.result(timeout=10)  # accepted: it must run (it never completed before the fix)
-        assert result is not None
+            future = None  # refused: fine
+        if future is not None:
+            result = future.result(timeout=10)  # accepted: it must run (it never completed before the fix)
+            assert result is not None
+        for closer in closers:
+            closer.join(10)
+            assert not closer.is_alive()
         xfer.close()
 
 
