@@ -64,6 +64,12 @@ class RegisteredCaches:
         for i, region in enumerate(regions):
             if not isinstance(region, np.ndarray) or not region.flags.c_contiguous:
                 raise TypeError(f"regions[{i}]: expected a C-contiguous numpy array")
+            if region.dtype.hasobject:
+                # Its bytes are object pointers: a store would put process addresses into the shared pool.
+                raise TypeError(f"regions[{i}]: an array of Python objects is not KV-cache memory")
+            if not region.flags.writeable:
+                # A load writes into every registered region (read-only memory: corrupted or a fault in Mooncake).
+                raise ValueError(f"regions[{i}]: read-only array: loads write into the registered KV caches")
             if region.nbytes == 0 or region.nbytes % num_blocks:
                 raise ValueError(f"regions[{i}]: {region.nbytes} bytes is not a multiple of {num_blocks} blocks")
             base = int(region.ctypes.data)
@@ -107,9 +113,9 @@ class RegisteredCaches:
                 ids = list(map(operator.index, raw))
             except TypeError:
                 for i, value in enumerate(raw):
-                    if not isinstance(value, (int, np.integer)):
+                    if not hasattr(type(value), "__index__"):
                         raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}") from None
-                raise
+                raise  # an __index__ of the caller's raised it: unchanged
         if not ids:
             return Screened(ids, {})
         if min(ids) >= 0 and max(ids) < self.num_blocks:  # the common case: two C-level passes over exact ints

@@ -32,10 +32,17 @@ import numpy.typing as npt
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase as SeedDatabase
 from mooncake_kvaddr.core.database import LoadPlan, LoadWalk, StorePlan
 from mooncake_kvaddr.core.hashes import BlockHash
-from mooncake_kvaddr.core.layouts import LayoutTokenDatabase, RankLocalStoreLayout, TPShardedStoreLayout
+from mooncake_kvaddr.core.layouts import (
+    LayoutTokenDatabase,
+    LBHNCStoreLayout,
+    LBNHCStoreLayout,
+    RankLocalStoreLayout,
+    TPShardedStoreLayout,
+)
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
 from mooncake_kvaddr.driver.lookup import GroupSpecLike, LookupResult, ParallelLayout, StoreLookup
+from mooncake_kvaddr.driver.paths import register_bounded_rows
 from mooncake_kvaddr.driver.results import LoadResult, TransferRequest
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import KVTransfer
@@ -308,6 +315,28 @@ class LayoutDatabase:
         self._same_segments(version)
         self._check_rows(rows[1])
         return rows
+
+
+_ROW_METHODS = ("prepare_values", "prepare_values_array", "plan_load", "plan_load_arrays")
+#: The layouts whose rows come from the native engine over the registered regions (rank-local) or over
+#: segment templates proven inside the registered buffers (TP-shared).
+_ENGINE_LAYOUTS: frozenset[type] = frozenset(
+    {RankLocalStoreLayout, TPShardedStoreLayout, LBHNCStoreLayout, LBNHCStoreLayout}
+)
+
+
+def _layout_rows_bounded(adapter: LayoutDatabase) -> bool:
+    """An adapter's rows are bounded by construction when its layout is one of ours, used as is."""
+    layout = adapter.layout
+    own = getattr(layout, "__dict__", {})
+    return (
+        type(layout) in _ENGINE_LAYOUTS
+        and not any(name in own for name in _ROW_METHODS)
+        and not any(name in adapter.__dict__ for name in _ROW_METHODS)
+    )
+
+
+register_bounded_rows(LayoutDatabase, _layout_rows_bounded)
 
 
 def _adapters(transfer: KVTransfer) -> list[LayoutDatabase]:

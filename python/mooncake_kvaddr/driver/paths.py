@@ -43,6 +43,7 @@ from mooncake_kvaddr.driver.staging import (
     SlotPlan,
     StagingLease,
     StagingPool,
+    check_staging,
     plan_batches,
     plan_slots,
 )
@@ -55,7 +56,17 @@ from mooncake_kvaddr.driver.store import (
 )
 from mooncake_kvaddr.driver.workers import CallAbandoned, CallRunner, PendingCall
 
-__all__ = ["DirectPath", "GetPlan", "MultiBufferPath", "PathContext", "StagedPath", "TransferPath"]
+__all__ = [
+    "DirectPath",
+    "GetPlan",
+    "MultiBufferPath",
+    "PathContext",
+    "StagedPath",
+    "TransferPath",
+    "check_rows_inside",
+    "register_bounded_rows",
+    "rows_bounded",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +78,61 @@ BoolArray = npt.NDArray[np.bool_]
 STAGING_WAIT_S: Final = 300.0
 #: The outcome of keys a request no longer tries once its deadline has expired.
 NOT_TRIED: Final = Outcome.TRANSFER_FAILED.value
+
+
+#: The methods whose rows Mooncake is handed in the multi-buffer mode.
+_ROW_METHODS: Final = ("prepare_values", "prepare_values_array", "plan_load", "plan_load_arrays")
+#: Database types whose rows are bounded by construction (computed natively from the pinned, registered regions
+#: and screened block ids): exact type -> a per-instance check (e.g. no row method overridden on the instance).
+_BOUNDED_ROWS: dict[type, Callable[[Any], bool]] = {}
+
+
+def _no_instance_overrides(obj: Any) -> bool:
+    """No row method replaced on the instance itself."""
+    own = getattr(obj, "__dict__", {})
+    return not any(name in own for name in _ROW_METHODS)
+
+
+def register_bounded_rows(cls: type, check: Callable[[Any], bool] = _no_instance_overrides) -> None:
+    """Declare that databases of exactly ``cls`` (not subclasses) compute rows inside the registered caches
+    whenever ``check(database)`` holds; the multi-buffer path then skips its own slice check for them."""
+    _BOUNDED_ROWS[cls] = check
+
+
+register_bounded_rows(ChunkedTokenDatabase)
+
+
+def rows_bounded(databases: Sequence[Any]) -> bool:
+    """Whether every database's rows are bounded by construction (see :func:`register_bounded_rows`). Anything
+    else - a subclass overriding how rows are computed, a duck-typed planner - has every row checked against the
+    registered caches before Mooncake sees it."""
+    for db in databases:
+        check = _BOUNDED_ROWS.get(type(db))
+        if check is None or not check(db):
+            return False
+    return True
+
+
+def check_rows_inside(caches: RegisteredCaches, addrs: Any, sizes: Any) -> tuple[Int64Array, Int64Array]:
+    """Fresh int64 copies of the rows, every ``(address, size)`` slice of which lies inside its registered
+    region; ``ValueError`` (naming the first bad key) otherwise.
+
+    Hand Mooncake the copies, never the rows checked: whoever made the rows may still hold them and edit them
+    after the check. Rows that are not integer rows of one length per registered region (or overflow int64)
+    are refused from the first key."""
+    try:
+        a = np.array(addrs, dtype=np.int64, copy=True)
+        s = np.array(sizes, dtype=np.int64, copy=True)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError("key 0: its region lies outside the registered caches (rows are not int64 rows)") from None
+    if len(a) == 0 and len(s) == 0:
+        return a.reshape(0, caches.regions_per_key), s.reshape(0, caches.regions_per_key)
+    if a.ndim != 2 or a.shape != s.shape or a.shape[1] != caches.regions_per_key:
+        raise ValueError("key 0: its region lies outside the registered caches (rows of another shape)")
+    inside = caches.slices_inside(a, s)
+    if not inside.all():
+        raise ValueError(f"key {int(np.flatnonzero(~inside)[0])}: its region lies outside the registered caches")
+    return a, s
 
 
 @dataclass
@@ -101,6 +167,9 @@ class GetPlan:
     #: was applied to the keys, block ids and slots only, not to the large matrices): key ``i`` has row
     #: ``(i + row_shift) % len(keys)``. Only :class:`StagedPath` makes and reads such plans.
     row_shift: int = 0
+    #: The databases' rows were bounded by construction when this plan was made (:func:`rows_bounded`);
+    #: ``False`` (the default): the rows are checked against the registered caches before Mooncake sees them.
+    bounded: bool = False
 
     def key_bytes(self) -> list[int]:
         """Each key's object size (the sum of its region sizes)."""
@@ -157,6 +226,7 @@ class TransferPath:
         ``screened`` holds each group's block ids (a snapshot) and the positions of invalid ones: chunks on
         those are dropped before any row is computed and reported in :attr:`GetPlan.invalid`.
         """
+        bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         keys: list[str] = []
         parts: list[Int64Array] = []
         groups: list[int] = []
@@ -188,7 +258,7 @@ class TransferPath:
         else:
             dropped = 0
         addrs, sizes, ids = self.prepare(chunks, groups, [s.ids for s in screened])
-        return GetPlan(keys, addrs, sizes, ids, invalid, dropped)
+        return GetPlan(keys, addrs, sizes, ids, invalid, dropped, bounded=bounded)
 
     # ------------------------------------------------------------------ moving bytes
 
@@ -313,6 +383,17 @@ class MultiBufferPath(TransferPath):
             ids.extend(b)
         return addrs, sizes, ids
 
+    def _check_unbounded(self, addrs: Any, sizes: Any, bounded: bool) -> tuple[Any, Any]:
+        """The rows to hand Mooncake. Its multi-buffer calls read and write the slices with no check of their
+        own: rows from a database whose rows are not bounded by construction (:func:`rows_bounded`, when the
+        rows were computed and now) are replaced by checked copies (of the same kind: arrays or lists)."""
+        if bounded and rows_bounded(self.ctx.databases):
+            return addrs, sizes
+        a, s = check_rows_inside(self.ctx.caches, addrs, sizes)
+        if isinstance(addrs, np.ndarray):
+            return a, s
+        return a.tolist(), s.tolist()
+
     def plan_get(
         self,
         token_len: int,
@@ -328,6 +409,7 @@ class MultiBufferPath(TransferPath):
         """
         if self._arrays or any(s.bad for s in screened):
             return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+        bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         keys: list[str] = []
         addrs: list[Sequence[int]] = []
         sizes: list[Sequence[int]] = []
@@ -339,7 +421,9 @@ class MultiBufferPath(TransferPath):
             sizes.extend(plan.sizes)
             ids.extend(plan.block_ids)
         # Each rank starts at a different key so that ranks spread over the pool's segments.
-        return GetPlan(rotate(keys, tp_rank), rotate(addrs, tp_rank), rotate(sizes, tp_rank), rotate(ids, tp_rank))
+        return GetPlan(
+            rotate(keys, tp_rank), rotate(addrs, tp_rank), rotate(sizes, tp_rank), rotate(ids, tp_rank), bounded=bounded
+        )
 
     def put(
         self,
@@ -351,7 +435,9 @@ class MultiBufferPath(TransferPath):
         result: StoreResult,
         deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
+        bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
+        addrs, sizes = self._check_unbounded(addrs, sizes, bounded)
         if isinstance(sizes, np.ndarray):
             key_bytes = sizes.sum(axis=1).tolist()
         else:
@@ -378,6 +464,7 @@ class MultiBufferPath(TransferPath):
     ) -> GetOutcome:
         keys = plan.keys[start:end]
         addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
+        addrs, sizes = self._check_unbounded(addrs, sizes, plan.bounded)
         n = len(keys)
         screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
         if picks is not None:
@@ -421,7 +508,7 @@ class DirectPath(TransferPath):
         deadline: RequestDeadline,
     ) -> tuple[list[bool], list[int]]:
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
-        self._check_slices(addrs, sizes)
+        addrs, sizes = check_rows_inside(self.ctx.caches, addrs, sizes)  # Mooncake gets the checked copies
         clock.lap("prepare")
         object_sizes = sizes[:, 0].tolist()
         t0 = time.perf_counter()
@@ -440,17 +527,12 @@ class DirectPath(TransferPath):
         result.back_pressure = result.back_pressure or put.back_pressure
         return put.present, object_sizes
 
-    def _check_slices(self, addrs: Int64Array, sizes: Int64Array) -> None:
-        # Mooncake's contiguous calls read and write these ranges with no check of their own.
-        inside = self.ctx.caches.slices_inside(addrs, sizes)
-        if not inside.all():
-            raise ValueError(f"key {int(np.flatnonzero(~inside)[0])}: its region lies outside the registered caches")
-
     def get(
         self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
-        self._check_slices(plan.addrs[start:end], plan.sizes[start:end])
-        ptrs, expected = plan.addrs[start:end, 0], plan.sizes[start:end, 0]
+        # Mooncake's contiguous calls write these ranges with no check of their own: it gets the checked copies.
+        addrs, sizes = check_rows_inside(self.ctx.caches, plan.addrs[start:end], plan.sizes[start:end])
+        ptrs, expected = addrs[:, 0], sizes[:, 0]
         keys = plan.keys[start:end]
         n = len(keys)
         screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
@@ -618,12 +700,20 @@ class StagedPath(TransferPath):
         block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built;
         so do databases without a fused array plan (vLLM 0.33 layout databases, driver/layout_adapter.py).
         """
-        if any(s.bad for s in screened) or not all(hasattr(db, "plan_load_arrays") for db in self.ctx.databases):
+        if (
+            any(s.bad for s in screened)
+            or not all(hasattr(db, "plan_load_arrays") for db in self.ctx.databases)
+            or not rows_bounded(self.ctx.databases)
+        ):
+            # The fused plan's slot layout decides where Mooncake writes inside the lease: only a database whose
+            # plan is ours is trusted with it; any other gets slots laid out here from its sizes.
             return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
         parts = [
             db.plan_load_arrays(token_len, block_hashes, screened[g].ids, skip, slot_alignment=SLOT_ALIGNMENT)
             for g, db in enumerate(self.ctx.databases)
         ]
+        if not rows_bounded(self.ctx.databases):  # changed while planning: lay the slots out here after all
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
         parts = [p for p in parts if p.keys]
         if not parts:
             return GetPlan([], [], [], [])
@@ -657,11 +747,19 @@ class StagedPath(TransferPath):
         largest = int(object_sizes.max()) if len(object_sizes) else 0
         timeout = STAGING_WAIT_S if remaining is None else min(STAGING_WAIT_S, remaining)
         try:
-            return self.pool.acquire(largest, total_bytes, timeout=timeout)
+            lease = self.pool.acquire(largest, total_bytes, timeout=timeout)
         except TimeoutError:
             if deadline.expired():
                 return None
             raise
+        try:
+            # Mooncake writes (get) and reads (put) the slots at lease.ptr + offset: the lease must lie inside a
+            # live staging buffer this package allocated, whatever pool object handed it out (SECURITY.md).
+            check_staging(lease)
+        except (TypeError, ValueError) as exc:
+            # Not given back: a range outside the pool's buffer is not the pool's to reuse.
+            raise ValueError(f"the staging pool handed out a lease that is not project-owned staging: {exc}") from exc
+        return lease
 
     def put(
         self,

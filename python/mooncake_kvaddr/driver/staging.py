@@ -56,6 +56,7 @@ providing both for device memory:
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 import weakref
@@ -78,6 +79,7 @@ __all__ = [
     "StagingBuffer",
     "StagingLease",
     "StagingPool",
+    "check_staging",
     "gather",
     "plan_batches",
     "plan_slots",
@@ -181,7 +183,9 @@ class StagingBuffer:
         self._array = self._backing[skew : skew + nbytes]
         if prefault:
             self._array[::_PAGE] = 0  # one write per page maps it
-        _register_staging(self)
+        # Recorded from the allocation itself, never from an (overridable) property: the staging check trusts
+        # only this record.
+        _register_staging(self, self._ptr, nbytes)
 
     @property
     def ptr(self) -> int:
@@ -405,49 +409,81 @@ class StagingPool:
         return f"StagingPool(capacity={self.capacity}, free={self.free_bytes})"
 
 
-# Live staging buffers by their first byte: the only memory a gather may write and a scatter may read as
-# staging. The references carry no callback: a callback would run inside whatever allocation started a garbage
-# collection, possibly while this thread holds the lock below (a deadlock). Dead entries are dropped at the next
-# registration instead, and a dead reference is never a candidate.
-_LIVE_STAGING: dict[int, weakref.ref[StagingBuffer]] = {}
+# Live staging buffers by their first byte, with the length allocated: the only memory a gather may write and a
+# scatter may read as staging, and the only memory a staged Mooncake call may be handed. The range is recorded
+# by StagingBuffer.__init__ from its own allocation (a subclass's properties, or attributes edited later, change
+# nothing here). The references carry no callback: a callback would run inside whatever allocation started a
+# garbage collection, possibly while this thread holds the lock below (a deadlock). Dead entries are dropped at
+# the next registration instead, and a dead reference is never a candidate.
+_LIVE_STAGING: dict[int, tuple[weakref.ref[StagingBuffer], int]] = {}
 _LIVE_STAGING_LOCK = threading.Lock()
 
 
-def _register_staging(buffer: StagingBuffer) -> None:
+def _register_staging(buffer: StagingBuffer, ptr: int, nbytes: int) -> None:
     with _LIVE_STAGING_LOCK:
-        dead = [ptr for ptr, ref in _LIVE_STAGING.items() if ref() is None]
-        for ptr in dead:
-            del _LIVE_STAGING[ptr]
-        _LIVE_STAGING[buffer.ptr] = weakref.ref(buffer)
+        dead = [start for start, (ref, _) in _LIVE_STAGING.items() if ref() is None]
+        for start in dead:
+            del _LIVE_STAGING[start]
+        _LIVE_STAGING[ptr] = (weakref.ref(buffer), nbytes)
 
 
 StagingArg = StagingBuffer | StagingLease | MemoryRange
 
 
-def _staging_range(staging: StagingArg) -> tuple[int, int, StagingBuffer | None]:
-    """``(ptr, nbytes, owner)`` of a project-owned staging range; ``owner`` must be held during the copy."""
-    if isinstance(staging, StagingBuffer):
-        return staging.ptr, staging.nbytes, staging
-    if isinstance(staging, StagingLease):
-        if not staging.held:
-            raise ValueError(f"{staging!r} was released: its bytes may belong to another request now")
-        return staging.ptr, staging.nbytes, staging._pool.buffer
-    if isinstance(staging, (str, bytes)) or not isinstance(staging, Sequence) or len(staging) != 2:
-        raise TypeError(
-            f"staging must be a StagingBuffer, a StagingLease or a (ptr, nbytes) range, not {type(staging).__name__}"
-        )
-    ptr, nbytes = (int(v) for v in staging)
-    if nbytes == 0 and ptr >= 0:
-        return ptr, 0, None  # nothing can be copied into or out of zero bytes
-    with _LIVE_STAGING_LOCK:
-        candidates = [ref() for ref in _LIVE_STAGING.values()]
-    for owner in candidates:
-        if owner is not None and owner.ptr <= ptr and nbytes >= 0 and ptr + nbytes <= owner.ptr + owner.nbytes:
-            return ptr, nbytes, owner
+def _owner_of(ptr: int, nbytes: int) -> StagingBuffer:
+    """The live staging buffer whose recorded allocation holds ``[ptr, ptr + nbytes)``; ``ValueError`` if none."""
+    if nbytes >= 0:
+        with _LIVE_STAGING_LOCK:
+            candidates = [(start, ref(), length) for start, (ref, length) in _LIVE_STAGING.items()]
+        for start, owner, length in candidates:
+            if owner is not None and start <= ptr and ptr + nbytes <= start + length:
+                return owner
     raise ValueError(
         f"staging range ({ptr:#x}, {nbytes}) is not inside a live staging buffer: staging must be memory this "
         "package allocated (StagingBuffer, StagingPool)"
     )
+
+
+def _staging_range(staging: StagingArg) -> tuple[int, int, StagingBuffer | None]:
+    """``(ptr, nbytes, owner)`` of a project-owned staging range; ``owner`` must be held during the copy.
+
+    Whatever the form, the range is proven inside the recorded allocation of a live :class:`StagingBuffer`: a
+    lease is an ordinary object (built or edited by anyone), so its word is not taken.
+    """
+    if isinstance(staging, StagingBuffer):
+        with _LIVE_STAGING_LOCK:
+            record = next(((start, length) for start, (ref, length) in _LIVE_STAGING.items() if ref() is staging),
+                          None)  # fmt: skip
+        if record is None:
+            raise ValueError(f"{type(staging).__name__} is not a live staging buffer this package allocated")
+        return record[0], record[1], staging
+    if isinstance(staging, StagingLease):
+        if not staging.held:
+            raise ValueError(f"{staging!r} was released: its bytes may belong to another request now")
+        ptr, nbytes = _int_pair(staging.ptr, staging.nbytes)
+    elif isinstance(staging, (str, bytes)) or not isinstance(staging, Sequence) or len(staging) != 2:
+        raise TypeError(
+            f"staging must be a StagingBuffer, a StagingLease or a (ptr, nbytes) range, not {type(staging).__name__}"
+        )
+    else:
+        ptr, nbytes = _int_pair(*staging)
+    if nbytes == 0 and ptr >= 0:
+        return ptr, 0, None  # nothing can be copied into or out of zero bytes
+    return ptr, nbytes, _owner_of(ptr, nbytes)
+
+
+def _int_pair(ptr: object, nbytes: object) -> tuple[int, int]:
+    """Exact ints (``operator.index``: a float or a string is a ``TypeError``, not a truncated address)."""
+    return operator.index(ptr), operator.index(nbytes)  # type: ignore[arg-type]
+
+
+def check_staging(lease: StagingLease) -> StagingBuffer:
+    """The live buffer that holds ``lease``'s whole range; ``ValueError`` unless the lease is held and inside
+    project-owned staging. The staged path checks every lease so before it hands Mooncake pointers into it."""
+    ptr, nbytes, owner = _staging_range(lease)
+    if owner is None:
+        owner = _owner_of(ptr, nbytes)
+    return owner
 
 
 def gather(

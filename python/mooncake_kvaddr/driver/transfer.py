@@ -79,6 +79,24 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+def _plain_ids(block_ids: Any) -> list[int]:
+    """Every id of every group of a request that reads as an integer without running user code (``int``,
+    numpy integers and integer arrays); anything else is skipped. Never raises."""
+    out: list[int] = []
+    try:
+        groups = list(block_ids) if isinstance(block_ids, (list, tuple)) else []
+        for ids in groups:
+            if isinstance(ids, np.ndarray):
+                if ids.dtype.kind in "iu" and ids.ndim == 1:
+                    out.extend(ids.tolist())
+                continue
+            if isinstance(ids, (list, tuple)):
+                out.extend(int(b) for b in ids if isinstance(b, (int, np.integer)) and not isinstance(b, bool))
+    except Exception:  # a list subclass's own methods may raise: report what was read
+        logger.debug("load: block ids only partly readable for the failure report", exc_info=True)
+    return out
+
+
 class KVTransfer:
     """Moves one worker's KV-cache chunks to and from a :class:`MooncakeStore`.
 
@@ -283,18 +301,28 @@ class KVTransfer:
         with self._admitted():
             if self._get_path is not None:
                 raise RuntimeError("register_kv_caches: regions are already registered")
-            caches = RegisteredCaches.from_regions(regions, num_blocks)
+            # One pass over the caller's container: the arrays validated are the arrays kept alive (an iterator
+            # or a sequence whose iteration changes must not leave the registered memory unowned).
+            if isinstance(regions, (str, bytes, dict)):
+                raise TypeError(f"regions: expected a sequence of numpy arrays, got {type(regions).__name__}")
+            arrays = list(regions)
+            caches = RegisteredCaches.from_regions(arrays, num_blocks)
             # Pinned before anything changes: from now on each native call checks the regions it computes from
             # against these, inside the call (a thread editing a database's lists cannot slip others in).
             self._pin_regions(caches)
             with ExitStack() as undo:
+                # A failure below undoes everything registered so far (in reverse order): nothing leaks, and a
+                # later register_kv_caches starts from scratch.
                 undo.callback(self._unpin_regions)
                 ctx = self._context(caches)
                 get_mode, put_mode = self._resolve_modes(caches)
                 paths: dict[str, TransferPath] = {}
+                undo.callback(self._undo_paths, paths)
                 if "staged" in (get_mode, put_mode):
+                    undo.callback(self._undo_staging)
                     paths["staged"] = self._start_staging(ctx, caches)
                 if {get_mode, put_mode} - {"staged"}:
+                    undo.callback(self._unregister_buffers)
                     for base, nbytes in caches.buffers:
                         self._store.register_buffer(base, nbytes)
                         self._registered.append(base)
@@ -302,22 +330,58 @@ class KVTransfer:
                 if probe and get_mode != "staged":
                     # Mooncake writes this load path's bytes into the KV cache itself: such a call cannot be
                     # abandoned, so a new peer is proven responsive first (docs/multihost.md, "Hung peer").
+                    undo.callback(self._close_probe, forget=True)
                     self._probe = ctx.probe = PeerProbe(self._store, self._store.config.max_abandoned_calls)
                 for mode in (get_mode, put_mode):
                     if mode not in paths:
                         paths[mode] = DirectPath(ctx) if mode == "direct" else MultiBufferPath(ctx)
-                self._get_path, self._put_path = paths[get_mode], paths[put_mode]
-                self._regions = list(regions)
+                self._regions = arrays
+                undo.callback(self._regions.clear)
                 for db in self.databases:
                     db.set_kv_caches_base_addr(list(caches.bases))
                     db.set_block_len(list(caches.block_lens))
                     bind = getattr(db, "bind_registered_caches", None)  # layout adapters check their own segments
                     if bind is not None:
                         bind(caches)
+                # Published last: no request plans with a path before everything above succeeded.
+                self._get_path, self._put_path = paths[get_mode], paths[put_mode]
                 undo.pop_all()  # registered: the pins stay until close()
             chosen = get_mode if get_mode == put_mode else f"load {get_mode} / store {put_mode}"
             detail = "; ".join(dict.fromkeys(path.describe() for path in paths.values()))
             logger.info("KVTransfer: transfer mode %s -> %s (%s)", self.transfer_mode, chosen, detail)
+
+    def _undo_paths(self, paths: dict[str, TransferPath]) -> None:
+        """A failed registration: close the paths it built (their call threads)."""
+        for path in paths.values():
+            path.close()
+
+    def _undo_staging(self) -> None:
+        """A failed registration: unregister the staging pool it registered; forget a pool it made."""
+        if self._pool_registered and self._pool is not None:
+            self._pool_registered = False
+            self._unregister_pool(self._pool)
+        if self._owns_pool:
+            self._pool = None
+
+    def _unregister_buffers(self) -> None:
+        """Unregister the KV-cache buffers this transfer registered (a failed registration, or close)."""
+        registered, self._registered = self._registered, []
+        if not self._store.ready:
+            return  # the registrations died with the client
+        for base in registered:
+            try:
+                self._store.unregister_buffer(base)
+            except StoreError as exc:
+                # Releasing must not fail over bookkeeping; the registration dies with the client anyway.
+                logger.warning("KVTransfer: %s", exc)
+
+    def _close_probe(self, *, forget: bool = False) -> None:
+        """Close the peer probe (``forget``: a failed registration, which also drops it)."""
+        probe = self._probe
+        if forget:
+            self._probe = None
+        if probe is not None:
+            probe.close()  # an abandoned probe keeps its own buffer until Mooncake returns
 
     def _resolve_modes(self, caches: RegisteredCaches) -> tuple[str, str]:
         """(load mode, store mode) for the registered layout (see ``docs/transfer-modes.md``)."""
@@ -493,14 +557,15 @@ class KVTransfer:
         deadline = self._store.deadline()  # from the moment the request runs (not when it was queued)
         clock = Clock()
         result = LoadResult(request.req_id, timings=clock.timings, mode=self.mode)
-        skip = floor_to(request.skip_tokens, self.lcm_block_size)
+        screened: list[Screened] | None = None
         try:
+            skip = floor_to(request.skip_tokens, self.lcm_block_size)
             path = self._registered_path(self._get_path)
             _, screened = self._screen(path, request)
             plan = path.plan_get(request.token_len, request.block_hashes, screened, skip, self.tp_rank)
         except LOAD_ERRORS as exc:
             # Nothing moved; every block the request names is reported failed.
-            self._fail_request(request, result, exc)
+            self._fail_request(request, result, exc, screened)
             clock.lap("plan")
             return result
         clock.lap("plan")
@@ -605,10 +670,18 @@ class KVTransfer:
         return plan_ids, screened
 
     @staticmethod
-    def _fail_request(request: TransferRequest, result: LoadResult, exc: BaseException) -> None:
+    def _fail_request(
+        request: TransferRequest, result: LoadResult, exc: BaseException, screened: Sequence[Screened] | None
+    ) -> None:
+        """Report a load that moved nothing: the error, and every block id it names as failed (vLLM counts a
+        block not reported failed as loaded). The ids come from the screen's snapshot when the request got that
+        far, else from the request as far as it reads as integers (never raises: this is the error path)."""
         result.error = describe(exc)
-        for ids in request.block_ids:
-            result.failed_block_ids.update(b for b in ids if isinstance(b, int) and not isinstance(b, bool))
+        if screened is not None:
+            for s in screened:
+                result.failed_block_ids.update(s.ids)
+        else:
+            result.failed_block_ids.update(_plain_ids(request.block_ids))
         logger.warning("load %s: %s", request.req_id, result.error)
 
     def lookup(
@@ -654,21 +727,24 @@ class KVTransfer:
 
     def start(self) -> None:
         """Start the send thread and the receive threads (idempotent)."""
-        if self._closed:
-            raise StoreClosedError("KVTransfer is closed: no calls after close()")
-        self._workers.start()
+        with self._cond:  # close() marks the transfer closed under this lock before it stops the threads
+            if self._closed:
+                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+            self._workers.start()
 
     def submit_store(self, request: TransferRequest) -> Future[StoreResult]:
         """Queue a store on the send thread."""
-        if self._closed:
-            raise StoreClosedError("KVTransfer is closed: no calls after close()")
-        return self._workers.submit_store(request)
+        with self._cond:  # queued before close() stops the threads (so it runs), or refused
+            if self._closed:
+                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+            return self._workers.submit_store(request)
 
     def submit_load(self, request: TransferRequest) -> Future[LoadResult]:
         """Queue a load; the first free receive thread takes it."""
-        if self._closed:
-            raise StoreClosedError("KVTransfer is closed: no calls after close()")
-        return self._workers.submit_load(request)
+        with self._cond:  # queued before close() stops the threads (so it runs), or refused
+            if self._closed:
+                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+            return self._workers.submit_load(request)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued work, stop the threads, wait for calls in flight, unregister the buffers.
@@ -694,16 +770,12 @@ class KVTransfer:
         with self._cond:
             if not self._cond.wait_for(lambda: self._in_flight == 0, max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"KVTransfer.close: {self._in_flight} call(s) still running after {timeout} s")
+            if self._released:
+                return  # another thread's close() got here first and releases everything (once)
             paths = {id(p): p for p in (self._get_path, self._put_path) if p is not None}
             self._get_path = self._put_path = None
             self._released = True
-        if self._store.ready:
-            for base in self._registered:
-                try:
-                    self._store.unregister_buffer(base)
-                except StoreError as exc:
-                    # Closing must not fail over bookkeeping; the registration dies with the client anyway.
-                    logger.warning("KVTransfer.close: %s", exc)
+        self._unregister_buffers()
         if self._pool_registered and self._pool is not None:
             self._pool_registered = False
             unregister = partial(self._unregister_pool, self._pool)
@@ -720,13 +792,11 @@ class KVTransfer:
                 staged.calls.when_settled(unregister)
         for path in paths.values():
             path.close()
-        if self._probe is not None:
-            self._probe.close()  # an abandoned probe keeps its own buffer until Mooncake returns
+        self._close_probe()
         self._unpin_regions()
         if self._owns_pool:
             self._pool = None  # frees the buffer once no request holds a lease
-        self._registered.clear()
-        self._regions.clear()
+        self._regions = []
 
     def _unregister_pool(self, pool: StagingPool) -> None:
         """Undo this transfer's registration of ``pool`` (a shared pool stays registered for the others)."""

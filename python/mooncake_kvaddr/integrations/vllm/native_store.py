@@ -15,18 +15,88 @@ platform, unverified Mooncake version, not a real ``MooncakeDistributedStore``, 
 not what the native client accepts (it raises ``TypeError``/``ValueError``/``OverflowError`` before Mooncake
 is called), the call goes to the wrapped store's bound method unchanged; the reason is logged once.
 
-Like the bound methods, a call racing ``close()`` in another thread is the caller's to exclude (vLLM closes
-the store only at shutdown, after its transfer threads stop issuing calls).
+Close: a closed Mooncake store crashes the process (SIGSEGV) on its next call, so after ``close()`` every call
+through the wrapper (the replaced ones and every other method reached through it) raises
+:class:`~mooncake_kvaddr.driver.store.StoreClosedError` instead of reaching Mooncake, and ``close()`` first waits
+(bounded) for the calls in flight (:class:`CallGate`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NativeMooncakeStore", "NativeStats"]
+from mooncake_kvaddr.driver.store import StoreClosedError, StoreError
+
+__all__ = ["CLOSE_TIMEOUT_S", "CallGate", "NativeMooncakeStore", "NativeStats"]
+
+#: How long a store wrapper's ``close()`` waits for the calls in flight before it raises ``StoreError``.
+CLOSE_TIMEOUT_S = 60.0
+
+
+class CallGate:
+    """Admits calls until :meth:`close`; counts those in flight so that ``close`` releases nothing under one.
+
+    ``name`` goes into the :class:`~mooncake_kvaddr.driver.store.StoreClosedError` a call after close raises.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._in_flight = 0
+        self._closing = False
+        self._released = False
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` began: no call is admitted any more."""
+        return self._closing
+
+    @contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Hold an in-flight slot for one call; ``StoreClosedError`` once closing began."""
+        with self._cond:
+            if self._closing:
+                raise StoreClosedError(f"{self._name} is closed: no calls after close()")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._cond.notify_all()
+
+    def gated(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``func`` called under :meth:`admitted`."""
+
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.admitted():
+                return func(*args, **kwargs)
+
+        return call
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Refuse new calls, wait for those in flight; True for the one caller that must now release the
+        resources (False when another close did or does). ``StoreError`` if calls still run after ``timeout``
+        seconds (nothing may be released yet; call ``close`` again later)."""
+        with self._cond:
+            self._closing = True
+            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout):
+                raise StoreError(
+                    f"{self._name}.close(): {self._in_flight} call(s) still in flight after {timeout} s; "
+                    "no new calls are admitted; call close() again"
+                )
+            if self._released:
+                return False
+            self._released = True
+            return True
 
 logger = logging.getLogger("vllm.mooncake_kvaddr")
 
@@ -50,6 +120,7 @@ class NativeMooncakeStore:
         self._client: Any = _UNSET  # _UNSET: not probed yet; None: unavailable
         self._lock = threading.Lock()
         self._logged: set[str] = set()
+        self._gate = CallGate("NativeMooncakeStore")
         self.stats = NativeStats()
 
     @property
@@ -63,7 +134,9 @@ class NativeMooncakeStore:
         return self._native()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+        value = getattr(self._store, name)
+        # Every method of the wrapped store is a Mooncake call too: admitted only before close().
+        return self._gate.gated(value) if callable(value) else value
 
     def _log_once(self, reason: str) -> None:
         if reason not in self._logged:
@@ -98,6 +171,10 @@ class NativeMooncakeStore:
         return True, result
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        with self._gate.admitted():
+            return self._call_admitted(name, *args, **kwargs)
+
+    def _call_admitted(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             self._log_once(f"{name} called with keyword arguments {sorted(kwargs)}")
         else:
@@ -120,11 +197,14 @@ class NativeMooncakeStore:
         handler's entry, docs/vllm-plugin.md): the native client reads them without building a Python row;
         without a native client (or when it refuses them) Mooncake's bound method gets the rows as lists."""
         args = (keys, addrs, sizes)
-        done, result = self._native_call("batch_get_into_multi_buffers", args, "batch_get_into_multi_buffers arrays")
-        if done:
-            return result
-        self.stats.fallback_calls += 1
-        return self._store.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
+        with self._gate.admitted():
+            done, result = self._native_call(
+                "batch_get_into_multi_buffers", args, "batch_get_into_multi_buffers arrays"
+            )
+            if done:
+                return result
+            self.stats.fallback_calls += 1
+            return self._store.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
 
     def batch_put_from_multi_buffers(
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
@@ -145,7 +225,10 @@ class NativeMooncakeStore:
         return self._call("batch_is_exist", keys)
 
     def close(self, *args: Any, **kwargs: Any) -> Any:
-        """Drop the native client, then close the wrapped store."""
+        """Refuse new calls, wait for those in flight, drop the native client, then close the wrapped store
+        (once: a later ``close`` returns 0 without calling Mooncake)."""
+        if not self._gate.close():
+            return 0
         with self._lock:
             client, self._client = self._client, None
         if client is not None and client is not _UNSET:

@@ -19,6 +19,11 @@ arguments we do not understand, duplicate keys, empty objects, or an object larg
 goes to Mooncake's own multi-buffer call unchanged. Staging never reads or writes process memory outside the
 registered buffers and its own staging buffer.
 
+Close: after ``close()`` every call through the wrapper raises
+:class:`~mooncake_kvaddr.driver.store.StoreClosedError` (a closed Mooncake store would crash the process), and
+``close()`` waits (bounded) for the calls in flight before it unregisters the staging buffer
+(:class:`~mooncake_kvaddr.integrations.vllm.native_store.CallGate`).
+
 Extension point: :meth:`StagedMooncakeStore._get_slots` / :meth:`_put_slots` move the staged objects
 (Mooncake's ``batch_get_into``/``batch_put_from`` here); a native Mooncake client can override these two to
 skip Mooncake's Python argument conversion.
@@ -38,6 +43,7 @@ import numpy.typing as npt
 
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.driver.staging import StagingLease, StagingPool, gather, plan_batches, plan_slots, scatter
+from mooncake_kvaddr.integrations.vllm.native_store import CallGate
 
 __all__ = ["StagedMooncakeStore", "StagedStats"]
 
@@ -97,6 +103,7 @@ class StagedMooncakeStore:
             (),
         )
         self._pool_registered: bool | None = None  # None: not tried yet; False: Mooncake refused it
+        self._gate = CallGate("StagedMooncakeStore")
         self.stats = StagedStats()
 
     # --- pass-through ---------------------------------------------------------------------------------------
@@ -107,10 +114,16 @@ class StagedMooncakeStore:
         return self._store
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+        value = getattr(self._store, name)
+        # Every method of the wrapped store is a Mooncake call too: admitted only before close().
+        return self._gate.gated(value) if callable(value) else value
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Mooncake's ``register_buffer``; a buffer it accepts becomes a range staging may touch."""
+        with self._gate.admitted():
+            return self._register_buffer(buffer_ptr, size)
+
+    def _register_buffer(self, buffer_ptr: int, size: int) -> int:
         result = self._store.register_buffer(buffer_ptr, size)
         span = self._as_range(buffer_ptr, size)
         if result == 0 and span is not None:
@@ -134,6 +147,10 @@ class StagedMooncakeStore:
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         """Mooncake's ``unregister_buffer``; the range is dropped from staging whatever Mooncake answers."""
+        with self._gate.admitted():
+            return self._unregister_buffer(buffer_ptr)
+
+    def _unregister_buffer(self, buffer_ptr: int) -> int:
         with self._lock:
             try:
                 self._buffers.pop(operator.index(buffer_ptr), None)
@@ -144,7 +161,10 @@ class StagedMooncakeStore:
         return result
 
     def close(self, *args: Any, **kwargs: Any) -> Any:
-        """Unregister the staging buffer (when registered), then close the wrapped store."""
+        """Refuse new calls, wait for those in flight, unregister the staging buffer (when registered), then
+        close the wrapped store (once: a later ``close`` returns 0 without calling Mooncake)."""
+        if not self._gate.close():
+            return 0
         with self._lock:
             registered, self._pool_registered = self._pool_registered, False
         if registered:
@@ -263,6 +283,10 @@ class StagedMooncakeStore:
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
     ) -> Any:
         """Mooncake's ``batch_get_into_multi_buffers``, staged for host KV caches (same results)."""
+        with self._gate.admitted():
+            return self._get_multi(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+
+    def _get_multi(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any) -> Any:
         staged = None if (args or kwargs) else self._plan(keys, all_buffer_ptrs, all_sizes)
         if staged is None:
             self.stats.passthrough_gets += 1
@@ -277,6 +301,10 @@ class StagedMooncakeStore:
         handler's entry, docs/vllm-plugin.md): staged without building a Python row; a call staging does not
         take goes to the wrapped store's array entry when it has one (our native-client wrapper), else to its
         ``batch_get_into_multi_buffers`` with the rows as lists."""
+        with self._gate.admitted():
+            return self._get_multi_arrays(keys, addrs, sizes)
+
+    def _get_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         staged = None
         if (
             isinstance(addrs, np.ndarray)
@@ -331,8 +359,13 @@ class StagedMooncakeStore:
                     self.stats.refetched_keys += int(short.size)
                     picks = [start + int(i) for i in short]
                     pick_addrs, pick_sizes = rows_of(picks)
-                    again = self._store.batch_get_into_multi_buffers([keys[i] for i in picks], pick_addrs, pick_sizes)
-                    for i, code in zip(short, again):
+                    again = list(
+                        self._store.batch_get_into_multi_buffers([keys[i] for i in picks], pick_addrs, pick_sizes)
+                    )
+                    if len(again) != len(picks):
+                        # A key must never keep its short (successful-looking) code without being read whole.
+                        raise RuntimeError(f"Mooncake returned {len(again)} results for {len(picks)} keys")
+                    for i, code in zip(short, again, strict=True):
                         batch_results[int(i)] = code
                 results.extend(batch_results)
         finally:
@@ -343,6 +376,10 @@ class StagedMooncakeStore:
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
     ) -> Any:
         """Mooncake's ``batch_put_from_multi_buffers``, staged for host KV caches (same results)."""
+        with self._gate.admitted():
+            return self._put_multi(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+
+    def _put_multi(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any) -> Any:
         config: tuple[Any, ...] = args
         if kwargs:
             if set(kwargs) != {"config"} or args:
@@ -367,11 +404,15 @@ class StagedMooncakeStore:
                     staged.allowed,
                     threads=self._copy_threads,
                 )
-                results.extend(
+                codes = list(
                     self._put_slots(
                         keys[start:end], (offsets + lease.ptr).tolist(), staged.object_sizes[start:end].tolist(), config
                     )
                 )
+                if len(codes) != end - start:
+                    # Misaligned codes would report other keys stored.
+                    raise RuntimeError(f"Mooncake returned {len(codes)} results for {end - start} keys")
+                results.extend(codes)
         finally:
             lease.release()
         return results
