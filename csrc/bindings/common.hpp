@@ -10,8 +10,11 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <typeinfo>
+#include <utility>
 
 namespace kvaddr::py_bindings {
 
@@ -58,6 +61,42 @@ inline int64_t as_int64(PyObject* obj, const char* what) {
     return static_cast<int64_t>(value);
 }
 inline int64_t as_int64(const py::handle& obj, const std::string& what) { return as_int64(obj.ptr(), what.c_str()); }
+
+// A non-negative int (or __index__ object) as a size in bytes or cells: as_int64, then ValueError below 0.
+inline std::size_t as_size(PyObject* obj, const char* what) {
+    const int64_t value = as_int64(obj, what);
+    if (value < 0) raise(PyExc_ValueError, std::string(what) + " must be >= 0, got " + std::to_string(value));
+    return static_cast<std::size_t>(value);
+}
+
+// The C++ object of a bound class C behind `self`. An instance made by C.__new__(C) (or a base's __new__)
+// without __init__ has no constructed C: pybind11 would hand a method raw, uninitialised memory, so every
+// method of our classes goes through this check (TypeError instead).
+template <typename C>
+C& constructed(py::handle self) {
+    static py::detail::type_info* const info = py::detail::get_type_info(typeid(C));
+    if (info == nullptr || !PyObject_TypeCheck(self.ptr(), info->type)) {
+        raise(PyExc_TypeError, "this method needs a " + std::string(info ? info->type->tp_name : "bound") +
+                                   " instance, not " + type_name(self.ptr()));
+    }
+    auto* inst = reinterpret_cast<py::detail::instance*>(self.ptr());
+    py::detail::value_and_holder vh = inst->get_value_and_holder(info, false);
+    if (!vh || !vh.holder_constructed() || vh.template value_ptr<C>() == nullptr) {
+        raise(PyExc_TypeError, std::string(info->type->tp_name) +
+                                   " object is not initialised (made by __new__ without __init__)");
+    }
+    return *vh.template value_ptr<C>();
+}
+
+// Method adapters for .def: the bound callable takes `self` as a handle and checks it with constructed<C>.
+template <typename C, typename R, typename... A>
+auto checked(R (C::*f)(A...)) {
+    return [f](py::handle self, A... args) -> R { return (constructed<C>(self).*f)(std::forward<A>(args)...); };
+}
+template <typename C, typename R, typename... A>
+auto checked(R (C::*f)(A...) const) {
+    return [f](py::handle self, A... args) -> R { return (constructed<C>(self).*f)(std::forward<A>(args)...); };
+}
 
 // Owning wrapper over PySequence_Fast: O(1) indexing for lists and tuples, one copy for other iterables.
 class FastSequence {

@@ -18,6 +18,7 @@ before the change may still use the old regions.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -98,13 +99,16 @@ class ChunkedTokenDatabase:
         address_cache_bytes: int = DEFAULT_ADDRESS_CACHE_BYTES,
     ) -> None:
         self.metadata = metadata
+        # Exact ints (TypeError for a float such as 32.0 or np.float32(16)): every walk and row uses them.
+        block_size = operator.index(block_size)
         self.block_size = block_size
-        self.hash_block_size = hash_block_size or block_size
+        self.hash_block_size = operator.index(hash_block_size or block_size)
         if block_size <= 0 or self.hash_block_size <= 0 or block_size % self.hash_block_size != 0:
             raise ValueError(
                 f"block_size ({block_size}) must be a positive multiple of "
                 f"hash_block_size ({self.hash_block_size})"
             )
+        address_cache_bytes = operator.index(address_cache_bytes)
         if address_cache_bytes < 0:
             raise ValueError(f"address_cache_bytes must be >= 0, got {address_cache_bytes}")
         self._table = AddressTable(block_size, self.hash_block_size, address_cache_bytes)
@@ -152,6 +156,7 @@ class ChunkedTokenDatabase:
 
     @address_cache_bytes.setter
     def address_cache_bytes(self, value: int) -> None:
+        value = operator.index(value)  # TypeError for floats; a caller's __index__ exception unchanged
         if value < 0:
             raise ValueError(f"address_cache_bytes must be >= 0, got {value}")
         self._table.cache_capacity = value

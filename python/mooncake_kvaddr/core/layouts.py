@@ -65,10 +65,14 @@ def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
 
 
 def _geometry(cache: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
-    """(shape, element strides, element size, data pointer) of a tensor-like object."""
-    shape = tuple(int(extent) for extent in cache.shape)
-    strides = tuple(int(stride) for stride in cache.stride())
-    return shape, strides, int(cache.element_size()), int(cache.data_ptr())
+    """(shape, element strides, element size, data pointer) of a tensor-like object, as exact ints.
+
+    Each value goes through ``operator.index``: a float, a string or another non-integer (a duck-typed tensor
+    whose ``data_ptr()`` returns ``4096.7`` or ``"4096"``) raises ``TypeError`` instead of being truncated
+    into a wrong region address by ``int()``."""
+    shape = tuple(operator.index(extent) for extent in cache.shape)
+    strides = tuple(operator.index(stride) for stride in cache.stride())
+    return shape, strides, operator.index(cache.element_size()), operator.index(cache.data_ptr())
 
 
 # --- layouts -----------------------------------------------------------------------------------------------
@@ -276,8 +280,8 @@ class RankLocalStoreLayout(_EngineLayout):
             if not shape:
                 raise IndexError("invalid index of a 0-dim tensor: a KV cache needs a block dimension")
             storage = cache.untyped_storage()
-            storage_addr = int(storage.data_ptr())
-            storage_len = int(storage.nbytes())
+            storage_addr = operator.index(storage.data_ptr())
+            storage_len = operator.index(storage.nbytes())
             if not _is_dense(shape[1:], strides[1:]):
                 for head in range(shape[1]):
                     assert _is_dense(shape[2:], strides[2:]), "a head's block must be one dense range"
@@ -520,8 +524,12 @@ class LayoutTokenDatabase:
             raise AssertionError(f"put_step must be positive, got {put_step}")
         if not block_hashes:
             return
-        # The native walk starts at floor(mask / block_size): hand it the block-aligned ceiling.
+        # The native walk starts at floor(mask / block_size): hand it the block-aligned ceiling. A ceiling past
+        # int64 is an empty walk in vLLM; the largest block multiple in int64 gives the same empty walk (the
+        # native walk needs token_len + block_size to fit, so every chunk starts below it) after the same asserts.
+        mask_num = operator.index(mask_num)
         aligned = max(0, -(-mask_num // self.block_size)) * self.block_size
+        aligned = min(aligned, (2**63 - 1) // self.block_size * self.block_size)
         starts, ends, hash_indices = _native.chunk_walk(
             token_len, len(block_hashes), self.block_size, self.hash_block_size, aligned, chunk_mask,
             put_step, put_step_rank,
