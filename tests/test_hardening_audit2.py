@@ -430,3 +430,45 @@ def test_layout_chunks_whose_len_lies_raise_value_error() -> None:
     layout = rank_local()
     with pytest.raises(ValueError, match="__len__"):
         layout.prepare_values(Short([(0, 16), (16, 32)]), [1, 2], [0])
+
+
+# --- strided hash buffers, flag arguments ------------------------------------------------------------------
+
+
+def strided_hashes() -> list[Any]:
+    grid = np.arange(16, dtype=np.uint8).reshape(4, 4)
+    return [memoryview(b"abcdefgh")[::2], memoryview(grid[:, 1]), np.arange(8, dtype=np.uint8)[::2]]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_strided_hash_buffers_key_like_their_bytes(index: int) -> None:
+    # A memoryview slice with a step raised BufferError; the reference keys it by its hex(), i.e. its bytes.
+    db, oracle = seed_pair()
+    h = strided_hashes()[index]
+    expected = db.key_prefix + "@" + bytes(h).hex()
+    if isinstance(h, memoryview):
+        assert oracle.key_for(h) == expected
+    assert db.key_for(h) == expected
+    assert db.keys_for([h, h]) == [expected, expected]
+    assert db.keys_for([h], hash_len=len(bytes(h))) == [expected]
+    assert build_lookup_keys(["a"], [h]) == ["a@" + bytes(h).hex()]
+    blob = memoryview(bytes(range(16)))[::2]
+    assert db.keys_for(blob, hash_len=4) == [db.key_prefix + "@" + bytes(blob)[i : i + 4].hex() for i in (0, 4)]
+    assert db.plan_load(32, [h, h], [1, 2]).keys == [expected, expected]
+
+
+class RaisingBool:
+    def __bool__(self) -> bool:
+        raise Boom("from __bool__")
+
+
+def test_flag_arguments_propagate_their_own_exceptions() -> None:
+    # pybind11's bool caster replaced the exception with "incompatible function arguments".
+    db, _ = seed_pair()
+    with pytest.raises(Boom):
+        db.plan_store(64, HASHES, [1, 2, 3, 4], skip_null_block=RaisingBool())
+    assert db.plan_store(64, HASHES, [0, 2, 3, 4], skip_null_block=[]).block_ids == [0, 2, 3, 4]
+    assert db.plan_store(64, HASHES, [0, 2, 3, 4], skip_null_block=[1]).block_ids == [2, 3, 4]
+    layout = rank_local()
+    with pytest.raises(Boom):
+        layout.plan_load(64, HASHES, 0, None, [1, 2, 3, 4], arrays=RaisingBool())  # type: ignore[arg-type]

@@ -15,6 +15,7 @@
 #include <string>
 #include <typeinfo>
 #include <utility>
+#include <vector>
 
 namespace kvaddr::py_bindings {
 
@@ -128,6 +129,10 @@ private:
 
 // An owned buffer export, released by the destructor on every path (errors included): a bytearray stays
 // resizable once the call returns or raises. Move-only.
+//
+// A C-contiguous buffer is read in place (and locked while held). A strided one (a memoryview slice with a
+// step, a transposed array) is copied once, in logical C order: its bytes as bytes(obj) and obj.hex() read
+// them, so a key built from it equals the reference's instead of raising BufferError.
 class BufferView {
 public:
     BufferView() = default;
@@ -135,28 +140,62 @@ public:
     BufferView& operator=(const BufferView&) = delete;
     ~BufferView() { release(); }
 
-    // Exports `obj` as C-contiguous bytes (any format: lengths count bytes); TypeError naming `what`.
+    // Exports `obj` as bytes (any format: lengths count bytes); TypeError naming `what`.
     void acquire(PyObject* obj, const std::string& what) {
         release();
         if (PyUnicode_Check(obj) || !PyObject_CheckBuffer(obj)) {
             raise(PyExc_TypeError, what + " must be bytes-like, not " + type_name(obj));
         }
-        if (PyObject_GetBuffer(obj, &view_, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
-        held_ = true;
+        if (PyObject_GetBuffer(obj, &view_, PyBUF_C_CONTIGUOUS) == 0) {
+            held_ = true;
+            return;
+        }
+        // CPython's exporters refuse a contiguous request with BufferError, numpy's with ValueError; then a
+        // strided request is made, and its own error (if any) is the one raised.
+        if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError)) {
+            throw py::error_already_set();
+        }
+        PyErr_Clear();
+        Py_buffer strided{};
+        if (PyObject_GetBuffer(obj, &strided, PyBUF_RECORDS_RO) != 0) throw py::error_already_set();
+        copy_.resize(static_cast<std::size_t>(strided.len));
+        const int rc = PyBuffer_ToContiguous(copy_.data(), &strided, strided.len, 'C');
+        PyBuffer_Release(&strided);
+        if (rc != 0) {
+            copy_.clear();
+            throw py::error_already_set();
+        }
+        copied_ = true;
     }
     void release() noexcept {
         if (held_) {
             held_ = false;
             PyBuffer_Release(&view_);
         }
+        if (copied_) {
+            copied_ = false;
+            copy_.clear();
+        }
     }
-    bool held() const noexcept { return held_; }
-    const uint8_t* data() const noexcept { return static_cast<const uint8_t*>(view_.buf); }
-    std::size_t size() const noexcept { return static_cast<std::size_t>(view_.len); }
+    bool held() const noexcept { return held_ || copied_; }
+    const uint8_t* data() const noexcept {
+        return copied_ ? copy_.data() : static_cast<const uint8_t*>(view_.buf);
+    }
+    std::size_t size() const noexcept { return copied_ ? copy_.size() : static_cast<std::size_t>(view_.len); }
 
 private:
     Py_buffer view_{};
     bool held_ = false;
+    bool copied_ = false;
+    std::vector<uint8_t> copy_;
 };
+
+// A flag argument the reference tests with `if flag`: its truth value, the caller's __bool__/__len__ exception
+// unchanged (pybind11's bool caster would replace it with "incompatible function arguments").
+inline bool as_flag(py::handle obj) {
+    const int truth = PyObject_IsTrue(obj.ptr());
+    if (truth < 0) throw py::error_already_set();
+    return truth == 1;
+}
 
 }  // namespace kvaddr::py_bindings

@@ -96,11 +96,12 @@ py::tuple plan_load_arrays(AddressTable& table, py::handle prefix, py::handle ha
 
 py::tuple plan_store(AddressTable& table, py::handle prefix, py::handle hashes, py::handle hash_len,
                      py::handle token_len_arg, py::handle mask_num_arg, py::handle chunk_mask, py::handle put_step_arg,
-                     py::handle put_step_rank_arg, py::handle block_ids, bool skip_null) {
+                     py::handle put_step_rank_arg, py::handle block_ids, py::handle skip_null_arg) {
     const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
     const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
     const int64_t put_step = as_int64(put_step_arg.ptr(), "put_step");
     const int64_t put_step_rank = as_int64(put_step_rank_arg.ptr(), "put_step_rank");
+    const bool skip_null = as_flag(skip_null_arg);
     KeyWriter writer(prefix);
     HashSource source(hashes, hash_len);
     const WalkParams params{token_len, table.block_size(), table.hash_block_size(), mask_num, put_step, put_step_rank};

@@ -27,6 +27,6 @@ py::tuple plan_load_arrays(AddressTable& table, py::handle prefix, py::handle ha
 // block_ids and (skip_null) those on block 0.
 py::tuple plan_store(AddressTable& table, py::handle prefix, py::handle hashes, py::handle hash_len,
                      py::handle token_len, py::handle mask_num, py::handle chunk_mask, py::handle put_step,
-                     py::handle put_step_rank, py::handle block_ids, bool skip_null);
+                     py::handle put_step_rank, py::handle block_ids, py::handle skip_null);
 
 }  // namespace kvaddr::py_bindings

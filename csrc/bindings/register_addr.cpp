@@ -54,7 +54,7 @@ void register_addr(py::module_& m) {
         .def("plan_store",
              [](py::handle self, py::handle prefix, py::handle hashes, py::handle hash_len, py::handle token_len,
                 py::handle mask_num, py::handle chunk_mask, py::handle put_step, py::handle put_step_rank,
-                py::handle block_ids, bool skip_null) {
+                py::handle block_ids, py::handle skip_null) {
                  return plan_store(constructed<AddressTable>(self), prefix, hashes, hash_len, token_len, mask_num,
                                    chunk_mask, put_step, put_step_rank, block_ids, skip_null);
              },

@@ -275,9 +275,10 @@ public:
     // Returns (keys, addr rows, size rows, block ids), index-aligned; int64 arrays for the rows when `arrays`.
     py::tuple plan_load(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
                         py::handle mask_num_arg, py::handle load_mask, py::handle tail_tokens, py::handle block_ids,
-                        bool arrays) {
+                        py::handle arrays_arg) {
         const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
         const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
+        const bool arrays = as_flag(arrays_arg);
         refuse_non_sequence(shard_prefixes, "shard_prefixes");
         FastSequence prefix_seq(shard_prefixes.ptr(), "shard_prefixes");
         if (static_cast<std::size_t>(prefix_seq.size()) != rows_.size()) {
