@@ -472,3 +472,55 @@ def test_flag_arguments_propagate_their_own_exceptions() -> None:
     layout = rank_local()
     with pytest.raises(Boom):
         layout.plan_load(64, HASHES, 0, None, [1, 2, 3, 4], arrays=RaisingBool())  # type: ignore[arg-type]
+
+
+def claims_2_62_bytes() -> Any:
+    """A C-contiguous uint8 view claiming 2**62 bytes over one real byte (never repr it: that reads them)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=(2**62,), strides=(1,))
+
+
+def test_a_hash_claiming_2_62_bytes_is_refused_before_its_key_size_overflows() -> None:
+    # prefix_len + 1 + 2 * length overflowed Py_ssize_t (UB; a SystemError from PyUnicode_New in practice).
+    # The view claims memory it does not have: nothing of it may be read. Called natively, so that no Python
+    # frame holds the view as an argument (a failing test's traceback would repr it).
+    with pytest.raises(OverflowError):
+        _native.build_key("p", claims_2_62_bytes())
+    with pytest.raises(OverflowError):
+        _native.build_keys("p", [claims_2_62_bytes()])
+    with pytest.raises(BufferError):  # non-contiguous and too large to copy
+        _native.build_key("p", np.broadcast_to(np.uint8(7), (2**40,)))
+
+
+@pytest.mark.parametrize("where", ["chunks", "shard_ids", "block_ids"])
+def test_layout_lists_grown_by_a_callback_are_read_to_their_first_length(where: str) -> None:
+    # The loops re-read the list's size: an __index__ that keeps appending was followed forever.
+    layout = rank_local()
+    chunks: list[Any] = [(0, 16), (16, 32)]
+    shards: list[Any] = [0, 0]
+    ids: list[Any] = [3, 4]
+    target = {"chunks": chunks, "shard_ids": shards, "block_ids": ids}[where]
+    grown = {"count": 0}
+
+    class Grows:
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __index__(self) -> int:
+            if grown["count"] < 1000:
+                grown["count"] += 1
+                target.append((32, 48) if where == "chunks" else Grows(0 if where == "shard_ids" else 5))
+            return self.value
+
+    if where == "chunks":
+        chunks[0] = (Grows(0), 16)
+    elif where == "shard_ids":
+        shards[0] = Grows(0)
+    else:
+        ids[0] = Grows(3)
+    try:
+        addrs, _, got_ids = layout.prepare_values(chunks, ids, shards)
+    except RuntimeError:  # chunks outgrew shard_ids: the counts disagree, as vLLM's len() check would say
+        assert where == "chunks"
+        return
+    assert got_ids == [3, 4] and grown["count"] < 1000
+    assert [list(r) for r in addrs] == [[b + i * 10 for b in BASES] for i in (3, 4)]

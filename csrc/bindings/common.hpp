@@ -158,6 +158,12 @@ public:
         PyErr_Clear();
         Py_buffer strided{};
         if (PyObject_GetBuffer(obj, &strided, PyBUF_RECORDS_RO) != 0) throw py::error_already_set();
+        if (strided.len > kMaxStridedCopy) {  // a broadcast view may claim far more bytes than exist
+            const Py_ssize_t len = strided.len;
+            PyBuffer_Release(&strided);
+            raise(PyExc_BufferError, what + " is a non-contiguous buffer of " + std::to_string(len) +
+                                         " bytes: only up to 256 MiB are copied (pass a contiguous buffer)");
+        }
         copy_.resize(static_cast<std::size_t>(strided.len));
         const int rc = PyBuffer_ToContiguous(copy_.data(), &strided, strided.len, 'C');
         PyBuffer_Release(&strided);
@@ -184,6 +190,8 @@ public:
     std::size_t size() const noexcept { return copied_ ? copy_.size() : static_cast<std::size_t>(view_.len); }
 
 private:
+    static constexpr Py_ssize_t kMaxStridedCopy = Py_ssize_t{1} << 28;
+
     Py_buffer view_{};
     bool held_ = false;
     bool copied_ = false;

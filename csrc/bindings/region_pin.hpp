@@ -60,7 +60,8 @@ private:
         require_region_sequence(obj, what);  // dict/set/str/bytes/iterators refused, as for set_regions
         FastSequence seq(obj.ptr(), what);
         std::vector<int64_t> out;
-        for (Py_ssize_t i = 0; i < seq.size(); ++i) out.push_back(as_int64(seq.at(i).ptr(), what));
+        const Py_ssize_t n = seq.size();  // read once: an __index__ that grows the list is not followed
+        for (Py_ssize_t i = 0; i < n; ++i) out.push_back(as_int64(seq.at(i).ptr(), what));
         return out;
     }
 

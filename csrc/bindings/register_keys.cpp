@@ -90,6 +90,11 @@ KeyWriter::KeyWriter(py::handle prefix) {
 }
 
 PyObject* KeyWriter::make(const uint8_t* hash, std::size_t length) const {
+    // 2 * length + the prefix and '@' must fit in Py_ssize_t (a buffer claiming 2**62 bytes, e.g. a numpy
+    // view made with as_strided, would otherwise overflow the size computation).
+    if (length > static_cast<std::size_t>((PY_SSIZE_T_MAX - prefix_len_ - 1) / 2)) {
+        raise(PyExc_OverflowError, "a hash of " + std::to_string(length) + " bytes makes a key too long");
+    }
     const Py_ssize_t size = prefix_len_ + 1 + 2 * static_cast<Py_ssize_t>(length);
     PyObject* key = PyUnicode_New(size, max_char_);
     if (key == nullptr) throw py::error_already_set();

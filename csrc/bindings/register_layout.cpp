@@ -97,8 +97,11 @@ std::vector<int64_t> int_values(py::handle obj, const char* what) {
     if (array_values(obj, what, &values)) return values;
     check_id_container(obj.ptr(), what);
     FastSequence seq(obj.ptr(), what);
-    values.reserve(static_cast<std::size_t>(seq.size()));
-    for (Py_ssize_t i = 0; i < seq.size(); ++i) values.push_back(as_int64(seq.at(i).ptr(), what));
+    // The length is read once: a callback (__index__) that grows the list is not followed, one that shrinks it
+    // makes seq.at raise (the same rule everywhere below).
+    const Py_ssize_t n = seq.size();
+    values.reserve(static_cast<std::size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) values.push_back(as_int64(seq.at(i).ptr(), what));
     return values;
 }
 
@@ -122,7 +125,8 @@ void chunk_bounds(py::handle chunks, std::vector<int64_t>* starts, std::vector<i
     }
     check_id_container(chunks.ptr(), "chunks");
     FastSequence seq(chunks.ptr(), "chunks");
-    for (Py_ssize_t c = 0; c < seq.size(); ++c) {
+    const Py_ssize_t n = seq.size();  // as vLLM's np.fromiter(count=len(chunks)): growth is not followed
+    for (Py_ssize_t c = 0; c < n; ++c) {
         py::object chunk = seq.at(c);
         PyObject* p = chunk.ptr();
         if (!(PyTuple_Check(p) || PyList_Check(p))) {
@@ -211,7 +215,8 @@ public:
             raise(PyExc_ValueError, "expected " + std::to_string(rows_.size()) + " shard templates, got " +
                                         std::to_string(seq.size()));
         }
-        for (Py_ssize_t k = 0; k < seq.size(); ++k) {
+        const Py_ssize_t n_templates = seq.size();
+        for (Py_ssize_t k = 0; k < n_templates; ++k) {
             py::object triple = seq.at(k);
             FastSequence parts(triple.ptr(), "template");
             if (parts.size() != 3) raise(PyExc_ValueError, "a template is (bases, strides, sizes)");
@@ -693,11 +698,15 @@ private:
         FastSequence base(base_source_.ptr(), "kv_caches_base_addr");
         FastSequence block_len(block_len_source_.ptr(), "block_len");
         std::vector<int64_t> bases, lens;
-        bases.reserve(static_cast<std::size_t>(base.size()));
-        for (Py_ssize_t r = 0; r < base.size(); ++r) bases.push_back(as_int64(base.at(r).ptr(), "kv_caches_base_addr item"));
+        const Py_ssize_t n_regions = base.size();
+        bases.reserve(static_cast<std::size_t>(n_regions));
+        for (Py_ssize_t r = 0; r < n_regions; ++r) {
+            bases.push_back(as_int64(base.at(r).ptr(), "kv_caches_base_addr item"));
+        }
         const bool needs_lens = !bases.empty();
         if (needs_lens) {
-            for (Py_ssize_t i = 0; i < block_len.size(); ++i) lens.push_back(as_int64(block_len.at(i).ptr(), "block_len item"));
+            const Py_ssize_t n_lens = block_len.size();
+            for (Py_ssize_t i = 0; i < n_lens; ++i) lens.push_back(as_int64(block_len.at(i).ptr(), "block_len item"));
         }
         pin_.check(bases, lens);  // the values this call computes from, against a transfer's registration
         if (synced_ && bases == seen_bases_ && lens == seen_lens_) return templates_;
