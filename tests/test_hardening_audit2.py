@@ -524,3 +524,39 @@ def test_layout_lists_grown_by_a_callback_are_read_to_their_first_length(where: 
         return
     assert got_ids == [3, 4] and grown["count"] < 1000
     assert [list(r) for r in addrs] == [[b + i * 10 for b in BASES] for i in (3, 4)]
+
+
+class IterRaises:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __iter__(self) -> Any:
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [Boom("x"), TypeError("the caller's own")], ids=["Boom", "TypeError"])
+def test_an_iteration_exception_comes_out_unchanged(exc: BaseException) -> None:
+    # multi_buffer_arrays and every FastSequence read replaced it with "must be a sequence of ints" (TypeError).
+    db, _ = seed_pair()
+    calls = [
+        lambda: _native.multi_buffer_arrays([IterRaises(exc)], [[1]]),
+        lambda: _native.multi_buffer_arrays(IterRaises(exc), [[1]]),
+        lambda: db.prepare_values(IterRaises(exc), [1]),
+        lambda: db.keys_for(IterRaises(exc)),
+        lambda: reduce_exists(IterRaises(exc), 1),
+        lambda: reduce_exists([1], IterRaises(exc)),
+        lambda: db.plan_load(64, HASHES, [1, 2, 3, 4], load_mask=IterRaises(exc)),  # type: ignore[arg-type]
+        lambda: build_lookup_keys(IterRaises(exc), HASHES),
+    ]
+    for call in calls:
+        with pytest.raises(type(exc)) as info:
+            call()
+        assert info.value is exc
+
+
+def test_non_iterables_still_get_our_type_error() -> None:
+    db, _ = seed_pair()
+    with pytest.raises(TypeError, match="sequence"):
+        _native.multi_buffer_arrays([5], [[1]])
+    with pytest.raises(TypeError, match="sequence"):
+        db.prepare_values(5, [1])  # type: ignore[arg-type]

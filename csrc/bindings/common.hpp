@@ -103,12 +103,22 @@ auto checked(R (C::*f)(A...) const) {
 class FastSequence {
 public:
     FastSequence(PyObject* obj, const char* what) {
-        seq_ = PySequence_Fast(obj, "");
-        if (seq_ == nullptr) {
-            if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();  // the user's own error
-            PyErr_Clear();
+        if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+            Py_INCREF(obj);
+            seq_ = obj;
+            return;
+        }
+        // PySequence_Fast by hand: it rewords every TypeError of the object's own __iter__ as its message.
+        // Ours to word only when `obj` cannot be iterated at all; an exception of its own __iter__ or __next__
+        // (a TypeError too) comes out unchanged.
+        if (Py_TYPE(obj)->tp_iter == nullptr && !PySequence_Check(obj)) {
             raise(PyExc_TypeError, std::string(what) + " must be a sequence, not " + type_name(obj));
         }
+        PyObject* it = PyObject_GetIter(obj);
+        if (it == nullptr) throw py::error_already_set();
+        seq_ = PySequence_List(it);
+        Py_DECREF(it);
+        if (seq_ == nullptr) throw py::error_already_set();
     }
     FastSequence(const FastSequence&) = delete;
     FastSequence& operator=(const FastSequence&) = delete;
