@@ -560,3 +560,30 @@ def test_non_iterables_still_get_our_type_error() -> None:
         _native.multi_buffer_arrays([5], [[1]])
     with pytest.raises(TypeError, match="sequence"):
         db.prepare_values(5, [1])  # type: ignore[arg-type]
+
+
+def test_register_kv_caches_refuses_a_cache_without_blocks() -> None:
+    # vLLM reads cache[0] first (IndexError); the mirror registered a region at address 0 with 16-byte blocks.
+    layout = M.RankLocalStoreLayout(M.KeyMetadata("m", 0, 0, 0, 0), 16, 16)
+    empty = FakeTensor(ptr=0, nbytes=0)
+    empty.shape = (0, 8)
+    for num_blocks in (0, 1):
+        with pytest.raises(IndexError):
+            layout.register_kv_caches([empty], num_blocks)
+    assert (layout.kv_caches_base_addr, layout.block_len) == ([], [])
+
+
+@pytest.mark.vllm
+def test_register_kv_caches_of_an_empty_tensor_matches_vllm() -> None:
+    v = vllm_data()
+    torch = pytest.importorskip("torch")
+    for num_blocks in (0, 1):
+        outcomes = []
+        for module in (M, v):
+            layout = module.RankLocalStoreLayout(module.KeyMetadata("m", 0, 0, 0, 0), 16, 16)
+            try:
+                layout.register_kv_caches([torch.zeros(0, 4)], num_blocks)
+                outcomes.append((layout.kv_caches_base_addr, layout.block_len))
+            except IndexError:
+                outcomes.append("IndexError")
+        assert outcomes[0] == outcomes[1] == "IndexError"

@@ -279,6 +279,8 @@ class RankLocalStoreLayout(_EngineLayout):
             shape, strides, element_size, data_ptr = _geometry(cache)
             if not shape:
                 raise IndexError("invalid index of a 0-dim tensor: a KV cache needs a block dimension")
+            if shape[0] == 0:  # vLLM reads block 0 (cache[0]) first: no region is derived from an empty cache
+                raise IndexError("index 0 is out of bounds for dimension 0 with size 0")
             storage = cache.untyped_storage()
             storage_addr = operator.index(storage.data_ptr())
             storage_len = operator.index(storage.nbytes())
