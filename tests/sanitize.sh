@@ -50,6 +50,14 @@ if [[ ${SANITIZE_DRIVER:-1} != 0 ]] && python3 -c "import mooncake.store" 2>/dev
     tests+=(test_transfer_modes.py test_transfer.py test_transfer_safety.py test_staged_plan.py
             test_native_client.py test_native_client_driver.py)
 fi
+# pytest runs from tests/: accept test paths given from the repository root too (tests/test_x.py).
+if (($#)); then
+    args=()
+    for arg in "$@"; do
+        if [[ $arg == tests/* && -e "$root/$arg" ]]; then args+=("${arg#tests/}"); else args+=("$arg"); fi
+    done
+    set -- "${args[@]}"
+fi
 libasan=$(${cxx} -print-file-name=libasan.so)
 libubsan=$(${cxx} -print-file-name=libubsan.so)
 cd "$root/tests"
