@@ -587,3 +587,61 @@ def test_register_kv_caches_of_an_empty_tensor_matches_vllm() -> None:
             except IndexError:
                 outcomes.append("IndexError")
         assert outcomes[0] == outcomes[1] == "IndexError"
+
+
+class ClaimsHuge:
+    """A hash sequence whose __len__ claims 2**62 items; it really has 4."""
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, index: int) -> bytes:
+        return HASHES[index]
+
+
+@pytest.mark.parametrize("which", ["seed", "vllm mirror"])
+def test_process_tokens_walks_in_bounded_windows_whatever_len_claims(which: str) -> None:
+    # The whole walk was computed up front from len(block_hashes): 2**31 chunks (64 GiB of positions, then
+    # three lists) for a lying __len__ before the first chunk was yielded. The reference reads lazily.
+    import tracemalloc
+
+    md = M.KeyMetadata("m", 0, 0, 0, 0)
+    db: Any = ChunkedTokenDatabase(MD, 16, 16) if which == "seed" else M.ChunkedTokenDatabase(md, 16, 16)
+    tracemalloc.start()
+    try:
+        walk = db.process_tokens(2**22 * 16, ClaimsHuge())
+        first = [next(walk) for _ in range(4)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert first == [(16 * i, 16 * i + 16, HASHES[i]) for i in range(4)]
+    assert peak < 32 << 20, peak
+    with pytest.raises(IndexError):  # the fifth hash does not exist: the reference's error, at the same point
+        next(walk)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "list", "tuple", "sequence"])
+def test_windowed_walks_equal_one_walk(monkeypatch: pytest.MonkeyPatch, mask_kind: str) -> None:
+    from mooncake_kvaddr.core import walk as walk_module
+
+    monkeypatch.setattr(walk_module, "WINDOW", 5)
+    monkeypatch.setattr(walk_module, "_ALL", (True,) * 5)
+    hashes = [bytes([i]) for i in range(40)]
+    flags = [i % 3 != 1 for i in range(30)]
+
+    class Flags:
+        def __len__(self) -> int:
+            return len(flags)
+
+        def __getitem__(self, index: int) -> bool:
+            return flags[index]
+
+    mask: Any = {"none": None, "list": flags, "tuple": tuple(flags), "sequence": Flags()}[mask_kind]
+    native = ChunkedTokenDatabase(MD, 16, 4)
+    oracle = OracleChunkedTokenDatabase(MD, 16, 4)
+    for mask_num in (-5, 0, 7, 16, 33):
+        for step, rank in ((1, 0), (3, 2)):
+            got = list(native.process_tokens(160, hashes, mask_num, chunk_mask=mask, put_step=step, put_step_rank=rank))
+            want = list(oracle.process_tokens(160, hashes, mask_num, chunk_mask=None if mask is None else flags,
+                                              put_step=step, put_step_rank=rank))
+            assert got == want

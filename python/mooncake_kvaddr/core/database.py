@@ -30,6 +30,7 @@ from mooncake_kvaddr._native import AddressTable, build_key, chunk_walk
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.keys import Hashes, _unwrap, build_keys
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.core.walk import walk_windows
 
 #: Default memory cap of the per-block-id address-row cache, per database: 64 MiB. A cached row costs about
 #: ``64 + 40 * R`` bytes for ``R`` regions, so the default holds ~16K blocks at 100 regions (~4K at 400);
@@ -354,9 +355,9 @@ class ChunkedTokenDatabase:
         chunk) skips chunks, ``put_step``/``put_step_rank`` stripe absolute chunk ids across ranks. Hashes are
         read only for yielded chunks. Nothing runs until the first iteration.
         """
-        starts, ends, hash_indices = chunk_walk(
+        # In windows of core.walk.WINDOW chunks: memory stays bounded whatever len(block_hashes) claims.
+        for start, end, index in walk_windows(
             token_len, len(block_hashes), self.block_size, self.hash_block_size, mask_num, chunk_mask,
             put_step, put_step_rank,
-        )
-        for start, end, index in zip(starts, ends, hash_indices):
+        ):
             yield start, end, block_hashes[index]

@@ -29,6 +29,7 @@ import numpy.typing as npt
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.core.walk import walk_windows
 
 StoreShardId = int
 #: Physical ranks encoded in a rank-local key: (TP, PCP, DCP, PP).
@@ -532,9 +533,9 @@ class LayoutTokenDatabase:
         mask_num = operator.index(mask_num)
         aligned = max(0, -(-mask_num // self.block_size)) * self.block_size
         aligned = min(aligned, (2**63 - 1) // self.block_size * self.block_size)
-        starts, ends, hash_indices = _native.chunk_walk(
+        # In windows of core.walk.WINDOW chunks: memory stays bounded whatever len(block_hashes) claims.
+        for start, end, index in walk_windows(
             token_len, len(block_hashes), self.block_size, self.hash_block_size, aligned, chunk_mask,
             put_step, put_step_rank,
-        )
-        for start, end, index in zip(starts, ends, hash_indices):
+        ):
             yield start, end, block_hashes[index]
