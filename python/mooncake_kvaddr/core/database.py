@@ -356,8 +356,9 @@ class ChunkedTokenDatabase:
         read only for yielded chunks. Nothing runs until the first iteration.
         """
         # In windows of core.walk.WINDOW chunks: memory stays bounded whatever len(block_hashes) claims.
-        for start, end, index in walk_windows(
+        for starts, ends, hash_indices in walk_windows(
             token_len, len(block_hashes), self.block_size, self.hash_block_size, mask_num, chunk_mask,
             put_step, put_step_rank,
         ):
-            yield start, end, block_hashes[index]
+            for start, end, index in zip(starts, ends, hash_indices):
+                yield start, end, block_hashes[index]

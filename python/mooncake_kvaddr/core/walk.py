@@ -47,9 +47,10 @@ def walk_windows(
     chunk_mask: Sequence[Any] | None,
     put_step: int,
     put_step_rank: int,
-) -> Iterator[tuple[int, int, int]]:
-    """``(start, end, hash index)`` of ``chunk_walk(...)`` (first chunk ``max(0, mask_num // block_size)``,
-    ``chunk_mask`` relative to it), computed ``WINDOW`` chunks at a time."""
+) -> Iterator[tuple[list[int], list[int], list[int]]]:
+    """The ``(starts, ends, hash indices)`` lists of ``chunk_walk(...)`` (first chunk
+    ``max(0, mask_num // block_size)``, ``chunk_mask`` relative to it), one triple per window of at most
+    ``WINDOW`` chunks."""
     token_len = operator.index(token_len)
     mask_num = operator.index(mask_num)
     first = max(0, mask_num // block_size)
@@ -58,8 +59,8 @@ def walk_windows(
     if mask_len is not None:
         stop = min(stop, first + mask_len)
     if stop - first <= WINDOW or n_hashes == 0:  # the common case: one call with the caller's own arguments
-        yield from zip(*chunk_walk(token_len, n_hashes, block_size, hash_block_size, mask_num, chunk_mask,
-                                   put_step, put_step_rank))
+        yield chunk_walk(token_len, n_hashes, block_size, hash_block_size, mask_num, chunk_mask, put_step,
+                         put_step_rank)
         return
     window_first = first
     window_mask_num = mask_num  # the first call gets the caller's value: it validates everything
@@ -72,7 +73,7 @@ def walk_windows(
             window = chunk_mask[window_first - first : window_first - first + length]
         else:
             window = _MaskWindow(chunk_mask, window_first - first, length)
-        yield from zip(*chunk_walk(token_len, n_hashes, block_size, hash_block_size, window_mask_num, window,
-                                   put_step, put_step_rank))
+        yield chunk_walk(token_len, n_hashes, block_size, hash_block_size, window_mask_num, window, put_step,
+                         put_step_rank)
         window_first += length
         window_mask_num = window_first * block_size  # an exact multiple: the next window starts there
