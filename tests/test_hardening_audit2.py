@@ -645,3 +645,14 @@ def test_windowed_walks_equal_one_walk(monkeypatch: pytest.MonkeyPatch, mask_kin
             want = list(oracle.process_tokens(160, hashes, mask_num, chunk_mask=None if mask is None else flags,
                                               put_step=step, put_step_rank=rank))
             assert got == want
+
+
+def test_one_native_walk_is_bounded() -> None:
+    # 2**31 chunks were accepted: 64 GiB of positions for a lying n_hashes, before any list was built.
+    with pytest.raises(ValueError, match="limit"):
+        _native.chunk_walk(2**25 * 16, 2**62, 16, 16, 0, None, 1, 0)
+    db, _ = seed_pair()
+    with pytest.raises(ValueError, match="limit"):
+        db.walk_load(2**25 * 16, ClaimsHuge())
+    starts, _, _ = _native.chunk_walk(2**16 * 16, 2**62, 16, 16, 0, None, 1, 0)
+    assert len(starts) == 2**16

@@ -256,7 +256,10 @@ py::list reduce_exists(py::handle results, py::handle widths) {
 
 }  // namespace
 
-constexpr int64_t kMaxWalkChunks = int64_t{1} << 31;
+// 16 Mi chunks (268M tokens at block_size 16, far beyond any context): one walk's positions and keys stay a
+// few GiB at most even when a lying __len__ (chunk_walk's n_hashes) makes the walk as long as it may be.
+// process_tokens walks in windows (core/walk.py), so only one call over a longer walk is refused.
+constexpr int64_t kMaxWalkChunks = int64_t{1} << 24;
 
 // Shared by process_tokens and the fused plans: validates like the reference's asserts (AssertionError
 // subclass), then walks. `mask` is a relative chunk mask (absolute=false) or an absolute one (load path).
