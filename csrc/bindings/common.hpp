@@ -10,8 +10,12 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <typeinfo>
+#include <utility>
+#include <vector>
 
 namespace kvaddr::py_bindings {
 
@@ -59,16 +63,62 @@ inline int64_t as_int64(PyObject* obj, const char* what) {
 }
 inline int64_t as_int64(const py::handle& obj, const std::string& what) { return as_int64(obj.ptr(), what.c_str()); }
 
+// A non-negative int (or __index__ object) as a size in bytes or cells: as_int64, then ValueError below 0.
+inline std::size_t as_size(PyObject* obj, const char* what) {
+    const int64_t value = as_int64(obj, what);
+    if (value < 0) raise(PyExc_ValueError, std::string(what) + " must be >= 0, got " + std::to_string(value));
+    return static_cast<std::size_t>(value);
+}
+
+// The C++ object of a bound class C behind `self`. An instance made by C.__new__(C) (or a base's __new__)
+// without __init__ has no constructed C: pybind11 would hand a method raw, uninitialised memory, so every
+// method of our classes goes through this check (TypeError instead).
+template <typename C>
+C& constructed(py::handle self) {
+    static py::detail::type_info* const info = py::detail::get_type_info(typeid(C));
+    if (info == nullptr || !PyObject_TypeCheck(self.ptr(), info->type)) {
+        raise(PyExc_TypeError, "this method needs a " + std::string(info ? info->type->tp_name : "bound") +
+                                   " instance, not " + type_name(self.ptr()));
+    }
+    auto* inst = reinterpret_cast<py::detail::instance*>(self.ptr());
+    py::detail::value_and_holder vh = inst->get_value_and_holder(info, false);
+    if (!vh || !vh.holder_constructed() || vh.template value_ptr<C>() == nullptr) {
+        raise(PyExc_TypeError, std::string(info->type->tp_name) +
+                                   " object is not initialised (made by __new__ without __init__)");
+    }
+    return *vh.template value_ptr<C>();
+}
+
+// Method adapters for .def: the bound callable takes `self` as a handle and checks it with constructed<C>.
+template <typename C, typename R, typename... A>
+auto checked(R (C::*f)(A...)) {
+    return [f](py::handle self, A... args) -> R { return (constructed<C>(self).*f)(std::forward<A>(args)...); };
+}
+template <typename C, typename R, typename... A>
+auto checked(R (C::*f)(A...) const) {
+    return [f](py::handle self, A... args) -> R { return (constructed<C>(self).*f)(std::forward<A>(args)...); };
+}
+
 // Owning wrapper over PySequence_Fast: O(1) indexing for lists and tuples, one copy for other iterables.
 class FastSequence {
 public:
     FastSequence(PyObject* obj, const char* what) {
-        seq_ = PySequence_Fast(obj, "");
-        if (seq_ == nullptr) {
-            if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();  // the user's own error
-            PyErr_Clear();
+        if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+            Py_INCREF(obj);
+            seq_ = obj;
+            return;
+        }
+        // PySequence_Fast by hand: it rewords every TypeError of the object's own __iter__ as its message.
+        // Ours to word only when `obj` cannot be iterated at all; an exception of its own __iter__ or __next__
+        // (a TypeError too) comes out unchanged.
+        if (Py_TYPE(obj)->tp_iter == nullptr && !PySequence_Check(obj)) {
             raise(PyExc_TypeError, std::string(what) + " must be a sequence, not " + type_name(obj));
         }
+        PyObject* it = PyObject_GetIter(obj);
+        if (it == nullptr) throw py::error_already_set();
+        seq_ = PySequence_List(it);
+        Py_DECREF(it);
+        if (seq_ == nullptr) throw py::error_already_set();
     }
     FastSequence(const FastSequence&) = delete;
     FastSequence& operator=(const FastSequence&) = delete;
@@ -89,6 +139,10 @@ private:
 
 // An owned buffer export, released by the destructor on every path (errors included): a bytearray stays
 // resizable once the call returns or raises. Move-only.
+//
+// A C-contiguous buffer is read in place (and locked while held). A strided one (a memoryview slice with a
+// step, a transposed array) is copied once, in logical C order: its bytes as bytes(obj) and obj.hex() read
+// them, so a key built from it equals the reference's instead of raising BufferError.
 class BufferView {
 public:
     BufferView() = default;
@@ -96,28 +150,70 @@ public:
     BufferView& operator=(const BufferView&) = delete;
     ~BufferView() { release(); }
 
-    // Exports `obj` as C-contiguous bytes (any format: lengths count bytes); TypeError naming `what`.
+    // Exports `obj` as bytes (any format: lengths count bytes); TypeError naming `what`.
     void acquire(PyObject* obj, const std::string& what) {
         release();
         if (PyUnicode_Check(obj) || !PyObject_CheckBuffer(obj)) {
             raise(PyExc_TypeError, what + " must be bytes-like, not " + type_name(obj));
         }
-        if (PyObject_GetBuffer(obj, &view_, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
-        held_ = true;
+        if (PyObject_GetBuffer(obj, &view_, PyBUF_C_CONTIGUOUS) == 0) {
+            held_ = true;
+            return;
+        }
+        // CPython's exporters refuse a contiguous request with BufferError, numpy's with ValueError; then a
+        // strided request is made, and its own error (if any) is the one raised.
+        if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError)) {
+            throw py::error_already_set();
+        }
+        PyErr_Clear();
+        Py_buffer strided{};
+        if (PyObject_GetBuffer(obj, &strided, PyBUF_RECORDS_RO) != 0) throw py::error_already_set();
+        if (strided.len > kMaxStridedCopy) {  // a broadcast view may claim far more bytes than exist
+            const Py_ssize_t len = strided.len;
+            PyBuffer_Release(&strided);
+            raise(PyExc_BufferError, what + " is a non-contiguous buffer of " + std::to_string(len) +
+                                         " bytes: only up to 256 MiB are copied (pass a contiguous buffer)");
+        }
+        copy_.resize(static_cast<std::size_t>(strided.len));
+        const int rc = PyBuffer_ToContiguous(copy_.data(), &strided, strided.len, 'C');
+        PyBuffer_Release(&strided);
+        if (rc != 0) {
+            copy_.clear();
+            throw py::error_already_set();
+        }
+        copied_ = true;
     }
     void release() noexcept {
         if (held_) {
             held_ = false;
             PyBuffer_Release(&view_);
         }
+        if (copied_) {
+            copied_ = false;
+            copy_.clear();
+        }
     }
-    bool held() const noexcept { return held_; }
-    const uint8_t* data() const noexcept { return static_cast<const uint8_t*>(view_.buf); }
-    std::size_t size() const noexcept { return static_cast<std::size_t>(view_.len); }
+    bool held() const noexcept { return held_ || copied_; }
+    const uint8_t* data() const noexcept {
+        return copied_ ? copy_.data() : static_cast<const uint8_t*>(view_.buf);
+    }
+    std::size_t size() const noexcept { return copied_ ? copy_.size() : static_cast<std::size_t>(view_.len); }
 
 private:
+    static constexpr Py_ssize_t kMaxStridedCopy = Py_ssize_t{1} << 28;
+
     Py_buffer view_{};
     bool held_ = false;
+    bool copied_ = false;
+    std::vector<uint8_t> copy_;
 };
+
+// A flag argument the reference tests with `if flag`: its truth value, the caller's __bool__/__len__ exception
+// unchanged (pybind11's bool caster would replace it with "incompatible function arguments").
+inline bool as_flag(py::handle obj) {
+    const int truth = PyObject_IsTrue(obj.ptr());
+    if (truth < 0) throw py::error_already_set();
+    return truth == 1;
+}
 
 }  // namespace kvaddr::py_bindings

@@ -60,9 +60,13 @@ bool refused_container(PyObject* obj) {
 
 }  // namespace
 
+bool is_exact_ndarray(py::handle obj) {
+    return Py_TYPE(obj.ptr()) == py::detail::npy_api::get().PyArray_Type_;
+}
+
 ChunkSpans parse_chunks(py::handle chunks, int64_t block_size, int64_t hash_block_size, bool allow_array) {
     ChunkSpans out;
-    if (allow_array && py::isinstance<py::array>(chunks)) {
+    if (allow_array && is_exact_ndarray(chunks)) {
         auto arr = py::reinterpret_borrow<py::array>(chunks);
         const char kind = arr.dtype().kind();
         // uint64 is not converted by a cast (values near 2**64 would wrap): it goes through the int path below.
@@ -114,14 +118,16 @@ BlockIdSource::BlockIdSource(py::handle obj) : obj_(py::reinterpret_borrow<py::o
         length_ = PyTuple_GET_SIZE(o);
         return;
     }
-    if (py::isinstance<py::array>(obj)) {
+    if (is_exact_ndarray(obj)) {
         auto arr = py::reinterpret_borrow<py::array>(obj);
         const char kind = arr.dtype().kind();
         if ((kind == 'i' || kind == 'u') && !arr.dtype().attr("isnative").cast<bool>()) {
             // Items are read below as native-endian integers: a byte-swapped array (dtype '>i8' on this
             // machine) is converted to the same type in native order first (numpy's C code, no user code), and
             // that copy is what we hold and read.
-            arr = py::reinterpret_borrow<py::array>(arr.attr("astype")(arr.dtype().attr("newbyteorder")("=")));
+            py::object copy = arr.attr("astype")(arr.dtype().attr("newbyteorder")("="));
+            if (!is_exact_ndarray(copy)) raise(PyExc_TypeError, "block_ids: a byte-swapped array did not convert");
+            arr = py::reinterpret_borrow<py::array>(copy);
             obj_ = arr;
         }
         if (kind != 'i' && kind != 'u') {

@@ -28,7 +28,7 @@ ChunkSpans parse_chunk_items(const FastSequence& items, int64_t block_size, int6
 std::unique_ptr<FastSequence> chunk_sequence(py::handle chunks);
 
 // The block ids of a request: a list, a tuple, a 1-D integer ndarray or another sequence with __len__ and
-// __getitem__ (read by index, like the reference). dict, set, str, bytes and bytearray are refused with
+// __getitem__ (read by index, like the reference; an ndarray subclass is such a sequence). dict, set, str, bytes and bytearray are refused with
 // TypeError. Only the entries a call needs are read. Holds a strong reference to the container.
 class BlockIdSource {
 public:
@@ -56,6 +56,11 @@ private:
 // out of range → IndexError). `id_objects[c]` receives the item when it can be returned as is.
 void resolve_block_ids(const BlockIdSource& ids, const std::vector<int64_t>& starts, int64_t block_size,
                        std::vector<ChunkPlan>* plans, std::vector<py::object>* id_objects);
+
+// True for a numpy.ndarray itself, false for a subclass: only the exact type's memory is read directly. A
+// subclass (np.memmap, a masked array, a user class overriding __getitem__/__len__/astype) is read through
+// its own methods, as the reference's block_ids[i] reads it, and no method of it is ever called to convert it.
+bool is_exact_ndarray(py::handle obj);
 
 // TypeError unless `obj` may be read as a sequence of flags or ints (dict, set, str, bytes are refused).
 void refuse_non_sequence(py::handle obj, const char* what);

@@ -42,8 +42,10 @@ LoadChunks walk_load(const AddressTable& table, py::handle prefix, py::handle ha
 
 }  // namespace
 
-py::tuple plan_load(AddressTable& table, py::handle prefix, py::handle hashes, py::handle hash_len, int64_t token_len,
-                    int64_t mask_num, py::handle load_mask, py::handle block_ids) {
+py::tuple plan_load(AddressTable& table, py::handle prefix, py::handle hashes, py::handle hash_len,
+                    py::handle token_len_arg, py::handle mask_num_arg, py::handle load_mask, py::handle block_ids) {
+    const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
+    const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
     LoadChunks load = walk_load(table, prefix, hashes, hash_len, token_len, mask_num, load_mask);
     if (load.spans.plans.empty()) return py::make_tuple(std::move(load.keys), py::list(), py::list(), py::list());
     const Snapshot snapshot = table.sync_regions();
@@ -55,8 +57,11 @@ py::tuple plan_load(AddressTable& table, py::handle prefix, py::handle hashes, p
 }
 
 py::tuple plan_load_arrays(AddressTable& table, py::handle prefix, py::handle hashes, py::handle hash_len,
-                           int64_t token_len, int64_t mask_num, py::handle load_mask, py::handle block_ids,
-                           int64_t slot_alignment) {
+                           py::handle token_len_arg, py::handle mask_num_arg, py::handle load_mask, py::handle block_ids,
+                           py::handle slot_alignment_arg) {
+    const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
+    const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
+    const int64_t slot_alignment = as_int64(slot_alignment_arg.ptr(), "slot_alignment");
     if (slot_alignment <= 0 || (slot_alignment & (slot_alignment - 1)) != 0) {
         raise(PyExc_ValueError, "slot_alignment must be a positive power of two, got " + std::to_string(slot_alignment));
     }
@@ -89,9 +94,14 @@ py::tuple plan_load_arrays(AddressTable& table, py::handle prefix, py::handle ha
                           total);
 }
 
-py::tuple plan_store(AddressTable& table, py::handle prefix, py::handle hashes, py::handle hash_len, int64_t token_len,
-                     int64_t mask_num, py::handle chunk_mask, int64_t put_step, int64_t put_step_rank,
-                     py::handle block_ids, bool skip_null) {
+py::tuple plan_store(AddressTable& table, py::handle prefix, py::handle hashes, py::handle hash_len,
+                     py::handle token_len_arg, py::handle mask_num_arg, py::handle chunk_mask, py::handle put_step_arg,
+                     py::handle put_step_rank_arg, py::handle block_ids, py::handle skip_null_arg) {
+    const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
+    const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
+    const int64_t put_step = as_int64(put_step_arg.ptr(), "put_step");
+    const int64_t put_step_rank = as_int64(put_step_rank_arg.ptr(), "put_step_rank");
+    const bool skip_null = as_flag(skip_null_arg);
     KeyWriter writer(prefix);
     HashSource source(hashes, hash_len);
     const WalkParams params{token_len, table.block_size(), table.hash_block_size(), mask_num, put_step, put_step_rank};

@@ -60,7 +60,10 @@ private:
         require_region_sequence(obj, what);  // dict/set/str/bytes/iterators refused, as for set_regions
         FastSequence seq(obj.ptr(), what);
         std::vector<int64_t> out;
-        for (Py_ssize_t i = 0; i < seq.size(); ++i) out.push_back(as_int64(seq.at(i).ptr(), what));
+        // At most the length it had at the start (an __index__ that keeps appending is not followed), and only
+        // what is still there (one that empties the list ends the read).
+        const Py_ssize_t n = seq.size();
+        for (Py_ssize_t i = 0; i < n && i < seq.size(); ++i) out.push_back(as_int64(seq.at(i).ptr(), what));
         return out;
     }
 

@@ -90,6 +90,11 @@ KeyWriter::KeyWriter(py::handle prefix) {
 }
 
 PyObject* KeyWriter::make(const uint8_t* hash, std::size_t length) const {
+    // 2 * length + the prefix and '@' must fit in Py_ssize_t (a buffer claiming 2**62 bytes, e.g. a numpy
+    // view made with as_strided, would otherwise overflow the size computation).
+    if (length > static_cast<std::size_t>((PY_SSIZE_T_MAX - prefix_len_ - 1) / 2)) {
+        raise(PyExc_OverflowError, "a hash of " + std::to_string(length) + " bytes makes a key too long");
+    }
     const Py_ssize_t size = prefix_len_ + 1 + 2 * static_cast<Py_ssize_t>(length);
     PyObject* key = PyUnicode_New(size, max_char_);
     if (key == nullptr) throw py::error_already_set();
@@ -158,6 +163,8 @@ py::str build_key(py::handle prefix, py::handle hash) {
 // Hash-major, then prefix in the given order (docs/address-rows.md, "Keys"): hex is written once per hash per prefix.
 py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle hash_len) {
     if (PyUnicode_Check(prefixes.ptr())) raise(PyExc_TypeError, "prefixes must be a sequence of str, not one str");
+    // A set's order is arbitrary and a dict would be read by its keys: the key order must be the caller's.
+    refuse_non_sequence(prefixes, "prefixes");
     FastSequence prefix_seq(prefixes.ptr(), "prefixes");
     std::vector<KeyWriter> writers;
     writers.reserve(static_cast<std::size_t>(prefix_seq.size()));
@@ -186,9 +193,17 @@ std::vector<int64_t> exist_values(py::handle results) {
     std::vector<int64_t> values(static_cast<std::size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
         py::object item = seq.at(i);
+        // An __index__ object (a numpy integer) is read like an int: a value outside int64 is absent, not an
+        // OverflowError (the same result as the int 2**64 - 1 gives).
+        if (!PyLong_Check(item.ptr())) {
+            if (!PyIndex_Check(item.ptr())) {
+                raise(PyExc_TypeError, "exist result must be an int, not " + type_name(item.ptr()));
+            }
+            item = py::reinterpret_steal<py::object>(PyNumber_Index(item.ptr()));
+            if (!item) throw py::error_already_set();
+        }
         int overflow = 0;
-        long long v = PyLong_Check(item.ptr()) ? PyLong_AsLongLongAndOverflow(item.ptr(), &overflow)
-                                               : as_int64(item.ptr(), "exist result");
+        const long long v = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
         if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
         values[static_cast<std::size_t>(i)] = overflow != 0 ? 0 : static_cast<int64_t>(v);
     }
@@ -241,7 +256,10 @@ py::list reduce_exists(py::handle results, py::handle widths) {
 
 }  // namespace
 
-constexpr int64_t kMaxWalkChunks = int64_t{1} << 31;
+// 16 Mi chunks (268M tokens at block_size 16, far beyond any context): one walk's positions and keys stay a
+// few GiB at most even when a lying __len__ (chunk_walk's n_hashes) makes the walk as long as it may be.
+// process_tokens walks in windows (core/walk.py), so only one call over a longer walk is refused.
+constexpr int64_t kMaxWalkChunks = int64_t{1} << 24;
 
 // Shared by process_tokens and the fused plans: validates like the reference's asserts (AssertionError
 // subclass), then walks. `mask` is a relative chunk mask (absolute=false) or an absolute one (load path).
@@ -305,9 +323,18 @@ std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle 
 
 namespace {
 
-py::tuple chunk_walk(int64_t token_len, int64_t n_hashes, int64_t block_size, int64_t hash_block_size,
-                     int64_t mask_num, py::handle chunk_mask, int64_t put_step, int64_t put_step_rank,
-                     bool absolute_mask) {
+// Ints are handles converted with as_int64 (not pybind11's casters, which truncate floats through __int__ and
+// replace an __index__ exception), in argument order.
+py::tuple chunk_walk(py::handle token_len_arg, py::handle n_hashes_arg, py::handle block_size_arg,
+                     py::handle hash_block_size_arg, py::handle mask_num_arg, py::handle chunk_mask,
+                     py::handle put_step_arg, py::handle put_step_rank_arg, bool absolute_mask) {
+    const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
+    const int64_t n_hashes = as_int64(n_hashes_arg.ptr(), "n_hashes");
+    const int64_t block_size = as_int64(block_size_arg.ptr(), "block_size");
+    const int64_t hash_block_size = as_int64(hash_block_size_arg.ptr(), "hash_block_size");
+    const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
+    const int64_t put_step = as_int64(put_step_arg.ptr(), "put_step");
+    const int64_t put_step_rank = as_int64(put_step_rank_arg.ptr(), "put_step_rank");
     if (block_size <= 0 || hash_block_size <= 0) raise(PyExc_ValueError, "block sizes must be positive");
     WalkParams p{token_len, block_size, hash_block_size, mask_num, put_step, put_step_rank};
     const std::vector<WalkedChunk> chunks = walk(p, n_hashes, chunk_mask, absolute_mask);

@@ -53,16 +53,17 @@ PyObject* list_from_tuple(PyObject* row) {
     return new_int_list(reinterpret_cast<PyTupleObject*>(row)->ob_item, count);
 }
 
-// Only lists, tuples and integer arrays: a dict, set or str is a caller bug, not a sequence of ids.
+// Only lists, tuples and integer arrays (an ndarray subclass is read through its own methods, see
+// is_exact_ndarray): a dict, set or str is a caller bug, not a sequence of ids.
 void check_id_container(PyObject* obj, const char* what) {
-    if (PyList_Check(obj) || PyTuple_Check(obj)) return;
+    if (PyList_Check(obj) || PyTuple_Check(obj) || py::isinstance<py::array>(obj)) return;
     raise(PyExc_TypeError, std::string(what) + " must be a list, tuple or 1-D integer array, not " + type_name(obj));
 }
 
 // An integer ndarray of 1 dimension as int64 values (uint64 beyond int64 → OverflowError); empty optional
 // when `obj` is not an ndarray. TypeError for other dtypes or shapes.
 bool array_values(py::handle obj, const char* what, std::vector<int64_t>* out) {
-    if (!py::isinstance<py::array>(obj)) return false;
+    if (!is_exact_ndarray(obj)) return false;
     py::array arr = py::reinterpret_borrow<py::array>(obj);
     const char kind = arr.dtype().kind();
     if (arr.ndim() != 1 || (kind != 'i' && kind != 'u')) {
@@ -96,15 +97,18 @@ std::vector<int64_t> int_values(py::handle obj, const char* what) {
     if (array_values(obj, what, &values)) return values;
     check_id_container(obj.ptr(), what);
     FastSequence seq(obj.ptr(), what);
-    values.reserve(static_cast<std::size_t>(seq.size()));
-    for (Py_ssize_t i = 0; i < seq.size(); ++i) values.push_back(as_int64(seq.at(i).ptr(), what));
+    // The length is read once: a callback (__index__) that grows the list is not followed, one that shrinks it
+    // makes seq.at raise (the same rule everywhere below).
+    const Py_ssize_t n = seq.size();
+    values.reserve(static_cast<std::size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) values.push_back(as_int64(seq.at(i).ptr(), what));
     return values;
 }
 
 // (start, end) of every chunk: a list/tuple of tuples/lists (only items 0 and 1 are read, as vLLM does), or
 // an (n, 2) integer array.
 void chunk_bounds(py::handle chunks, std::vector<int64_t>* starts, std::vector<int64_t>* ends) {
-    if (py::isinstance<py::array>(chunks)) {
+    if (is_exact_ndarray(chunks)) {
         py::array arr = py::reinterpret_borrow<py::array>(chunks);
         const char kind = arr.dtype().kind();
         if (arr.ndim() != 2 || arr.shape(1) < 2 || !(kind == 'i' || (kind == 'u' && arr.itemsize() < 8))) {
@@ -121,7 +125,8 @@ void chunk_bounds(py::handle chunks, std::vector<int64_t>* starts, std::vector<i
     }
     check_id_container(chunks.ptr(), "chunks");
     FastSequence seq(chunks.ptr(), "chunks");
-    for (Py_ssize_t c = 0; c < seq.size(); ++c) {
+    const Py_ssize_t n = seq.size();  // as vLLM's np.fromiter(count=len(chunks)): growth is not followed
+    for (Py_ssize_t c = 0; c < n; ++c) {
         py::object chunk = seq.at(c);
         PyObject* p = chunk.ptr();
         if (!(PyTuple_Check(p) || PyList_Check(p))) {
@@ -210,7 +215,8 @@ public:
             raise(PyExc_ValueError, "expected " + std::to_string(rows_.size()) + " shard templates, got " +
                                         std::to_string(seq.size()));
         }
-        for (Py_ssize_t k = 0; k < seq.size(); ++k) {
+        const Py_ssize_t n_templates = seq.size();
+        for (Py_ssize_t k = 0; k < n_templates; ++k) {
             py::object triple = seq.at(k);
             FastSequence parts(triple.ptr(), "template");
             if (parts.size() != 3) raise(PyExc_ValueError, "a template is (bases, strides, sizes)");
@@ -272,9 +278,13 @@ public:
     // chunk ending at token_len by the tail-key boundary's hash when `tail_tokens` is given, expand each kept
     // chunk to one key per local shard (keyed under `shard_prefixes[k]`), then its descriptors.
     // Returns (keys, addr rows, size rows, block ids), index-aligned; int64 arrays for the rows when `arrays`.
-    py::tuple plan_load(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, int64_t token_len,
-                        int64_t mask_num, py::handle load_mask, py::handle tail_tokens, py::handle block_ids,
-                        bool arrays) {
+    py::tuple plan_load(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
+                        py::handle mask_num_arg, py::handle load_mask, py::handle tail_tokens, py::handle block_ids,
+                        py::handle arrays_arg) {
+        const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
+        const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
+        const bool arrays = as_flag(arrays_arg);
+        refuse_non_sequence(shard_prefixes, "shard_prefixes");
         FastSequence prefix_seq(shard_prefixes.ptr(), "shard_prefixes");
         if (static_cast<std::size_t>(prefix_seq.size()) != rows_.size()) {
             raise(PyExc_ValueError, "expected one key prefix per local shard (" + std::to_string(rows_.size()) + ")");
@@ -287,9 +297,12 @@ public:
         HashSource source(hashes, hash_len);
 
         // vLLM 0.32+ starts at ceil(mask_num / block_size): the walk takes a block-aligned mask_num.
+        // When first * block_size does not fit, the walk is empty in vLLM (the first chunk lies past every
+        // chunk of token_len): the largest block multiple in int64 gives the same empty walk (walk() needs
+        // token_len + block_size to fit, so its last chunk starts below it) after the same asserts.
         int64_t aligned_mask = 0;
         if (!mul_checked(layout::first_chunk_ceil(mask_num, block_size_), block_size_, &aligned_mask)) {
-            raise(PyExc_OverflowError, "mask_num overflows int64");
+            aligned_mask = INT64_MAX / block_size_ * block_size_;
         }
         WalkParams params{token_len, block_size_, hash_block_size_, aligned_mask, 1, 0};
         const std::vector<WalkedChunk> walked = walk(params, source.size(), load_mask, true);
@@ -427,7 +440,12 @@ private:
         }
         take_snapshot(p);
         chunk_bounds(chunks, &p.starts, &p.ends);
-        if (p.starts.size() != shards.size()) raise(PyExc_RuntimeError, "chunks changed size during the call");
+        if (p.starts.size() != shards.size()) {
+            if (PyList_CheckExact(chunks.ptr())) raise(PyExc_RuntimeError, "chunks changed size during the call");
+            // Not an exact list: nothing but its own __len__ can disagree with its items.
+            raise(PyExc_ValueError, "chunks reported " + std::to_string(n_chunks) + " items (__len__) but gave " +
+                                        std::to_string(p.starts.size()) + ": its __len__ does not match its items");
+        }
         p.shards = std::move(shards);
         validate(p);
         resolve(p, block_ids);
@@ -484,7 +502,8 @@ private:
         }
         check_id_container(block_ids.ptr(), "block_ids");
         if (!PyList_CheckExact(block_ids.ptr()) && !PyTuple_CheckExact(block_ids.ptr())) {
-            resolve_by_index(p, block_ids);  // a subclass: its own __len__/__getitem__, as vLLM's block_ids[i]
+            // A list, tuple or ndarray subclass: its own __len__/__getitem__, as vLLM's block_ids[i].
+            resolve_by_index(p, block_ids);
             return;
         }
         FastSequence ids(block_ids.ptr(), "block_ids");
@@ -679,11 +698,15 @@ private:
         FastSequence base(base_source_.ptr(), "kv_caches_base_addr");
         FastSequence block_len(block_len_source_.ptr(), "block_len");
         std::vector<int64_t> bases, lens;
-        bases.reserve(static_cast<std::size_t>(base.size()));
-        for (Py_ssize_t r = 0; r < base.size(); ++r) bases.push_back(as_int64(base.at(r).ptr(), "kv_caches_base_addr item"));
+        const Py_ssize_t n_regions = base.size();
+        bases.reserve(static_cast<std::size_t>(n_regions));
+        for (Py_ssize_t r = 0; r < n_regions; ++r) {
+            bases.push_back(as_int64(base.at(r).ptr(), "kv_caches_base_addr item"));
+        }
         const bool needs_lens = !bases.empty();
         if (needs_lens) {
-            for (Py_ssize_t i = 0; i < block_len.size(); ++i) lens.push_back(as_int64(block_len.at(i).ptr(), "block_len item"));
+            const Py_ssize_t n_lens = block_len.size();
+            for (Py_ssize_t i = 0; i < n_lens; ++i) lens.push_back(as_int64(block_len.at(i).ptr(), "block_len item"));
         }
         pin_.check(bases, lens);  // the values this call computes from, against a transfer's registration
         if (synced_ && bases == seen_bases_ && lens == seen_lens_) return templates_;
@@ -745,32 +768,48 @@ public:
 void register_layout(py::module_& m) {
     m.def("layout_gil_release_min_cells", []() { return g_layout_gil_release_min_cells; },
           "Cells from which LayoutEngine array outputs release the GIL.");
-    m.def("set_layout_gil_release_min_cells", [](std::size_t cells) { g_layout_gil_release_min_cells = cells; },
-          py::arg("cells"));
+    m.def("set_layout_gil_release_min_cells",
+          [](py::handle cells) { g_layout_gil_release_min_cells = as_size(cells.ptr(), "cells"); }, py::arg("cells"));
+    // Every method goes through checked()/constructed() (common.hpp): an instance made by __new__ without
+    // __init__ raises TypeError. Ints are converted with as_int64/as_size, never pybind11's int casters.
     py::class_<LayoutEngine>(m, "LayoutEngine", "Segment templates of one store layout → Mooncake descriptors.")
-        .def(py::init<int64_t, int64_t, bool, int64_t, int64_t, std::size_t>(), py::arg("block_size"),
-             py::arg("hash_block_size"), py::arg("tp_shared"), py::arg("first_shard"), py::arg("n_shards"),
-             py::arg("cache_bytes"))
-        .def("set_region_sources", &LayoutEngine::set_region_sources, py::arg("kv_caches_base_addr"),
+        .def(py::init([](py::handle block_size, py::handle hash_block_size, bool tp_shared, py::handle first_shard,
+                         py::handle n_shards, py::handle cache_bytes) {
+                 const int64_t bs = as_int64(block_size.ptr(), "block_size");
+                 const int64_t hbs = as_int64(hash_block_size.ptr(), "hash_block_size");
+                 const int64_t first = as_int64(first_shard.ptr(), "first_shard");
+                 const int64_t count = as_int64(n_shards.ptr(), "n_shards");
+                 const std::size_t cache = as_size(cache_bytes.ptr(), "cache_bytes");
+                 return std::make_unique<LayoutEngine>(bs, hbs, tp_shared, first, count, cache);
+             }),
+             py::arg("block_size"), py::arg("hash_block_size"), py::arg("tp_shared"), py::arg("first_shard"),
+             py::arg("n_shards"), py::arg("cache_bytes"))
+        .def("set_region_sources", checked(&LayoutEngine::set_region_sources), py::arg("kv_caches_base_addr"),
              py::arg("block_len"))
-        .def("set_templates", &LayoutEngine::set_templates, py::arg("templates"))
-        .def("prepare_values", &LayoutEngine::prepare_values, py::arg("chunks"), py::arg("block_ids"),
+        .def("set_templates", checked(&LayoutEngine::set_templates), py::arg("templates"))
+        .def("prepare_values", checked(&LayoutEngine::prepare_values), py::arg("chunks"), py::arg("block_ids"),
              py::arg("shard_ids"))
-        .def("prepare_values_array", &LayoutEngine::prepare_values_array, py::arg("chunks"), py::arg("block_ids"),
-             py::arg("shard_ids"))
-        .def("prepare_value_for_block", &LayoutEngine::prepare_value_for_block, py::arg("block_id"))
-        .def("plan_load", &LayoutEngine::plan_load, py::arg("shard_prefixes"), py::arg("hashes"), py::arg("hash_len"),
-             py::arg("token_len"), py::arg("mask_num"), py::arg("load_mask"), py::arg("tail_tokens"),
-             py::arg("block_ids"), py::arg("arrays") = false)
-        .def_property("cache_capacity", &LayoutEngine::cache_capacity, &LayoutEngine::set_cache_capacity)
-        .def_readwrite("immutable_rows", &LayoutEngine::immutable_rows_,
-                       "Rows as shared immutable tuples (no per-call copy) instead of fresh lists.")
-        .def("cache_info", &LayoutEngine::cache_info)
-        .def("clear_cache", &LayoutEngine::clear_cache)
-        .def("pin_regions", &LayoutEngine::pin_regions, py::arg("kv_caches_base_addr"), py::arg("block_len"))
-        .def("unpin_regions", &LayoutEngine::unpin_regions)
-        .def_property_readonly("region_pins", &LayoutEngine::region_pins)
-        .def_property_readonly("segment_count", &LayoutEngine::segment_count);
+        .def("prepare_values_array", checked(&LayoutEngine::prepare_values_array), py::arg("chunks"),
+             py::arg("block_ids"), py::arg("shard_ids"))
+        .def("prepare_value_for_block", checked(&LayoutEngine::prepare_value_for_block), py::arg("block_id"))
+        .def("plan_load", checked(&LayoutEngine::plan_load), py::arg("shard_prefixes"), py::arg("hashes"),
+             py::arg("hash_len"), py::arg("token_len"), py::arg("mask_num"), py::arg("load_mask"),
+             py::arg("tail_tokens"), py::arg("block_ids"), py::arg("arrays") = false)
+        .def_property(
+            "cache_capacity", checked(&LayoutEngine::cache_capacity),
+            [](py::handle self, py::handle bytes) {
+                constructed<LayoutEngine>(self).set_cache_capacity(as_size(bytes.ptr(), "cache_capacity"));
+            })
+        .def_property(
+            "immutable_rows", [](py::handle self) { return constructed<LayoutEngine>(self).immutable_rows_; },
+            [](py::handle self, bool value) { constructed<LayoutEngine>(self).immutable_rows_ = value; },
+            "Rows as shared immutable tuples (no per-call copy) instead of fresh lists.")
+        .def("cache_info", checked(&LayoutEngine::cache_info))
+        .def("clear_cache", checked(&LayoutEngine::clear_cache))
+        .def("pin_regions", checked(&LayoutEngine::pin_regions), py::arg("kv_caches_base_addr"), py::arg("block_len"))
+        .def("unpin_regions", checked(&LayoutEngine::unpin_regions))
+        .def_property_readonly("region_pins", checked(&LayoutEngine::region_pins))
+        .def_property_readonly("segment_count", checked(&LayoutEngine::segment_count));
 }
 
 }  // namespace kvaddr::py_bindings

@@ -31,9 +31,14 @@ py::tuple row_snapshot(PyObject* row, const char* what, Py_ssize_t key) {
     }
     PyObject* tuple = PySequence_Tuple(row);
     if (tuple == nullptr) {
+        // Only "not iterable" is ours to word; an exception raised by the caller's own __iter__/__next__ comes
+        // out unchanged.
+        if (!PyErr_ExceptionMatches(PyExc_TypeError) || Py_TYPE(row)->tp_iter != nullptr || PySequence_Check(row)) {
+            throw py::error_already_set();
+        }
         PyErr_Clear();
-        raise(PyExc_TypeError, std::string(what) + " row " + std::to_string(key) + " must be a sequence of ints, not " +
-                                   type_name(row));
+        raise(PyExc_TypeError, std::string(what) + (key < 0 ? std::string(" rows") : " row " + std::to_string(key)) +
+                                   " must be a sequence of ints, not " + type_name(row));
     }
     return py::reinterpret_steal<py::tuple>(tuple);
 }

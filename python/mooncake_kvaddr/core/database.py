@@ -18,6 +18,7 @@ before the change may still use the old regions.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -29,6 +30,7 @@ from mooncake_kvaddr._native import AddressTable, build_key, chunk_walk
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.keys import Hashes, _unwrap, build_keys
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.core.walk import walk_windows
 
 #: Default memory cap of the per-block-id address-row cache, per database: 64 MiB. A cached row costs about
 #: ``64 + 40 * R`` bytes for ``R`` regions, so the default holds ~16K blocks at 100 regions (~4K at 400);
@@ -98,13 +100,16 @@ class ChunkedTokenDatabase:
         address_cache_bytes: int = DEFAULT_ADDRESS_CACHE_BYTES,
     ) -> None:
         self.metadata = metadata
+        # Exact ints (TypeError for a float such as 32.0 or np.float32(16)): every walk and row uses them.
+        block_size = operator.index(block_size)
         self.block_size = block_size
-        self.hash_block_size = hash_block_size or block_size
+        self.hash_block_size = operator.index(hash_block_size or block_size)
         if block_size <= 0 or self.hash_block_size <= 0 or block_size % self.hash_block_size != 0:
             raise ValueError(
                 f"block_size ({block_size}) must be a positive multiple of "
                 f"hash_block_size ({self.hash_block_size})"
             )
+        address_cache_bytes = operator.index(address_cache_bytes)
         if address_cache_bytes < 0:
             raise ValueError(f"address_cache_bytes must be >= 0, got {address_cache_bytes}")
         self._table = AddressTable(block_size, self.hash_block_size, address_cache_bytes)
@@ -152,6 +157,7 @@ class ChunkedTokenDatabase:
 
     @address_cache_bytes.setter
     def address_cache_bytes(self, value: int) -> None:
+        value = operator.index(value)  # TypeError for floats; a caller's __index__ exception unchanged
         if value < 0:
             raise ValueError(f"address_cache_bytes must be >= 0, got {value}")
         self._table.cache_capacity = value
@@ -349,9 +355,10 @@ class ChunkedTokenDatabase:
         chunk) skips chunks, ``put_step``/``put_step_rank`` stripe absolute chunk ids across ranks. Hashes are
         read only for yielded chunks. Nothing runs until the first iteration.
         """
-        starts, ends, hash_indices = chunk_walk(
+        # In windows of core.walk.WINDOW chunks: memory stays bounded whatever len(block_hashes) claims.
+        for starts, ends, hash_indices in walk_windows(
             token_len, len(block_hashes), self.block_size, self.hash_block_size, mask_num, chunk_mask,
             put_step, put_step_rank,
-        )
-        for start, end, index in zip(starts, ends, hash_indices):
-            yield start, end, block_hashes[index]
+        ):
+            for start, end, index in zip(starts, ends, hash_indices):
+                yield start, end, block_hashes[index]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import overload
@@ -25,6 +26,7 @@ class _HashView(Sequence[BlockHash]):
         n = len(self)
         if isinstance(index, slice):
             return [self._item(i) for i in range(*index.indices(n))]
+        index = operator.index(index)  # an exact int: an int subclass's arithmetic and comparisons are not used
         position = index + n if index < 0 else index
         if not 0 <= position < n:
             raise IndexError(index)
@@ -83,6 +85,11 @@ class BlobBlockHashes(_HashView):
 
     def __init__(self, blob: bytes | bytearray | memoryview, hash_len: int) -> None:
         if isinstance(hash_len, bool) or not isinstance(hash_len, int) or hash_len < 0:
+            raise ValueError(f"hash_len must be a positive int, got {hash_len!r}")
+        # An exact int from here on: an int subclass's own arithmetic (__rmod__, __rfloordiv__) would otherwise
+        # decide the view's length, and a length that disagrees with the blob yields empty hashes.
+        hash_len = operator.index(hash_len)
+        if hash_len < 0:
             raise ValueError(f"hash_len must be a positive int, got {hash_len!r}")
         data: bytes | memoryview
         if type(blob) is bytes:

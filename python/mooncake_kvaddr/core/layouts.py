@@ -29,6 +29,7 @@ import numpy.typing as npt
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.core.walk import walk_windows
 
 StoreShardId = int
 #: Physical ranks encoded in a rank-local key: (TP, PCP, DCP, PP).
@@ -65,10 +66,14 @@ def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
 
 
 def _geometry(cache: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
-    """(shape, element strides, element size, data pointer) of a tensor-like object."""
-    shape = tuple(int(extent) for extent in cache.shape)
-    strides = tuple(int(stride) for stride in cache.stride())
-    return shape, strides, int(cache.element_size()), int(cache.data_ptr())
+    """(shape, element strides, element size, data pointer) of a tensor-like object, as exact ints.
+
+    Each value goes through ``operator.index``: a float, a string or another non-integer (a duck-typed tensor
+    whose ``data_ptr()`` returns ``4096.7`` or ``"4096"``) raises ``TypeError`` instead of being truncated
+    into a wrong region address by ``int()``."""
+    shape = tuple(operator.index(extent) for extent in cache.shape)
+    strides = tuple(operator.index(stride) for stride in cache.stride())
+    return shape, strides, operator.index(cache.element_size()), operator.index(cache.data_ptr())
 
 
 # --- layouts -----------------------------------------------------------------------------------------------
@@ -275,9 +280,11 @@ class RankLocalStoreLayout(_EngineLayout):
             shape, strides, element_size, data_ptr = _geometry(cache)
             if not shape:
                 raise IndexError("invalid index of a 0-dim tensor: a KV cache needs a block dimension")
+            if shape[0] == 0:  # vLLM reads block 0 (cache[0]) first: no region is derived from an empty cache
+                raise IndexError("index 0 is out of bounds for dimension 0 with size 0")
             storage = cache.untyped_storage()
-            storage_addr = int(storage.data_ptr())
-            storage_len = int(storage.nbytes())
+            storage_addr = operator.index(storage.data_ptr())
+            storage_len = operator.index(storage.nbytes())
             if not _is_dense(shape[1:], strides[1:]):
                 for head in range(shape[1]):
                     assert _is_dense(shape[2:], strides[2:]), "a head's block must be one dense range"
@@ -520,11 +527,16 @@ class LayoutTokenDatabase:
             raise AssertionError(f"put_step must be positive, got {put_step}")
         if not block_hashes:
             return
-        # The native walk starts at floor(mask / block_size): hand it the block-aligned ceiling.
+        # The native walk starts at floor(mask / block_size): hand it the block-aligned ceiling. A ceiling past
+        # int64 is an empty walk in vLLM; the largest block multiple in int64 gives the same empty walk (the
+        # native walk needs token_len + block_size to fit, so every chunk starts below it) after the same asserts.
+        mask_num = operator.index(mask_num)
         aligned = max(0, -(-mask_num // self.block_size)) * self.block_size
-        starts, ends, hash_indices = _native.chunk_walk(
+        aligned = min(aligned, (2**63 - 1) // self.block_size * self.block_size)
+        # In windows of core.walk.WINDOW chunks: memory stays bounded whatever len(block_hashes) claims.
+        for starts, ends, hash_indices in walk_windows(
             token_len, len(block_hashes), self.block_size, self.hash_block_size, aligned, chunk_mask,
             put_step, put_step_rank,
-        )
-        for start, end, index in zip(starts, ends, hash_indices):
-            yield start, end, block_hashes[index]
+        ):
+            for start, end, index in zip(starts, ends, hash_indices):
+                yield start, end, block_hashes[index]
