@@ -163,7 +163,15 @@ def int_entry_points() -> dict[str, Any]:
         "LayoutEngine block_size": lambda v: _native.LayoutEngine(v, 16, False, 0, 1, 0),
         "LayoutEngine n_shards": lambda v: _native.LayoutEngine(16, 16, True, 0, v, 0),
         "AddressTable cache_bytes": lambda v: _native.AddressTable(16, 16, v),
+        "staging_plan_slots alignment": lambda v: _native.staging_plan_slots(np.full((2, 3), 64, np.int64), v),
+        "staging gather staging_ptr": lambda v: _native._staging_gather(*EMPTY_JOB[:2], v, 0, *EMPTY_JOB[2:]),
+        "staging scatter staging_len": lambda v: _native._staging_scatter(*EMPTY_JOB[:2], 0, v, *EMPTY_JOB[2:]),
+        "staging gather threads": lambda v: _native._staging_gather(*EMPTY_JOB[:2], 0, 0, *EMPTY_JOB[2:], threads=v),
     }
+
+
+# A staging job with no keys (every argument but the one under test valid): addrs, sizes, offsets, ranges.
+EMPTY_JOB: tuple[Any, ...] = (np.zeros((0, 1), np.int64), np.zeros((0, 1), np.int64), np.zeros(0, np.int64), [])
 
 
 ENTRY_NAMES = list(int_entry_points())

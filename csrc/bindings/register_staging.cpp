@@ -160,7 +160,8 @@ int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_
     return copied;
 }
 
-py::tuple plan_slots(py::handle sizes_obj, int64_t alignment) {
+py::tuple plan_slots(py::handle sizes_obj, py::handle alignment_obj) {
+    const int64_t alignment = as_int64(alignment_obj, "alignment");  // an exact int or __index__, never truncated
     if (alignment <= 0 || (alignment & (alignment - 1)) != 0) {
         raise(PyExc_ValueError, "alignment must be a positive power of two, got " + std::to_string(alignment));
     }
@@ -196,14 +197,15 @@ py::tuple plan_slots(py::handle sizes_obj, int64_t alignment) {
 void register_staging(py::module_& m) {
     m.attr("STAGING_SLOT_ALIGNMENT") = st::kDefaultSlotAlignment;
     m.attr("STAGING_STREAMING_STORES") = static_cast<bool>(KVADDR_STREAMING_STORES);
-    m.def("staging_plan_slots", &plan_slots, py::arg("sizes"), py::arg("alignment") = st::kDefaultSlotAlignment,
+    m.def("staging_plan_slots", &plan_slots, py::arg("sizes"), py::arg("alignment") = py::int_(st::kDefaultSlotAlignment),
           "Slot offsets (each aligned), per-key object sizes and total staging bytes for a sizes matrix.");
     m.def(
         "_staging_gather",
-        [](py::handle addrs, py::handle sizes, int64_t staging_ptr, int64_t staging_len, py::handle offsets,
-           py::handle allowed_ranges, py::handle select, int64_t threads, bool streaming) {
-            return run_job(st::Direction::gather, addrs, sizes, staging_ptr, staging_len, offsets, allowed_ranges,
-                           select, threads, streaming);
+        [](py::handle addrs, py::handle sizes, py::handle staging_ptr, py::handle staging_len, py::handle offsets,
+           py::handle allowed_ranges, py::handle select, py::handle threads, py::handle streaming) {
+            return run_job(st::Direction::gather, addrs, sizes, as_int64(staging_ptr, "staging_ptr"),
+                           as_int64(staging_len, "staging_len"), offsets, allowed_ranges, select,
+                           as_int64(threads, "threads"), as_flag(streaming));
         },
         py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
         py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
@@ -211,10 +213,11 @@ void register_staging(py::module_& m) {
         "Copy each selected key's slices, in region order, into its staging slot. Returns bytes copied.");
     m.def(
         "_staging_scatter",
-        [](py::handle addrs, py::handle sizes, int64_t staging_ptr, int64_t staging_len, py::handle offsets,
-           py::handle allowed_ranges, py::handle select, int64_t threads, bool streaming) {
-            return run_job(st::Direction::scatter, addrs, sizes, staging_ptr, staging_len, offsets, allowed_ranges,
-                           select, threads, streaming);
+        [](py::handle addrs, py::handle sizes, py::handle staging_ptr, py::handle staging_len, py::handle offsets,
+           py::handle allowed_ranges, py::handle select, py::handle threads, py::handle streaming) {
+            return run_job(st::Direction::scatter, addrs, sizes, as_int64(staging_ptr, "staging_ptr"),
+                           as_int64(staging_len, "staging_len"), offsets, allowed_ranges, select,
+                           as_int64(threads, "threads"), as_flag(streaming));
         },
         py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
         py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
