@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -119,11 +120,14 @@ def guarded_names() -> frozenset[str]:
     return frozenset(MULTI_METHODS) | frozenset(FLAT_METHODS) | frozenset(SINGLE_METHODS) | {RANGES_METHOD}
 
 
+_POINTER_PARAM = re.compile(r"\w*(ptr|ptrs|pointer|pointers)\s*:")
+
+
 def takes_pointers(value: Any) -> bool:
     """True when a method's (pybind11) signature names a pointer parameter (``..._ptr``, ``..._ptrs``)."""
     doc = getattr(value, "__doc__", None) or ""
     first = doc.strip().split("\n", 1)[0].lower()
-    return "ptr" in first or "pointer" in first or "addr" in first
+    return _POINTER_PARAM.search(first) is not None
 
 
 # --- the range table -------------------------------------------------------------------------------------------

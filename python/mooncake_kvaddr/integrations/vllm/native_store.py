@@ -246,13 +246,14 @@ class NativeMooncakeStore:
         """Mooncake's ``batch_put_from_multi_buffers`` (``ReplicateConfig`` passed through)."""
         return self._call("batch_put_from_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
 
-    def batch_get_into(self, keys: Any, ptrs: Any, sizes: Any) -> Any:
-        """Mooncake's ``batch_get_into`` through the native client."""
-        return self._call("batch_get_into", keys, ptrs, sizes)
+    def batch_get_into(self, *args: Any, **kwargs: Any) -> Any:
+        """Mooncake's ``batch_get_into(keys, buffer_ptrs, sizes)`` through the native client."""
+        return self._call("batch_get_into", *args, **kwargs)
 
-    def batch_put_from(self, keys: Any, ptrs: Any, sizes: Any, *args: Any, **kwargs: Any) -> Any:
-        """Mooncake's ``batch_put_from`` (``ReplicateConfig`` passed through)."""
-        return self._call("batch_put_from", keys, ptrs, sizes, *args, **kwargs)
+    def batch_put_from(self, *args: Any, **kwargs: Any) -> Any:
+        """Mooncake's ``batch_put_from(keys, buffer_ptrs, sizes[, config])`` (``ReplicateConfig`` passed
+        through)."""
+        return self._call("batch_put_from", *args, **kwargs)
 
     def batch_is_exist(self, keys: Any) -> Any:
         """Mooncake's ``batch_is_exist`` through the native client."""
