@@ -170,20 +170,24 @@ class Ranges:
         return ok
 
     def all_inside(self, addrs: Int64Array, sizes: Int64Array) -> bool:
-        """True when every slice of the (keys x regions) matrices is inside (a fast sufficient test: each
-        column's span, lowest start to highest end, inside one range; else slice by slice)."""
+        """True when every slice of the (keys x regions) matrices is inside. Fast sufficient test first: each
+        column's span (lowest address to highest address plus largest size: four reductions, no temporary)
+        inside one range; then the exact column span; else slice by slice."""
         if addrs.size == 0:
             return True
         if self.starts.size == 0:
             return False
-        if addrs.ndim == 2 and int(sizes.min()) >= 0 and int(addrs.min()) > 0:
+        if addrs.ndim == 2:
+            low = addrs.min(axis=0)
             top = addrs.max(axis=0)
-            if bool(np.all(top <= _INT64_MAX - sizes.max(axis=0))):
-                low = addrs.min(axis=0)
-                high = (addrs + sizes).max(axis=0)
+            smallest = sizes.min(axis=0)
+            largest = sizes.max(axis=0)
+            if int(low.min()) > 0 and int(smallest.min()) >= 0 and bool(np.all(top <= _INT64_MAX - largest)):
                 index = np.searchsorted(self.starts, low, side="right") - 1
-                if bool(np.all(index >= 0)) and bool(np.all(high <= self.reach[np.maximum(index, 0)])):
-                    return True
+                if bool(np.all(index >= 0)):
+                    reach = self.reach[index]
+                    if bool(np.all(top + largest <= reach)) or bool(np.all((addrs + sizes).max(axis=0) <= reach)):
+                        return True
         return bool(self.cells_inside(addrs, sizes).all())
 
 
