@@ -424,3 +424,55 @@ def test_refusals_log_one_rate_limited_warning_with_the_count(caplog: pytest.Log
     warnings = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(warnings) == 1 and "refused 2 key(s)" in warnings[0]
     assert store.guard.refused_keys == 3
+
+
+# --- the native client's own check (C++, during its conversion) --------------------------------------------------
+
+
+@pytest.mark.mooncake
+def test_native_client_ranges_equal_the_reference_check(master: EmbeddedMaster) -> None:
+    """``NativeClient`` with ``ranges``: per key, refused (-600, not sent) exactly when the vectorised Python
+    check refuses it, for matrices, lists of rows, ragged and malformed rows and the contiguous calls; nothing is
+    sent when every key is refused. Keys are missing, so a key that is sent reads nothing (-704)."""
+    from mooncake_kvaddr import _native
+
+    raw = _raw_store(master)
+    try:
+        client = NativeClient.from_store(raw)
+        assert client is not None
+        rng = np.random.default_rng(11)
+        tag = uuid.uuid4().hex[:8]
+        for case in range(60):
+            buffers = {int(p): int(n) for p, n in zip(rng.integers(1, 1 << 40, 3), rng.integers(1, 1 << 20, 3))}
+            ranges = Ranges.of(buffers)
+            n, w = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+            base = rng.choice(list(buffers), size=(n, w))
+            addrs = (base + rng.integers(-512, 1 << 20, (n, w))).astype(np.int64)
+            sizes = rng.integers(-1, 1 << 12, (n, w)).astype(np.int64)
+            if case % 7 == 0:
+                addrs[0, 0] = [0, -8, (1 << 63) - 4][case % 3]
+            want_ok = ranges.cells_inside(addrs, sizes).all(axis=1)
+            keys = [f"guard-native-{tag}-{case}-{i}" for i in range(n)]
+            want = [-704 if ok else INVALID_PARAMS for ok in want_ok]
+            before = _native.mooncake_client_call_count()
+            for form in ("arrays", "lists"):
+                a, s = (addrs, sizes) if form == "arrays" else (addrs.tolist(), sizes.tolist())
+                assert client.batch_get_into_multi_buffers(keys, a, s, ranges=ranges.pairs) == want, (case, form)
+                assert client.last_refused() == n - int(want_ok.sum())
+            flat_ok = ranges.cells_inside(addrs[:, 0], sizes[:, 0])
+            got = client.batch_get_into(keys, addrs[:, 0].tolist(), sizes[:, 0].tolist(), ranges=ranges.pairs)
+            assert got == [-704 if ok else INVALID_PARAMS for ok in flat_ok]
+            sent = 2 * int(want_ok.any()) + int(flat_ok.any())
+            assert _native.mooncake_client_call_count() - before == sent  # all refused: Mooncake not called
+        # Ragged rows and a row whose address and size counts differ: only that key refused.
+        p = next(iter(buffers))
+        rows = [[p, p + 8], [p], [p, p + 16]]
+        size_rows = [[8, 8], [8], [8]]
+        got = client.batch_get_into_multi_buffers(["x", "y", "z"], rows, size_rows, ranges=ranges.pairs)
+        assert got == [-704, -704, INVALID_PARAMS]
+        with pytest.raises(TypeError):
+            client.batch_get_into_multi_buffers(["x"], [[p]], [[8]], ranges=[[p, p + 8]])  # not an int64 array
+        with pytest.raises(ValueError):
+            client.batch_get_into_multi_buffers(["x"], [[p]], [[8]], ranges=np.array([[p, p]], np.int64))
+    finally:
+        raw.close()

@@ -147,6 +147,8 @@ class Ranges:
     ends: Int64Array
     reach: Int64Array
     items: tuple[tuple[int, int], ...]
+    #: ``(n, 2)`` int64 ``[start, end)`` pairs: what the native client takes as its ``ranges`` argument.
+    pairs: Int64Array
 
     @classmethod
     def of(cls, buffers: dict[int, int]) -> Ranges:
@@ -154,7 +156,8 @@ class Ranges:
         starts = np.array([p for p, _ in items], dtype=np.int64)
         ends = np.array([p + n for p, n in items], dtype=np.int64)
         reach = np.maximum.accumulate(ends) if ends.size else ends
-        return cls(starts, ends, reach, items)
+        pairs = np.ascontiguousarray(np.stack([starts, ends], axis=1) if items else np.empty((0, 2), np.int64))
+        return cls(starts, ends, reach, items, pairs)
 
     def cells_inside(self, addrs: Int64Array, sizes: Int64Array) -> BoolArray:
         """Per slice (any shape): inside one registered range, size >= 0, no wrap (vectorised)."""

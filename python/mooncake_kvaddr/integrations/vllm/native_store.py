@@ -178,24 +178,36 @@ class NativeMooncakeStore:
                 client = self._client
         return client
 
-    def _native_call(self, name: str, args: tuple[Any, ...], what: str) -> tuple[bool, Any]:
+    def _native_call(self, name: str, args: tuple[Any, ...], what: str, guarded: bool = False) -> tuple[bool, Any]:
         """``(True, result)`` of the native client's ``name(*args)``; ``(False, None)`` when there is no native
-        client or it refuses the arguments before calling Mooncake (logged once per reason as ``what``)."""
+        client or it refuses the arguments before calling Mooncake (logged once per reason as ``what``).
+        ``guarded``: the guard's ranges go with the call; the native client checks every slice itself (in C++,
+        during its own conversion) and answers -600 for the keys it refused."""
         client = self._native()
         if client is None:
             return False, None
         try:
-            result = getattr(client, name)(*args)
+            if guarded:
+                result = getattr(client, name)(*args, ranges=self.ranges.ranges.pairs)
+            else:
+                result = getattr(client, name)(*args)
         except _REFUSED as exc:
             self._log_once(f"{what} not accepted ({type(exc).__name__}: {exc})")
             return False, None
         self.stats.native_calls += 1
+        if guarded:
+            self.guard.note_refused(client.last_refused(), name)
         return True, result
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         with self._gate.admitted():
             if name == "batch_is_exist":
                 return self._call_admitted(name, *args, **kwargs)
+            if self.ranges.armed and not kwargs and len(args) <= 4:
+                # The native client checks the slices itself (C++, no second conversion of the rows).
+                done, result = self._native_call(name, args, f"{name} arguments", guarded=True)
+                if done:
+                    return result
             return self.guard.call(
                 name,
                 lambda *a, **k: self._call_admitted(name, *a, **k),
@@ -229,6 +241,13 @@ class NativeMooncakeStore:
         handler's entry, docs/vllm-plugin.md): the native client reads them without building a Python row;
         without a native client (or when it refuses them) Mooncake's bound method gets the rows as lists."""
         with self._gate.admitted():
+            if self.ranges.armed:
+                # The native client checks the matrices itself, GIL released (docs/vllm-plugin.md).
+                done, result = self._native_call(
+                    "batch_get_into_multi_buffers", (keys, addrs, sizes), "batch_get_into_multi_buffers arrays", True
+                )
+                if done:
+                    return result
             return self.guard.call_arrays(keys, addrs, sizes, self._get_arrays)
 
     def _get_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
