@@ -476,3 +476,20 @@ def test_native_client_ranges_equal_the_reference_check(master: EmbeddedMaster) 
             client.batch_get_into_multi_buffers(["x"], [[p]], [[8]], ranges=np.array([[p, p]], np.int64))
     finally:
         raw.close()
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("kind", KINDS)
+def test_malformed_rows_refuse_only_their_key(rig_factory: Callable[[str], Rig], kind: str) -> None:
+    """A row with a float, a value past 2**64, or more addresses than sizes: the native client refuses the call,
+    the guard then refuses only that key (-600, not sent); the good key is stored as Mooncake stores it."""
+    rig = rig_factory(kind)
+    good = [rig.a.ptr, rig.a.ptr + REGION]
+    for i, (row, size_row) in enumerate(
+        [([rig.a.ptr + 0.5], [REGION]), ([2**64 + 1], [REGION]), ([rig.a.ptr, rig.a.ptr], [REGION])]
+    ):
+        keys = [rig.key(f"ok{i}"), rig.key(f"bad{i}")]
+        codes = rig.store.batch_put_from_multi_buffers(keys, [good, row], [[REGION, REGION], size_row])
+        assert codes == [0, INVALID_PARAMS], (i, codes)
+        assert rig.raw.get(keys[0]) == ctypes.string_at(rig.a.ptr, 2 * REGION)
+        assert not _exists(rig.raw, keys[1])
