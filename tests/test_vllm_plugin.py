@@ -406,16 +406,18 @@ def test_staged_passes_unregistered_memory_and_odd_calls_through() -> None:
     cache = StagingBuffer(4096)
     other = StagingBuffer(4096)  # never registered through the wrapper
     store.register_buffer(cache.ptr, cache.nbytes)
-    store.batch_put_from_multi_buffers(["a"], [[other.ptr]], [[64]])
-    store.batch_put_from_multi_buffers(["b"], [[cache.ptr + 4090]], [[64]])  # runs past the buffer's end
+    # Memory outside the registered buffers never reaches Mooncake (the registered-range guard: -600).
+    assert store.batch_put_from_multi_buffers(["a"], [[other.ptr]], [[64]]) == [-600]
+    assert store.batch_put_from_multi_buffers(["b"], [[cache.ptr + 4090]], [[64]]) == [-600]  # past the end
+    assert inner.calls == []
     store.batch_put_from_multi_buffers(["c", "c"], [[cache.ptr], [cache.ptr]], [[64], [64]])  # duplicates
     store.batch_get_into_multi_buffers(["a"], [[cache.ptr]], [[64]], True)  # an argument we do not know
     store.batch_put_from_multi_buffers(["d"], [[cache.ptr]], [[0]])  # empty object
-    assert inner.calls == ["put_multi"] * 3 + ["get_multi", "put_multi"]
+    assert inner.calls == ["put_multi", "get_multi", "put_multi"]
     assert store.stats.staged_puts == store.stats.staged_gets == 0
     store.unregister_buffer(cache.ptr)
-    store.batch_put_from_multi_buffers(["e"], [[cache.ptr]], [[64]])
-    assert inner.calls[-1] == "put_multi"
+    assert store.batch_put_from_multi_buffers(["e"], [[cache.ptr]], [[64]]) == [-600]
+    assert len(inner.calls) == 3
 
 
 def test_staged_splits_requests_larger_than_the_staging_buffer() -> None:
@@ -662,9 +664,8 @@ def test_staged_bounds_check_slice_by_slice_when_a_column_spans_buffers() -> Non
     # One region column whose keys live in different buffers: every slice is inside one, so it is staged.
     assert store.batch_put_from_multi_buffers(["x", "y"], [[first.ptr], [second.ptr]], [[256], [256]]) == [0, 0]
     assert inner.calls == ["put_from"]
-    # A slice that starts in a buffer and ends past it is never staged.
-    store.batch_put_from_multi_buffers(["z"], [[first.ptr + 4000]], [[256]])
-    assert inner.calls[-1] == "put_multi"
-    # Near the top of the address space: no overflow, no staging.
-    store.batch_put_from_multi_buffers(["w"], [[(1 << 63) - 8]], [[256]])
-    assert inner.calls[-1] == "put_multi"
+    # A slice that starts in a buffer and ends past it is never staged, nor sent (the guard: -600).
+    assert store.batch_put_from_multi_buffers(["z"], [[first.ptr + 4000]], [[256]]) == [-600]
+    # Near the top of the address space: no overflow, no staging, not sent.
+    assert store.batch_put_from_multi_buffers(["w"], [[(1 << 63) - 8]], [[256]]) == [-600]
+    assert inner.calls == ["put_from"]

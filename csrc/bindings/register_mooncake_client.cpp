@@ -6,6 +6,7 @@
 // validating every value, and the call itself - runs with the GIL released. Python lists of rows are accepted
 // too (converted once, under the GIL). The object and every method are checked before any call
 // (kvaddr/mooncake_client.hpp); inputs are validated so that Mooncake never sees mismatched vectors.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -242,12 +243,95 @@ inline bool add_size(uint64_t& total, uint64_t size, Problem& problem, std::size
 
 int64_t row_int(py::handle item, const char* what) { return as_int64(item.ptr(), what); }
 
+// Keys the calling thread's last guarded call refused (not sent to Mooncake; -600 in their slots).
+thread_local uint64_t t_refused = 0;
+constexpr int kInvalidParams = -600;  // Mooncake's INVALID_PARAMS (docs/configuration.md)
+
+// The registered-range guard's table (docs/vllm-plugin.md, "Registered-range guard"): [start, end) ranges sorted
+// by start, with reach[i] = the largest end among ranges 0..i, so a slice lies inside ONE range exactly when
+// its end is <= reach of the last range starting at or before it. Copied from a (m, 2) int64 array under the
+// GIL; read without it.
+class RangeSet {
+public:
+    RangeSet() = default;
+    explicit RangeSet(py::handle ranges) {
+        Export view;
+        if (!view.acquire(ranges.ptr()) || view.view().ndim != 2 || int64_kind(view.view()) != 1 ||
+            view.view().shape[1] != 2) {
+            raise(PyExc_TypeError, "ranges must be a (n, 2) int64 array of [start, end) pairs");
+        }
+        const auto* data = static_cast<const int64_t*>(view.view().buf);
+        const auto m = static_cast<std::size_t>(view.view().shape[0]);
+        std::vector<std::pair<uint64_t, uint64_t>> pairs;
+        pairs.reserve(m);
+        for (std::size_t i = 0; i < m; ++i) {
+            const int64_t start = data[2 * i];
+            const int64_t end = data[2 * i + 1];
+            if (start <= 0 || end <= start) raise(PyExc_ValueError, "ranges must hold 0 < start < end pairs");
+            pairs.emplace_back(static_cast<uint64_t>(start), static_cast<uint64_t>(end));
+        }
+        std::sort(pairs.begin(), pairs.end());
+        starts_.reserve(m);
+        reach_.reserve(m);
+        uint64_t reach = 0;
+        for (const auto& [start, end] : pairs) {
+            reach = std::max(reach, end);
+            starts_.push_back(start);
+            reach_.push_back(reach);
+        }
+    }
+    // Address and size (as the caller gave them, signed) of one slice: inside one range, size >= 0, no wrap.
+    bool inside(uint64_t address, uint64_t size, bool address_signed, bool size_signed) const noexcept {
+        if (address == 0 || (address_signed && static_cast<int64_t>(address) < 0) ||
+            (size_signed && static_cast<int64_t>(size) < 0) || address + size < address) {
+            return false;
+        }
+        const auto it = std::upper_bound(starts_.begin(), starts_.end(), address);
+        if (it == starts_.begin()) return false;
+        return address + size <= reach_[static_cast<std::size_t>(it - starts_.begin()) - 1];
+    }
+
+private:
+    std::vector<uint64_t> starts_;
+    std::vector<uint64_t> reach_;
+};
+
+// The refused keys' slots filled in and the rest of Mooncake's answer put back in order: `codes` holds one
+// result per key of `keep` (the keys sent), `n` keys in all.
+template <typename T>
+std::vector<T> merge_refused(std::vector<T> codes, const std::vector<char>& keep, std::size_t n) {
+    if (codes.size() != static_cast<std::size_t>(std::count(keep.begin(), keep.end(), 1))) return codes;  // to_list raises
+    std::vector<T> out(n, static_cast<T>(kInvalidParams));
+    std::size_t next = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+        if (keep[i]) out[i] = codes[next++];
+    }
+    return out;
+}
+
+// Drop the entries of `v` whose key is not kept (moves; no Python API).
+template <typename V>
+void keep_only(V& v, const std::vector<char>& keep) {
+    std::size_t next = 0;
+    for (std::size_t i = 0; i < keep.size() && i < v.size(); ++i) {
+        if (keep[i]) {
+            if (next != i) v[next] = std::move(v[i]);
+            ++next;
+        }
+    }
+    v.resize(next);
+}
+
 // The address and size rows of a multi-buffer call. Two 2-D int64/uint64 C-contiguous arrays of one shape
 // are only exported here (copied later, GIL released); anything else is a sequence of rows (each a 1-D
 // int64 array or a sequence of ints), converted now, under the GIL.
 class Rows {
 public:
-    Rows(py::handle addrs, py::handle sizes, std::size_t keys) : keys_(keys) {
+    // `ranges` (may be null): the registered-range guard; a key with a slice outside it (or any other bad value
+    // of an int slice: negative, zero address, wrapping, a row whose address and size counts differ) is then
+    // marked refused instead of failing the call.
+    Rows(py::handle addrs, py::handle sizes, std::size_t keys, const RangeSet* ranges = nullptr)
+        : keys_(keys), ranges_(ranges), keep_(keys, 1) {
         for (const auto& [obj, what] : {std::pair<py::handle, const char*>{addrs, "addrs"}, {sizes, "sizes"}}) {
             if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr())) {
                 raise(PyExc_TypeError, std::string(what) + " must be a 2-D int64 array or a sequence of rows, not " +
@@ -273,11 +357,25 @@ public:
         convert_sequences(addrs, sizes);
     }
 
+    // Which keys may go to Mooncake (all, without a guard), final after materialise().
+    const std::vector<char>& keep() const noexcept { return keep_; }
+
     // Build Mooncake's vectors (from the exported arrays: safe without the GIL, no Python API is used).
     void materialise(mc::PtrRows& ptrs, mc::SizeRows& sizes, Problem& problem) {
         if (!matrix_) {
             ptrs = std::move(ptr_rows_);
             sizes = std::move(size_rows_);
+            if (ranges_ != nullptr) {
+                for (std::size_t i = 0; i < keys_ && i < ptrs.size(); ++i) {
+                    if (!keep_[i]) continue;
+                    for (std::size_t j = 0; j < ptrs[i].size(); ++j) {
+                        if (!ranges_->inside(reinterpret_cast<uintptr_t>(ptrs[i][j]), sizes[i][j], false, false)) {
+                            keep_[i] = 0;
+                            break;
+                        }
+                    }
+                }
+            }
             return;
         }
         const auto& a = addrs_.view();
@@ -298,8 +396,14 @@ public:
             for (std::size_t j = 0; j < cols; ++j) {
                 const uint64_t address = av[i * cols + j];
                 const uint64_t size = sv[i * cols + j];
-                if (!check_region(address, size, a_signed, s_signed, problem, "addrs/sizes", i, j) ||
-                    !add_size(total, size, problem, i)) {
+                if (ranges_ != nullptr) {
+                    Problem ignored;
+                    if (!ranges_->inside(address, size, a_signed, s_signed) || !add_size(total, size, ignored, i)) {
+                        keep_[i] = 0;  // refused: its rows are never read by Mooncake (dropped before the call)
+                        break;
+                    }
+                } else if (!check_region(address, size, a_signed, s_signed, problem, "addrs/sizes", i, j) ||
+                           !add_size(total, size, problem, i)) {
                     return;
                 }
                 prow[j] = reinterpret_cast<void*>(static_cast<uintptr_t>(address));
@@ -324,6 +428,10 @@ private:
             std::vector<int64_t> a = row(arows.at(static_cast<Py_ssize_t>(i)), "addrs row", "address");
             std::vector<int64_t> s = row(srows.at(static_cast<Py_ssize_t>(i)), "sizes row", "size");
             if (a.size() != s.size()) {
+                if (ranges_ != nullptr) {
+                    keep_[i] = 0;
+                    continue;
+                }
                 raise(PyExc_ValueError, "key " + std::to_string(i) + " has " + std::to_string(a.size()) +
                                             " addresses but " + std::to_string(s.size()) + " sizes");
             }
@@ -337,7 +445,12 @@ private:
                 const auto size = static_cast<uint64_t>(s[j]);
                 if (!check_region(address, size, true, true, problem, "addrs/sizes", i, j) ||
                     !add_size(total, size, problem, i)) {
-                    raise(PyExc_ValueError, problem.message);
+                    if (ranges_ == nullptr) raise(PyExc_ValueError, problem.message);
+                    keep_[i] = 0;
+                    problem.message.clear();
+                    prow.clear();
+                    srow.clear();
+                    break;
                 }
                 prow[j] = reinterpret_cast<void*>(static_cast<uintptr_t>(address));
                 srow[j] = static_cast<std::size_t>(size);
@@ -364,6 +477,8 @@ private:
     }
 
     std::size_t keys_;
+    const RangeSet* ranges_;
+    std::vector<char> keep_;
     Export addrs_;
     Export sizes_;
     bool matrix_ = false;
@@ -372,7 +487,9 @@ private:
 };
 
 // One pointer and one size per key (the staged / contiguous calls): 1-D int64 arrays or sequences of ints.
-void convert_flat(py::handle ptrs, py::handle sizes, std::size_t keys, mc::Ptrs& out_ptrs, mc::Sizes& out_sizes) {
+// `ranges`/`keep` (the guard, may be null): a key whose slice is outside is marked refused instead of failing.
+void convert_flat(py::handle ptrs, py::handle sizes, std::size_t keys, mc::Ptrs& out_ptrs, mc::Sizes& out_sizes,
+                  const RangeSet* ranges = nullptr, std::vector<char>* keep = nullptr) {
     auto read = [keys](py::handle obj, const char* what) {
         std::vector<uint64_t> values;
         Export view;
@@ -405,7 +522,11 @@ void convert_flat(py::handle ptrs, py::handle sizes, std::size_t keys, mc::Ptrs&
     out_sizes.resize(keys);
     Problem problem;
     for (std::size_t i = 0; i < keys; ++i) {
-        if (!check_region(p[i], s[i], true, true, problem, "ptrs/sizes", i, 0)) raise(PyExc_ValueError, problem.message);
+        if (ranges != nullptr && keep != nullptr) {
+            if (!ranges->inside(p[i], s[i], true, true)) (*keep)[i] = 0;
+        } else if (!check_region(p[i], s[i], true, true, problem, "ptrs/sizes", i, 0)) {
+            raise(PyExc_ValueError, problem.message);
+        }
         out_ptrs[i] = reinterpret_cast<void*>(static_cast<uintptr_t>(p[i]));
         out_sizes[i] = static_cast<std::size_t>(s[i]);
     }
@@ -488,33 +609,38 @@ public:
     // GIL: KeySource and Rows keep every object read alive (exported arrays cannot be resized), and nothing in
     // the released scope touches a Python object. Declared first, `release` is destroyed last: the vectors
     // are freed before the GIL is taken back.
-    py::list get_multi(py::handle keys, py::handle addrs, py::handle sizes, bool prefer_same_node, py::handle offsets) {
+    py::list get_multi(py::handle keys, py::handle addrs, py::handle sizes, bool prefer_same_node, py::handle offsets,
+                       py::handle ranges) {
+        t_refused = 0;
         const KeySource source(keys, offsets);
         const std::size_t n = source.size();
-        Rows rows(addrs, sizes, n);
+        const std::optional<RangeSet> guard = guard_of(ranges);
+        Rows rows(addrs, sizes, n, guard ? &*guard : nullptr);
         if (n == 0) return py::list();
         auto client = live();
         Problem problem;
         std::vector<int> codes;
         {
             TimedRelease release;
-            const mc::Keys k = source.build();
+            mc::Keys k = source.build();
             mc::PtrRows ptrs;
             mc::SizeRows sz;
             rows.materialise(ptrs, sz, problem);
-            if (!problem.found()) {
-                g_calls.fetch_add(1, std::memory_order_relaxed);
-                codes = fns_.get_multi(client.get(), k, ptrs, sz, prefer_same_node);
-            }
+            if (!problem.found()) codes = call_kept(rows.keep(), k, ptrs, sz, [&] {
+                return fns_.get_multi(client.get(), k, ptrs, sz, prefer_same_node);
+            });
         }
         if (problem.found()) raise(PyExc_ValueError, problem.message);
         return to_list(codes, n, "batch_get_into_multi_buffers");
     }
 
-    py::list put_multi(py::handle keys, py::handle addrs, py::handle sizes, py::object config, py::handle offsets) {
+    py::list put_multi(py::handle keys, py::handle addrs, py::handle sizes, py::object config, py::handle offsets,
+                       py::handle ranges) {
+        t_refused = 0;
         const KeySource source(keys, offsets);
         const std::size_t n = source.size();
-        Rows rows(addrs, sizes, n);
+        const std::optional<RangeSet> guard = guard_of(ranges);
+        Rows rows(addrs, sizes, n, guard ? &*guard : nullptr);
         // `held_config` keeps the ReplicateConfig alive; Mooncake's binding reads it without the GIL too.
         const py::object held_config = config.is_none() ? default_config_ : config;
         const void* cfg = config_pointer(held_config);
@@ -524,43 +650,48 @@ public:
         std::vector<int> codes;
         {
             TimedRelease release;
-            const mc::Keys k = source.build();
+            mc::Keys k = source.build();
             mc::PtrRows ptrs;
             mc::SizeRows sz;
             rows.materialise(ptrs, sz, problem);
-            if (!problem.found()) {
-                g_calls.fetch_add(1, std::memory_order_relaxed);
-                codes = fns_.put_multi(client.get(), k, ptrs, sz, cfg);
-            }
+            if (!problem.found()) codes = call_kept(rows.keep(), k, ptrs, sz, [&] {
+                return fns_.put_multi(client.get(), k, ptrs, sz, cfg);
+            });
         }
         if (problem.found()) raise(PyExc_ValueError, problem.message);
         return to_list(codes, n, "batch_put_from_multi_buffers");
     }
 
-    py::list get_into(py::handle keys, py::handle ptrs, py::handle sizes, py::handle offsets) {
+    py::list get_into(py::handle keys, py::handle ptrs, py::handle sizes, py::handle offsets, py::handle ranges) {
+        t_refused = 0;
         const KeySource source(keys, offsets);
         const std::size_t n = source.size();
+        const std::optional<RangeSet> guard = guard_of(ranges);
+        std::vector<char> keep(n, 1);
         mc::Ptrs p;
         mc::Sizes s;
-        convert_flat(ptrs, sizes, n, p, s);
+        convert_flat(ptrs, sizes, n, p, s, guard ? &*guard : nullptr, &keep);
         if (n == 0) return py::list();
         auto client = live();
         std::vector<int64_t> codes;
         {
             TimedRelease release;
-            const mc::Keys k = source.build();
-            g_calls.fetch_add(1, std::memory_order_relaxed);
-            codes = fns_.get_into(client.get(), k, p, s);
+            mc::Keys k = source.build();
+            codes = call_kept(keep, k, p, s, [&] { return fns_.get_into(client.get(), k, p, s); });
         }
         return to_list(codes, n, "batch_get_into");
     }
 
-    py::list put_from(py::handle keys, py::handle ptrs, py::handle sizes, py::object config, py::handle offsets) {
+    py::list put_from(py::handle keys, py::handle ptrs, py::handle sizes, py::object config, py::handle offsets,
+                      py::handle ranges) {
+        t_refused = 0;
         const KeySource source(keys, offsets);
         const std::size_t n = source.size();
+        const std::optional<RangeSet> guard = guard_of(ranges);
+        std::vector<char> keep(n, 1);
         mc::Ptrs p;
         mc::Sizes s;
-        convert_flat(ptrs, sizes, n, p, s);
+        convert_flat(ptrs, sizes, n, p, s, guard ? &*guard : nullptr, &keep);
         const py::object held_config = config.is_none() ? default_config_ : config;
         const void* cfg = config_pointer(held_config);
         if (n == 0) return py::list();
@@ -568,9 +699,8 @@ public:
         std::vector<int> codes;
         {
             TimedRelease release;
-            const mc::Keys k = source.build();
-            g_calls.fetch_add(1, std::memory_order_relaxed);
-            codes = fns_.put_from(client.get(), k, p, s, cfg);
+            mc::Keys k = source.build();
+            codes = call_kept(keep, k, p, s, [&] { return fns_.put_from(client.get(), k, p, s, cfg); });
         }
         return to_list(codes, n, "batch_put_from");
     }
@@ -617,6 +747,35 @@ public:
     const std::string& abi_id() const noexcept { return abi_id_; }
 
 private:
+    static std::optional<RangeSet> guard_of(py::handle ranges) {
+        if (ranges.is_none()) return std::nullopt;
+        return RangeSet(ranges);
+    }
+
+    // Mooncake's call `fn` on the kept keys only (no Python API: runs without the GIL). Refused keys are dropped
+    // from `k`, `a` and `b` before the call (Mooncake never sees their slices), get -600, and are counted in
+    // t_refused; with every key kept this is just `fn()`.
+    template <typename A, typename B, typename Fn>
+    static auto call_kept(const std::vector<char>& keep, mc::Keys& k, A& a, B& b, Fn&& fn) -> decltype(fn()) {
+        const auto kept = static_cast<std::size_t>(std::count(keep.begin(), keep.end(), 1));
+        const std::size_t n = keep.size();
+        t_refused = n - kept;
+        if (kept == n) {
+            g_calls.fetch_add(1, std::memory_order_relaxed);
+            return fn();
+        }
+        keep_only(k, keep);
+        keep_only(a, keep);
+        keep_only(b, keep);
+        decltype(fn()) codes;
+        if (kept > 0) {
+            g_calls.fetch_add(1, std::memory_order_relaxed);
+            codes = fn();
+        }
+        if (codes.size() != kept) return codes;  // to_list reports the mismatch
+        return merge_refused(std::move(codes), keep, n);
+    }
+
     std::shared_ptr<mooncake::PyClient> live() const {
         if (!client_) raise(PyExc_RuntimeError, "this native Mooncake client is closed");
         return client_;  // a copy: close() in another thread cannot free the client under a running call
@@ -667,6 +826,9 @@ void register_mooncake_client(py::module_& m) {
         "Nanoseconds this thread's last native Mooncake call went without the GIL: released until re-acquired "
         "(for benchmarks).");
     m.def(
+        "mooncake_client_last_refused", [] { return t_refused; },
+        "Keys this thread's last native Mooncake call refused (ranges given: a slice outside them; -600, not sent).");
+    m.def(
         "mooncake_client_call_count", [] { return g_calls.load(std::memory_order_relaxed); },
         "Calls made into Mooncake by native clients in this process (for tests).");
     py::class_<MooncakeClient>(m, "MooncakeClient",
@@ -674,13 +836,15 @@ void register_mooncake_client(py::module_& m) {
         .def(py::init<py::capsule, const std::string&, py::object, py::object>(), py::arg("capsule"),
              py::arg("library_path"), py::arg("default_config"), py::arg("symbol_overrides") = py::none())
         .def("batch_get_into_multi_buffers", &MooncakeClient::get_multi, py::arg("keys"), py::arg("addrs"),
-             py::arg("sizes"), py::arg("prefer_alloc_in_same_node") = false, py::arg("key_offsets") = py::none())
+             py::arg("sizes"), py::arg("prefer_alloc_in_same_node") = false, py::arg("key_offsets") = py::none(),
+             py::arg("ranges") = py::none())
         .def("batch_put_from_multi_buffers", &MooncakeClient::put_multi, py::arg("keys"), py::arg("addrs"),
-             py::arg("sizes"), py::arg("config") = py::none(), py::arg("key_offsets") = py::none())
+             py::arg("sizes"), py::arg("config") = py::none(), py::arg("key_offsets") = py::none(),
+             py::arg("ranges") = py::none())
         .def("batch_get_into", &MooncakeClient::get_into, py::arg("keys"), py::arg("ptrs"), py::arg("sizes"),
-             py::arg("key_offsets") = py::none())
+             py::arg("key_offsets") = py::none(), py::arg("ranges") = py::none())
         .def("batch_put_from", &MooncakeClient::put_from, py::arg("keys"), py::arg("ptrs"), py::arg("sizes"),
-             py::arg("config") = py::none(), py::arg("key_offsets") = py::none())
+             py::arg("config") = py::none(), py::arg("key_offsets") = py::none(), py::arg("ranges") = py::none())
         .def("batch_is_exist", &MooncakeClient::is_exist, py::arg("keys"), py::arg("key_offsets") = py::none())
         .def("same_client", &MooncakeClient::same_client, py::arg("capsule"))
         .def("close", &MooncakeClient::close)

@@ -238,32 +238,47 @@ class NativeClient:
         return handle
 
     def batch_get_into_multi_buffers(
-        self, keys: Keys, addrs: Any, sizes: Any, prefer_alloc_in_same_node: bool = False
+        self, keys: Keys, addrs: Any, sizes: Any, prefer_alloc_in_same_node: bool = False, *, ranges: Any = None
     ) -> list[int]:
-        """Per key: bytes read (> 0) or a negative Mooncake error code."""
+        """Per key: bytes read (> 0) or a negative Mooncake error code.
+
+        ``ranges`` (the registered-range guard, docs/native-client.md): a ``(n, 2)`` int64 array of ``[start,
+        end)`` pairs; a key with any slice not inside one of them (or negative, null, wrapping) gets -600 and is
+        not sent to Mooncake (checked in C++, GIL released for matrices); :func:`last_refused` counts them."""
         data, offsets = _split_keys(keys)
         codes: list[int] = self._checked().batch_get_into_multi_buffers(
-            data, addrs, sizes, prefer_alloc_in_same_node, offsets
+            data, addrs, sizes, prefer_alloc_in_same_node, offsets, ranges
         )
         return codes
 
-    def batch_put_from_multi_buffers(self, keys: Keys, addrs: Any, sizes: Any, config: Any = None) -> list[int]:
-        """Per key: 0 or a negative code. ``config``: a ``mooncake.store.ReplicateConfig`` (None: default)."""
+    def batch_put_from_multi_buffers(
+        self, keys: Keys, addrs: Any, sizes: Any, config: Any = None, *, ranges: Any = None
+    ) -> list[int]:
+        """Per key: 0 or a negative code. ``config``: a ``mooncake.store.ReplicateConfig`` (None: default).
+        ``ranges``: as for :meth:`batch_get_into_multi_buffers`."""
         data, offsets = _split_keys(keys)
-        codes: list[int] = self._checked().batch_put_from_multi_buffers(data, addrs, sizes, config, offsets)
+        codes: list[int] = self._checked().batch_put_from_multi_buffers(data, addrs, sizes, config, offsets, ranges)
         return codes
 
-    def batch_get_into(self, keys: Keys, ptrs: Any, sizes: Any) -> list[int]:
-        """One contiguous buffer per key. Per key: bytes read or a negative code."""
+    def batch_get_into(self, keys: Keys, ptrs: Any, sizes: Any, *, ranges: Any = None) -> list[int]:
+        """One contiguous buffer per key. Per key: bytes read or a negative code (``ranges``: the guard)."""
         data, offsets = _split_keys(keys)
-        codes: list[int] = self._checked().batch_get_into(data, ptrs, sizes, offsets)
+        codes: list[int] = self._checked().batch_get_into(data, ptrs, sizes, offsets, ranges)
         return codes
 
-    def batch_put_from(self, keys: Keys, ptrs: Any, sizes: Any, config: Any = None) -> list[int]:
-        """One contiguous buffer per key. Per key: 0 or a negative code."""
+    def batch_put_from(self, keys: Keys, ptrs: Any, sizes: Any, config: Any = None, *, ranges: Any = None) -> list[int]:
+        """One contiguous buffer per key. Per key: 0 or a negative code (``ranges``: the guard)."""
         data, offsets = _split_keys(keys)
-        codes: list[int] = self._checked().batch_put_from(data, ptrs, sizes, config, offsets)
+        codes: list[int] = self._checked().batch_put_from(data, ptrs, sizes, config, offsets, ranges)
         return codes
+
+    @staticmethod
+    def last_refused() -> int:
+        """Keys the calling thread's last call with ``ranges`` refused (-600, not sent to Mooncake)."""
+        from mooncake_kvaddr import _native
+
+        native: Any = _native  # the stub is the lead's to extend (docs/native-client.md)
+        return int(native.mooncake_client_last_refused())
 
     def batch_is_exist(self, keys: Keys) -> list[int]:
         """Per key: 1 present, 0 absent, negative on error. Grants a read lease, like the bound method."""

@@ -15,6 +15,13 @@ platform, unverified Mooncake version, not a real ``MooncakeDistributedStore``, 
 not what the native client accepts (it raises ``TypeError``/``ValueError``/``OverflowError`` before Mooncake
 is called), the call goes to the wrapped store's bound method unchanged; the reason is logged once.
 
+Guard: every raw-pointer call (the replaced ones, the ``_arrays`` entry, and every raw-pointer Mooncake method
+reached through ``__getattr__``) is checked against the buffers registered through this wrapper's
+``register_buffer`` (:mod:`~mooncake_kvaddr.integrations.vllm.guard`): a key with a slice outside them gets
+-600 and never reaches Mooncake. ``armed=True`` (the plugin's wrappers) checks from the start; otherwise the
+first successful registration arms the check. A raw-pointer method the guard does not know raises
+:class:`~mooncake_kvaddr.integrations.vllm.guard.GuardRefused` once armed.
+
 Close: a closed Mooncake store crashes the process (SIGSEGV) on its next call, so after ``close()`` every call
 through the wrapper (the replaced ones and every other method reached through it) raises
 :class:`~mooncake_kvaddr.driver.store.StoreClosedError` instead of reaching Mooncake, and ``close()`` first waits
@@ -31,9 +38,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_kvaddr.driver.store import StoreClosedError, StoreError
+import numpy as np
 
-__all__ = ["CLOSE_TIMEOUT_S", "CallGate", "NativeMooncakeStore", "NativeStats"]
+from mooncake_kvaddr.driver.store import StoreClosedError, StoreError
+from mooncake_kvaddr.integrations.vllm.guard import (
+    REGISTRATION_METHODS,
+    GuardRefused,
+    RangeTable,
+    StoreGuard,
+    guarded_names,
+    takes_pointers,
+)
+
+__all__ = ["CLOSE_TIMEOUT_S", "CallGate", "NativeMooncakeStore", "NativeStats", "guarded_method"]
 
 #: How long a store wrapper's ``close()`` waits for the calls in flight before it raises ``StoreError``.
 CLOSE_TIMEOUT_S = 60.0
@@ -115,8 +132,10 @@ class NativeStats:
 class NativeMooncakeStore:
     """A Mooncake store whose batch calls go to the native client when it can (see the module docstring)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, *, armed: bool = False) -> None:
         self._store = store
+        self.ranges = RangeTable(armed=armed)
+        self.guard = StoreGuard("NativeMooncakeStore", self.ranges)
         self._client: Any = _UNSET  # _UNSET: not probed yet; None: unavailable
         self._lock = threading.Lock()
         self._logged: set[str] = set()
@@ -135,8 +154,11 @@ class NativeMooncakeStore:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._store, name)
-        # Every method of the wrapped store is a Mooncake call too: admitted only before close().
-        return self._gate.gated(value) if callable(value) else value
+        if not callable(value):
+            return value
+        # Every method of the wrapped store is a Mooncake call too: admitted only before close(), and its raw
+        # pointers checked against the registered buffers.
+        return self._gate.gated(guarded_method(self.guard, name, value))
 
     def _log_once(self, reason: str) -> None:
         if reason not in self._logged:
@@ -156,23 +178,43 @@ class NativeMooncakeStore:
                 client = self._client
         return client
 
-    def _native_call(self, name: str, args: tuple[Any, ...], what: str) -> tuple[bool, Any]:
+    def _native_call(self, name: str, args: tuple[Any, ...], what: str, guarded: bool = False) -> tuple[bool, Any]:
         """``(True, result)`` of the native client's ``name(*args)``; ``(False, None)`` when there is no native
-        client or it refuses the arguments before calling Mooncake (logged once per reason as ``what``)."""
+        client or it refuses the arguments before calling Mooncake (logged once per reason as ``what``).
+        ``guarded``: the guard's ranges go with the call; the native client checks every slice itself (in C++,
+        during its own conversion) and answers -600 for the keys it refused."""
         client = self._native()
         if client is None:
             return False, None
         try:
-            result = getattr(client, name)(*args)
+            if guarded:
+                result = getattr(client, name)(*args, ranges=self.ranges.ranges.pairs)
+            else:
+                result = getattr(client, name)(*args)
         except _REFUSED as exc:
             self._log_once(f"{what} not accepted ({type(exc).__name__}: {exc})")
             return False, None
         self.stats.native_calls += 1
+        if guarded:
+            self.guard.note_refused(client.last_refused(), name)
         return True, result
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         with self._gate.admitted():
-            return self._call_admitted(name, *args, **kwargs)
+            if name == "batch_is_exist":
+                return self._call_admitted(name, *args, **kwargs)
+            if self.ranges.armed and not kwargs and len(args) <= 4:
+                # The native client checks the slices itself (C++, no second conversion of the rows).
+                done, result = self._native_call(name, args, f"{name} arguments", guarded=True)
+                if done:
+                    return result
+            return self.guard.call(
+                name,
+                lambda *a, **k: self._call_admitted(name, *a, **k),
+                args,
+                kwargs,
+                arrays_ok=not kwargs and self._native() is not None,
+            )
 
     def _call_admitted(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -182,6 +224,8 @@ class NativeMooncakeStore:
             if done:
                 return result
         self.stats.fallback_calls += 1
+        # Rows the guard handed on as int64 matrices: Mooncake's binding takes lists.
+        args = tuple(a.tolist() if isinstance(a, np.ndarray) else a for a in args)
         return getattr(self._store, name)(*args, **kwargs)
 
     # --- the replaced calls ---------------------------------------------------------------------------------
@@ -196,15 +240,24 @@ class NativeMooncakeStore:
         """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
         handler's entry, docs/vllm-plugin.md): the native client reads them without building a Python row;
         without a native client (or when it refuses them) Mooncake's bound method gets the rows as lists."""
-        args = (keys, addrs, sizes)
         with self._gate.admitted():
-            done, result = self._native_call(
-                "batch_get_into_multi_buffers", args, "batch_get_into_multi_buffers arrays"
-            )
-            if done:
-                return result
-            self.stats.fallback_calls += 1
-            return self._store.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
+            if self.ranges.armed:
+                # The native client checks the matrices itself, GIL released (docs/vllm-plugin.md).
+                done, result = self._native_call(
+                    "batch_get_into_multi_buffers", (keys, addrs, sizes), "batch_get_into_multi_buffers arrays", True
+                )
+                if done:
+                    return result
+            return self.guard.call_arrays(keys, addrs, sizes, self._get_arrays)
+
+    def _get_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
+        done, result = self._native_call(
+            "batch_get_into_multi_buffers", (keys, addrs, sizes), "batch_get_into_multi_buffers arrays"
+        )
+        if done:
+            return result
+        self.stats.fallback_calls += 1
+        return self._store.batch_get_into_multi_buffers(keys, np.asarray(addrs).tolist(), np.asarray(sizes).tolist())
 
     def batch_put_from_multi_buffers(
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
@@ -212,17 +265,32 @@ class NativeMooncakeStore:
         """Mooncake's ``batch_put_from_multi_buffers`` (``ReplicateConfig`` passed through)."""
         return self._call("batch_put_from_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
 
-    def batch_get_into(self, keys: Any, ptrs: Any, sizes: Any) -> Any:
-        """Mooncake's ``batch_get_into`` through the native client."""
-        return self._call("batch_get_into", keys, ptrs, sizes)
+    def batch_get_into(self, *args: Any, **kwargs: Any) -> Any:
+        """Mooncake's ``batch_get_into(keys, buffer_ptrs, sizes)`` through the native client."""
+        return self._call("batch_get_into", *args, **kwargs)
 
-    def batch_put_from(self, keys: Any, ptrs: Any, sizes: Any, *args: Any, **kwargs: Any) -> Any:
-        """Mooncake's ``batch_put_from`` (``ReplicateConfig`` passed through)."""
-        return self._call("batch_put_from", keys, ptrs, sizes, *args, **kwargs)
+    def batch_put_from(self, *args: Any, **kwargs: Any) -> Any:
+        """Mooncake's ``batch_put_from(keys, buffer_ptrs, sizes[, config])`` (``ReplicateConfig`` passed
+        through)."""
+        return self._call("batch_put_from", *args, **kwargs)
 
     def batch_is_exist(self, keys: Any) -> Any:
         """Mooncake's ``batch_is_exist`` through the native client."""
         return self._call("batch_is_exist", keys)
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> Any:
+        """Mooncake's ``register_buffer``; a buffer it accepts (0) becomes a range the guard lets through."""
+        with self._gate.admitted():
+            result = self._store.register_buffer(buffer_ptr, size)
+            if isinstance(result, (int, np.integer)) and not isinstance(result, bool) and int(result) == 0:
+                self.ranges.add(buffer_ptr, size)
+            return result
+
+    def unregister_buffer(self, buffer_ptr: int) -> Any:
+        """Mooncake's ``unregister_buffer``; the range is dropped from the guard first, whatever Mooncake says."""
+        with self._gate.admitted():
+            self.ranges.remove(buffer_ptr)
+            return self._store.unregister_buffer(buffer_ptr)
 
     def close(self, *args: Any, **kwargs: Any) -> Any:
         """Refuse new calls, wait for those in flight, drop the native client, then close the wrapped store
@@ -237,3 +305,29 @@ class NativeMooncakeStore:
 
     def __repr__(self) -> str:
         return f"NativeMooncakeStore({self._store!r})"
+
+
+_GUARDED = guarded_names()
+
+
+def guarded_method(guard: StoreGuard, name: str, value: Callable[..., Any]) -> Callable[..., Any]:
+    """``value`` (the wrapped store's method ``name``) behind ``guard``: a raw-pointer method the guard checks
+    goes through :meth:`StoreGuard.call`; one it does not know raises :class:`GuardRefused` once the guard is
+    armed; every other method is returned as is."""
+    if name in _GUARDED:
+
+        @functools.wraps(value)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            return guard.call(name, value, args, kwargs)
+
+        return checked
+    if name not in REGISTRATION_METHODS and takes_pointers(value):
+
+        @functools.wraps(value)
+        def unknown(*args: Any, **kwargs: Any) -> Any:
+            if guard.table.armed:
+                raise GuardRefused(f"{name} takes raw pointers the registered-range guard cannot check: refused")
+            return value(*args, **kwargs)
+
+        return unknown
+    return value

@@ -513,6 +513,11 @@ def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any
     Native client (any caches): a :class:`NativeMooncakeStore`. Staged (host-memory caches only; device caches
     are passed through unchanged): a :class:`StagedMooncakeStore`, around the native wrapper when both are on
     (its contiguous slot calls then go through the native client too).
+
+    Both are created armed: their registered-range guard refuses every raw-pointer slice outside the buffers
+    registered through them, from the first call on (docs/vllm-plugin.md, "Registered-range guard"). The
+    worker hook wraps the store right before vLLM registers its KV caches, so the caches are in the table
+    before any transfer.
     """
     from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
     from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
@@ -522,14 +527,14 @@ def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any
         return store
     if native_client_setting(extra_config) and not isinstance(store, NativeMooncakeStore):
         logger.info("mooncake_kvaddr: native-client transport on")
-        store = NativeMooncakeStore(store)
+        store = NativeMooncakeStore(store, armed=True)
     if not wanted:
         return store
     if not _all_host(kv_caches):
         logger.info("mooncake_kvaddr: staged transport requested but the KV caches are not in host memory: off")
         return store
     logger.info("mooncake_kvaddr: staged transport on (%d MiB staging buffer)", nbytes >> 20)
-    return StagedMooncakeStore(store, staging_bytes=nbytes)
+    return StagedMooncakeStore(store, staging_bytes=nbytes, armed=True)
 
 
 def _wrap_worker(worker_cls: type) -> None:

@@ -13,11 +13,12 @@ unchanged except the two multi-buffer calls, which move each key through one con
 A Mooncake object is the concatenation of its regions either way, so staged and multi-buffer objects are
 byte-identical and interoperate. Results are Mooncake's per-key codes, returned as Mooncake returns them.
 
-Safety: every non-empty ``(address, size)`` slice must lie inside one buffer registered through this
-wrapper's ``register_buffer`` (the KV caches vLLM registers); a call with any slice outside them, with
-arguments we do not understand, duplicate keys, empty objects, or an object larger than the staging buffer
-goes to Mooncake's own multi-buffer call unchanged. Staging never reads or writes process memory outside the
-registered buffers and its own staging buffer.
+Safety: the registered-range guard (:mod:`~mooncake_kvaddr.integrations.vllm.guard`, shared with the native
+wrapper) checks every raw-pointer call first: a key with any slice outside the buffers registered through this
+wrapper's ``register_buffer`` gets -600 and is never handed on. Of what is left, a call with arguments we do not
+understand, duplicate keys, empty objects, or an object larger than the staging buffer goes to Mooncake's own
+multi-buffer call. Staging never reads or writes process memory outside the registered buffers and its own
+staging buffer.
 
 Close: after ``close()`` every call through the wrapper raises
 :class:`~mooncake_kvaddr.driver.store.StoreClosedError` (a closed Mooncake store would crash the process), and
@@ -32,7 +33,6 @@ skip Mooncake's Python argument conversion.
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,7 +43,8 @@ import numpy.typing as npt
 
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.driver.staging import StagingLease, StagingPool, gather, plan_batches, plan_slots, scatter
-from mooncake_kvaddr.integrations.vllm.native_store import CallGate
+from mooncake_kvaddr.integrations.vllm.guard import RangeTable, StoreGuard
+from mooncake_kvaddr.integrations.vllm.native_store import CallGate, guarded_method
 
 __all__ = ["StagedMooncakeStore", "StagedStats"]
 
@@ -87,21 +88,18 @@ class StagedMooncakeStore:
     is free); ``copy_threads`` native copy threads per gather/scatter (0: by job size).
     """
 
-    def __init__(self, store: Any, *, staging_bytes: int = 256 << 20, copy_threads: int = 0) -> None:
+    def __init__(
+        self, store: Any, *, staging_bytes: int = 256 << 20, copy_threads: int = 0, armed: bool = False
+    ) -> None:
         if copy_threads < 0:
             raise ValueError(f"copy_threads must be >= 0, got {copy_threads}")
         self._store = store
         self._pool = StagingPool(staging_bytes)
         self._copy_threads = copy_threads
         self._lock = threading.Lock()
-        # Registered host buffers: ptr -> nbytes, plus a sorted snapshot for the bounds check.
-        self._buffers: dict[int, int] = {}
-        # (starts, ends, ranges) replaced as one tuple, so a reader never mixes two registrations.
-        self._ranges: tuple[Int64Array, Int64Array, tuple[tuple[int, int], ...]] = (
-            np.empty(0, dtype=np.int64),
-            np.empty(0, dtype=np.int64),
-            (),
-        )
+        # The buffers registered through this wrapper (the guard's table; staging's bounds too).
+        self.ranges = RangeTable(armed=armed)
+        self.guard = StoreGuard("StagedMooncakeStore", self.ranges)
         self._pool_registered: bool | None = None  # None: not tried yet; False: Mooncake refused it
         self._gate = CallGate("StagedMooncakeStore")
         self.stats = StagedStats()
@@ -115,8 +113,17 @@ class StagedMooncakeStore:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._store, name)
-        # Every method of the wrapped store is a Mooncake call too: admitted only before close().
-        return self._gate.gated(value) if callable(value) else value
+        if not callable(value):
+            return value
+        # Every method of the wrapped store is a Mooncake call too: admitted only before close(), and its raw
+        # pointers checked against the registered buffers.
+        return self._gate.gated(guarded_method(self.guard, name, value))
+
+    @property
+    def _ranges(self) -> tuple[Int64Array, Int64Array, tuple[tuple[int, int], ...]]:
+        """``(starts, ends, ranges)`` of the registered buffers (one snapshot of :attr:`ranges`)."""
+        snapshot = self.ranges.ranges
+        return snapshot.starts, snapshot.ends, snapshot.items
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Mooncake's ``register_buffer``; a buffer it accepts becomes a range staging may touch."""
@@ -125,25 +132,9 @@ class StagedMooncakeStore:
 
     def _register_buffer(self, buffer_ptr: int, size: int) -> int:
         result = self._store.register_buffer(buffer_ptr, size)
-        span = self._as_range(buffer_ptr, size)
-        if result == 0 and span is not None:
-            with self._lock:
-                self._buffers[span[0]] = span[1]
-                self._refresh_ranges()
+        if isinstance(result, (int, np.integer)) and not isinstance(result, bool) and int(result) == 0:
+            self.ranges.add(buffer_ptr, size)
         return int(result) if isinstance(result, (int, np.integer)) else result
-
-    @staticmethod
-    def _as_range(buffer_ptr: Any, size: Any) -> tuple[int, int] | None:
-        """``(ptr, size)`` as ints when they describe a non-empty range inside ``[1, 2**63)``, else None: such
-        a buffer is left to Mooncake (staging never touches it) instead of breaking every later registration
-        (the int64 bounds of the range table could not hold it)."""
-        try:
-            ptr, nbytes = operator.index(buffer_ptr), operator.index(size)
-        except TypeError:
-            return None
-        if ptr <= 0 or nbytes <= 0 or ptr + nbytes > (1 << 63) - 1:
-            return None
-        return ptr, nbytes
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         """Mooncake's ``unregister_buffer``; the range is dropped from staging whatever Mooncake answers."""
@@ -151,12 +142,7 @@ class StagedMooncakeStore:
             return self._unregister_buffer(buffer_ptr)
 
     def _unregister_buffer(self, buffer_ptr: int) -> int:
-        with self._lock:
-            try:
-                self._buffers.pop(operator.index(buffer_ptr), None)
-            except TypeError:
-                pass
-            self._refresh_ranges()
+        self.ranges.remove(buffer_ptr)
         result: int = self._store.unregister_buffer(buffer_ptr)
         return result
 
@@ -174,14 +160,6 @@ class StagedMooncakeStore:
                 logger.debug("mooncake_kvaddr: staging buffer unregister failed: %s", exc)
         return self._store.close(*args, **kwargs)
 
-    def _refresh_ranges(self) -> None:
-        items = sorted(self._buffers.items())
-        self._ranges = (
-            np.array([p for p, _ in items], dtype=np.int64),
-            np.array([p + n for p, n in items], dtype=np.int64),
-            tuple(items),
-        )
-
     # --- staging ------------------------------------------------------------------------------------------
 
     def _ensure_pool_registered(self) -> bool:
@@ -195,41 +173,6 @@ class StagedMooncakeStore:
                         "mooncake_kvaddr: Mooncake refused the staging buffer (%s): staged transport off", result
                     )
             return bool(self._pool_registered)
-
-    def _inside_registered(self, addrs: Int64Array, sizes: Int64Array, starts: Int64Array, ends: Int64Array) -> bool:
-        """True when every non-empty slice lies inside one registered buffer (vectorised, no Python loop).
-
-        Fast path: when no size is 0, each region column's whole span (lowest start to highest end) inside
-        one buffer proves every slice of that column is inside it (two reductions over the matrix). Otherwise,
-        or when a column's span crosses buffers, every slice is checked on its own.
-        """
-        if addrs.size == 0:
-            return True
-        if starts.size == 0:
-            return False
-        if int(sizes.min()) > 0 and int(addrs.min()) >= 0:
-            low = addrs.min(axis=0)
-            top = addrs.max(axis=0)
-            if bool(np.all(top <= _INT64_MAX - sizes.max(axis=0))):
-                high = (addrs + sizes).max(axis=0)
-                index = np.searchsorted(starts, low, side="right") - 1
-                if bool(np.all(index >= 0)) and bool(np.all(high <= ends[np.maximum(index, 0)])):
-                    return True
-        return self._each_slice_inside(addrs, sizes, starts, ends)
-
-    @staticmethod
-    def _each_slice_inside(addrs: Int64Array, sizes: Int64Array, starts: Int64Array, ends: Int64Array) -> bool:
-        nonempty = sizes > 0
-        a = addrs[nonempty]
-        s = sizes[nonempty]
-        if a.size == 0:
-            return True
-        if bool(np.any(a < 0)) or bool(np.any(a > _INT64_MAX - s)):
-            return False
-        index = np.searchsorted(starts, a, side="right") - 1
-        if bool(np.any(index < 0)):
-            return False
-        return bool(np.all(a + s <= ends[index]))
 
     @staticmethod
     def _keys_stageable(keys: Any) -> bool:
@@ -252,14 +195,14 @@ class StagedMooncakeStore:
         """The staging plan of a call whose rows are already int64 matrices (see :meth:`_plan`)."""
         if addrs.shape[0] != len(keys):
             return None
-        starts, ends, allowed = self._ranges
+        ranges = self.ranges.ranges
         try:
-            staged = _Staged(addrs, sizes, allowed)
+            staged = _Staged(addrs, sizes, ranges.items)
         except (ValueError, OverflowError):
             return None
         if bool(np.any(staged.object_sizes <= 0)) or int(staged.object_sizes.max()) > self._pool.capacity:
             return None
-        if not self._inside_registered(addrs, sizes, starts, ends):
+        if not ranges.all_inside(addrs, sizes):
             return None
         if not self._ensure_pool_registered():
             return None
@@ -284,7 +227,9 @@ class StagedMooncakeStore:
     ) -> Any:
         """Mooncake's ``batch_get_into_multi_buffers``, staged for host KV caches (same results)."""
         with self._gate.admitted():
-            return self._get_multi(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+            return self.guard.call(
+                "batch_get_into_multi_buffers", self._get_multi, (keys, all_buffer_ptrs, all_sizes, *args), kwargs
+            )
 
     def _get_multi(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any) -> Any:
         staged = None if (args or kwargs) else self._plan(keys, all_buffer_ptrs, all_sizes)
@@ -302,7 +247,7 @@ class StagedMooncakeStore:
         take goes to the wrapped store's array entry when it has one (our native-client wrapper), else to its
         ``batch_get_into_multi_buffers`` with the rows as lists."""
         with self._gate.admitted():
-            return self._get_multi_arrays(keys, addrs, sizes)
+            return self.guard.call_arrays(keys, addrs, sizes, self._get_multi_arrays)
 
     def _get_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         staged = None
@@ -377,7 +322,9 @@ class StagedMooncakeStore:
     ) -> Any:
         """Mooncake's ``batch_put_from_multi_buffers``, staged for host KV caches (same results)."""
         with self._gate.admitted():
-            return self._put_multi(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+            return self.guard.call(
+                "batch_put_from_multi_buffers", self._put_multi, (keys, all_buffer_ptrs, all_sizes, *args), kwargs
+            )
 
     def _put_multi(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any) -> Any:
         config: tuple[Any, ...] = args

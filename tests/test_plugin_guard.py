@@ -1,0 +1,495 @@
+"""The registered-range guard of the vLLM plugin's store wrappers (docs/vllm-plugin.md, "Registered-range guard").
+
+Against a real embedded Mooncake master, in every wrapper combination the plugin installs (native client,
+native wrapper falling back to Mooncake's bound methods, staged, staged over native) and for every raw-pointer
+data method: a key with a slice outside the buffers registered through the wrapper (outside every buffer,
+negative, huge, straddling two registered buffers, inside a buffer unregistered since) gets -600 (or None for
+the tensor calls) and is never handed to Mooncake - a put leaves no object behind, a get leaves the destination
+untouched - while the other keys of the call still move, with results in order and bytes identical to plain
+Mooncake's. Wild addresses that would crash the process run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_kvaddr.driver.master import EmbeddedMaster
+from mooncake_kvaddr.driver.native_client import NativeClient
+from mooncake_kvaddr.driver.staging import StagingBuffer
+from mooncake_kvaddr.integrations.vllm import guard as guard_module
+from mooncake_kvaddr.integrations.vllm.guard import INVALID_PARAMS, GuardRefused, Ranges, RangeTable
+from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+KINDS = ("native", "bound", "staged", "staged_native")
+REGION = 256
+
+
+def _raw_store(master: EmbeddedMaster) -> Any:
+    import mooncake.store as ms
+
+    store = ms.MooncakeDistributedStore()
+    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", master.rpc_address)
+    assert rc == 0, f"setup failed: {rc}"
+    return store
+
+
+def _wrap(kind: str, raw: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    if kind == "bound":
+        monkeypatch.setattr(NativeClient, "from_store", classmethod(lambda cls, store: None))
+    if kind in ("native", "bound"):
+        return NativeMooncakeStore(raw, armed=True)
+    if kind == "staged":
+        return StagedMooncakeStore(raw, staging_bytes=1 << 20, armed=True)
+    return StagedMooncakeStore(NativeMooncakeStore(raw, armed=True), staging_bytes=1 << 20, armed=True)
+
+
+class Rig:
+    """A fresh Mooncake client, one wrapper around it, and host buffers: ``a`` registered, ``halves`` one
+    allocation registered as two buffers (a slice across the middle straddles them), ``outside`` never
+    registered, ``gone`` registered then unregistered."""
+
+    def __init__(self, kind: str, master: EmbeddedMaster, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.kind = kind
+        self.raw = _raw_store(master)
+        self.store = _wrap(kind, self.raw, monkeypatch)
+        self.a = StagingBuffer(16 * REGION)
+        self.halves = StagingBuffer(16 * REGION)
+        self.outside = StagingBuffer(16 * REGION)
+        self.gone = StagingBuffer(16 * REGION)
+        half = self.halves.nbytes // 2
+        for ptr, size in ((self.a.ptr, self.a.nbytes), (self.halves.ptr, half), (self.halves.ptr + half, half),
+                          (self.gone.ptr, self.gone.nbytes)):  # fmt: skip
+            assert self.store.register_buffer(ptr, size) == 0
+        assert self.store.unregister_buffer(self.gone.ptr) == 0
+        rng = np.random.default_rng(7)
+        for buf in (self.a, self.halves, self.outside, self.gone):
+            buf.array[:] = rng.integers(0, 255, buf.nbytes, dtype=np.uint8)
+        self.tag = uuid.uuid4().hex[:10]
+
+    def key(self, name: str) -> str:
+        return f"guard-{self.kind}-{self.tag}-{name}"
+
+    def bad_slices(self) -> dict[str, tuple[int, int]]:
+        """Slices in real memory the guard must refuse (a wrongly admitted get would write it: checked)."""
+        middle = self.halves.ptr + self.halves.nbytes // 2
+        return {
+            "outside": (self.outside.ptr, REGION),
+            "straddle": (middle - REGION // 2, REGION),
+            "unregistered": (self.gone.ptr, REGION),
+            "past_end": (self.a.ptr + self.a.nbytes - REGION // 2, REGION),
+        }
+
+    def close(self) -> None:
+        self.store.close()
+
+
+@pytest.fixture
+def rig_factory(master: EmbeddedMaster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], Rig]]:
+    rigs: list[Rig] = []
+
+    def make(kind: str) -> Rig:
+        rig = Rig(kind, master, monkeypatch)
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        rig.close()
+
+
+def _exists(raw: Any, key: str) -> bool:
+    return bool(raw.is_exist(key) == 1)
+
+
+# --- multi-buffer put/get ------------------------------------------------------------------------------------
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("form", ["lists", "arrays"])
+def test_multi_buffer_put_refuses_bad_keys_and_stores_the_good_ones(
+    rig_factory: Callable[[str], Rig], kind: str, form: str
+) -> None:
+    rig = rig_factory(kind)
+    bad = rig.bad_slices()
+    good_rows = [[rig.a.ptr + (2 * k) * REGION, rig.a.ptr + (2 * k + 1) * REGION] for k in range(3)]
+    names = ["g0", *bad, "g1", "g2"]
+    rows = [good_rows[0]] + [[rig.a.ptr, ptr] for ptr, _ in bad.values()] + good_rows[1:]
+    sizes = [[REGION, REGION] for _ in rows]
+    keys = [rig.key(n) for n in names]
+    if form == "arrays":
+        args: tuple[Any, ...] = (keys, np.array(rows, dtype=np.int64), np.array(sizes, dtype=np.int64))
+    else:
+        args = (keys, rows, sizes)
+    codes = rig.store.batch_put_from_multi_buffers(*args)
+    assert codes == [0] + [INVALID_PARAMS] * len(bad) + [0, 0]
+    for name in bad:
+        assert not _exists(rig.raw, rig.key(name)), f"{name}: the refused key reached the store"
+    for name, row in zip(("g0", "g1", "g2"), good_rows, strict=True):
+        want = b"".join(ctypes.string_at(p, REGION) for p in row)
+        assert rig.raw.get(rig.key(name)) == want  # byte-identical to what Mooncake's own call stores
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("entry", ["lists", "arrays_entry"])
+def test_multi_buffer_get_leaves_refused_destinations_untouched(
+    rig_factory: Callable[[str], Rig], kind: str, entry: str
+) -> None:
+    rig = rig_factory(kind)
+    bad = rig.bad_slices()
+    source = [[rig.a.ptr + (2 * k) * REGION, rig.a.ptr + (2 * k + 1) * REGION] for k in range(len(bad) + 2)]
+    keys = [rig.key(f"obj{k}") for k in range(len(source))]
+    assert rig.raw.batch_put_from_multi_buffers(keys, source, [[REGION, REGION]] * len(source)) == [0] * len(source)
+    expected = [b"".join(ctypes.string_at(p, REGION) for p in row) for row in source]
+    # Destinations: key 0 and the last into the second half of `a` (good), the others into a bad slice each.
+    dest_good = [[rig.a.ptr + 8 * REGION, rig.a.ptr + 9 * REGION], [rig.a.ptr + 10 * REGION, rig.a.ptr + 11 * REGION]]
+    rows = [dest_good[0]] + [[rig.a.ptr + 12 * REGION, ptr] for ptr, _ in bad.values()] + [dest_good[1]]
+    sizes = [[REGION, REGION]] * len(rows)
+    snapshots = {name: ctypes.string_at(ptr, REGION) for name, (ptr, _) in bad.items()}
+    rig.a.array[8 * REGION : 13 * REGION] = 0
+    if entry == "arrays_entry":
+        codes = rig.store.batch_get_into_multi_buffers_arrays(
+            keys, np.array(rows, dtype=np.int64), np.array(sizes, dtype=np.int64)
+        )
+    else:
+        codes = rig.store.batch_get_into_multi_buffers(keys, rows, sizes)
+    assert codes == [2 * REGION] + [INVALID_PARAMS] * len(bad) + [2 * REGION]
+    for name, (ptr, _) in bad.items():
+        assert ctypes.string_at(ptr, REGION) == snapshots[name], f"{name}: a refused destination was written"
+    assert not rig.a.array[12 * REGION : 13 * REGION].any()  # the refused keys' good regions too
+    assert rig.a.array[8 * REGION : 10 * REGION].tobytes() == expected[0]
+    assert rig.a.array[10 * REGION : 12 * REGION].tobytes() == expected[-1]
+
+
+# --- contiguous and single-key methods -------------------------------------------------------------------------
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("kind", KINDS)
+def test_contiguous_and_single_key_methods_refuse_bad_slices(rig_factory: Callable[[str], Rig], kind: str) -> None:
+    rig = rig_factory(kind)
+    bad = list(rig.bad_slices().values())
+    good = (rig.a.ptr, REGION)
+    for method in ("batch_put_from", "batch_upsert_from"):
+        keys = [rig.key(f"{method}-{i}") for i in range(len(bad) + 1)]
+        slices = [good, *bad]
+        codes = getattr(rig.store, method)(keys, [p for p, _ in slices], [n for _, n in slices])
+        assert codes == [0] + [INVALID_PARAMS] * len(bad), method
+        assert _exists(rig.raw, keys[0]) and not any(_exists(rig.raw, k) for k in keys[1:])
+        assert rig.raw.get(keys[0]) == ctypes.string_at(*good)
+    for method in ("put_from", "upsert_from"):
+        for i, (ptr, size) in enumerate(bad):
+            key = rig.key(f"{method}-bad-{i}")
+            assert getattr(rig.store, method)(key, ptr, size) == INVALID_PARAMS
+            assert not _exists(rig.raw, key)
+        key = rig.key(f"{method}-good")
+        assert getattr(rig.store, method)(key, *good) == 0 and rig.raw.get(key) == ctypes.string_at(*good)
+    # Gets: the object exists; refused destinations stay as they were.
+    source = rig.key("batch_put_from-0")
+    snapshots = [ctypes.string_at(ptr, REGION) for ptr, _ in bad]
+    codes = rig.store.batch_get_into([source] * (len(bad) + 1), [rig.a.ptr + REGION] + [p for p, _ in bad],
+                                     [REGION] * (len(bad) + 1))  # fmt: skip
+    assert codes == [REGION] + [INVALID_PARAMS] * len(bad)
+    for i, (ptr, _) in enumerate(bad):
+        assert rig.store.get_into(source, ptr, REGION) == INVALID_PARAMS
+        assert ctypes.string_at(ptr, REGION) == snapshots[i]
+    assert rig.store.get_into(source, rig.a.ptr + 2 * REGION, REGION) == REGION
+    assert ctypes.string_at(rig.a.ptr + 2 * REGION, REGION) == ctypes.string_at(*good)
+    # Keyword and extra arguments are checked too.
+    key = rig.key("kw")
+    ptr, size = bad[0]
+    assert rig.store.batch_put_from(keys=[key], buffer_ptrs=[ptr], sizes=[size]) == [INVALID_PARAMS]
+    assert rig.store.batch_put_from_multi_buffers([key], all_buffer_ptrs=[[ptr]], all_sizes=[[size]]) == [-600]
+    assert rig.store.batch_get_into_multi_buffers([source], [[ptr]], [[size]], True) == [INVALID_PARAMS]
+    assert rig.store.put_from(key=key, buffer_ptr=ptr, size=size) == INVALID_PARAMS
+    assert not _exists(rig.raw, key)
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("kind", ["native", "staged_native"])
+def test_tensor_and_ranged_methods_refuse_bad_slices(rig_factory: Callable[[str], Rig], kind: str) -> None:
+    rig = rig_factory(kind)
+    ptr, size = rig.bad_slices()["outside"]
+    snapshot = ctypes.string_at(ptr, size)
+    key = rig.key("t")
+    assert rig.store.get_tensor_into(key, ptr, size) is None
+    assert rig.store.batch_get_tensor_into([key], [ptr], [size]) == [None]
+    assert rig.store.put_tensor_from(key, ptr, size) == INVALID_PARAMS
+    assert rig.store.put_from_with_metadata(key, rig.a.ptr, ptr, REGION, size) == INVALID_PARAMS
+    assert rig.store.batch_put_from_multi_buffer_ranges([key], [[ptr]], [[size]], [[0]]) == [INVALID_PARAMS]
+    assert rig.store.batch_get_into_multi_buffer_ranges([key], [[ptr]], [[size]], [[0]]) == [INVALID_PARAMS]
+    assert rig.store.get_into_ranges([ptr], [[key]], [[[0]]], [[[0]]], [[[size]]]) == [[[INVALID_PARAMS]]]
+    assert not _exists(rig.raw, key) and ctypes.string_at(ptr, size) == snapshot
+
+
+# --- wild addresses (would crash the process without the guard) -----------------------------------------------
+
+_WILD = """
+import sys
+from mooncake_kvaddr.driver.master import EmbeddedMaster
+from mooncake_kvaddr.driver.staging import StagingBuffer
+from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+import mooncake.store as ms
+import numpy as np
+
+with EmbeddedMaster() as master:
+    for kind in ("native", "staged", "staged_native"):
+        raw = ms.MooncakeDistributedStore()
+        assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 0, "tcp", "", master.rpc_address) == 0
+        inner = NativeMooncakeStore(raw, armed=True) if kind != "staged" else raw
+        store = inner if kind == "native" else StagedMooncakeStore(inner, staging_bytes=1 << 20, armed=True)
+        cache = StagingBuffer(4096)
+        assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+        assert store.batch_put_from_multi_buffers(["wild-src"], [[cache.ptr]], [[256]]) == [0]
+        for name, (ptr, size) in {"negative": (-4096, 256), "huge": (1 << 62, 256), "null": (0, 256),
+                                  "wrap": ((1 << 63) - 16, 256), "beyond": (2**64 + 5, 256),
+                                  "negative_size": (cache.ptr, -1)}.items():
+            got = store.batch_get_into_multi_buffers(["wild-src", "wild-src"], [[cache.ptr], [ptr]], [[256], [size]])
+            assert got == [256, -600], (kind, name, got)
+            got = store.batch_put_from_multi_buffers([f"wild-{name}"], [[ptr]], [[size]])
+            assert got == [-600], (kind, name, got)
+            assert raw.is_exist(f"wild-{name}") != 1, (kind, name)
+            assert store.batch_get_into(["wild-src"], [ptr], [size]) == [-600], (kind, name)
+            assert store.get_into("wild-src", ptr, size) == -600, (kind, name)
+            if 0 <= ptr < 2**63:
+                a = np.array([[cache.ptr], [ptr]], dtype=np.int64)
+                s = np.array([[256], [size]], dtype=np.int64)
+                got = store.batch_get_into_multi_buffers_arrays(["wild-src", "wild-src"], a, s)
+                assert got == [256, -600], (kind, name, got)
+        store.close()
+        print("OK", kind, flush=True)
+"""
+
+
+@pytest.mark.mooncake
+def test_wild_addresses_never_reach_mooncake_in_a_subprocess(tmp_path: Path) -> None:
+    package_root = Path(guard_module.__file__).resolve().parents[3]
+    env = dict(os.environ, PYTHONPATH=str(package_root))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_WILD)], env=env, capture_output=True, text=True, timeout=300,
+        check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
+    assert [line for line in done.stdout.splitlines() if line.startswith("OK")] == [
+        "OK native",
+        "OK staged",
+        "OK staged_native",
+    ]
+
+
+# --- the table, the policy, the warning ------------------------------------------------------------------------
+
+
+def test_every_raw_pointer_method_of_mooncake_is_guarded() -> None:
+    """Every method of the installed ``MooncakeDistributedStore`` whose signature names a pointer is checked by
+    the guard (or is the registration itself); a pointer method the guard does not know is refused."""
+    ms = pytest.importorskip("mooncake.store")
+    cls = ms.MooncakeDistributedStore
+    pointer_methods = {name for name in dir(cls) if not name.startswith("__") and guard_module.takes_pointers(
+        getattr(cls, name))}  # fmt: skip
+    assert pointer_methods, "no pointer method found: the signature heuristic is broken"
+    unguarded = pointer_methods - guard_module.guarded_names() - guard_module.REGISTRATION_METHODS
+    assert not unguarded, f"raw-pointer Mooncake methods the guard does not check: {sorted(unguarded)}"
+
+    class Fake:
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 0
+
+        def peek(self, key: str, buffer_ptr: int) -> int:
+            """peek(self, key: str, buffer_ptr: int) -> int"""
+            return 0
+
+    store = NativeMooncakeStore(Fake())
+    assert store.peek("k", 1) == 0  # not armed yet: Mooncake's semantics
+    store.register_buffer(4096, 4096)
+    with pytest.raises(GuardRefused):
+        store.peek("k", 4096)
+
+
+def test_armed_wrappers_refuse_before_any_registration_unarmed_ones_pass() -> None:
+    calls: list[str] = []
+
+    class Fake:
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 0 if ptr > 0 else -1
+
+        def unregister_buffer(self, ptr: int) -> int:
+            return 0
+
+        def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+            calls.append("put")
+            return [0] * len(keys)
+
+    for wrapper in (NativeMooncakeStore, lambda s, **k: StagedMooncakeStore(s, staging_bytes=4096, **k)):
+        calls.clear()
+        armed = wrapper(Fake(), armed=True)
+        assert armed.batch_put_from(["k"], [4096], [16]) == [INVALID_PARAMS] and calls == []
+        plain = wrapper(Fake())
+        assert plain.batch_put_from(["k"], [4096], [16]) == [0] and calls == ["put"]
+        assert plain.register_buffer(-5, 10) == -1  # refused by "Mooncake": not recorded, not armed
+        assert plain.batch_put_from(["k"], [4096], [16]) == [0]
+        assert plain.register_buffer(8192, 100) == 0  # armed from now on
+        assert plain.batch_put_from(["k", "j"], [4096, 8192], [16, 100]) == [INVALID_PARAMS, 0]
+        plain.unregister_buffer(8192)
+        assert plain.batch_put_from(["j"], [8192], [100]) == [INVALID_PARAMS]  # stays armed, range gone
+        assert calls == ["put"] * 3
+
+
+def test_plugin_installs_armed_wrappers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from mooncake_kvaddr.integrations.vllm import plugin
+
+    monkeypatch.delenv(plugin.ENV_NATIVE_CLIENT, raising=False)
+    monkeypatch.setenv(plugin.ENV_STAGED, "1")
+    tensor = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
+    both = plugin.maybe_stage_store(object(), {"a": tensor}, None)
+    assert isinstance(both, StagedMooncakeStore) and both.ranges.armed
+    assert isinstance(both.wrapped, NativeMooncakeStore) and both.wrapped.ranges.armed
+
+
+def test_ranges_check_equals_a_slice_by_slice_reference() -> None:
+    """The vectorised check (fast path and cell by cell) against a plain Python one, overlapping ranges too."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        buffers = {int(p): int(n) for p, n in zip(rng.integers(1, 1 << 20, 4), rng.integers(1, 1 << 16, 4))}
+        ranges = Ranges.of(buffers)
+        shape = (int(rng.integers(1, 6)), int(rng.integers(1, 5)))
+        pick = rng.choice(list(buffers), size=shape)
+        addrs = (pick + rng.integers(-64, 1 << 16, shape)).astype(np.int64)
+        sizes = rng.integers(-2, 1 << 12, shape).astype(np.int64)
+        if rng.random() < 0.2:
+            addrs[0, 0] = (1 << 63) - 5
+        want = np.array(
+            [[s >= 0 and a > 0 and any(p <= a and a + s <= p + n for p, n in buffers.items())
+              for a, s in zip(ra, rs, strict=True)] for ra, rs in zip(addrs.tolist(), sizes.tolist(), strict=True)]
+        )  # fmt: skip
+        assert (ranges.cells_inside(addrs, sizes) == want).all()
+        assert ranges.all_inside(addrs, sizes) == bool(want.all())
+
+
+def test_table_is_thread_safe_and_snapshots_are_consistent() -> None:
+    table = RangeTable()
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            snap = table.ranges
+            if not (snap.starts.size == snap.ends.size == snap.reach.size == len(snap.items)):
+                errors.append("torn snapshot")
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for i in range(2000):
+        table.add(4096 * (i + 1), 100)
+        if i % 3 == 0:
+            table.remove(4096 * (i + 1))
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors and table.armed
+
+
+def test_refusals_log_one_rate_limited_warning_with_the_count(caplog: pytest.LogCaptureFixture) -> None:
+    class Fake:
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 0
+
+        def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+            return [len(keys)] * len(keys)
+
+    store = NativeMooncakeStore(Fake(), armed=True)
+    store.register_buffer(4096, 4096)
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
+        assert store.batch_get_into(["a", "b", "c"], [1, 4096, 2], [8, 8, 8]) == [-600, 1, -600]
+        assert store.batch_get_into(["a"], [1], [8]) == [-600]
+    warnings = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warnings) == 1 and "refused 2 key(s)" in warnings[0]
+    assert store.guard.refused_keys == 3
+
+
+# --- the native client's own check (C++, during its conversion) --------------------------------------------------
+
+
+@pytest.mark.mooncake
+def test_native_client_ranges_equal_the_reference_check(master: EmbeddedMaster) -> None:
+    """``NativeClient`` with ``ranges``: per key, refused (-600, not sent) exactly when the vectorised Python
+    check refuses it, for matrices, lists of rows, ragged and malformed rows and the contiguous calls; nothing is
+    sent when every key is refused. Keys are missing, so a key that is sent reads nothing (-704)."""
+    from mooncake_kvaddr import _native
+
+    raw = _raw_store(master)
+    try:
+        client = NativeClient.from_store(raw)
+        assert client is not None
+        rng = np.random.default_rng(11)
+        tag = uuid.uuid4().hex[:8]
+        for case in range(60):
+            buffers = {int(p): int(n) for p, n in zip(rng.integers(1, 1 << 40, 3), rng.integers(1, 1 << 20, 3))}
+            ranges = Ranges.of(buffers)
+            n, w = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+            base = rng.choice(list(buffers), size=(n, w))
+            addrs = (base + rng.integers(-512, 1 << 20, (n, w))).astype(np.int64)
+            sizes = rng.integers(-1, 1 << 12, (n, w)).astype(np.int64)
+            if case % 7 == 0:
+                addrs[0, 0] = [0, -8, (1 << 63) - 4][case % 3]
+            want_ok = ranges.cells_inside(addrs, sizes).all(axis=1)
+            keys = [f"guard-native-{tag}-{case}-{i}" for i in range(n)]
+            want = [-704 if ok else INVALID_PARAMS for ok in want_ok]
+            before = _native.mooncake_client_call_count()
+            for form in ("arrays", "lists"):
+                a, s = (addrs, sizes) if form == "arrays" else (addrs.tolist(), sizes.tolist())
+                assert client.batch_get_into_multi_buffers(keys, a, s, ranges=ranges.pairs) == want, (case, form)
+                assert client.last_refused() == n - int(want_ok.sum())
+            flat_ok = ranges.cells_inside(addrs[:, 0], sizes[:, 0])
+            got = client.batch_get_into(keys, addrs[:, 0].tolist(), sizes[:, 0].tolist(), ranges=ranges.pairs)
+            assert got == [-704 if ok else INVALID_PARAMS for ok in flat_ok]
+            sent = 2 * int(want_ok.any()) + int(flat_ok.any())
+            assert _native.mooncake_client_call_count() - before == sent  # all refused: Mooncake not called
+        # Ragged rows and a row whose address and size counts differ: only that key refused.
+        p = next(iter(buffers))
+        rows = [[p, p + 8], [p], [p, p + 16]]
+        size_rows = [[8, 8], [8], [8]]
+        got = client.batch_get_into_multi_buffers(["x", "y", "z"], rows, size_rows, ranges=ranges.pairs)
+        assert got == [-704, -704, INVALID_PARAMS]
+        with pytest.raises(TypeError):
+            client.batch_get_into_multi_buffers(["x"], [[p]], [[8]], ranges=[[p, p + 8]])  # not an int64 array
+        with pytest.raises(ValueError):
+            client.batch_get_into_multi_buffers(["x"], [[p]], [[8]], ranges=np.array([[p, p]], np.int64))
+    finally:
+        raw.close()
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("kind", KINDS)
+def test_malformed_rows_refuse_only_their_key(rig_factory: Callable[[str], Rig], kind: str) -> None:
+    """A row with a float, a value past 2**64, or more addresses than sizes: the native client refuses the call,
+    the guard then refuses only that key (-600, not sent); the good key is stored as Mooncake stores it."""
+    rig = rig_factory(kind)
+    good = [rig.a.ptr, rig.a.ptr + REGION]
+    for i, (row, size_row) in enumerate(
+        [([rig.a.ptr + 0.5], [REGION]), ([2**64 + 1], [REGION]), ([rig.a.ptr, rig.a.ptr], [REGION])]
+    ):
+        keys = [rig.key(f"ok{i}"), rig.key(f"bad{i}")]
+        codes = rig.store.batch_put_from_multi_buffers(keys, [good, row], [[REGION, REGION], size_row])
+        assert codes == [0, INVALID_PARAMS], (i, codes)
+        assert rig.raw.get(keys[0]) == ctypes.string_at(rig.a.ptr, 2 * REGION)
+        assert not _exists(rig.raw, keys[1])
