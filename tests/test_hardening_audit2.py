@@ -98,13 +98,29 @@ ENGINE_CALLS: dict[str, Any] = {
     "region_pins": lambda o: o.region_pins,
     "segment_count": lambda o: o.segment_count,
 }
+CLIENT_CALLS: dict[str, Any] = {
+    "batch_get_into_multi_buffers": lambda o: o.batch_get_into_multi_buffers(["k"], [[4096]], [[8]]),
+    "batch_put_from_multi_buffers": lambda o: o.batch_put_from_multi_buffers(["k"], [[4096]], [[8]]),
+    "batch_get_into": lambda o: o.batch_get_into(["k"], [4096], [8]),
+    "batch_put_from": lambda o: o.batch_put_from(["k"], [4096], [8]),
+    "batch_is_exist": lambda o: o.batch_is_exist(["k"]),
+    "same_client": lambda o: o.same_client(None),
+    "close": lambda o: o.close(),
+    "closed": lambda o: o.closed,  # returned False before
+    "library": lambda o: o.library,  # MemoryError before
+    "slots": lambda o: o.slots,  # SIGSEGV before
+    "abi_id": lambda o: o.abi_id,
+}
 
 
 @pytest.mark.parametrize(
     ("cls", "call"),
     [(_native.AddressTable, c) for c in TABLE_CALLS.values()]
-    + [(_native.LayoutEngine, c) for c in ENGINE_CALLS.values()],
-    ids=[f"AddressTable.{n}" for n in TABLE_CALLS] + [f"LayoutEngine.{n}" for n in ENGINE_CALLS],
+    + [(_native.LayoutEngine, c) for c in ENGINE_CALLS.values()]
+    + [(_native.MooncakeClient, c) for c in CLIENT_CALLS.values()],
+    ids=[f"AddressTable.{n}" for n in TABLE_CALLS]
+    + [f"LayoutEngine.{n}" for n in ENGINE_CALLS]
+    + [f"MooncakeClient.{n}" for n in CLIENT_CALLS],
 )
 def test_an_instance_made_by_new_without_init_refuses_every_method(cls: Any, call: Any) -> None:
     # pybind11 lazily allocates raw memory for an instance whose __init__ never ran and handed it to the method

@@ -835,23 +835,23 @@ void register_mooncake_client(py::module_& m) {
                                "Mooncake's RealClient called directly; use mooncake_kvaddr.driver.native_client.")
         .def(py::init<py::capsule, const std::string&, py::object, py::object>(), py::arg("capsule"),
              py::arg("library_path"), py::arg("default_config"), py::arg("symbol_overrides") = py::none())
-        .def("batch_get_into_multi_buffers", &MooncakeClient::get_multi, py::arg("keys"), py::arg("addrs"),
+        .def("batch_get_into_multi_buffers", checked(&MooncakeClient::get_multi), py::arg("keys"), py::arg("addrs"),
              py::arg("sizes"), py::arg("prefer_alloc_in_same_node") = false, py::arg("key_offsets") = py::none(),
              py::arg("ranges") = py::none())
-        .def("batch_put_from_multi_buffers", &MooncakeClient::put_multi, py::arg("keys"), py::arg("addrs"),
+        .def("batch_put_from_multi_buffers", checked(&MooncakeClient::put_multi), py::arg("keys"), py::arg("addrs"),
              py::arg("sizes"), py::arg("config") = py::none(), py::arg("key_offsets") = py::none(),
              py::arg("ranges") = py::none())
-        .def("batch_get_into", &MooncakeClient::get_into, py::arg("keys"), py::arg("ptrs"), py::arg("sizes"),
+        .def("batch_get_into", checked(&MooncakeClient::get_into), py::arg("keys"), py::arg("ptrs"), py::arg("sizes"),
              py::arg("key_offsets") = py::none(), py::arg("ranges") = py::none())
-        .def("batch_put_from", &MooncakeClient::put_from, py::arg("keys"), py::arg("ptrs"), py::arg("sizes"),
+        .def("batch_put_from", checked(&MooncakeClient::put_from), py::arg("keys"), py::arg("ptrs"), py::arg("sizes"),
              py::arg("config") = py::none(), py::arg("key_offsets") = py::none(), py::arg("ranges") = py::none())
-        .def("batch_is_exist", &MooncakeClient::is_exist, py::arg("keys"), py::arg("key_offsets") = py::none())
-        .def("same_client", &MooncakeClient::same_client, py::arg("capsule"))
-        .def("close", &MooncakeClient::close)
-        .def_property_readonly("closed", &MooncakeClient::closed)
-        .def_property_readonly("library", &MooncakeClient::library)
-        .def_property_readonly("slots", &MooncakeClient::slots)
-        .def_property_readonly("abi_id", &MooncakeClient::abi_id);
+        .def("batch_is_exist", checked(&MooncakeClient::is_exist), py::arg("keys"), py::arg("key_offsets") = py::none())
+        .def("same_client", checked(&MooncakeClient::same_client), py::arg("capsule"))
+        .def("close", checked(&MooncakeClient::close))
+        .def_property_readonly("closed", checked(&MooncakeClient::closed))
+        .def_property_readonly("library", checked(&MooncakeClient::library))
+        .def_property_readonly("slots", checked(&MooncakeClient::slots))
+        .def_property_readonly("abi_id", checked(&MooncakeClient::abi_id));
 }
 
 }  // namespace kvaddr::py_bindings

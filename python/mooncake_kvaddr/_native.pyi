@@ -133,6 +133,8 @@ def mooncake_client_platform_reason() -> str: ...
 def mooncake_client_call_count() -> int: ...
 def mooncake_client_last_release_ns() -> int: ...
 
+def mooncake_client_last_refused() -> int: ...
+
 class MooncakeClient:
     def __init__(
         self,
@@ -148,13 +150,28 @@ class MooncakeClient:
         sizes: object,
         prefer_alloc_in_same_node: bool = False,
         key_offsets: object = None,
+        ranges: object = None,
     ) -> list[int]: ...
     def batch_put_from_multi_buffers(
-        self, keys: object, addrs: object, sizes: object, config: object = None, key_offsets: object = None
+        self,
+        keys: object,
+        addrs: object,
+        sizes: object,
+        config: object = None,
+        key_offsets: object = None,
+        ranges: object = None,
     ) -> list[int]: ...
-    def batch_get_into(self, keys: object, ptrs: object, sizes: object, key_offsets: object = None) -> list[int]: ...
+    def batch_get_into(
+        self, keys: object, ptrs: object, sizes: object, key_offsets: object = None, ranges: object = None
+    ) -> list[int]: ...
     def batch_put_from(
-        self, keys: object, ptrs: object, sizes: object, config: object = None, key_offsets: object = None
+        self,
+        keys: object,
+        ptrs: object,
+        sizes: object,
+        config: object = None,
+        key_offsets: object = None,
+        ranges: object = None,
     ) -> list[int]: ...
     def batch_is_exist(self, keys: object, key_offsets: object = None) -> list[int]: ...
     def same_client(self, capsule: object) -> bool: ...
