@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         f"prepare_values, list form: {shape.describe()}; result freed inside the timed region; "
         f"{args.reps} interleaved reps"
     )
-    print(f"  {'variant':<62} {'median ms':>10} {'min ms':>8}")
+    print(f"  {'variant':<68} {'median ms':>10} {'min ms':>8}")
     for name in variants:
-        print(f"  {name:<62} {med[name]:>10.3f} {low[name]:>8.3f}")
+        print(f"  {name:<68} {med[name]:>10.3f} {low[name]:>8.3f}")
     ceilings: dict[str, dict[str, float]] = {}
     baselines = [NUMPY_BASELINE] + ([vllm_name] if vllm_name else [])
     for base in baselines:
