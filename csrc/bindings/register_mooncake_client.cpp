@@ -22,6 +22,7 @@
 
 #include "bindings/common.hpp"
 #include "kvaddr/mooncake_client.hpp"
+#include "kvaddr/ranges.hpp"
 
 // The type Mooncake's capsule holds a std::shared_ptr to. Only ever used through that shared_ptr (copied and
 // destroyed, never dereferenced as a PyClient): the shared_ptr layout does not depend on the pointee.
@@ -213,22 +214,14 @@ struct Problem {
     bool found() const noexcept { return !message.empty(); }
 };
 
-// Address/size of one region: addresses non-zero (a null pointer would crash Mooncake's copy), sizes
-// non-negative, and address + size must not wrap.
+// Address/size of one region, raw bits read as the caller's integer type said: kvaddr/ranges.hpp's rule (a
+// null address would crash Mooncake's copy; negative as signed and >= 2**63 as unsigned are refused alike).
 inline bool check_region(uint64_t address, uint64_t size, bool address_signed, bool size_signed, Problem& problem,
                          const char* where, std::size_t row, std::size_t col) {
-    const char* bad = nullptr;
-    if (address == 0) {
-        bad = "address 0";
-    } else if (address_signed && static_cast<int64_t>(address) < 0) {
-        bad = "negative address";
-    } else if (size_signed && static_cast<int64_t>(size) < 0) {
-        bad = "negative size";
-    } else if (address + size < address) {
-        bad = "address + size overflows 64 bits";
-    }
-    if (bad == nullptr) return true;
-    problem.message = std::string(bad) + " in " + where + " [" + std::to_string(row) + "][" + std::to_string(col) + "]";
+    const SliceFault fault = slice_fault(address, size, address_signed, size_signed);
+    if (fault == SliceFault::none) return true;
+    problem.message = std::string(describe(fault)) + " in " + where + " [" + std::to_string(row) + "][" +
+                      std::to_string(col) + "]";
     return false;
 }
 
@@ -247,54 +240,26 @@ int64_t row_int(py::handle item, const char* what) { return as_int64(item.ptr(),
 thread_local uint64_t t_refused = 0;
 constexpr int kInvalidParams = -600;  // Mooncake's INVALID_PARAMS (docs/configuration.md)
 
-// The registered-range guard's table (docs/vllm-plugin.md, "Registered-range guard"): [start, end) ranges sorted
-// by start, with reach[i] = the largest end among ranges 0..i, so a slice lies inside ONE range exactly when
-// its end is <= reach of the last range starting at or before it. Copied from a (m, 2) int64 array under the
-// GIL; read without it.
-class RangeSet {
-public:
-    RangeSet() = default;
-    explicit RangeSet(py::handle ranges) {
-        Export view;
-        if (!view.acquire(ranges.ptr()) || view.view().ndim != 2 || int64_kind(view.view()) != 1 ||
-            view.view().shape[1] != 2) {
-            raise(PyExc_TypeError, "ranges must be a (n, 2) int64 array of [start, end) pairs");
-        }
-        const auto* data = static_cast<const int64_t*>(view.view().buf);
-        const auto m = static_cast<std::size_t>(view.view().shape[0]);
-        std::vector<std::pair<uint64_t, uint64_t>> pairs;
-        pairs.reserve(m);
-        for (std::size_t i = 0; i < m; ++i) {
-            const int64_t start = data[2 * i];
-            const int64_t end = data[2 * i + 1];
-            if (start <= 0 || end <= start) raise(PyExc_ValueError, "ranges must hold 0 < start < end pairs");
-            pairs.emplace_back(static_cast<uint64_t>(start), static_cast<uint64_t>(end));
-        }
-        std::sort(pairs.begin(), pairs.end());
-        starts_.reserve(m);
-        reach_.reserve(m);
-        uint64_t reach = 0;
-        for (const auto& [start, end] : pairs) {
-            reach = std::max(reach, end);
-            starts_.push_back(start);
-            reach_.push_back(reach);
-        }
+// The registered-range guard's table (docs/vllm-plugin.md, "Registered-range guard"): kvaddr/ranges.hpp's range
+// set, copied from a (m, 2) int64 array of [start, end) pairs under the GIL and read without it.
+RangeSet guard_ranges(py::handle ranges) {
+    Export view;
+    if (!view.acquire(ranges.ptr()) || view.view().ndim != 2 || int64_kind(view.view()) != 1 ||
+        view.view().shape[1] != 2) {
+        raise(PyExc_TypeError, "ranges must be a (n, 2) int64 array of [start, end) pairs");
     }
-    // Address and size (as the caller gave them, signed) of one slice: inside one range, size >= 0, no wrap.
-    bool inside(uint64_t address, uint64_t size, bool address_signed, bool size_signed) const noexcept {
-        if (address == 0 || (address_signed && static_cast<int64_t>(address) < 0) ||
-            (size_signed && static_cast<int64_t>(size) < 0) || address + size < address) {
-            return false;
-        }
-        const auto it = std::upper_bound(starts_.begin(), starts_.end(), address);
-        if (it == starts_.begin()) return false;
-        return address + size <= reach_[static_cast<std::size_t>(it - starts_.begin()) - 1];
+    const auto* data = static_cast<const int64_t*>(view.view().buf);
+    const auto m = static_cast<std::size_t>(view.view().shape[0]);
+    RangeSet set;
+    for (std::size_t i = 0; i < m; ++i) {
+        const int64_t start = data[2 * i];
+        const int64_t end = data[2 * i + 1];
+        if (start <= 0 || end <= start) raise(PyExc_ValueError, "ranges must hold 0 < start < end pairs");
+        set.add(start, end - start);
     }
-
-private:
-    std::vector<uint64_t> starts_;
-    std::vector<uint64_t> reach_;
-};
+    set.finalize();
+    return set;
+}
 
 // The refused keys' slots filled in and the rest of Mooncake's answer put back in order: `codes` holds one
 // result per key of `keep` (the keys sent), `n` keys in all.
@@ -749,7 +714,7 @@ public:
 private:
     static std::optional<RangeSet> guard_of(py::handle ranges) {
         if (ranges.is_none()) return std::nullopt;
-        return RangeSet(ranges);
+        return guard_ranges(ranges);
     }
 
     // Mooncake's call `fn` on the kept keys only (no Python API: runs without the GIL). Refused keys are dropped

@@ -79,9 +79,9 @@ std::optional<py::array> selection(py::handle obj, std::size_t keys) {
 }
 
 // allowed_ranges: any sequence of (ptr, nbytes) pairs, e.g. [(base, length) for each registered buffer].
-st::MemoryRanges memory_ranges(py::handle obj) {
+RangeSet memory_ranges(py::handle obj) {
     FastSequence items(obj.ptr(), "allowed_ranges");
-    st::MemoryRanges ranges;
+    RangeSet ranges;
     const Py_ssize_t n = items.size();
     for (Py_ssize_t i = 0; i < n; ++i) {
         const std::string what = "allowed_ranges[" + std::to_string(i) + "]";
@@ -125,7 +125,7 @@ int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_
                                     shape_text(offsets));
     }
     const std::optional<py::array> select = selection(select_obj, keys);
-    const st::MemoryRanges allowed = memory_ranges(allowed_obj);
+    const RangeSet allowed = memory_ranges(allowed_obj);
     const unsigned thread_count = thread_request(threads);
 
     st::Job job;

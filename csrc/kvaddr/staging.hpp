@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kvaddr/checked.hpp"
+#include "kvaddr/ranges.hpp"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -72,59 +73,6 @@ inline PlanProblem plan_slots(const int64_t* sizes, std::size_t keys, std::size_
     *total = end;
     return {};
 }
-
-// ---------------------------------------------------------------------------------------------------------
-// Allowed memory
-
-// The memory slices may touch: a set of [begin, end) ranges, possibly overlapping. find() answers "which
-// range contains this slice" in O(log n) with a per-caller hint that makes the common case (region r of
-// every key lives in the same buffer) two comparisons.
-class MemoryRanges {
-public:
-    static constexpr std::size_t npos = static_cast<std::size_t>(-1);
-
-    // False (nothing added) when ptr or nbytes is negative or ptr + nbytes overflows int64. Empty ranges are
-    // accepted and ignored.
-    bool add(int64_t ptr, int64_t nbytes) {
-        int64_t end = 0;
-        if (ptr < 0 || nbytes < 0 || !add_checked(ptr, nbytes, &end)) return false;
-        if (nbytes > 0) ranges_.push_back({ptr, end});
-        return true;
-    }
-
-    // Call once after the last add(): sorts by begin and records, for every prefix, the range reaching
-    // furthest. A slice [b, e) is inside some range iff the furthest-reaching range among those with
-    // begin <= b ends at or after e — exact for overlapping ranges too, with no merging (a slice spanning
-    // two adjacent buffers is still rejected).
-    void finalize() {
-        std::sort(ranges_.begin(), ranges_.end(),
-                  [](const Range& a, const Range& b) { return a.begin < b.begin; });
-        furthest_.resize(ranges_.size());
-        for (std::size_t i = 0; i < ranges_.size(); ++i) {
-            furthest_[i] = (i > 0 && ranges_[furthest_[i - 1]].end >= ranges_[i].end) ? furthest_[i - 1] : i;
-        }
-    }
-
-    std::size_t size() const noexcept { return ranges_.size(); }
-
-    // Index of a range containing [begin, end) (begin <= end), or npos. `hint` is tried first.
-    std::size_t find(int64_t begin, int64_t end, std::size_t hint = npos) const noexcept {
-        if (hint < ranges_.size() && ranges_[hint].begin <= begin && end <= ranges_[hint].end) return hint;
-        auto after = std::upper_bound(ranges_.begin(), ranges_.end(), begin,
-                                      [](int64_t value, const Range& r) { return value < r.begin; });
-        if (after == ranges_.begin()) return npos;
-        const std::size_t best = furthest_[static_cast<std::size_t>(after - ranges_.begin()) - 1];
-        return ranges_[best].end >= end ? best : npos;
-    }
-
-private:
-    struct Range {
-        int64_t begin;
-        int64_t end;
-    };
-    std::vector<Range> ranges_;
-    std::vector<std::size_t> furthest_;
-};
 
 // ---------------------------------------------------------------------------------------------------------
 // Jobs and their validation
@@ -216,7 +164,7 @@ inline Problem check_slots_disjoint(const Job& job, const Validated& v) {
 // and not in the staging buffer, sizes are >= 0, and each slot lies inside the staging buffer (and, for a
 // gather, slots do not overlap). Unselected keys are not read. Empty slices are never dereferenced, so their
 // address is not checked. Returns the first fault in key-major order; on success fills *out.
-inline Problem validate(const Job& job, const MemoryRanges& allowed, Validated* out) {
+inline Problem validate(const Job& job, const RangeSet& allowed, Validated* out) {
     int64_t staging_end = 0;
     if (job.staging < 0 || job.staging_len < 0 || !add_checked(job.staging, job.staging_len, &staging_end)) {
         return {Fault::bad_staging, 0, 0, 0, job.staging, job.staging_len};
@@ -224,7 +172,7 @@ inline Problem validate(const Job& job, const MemoryRanges& allowed, Validated* 
     out->key_bytes.assign(job.keys, 0);
     out->total_bytes = 0;
     out->selected_keys = 0;
-    std::vector<std::size_t> hints(job.regions, MemoryRanges::npos);
+    std::vector<std::size_t> hints(job.regions, RangeSet::npos);
     for (std::size_t k = 0; k < job.keys; ++k) {
         if (!job.selected(k)) continue;
         const int64_t* addr_row = job.addrs + k * job.regions;
@@ -238,7 +186,7 @@ inline Problem validate(const Job& job, const MemoryRanges& allowed, Validated* 
             int64_t end = 0;
             if (!add_checked(addr, size, &end)) return {Fault::slice_outside, k, r, 0, addr, size};
             const std::size_t found = allowed.find(addr, end, hints[r]);
-            if (found == MemoryRanges::npos) return {Fault::slice_outside, k, r, 0, addr, size};
+            if (found == RangeSet::npos) return {Fault::slice_outside, k, r, 0, addr, size};
             hints[r] = found;
             if (detail::ranges_overlap(addr, end, job.staging, staging_end)) {
                 return {Fault::slice_overlaps_staging, k, r, 0, addr, size};
@@ -412,12 +360,12 @@ namespace detail {
 // the hint): validation ran on the same arrays, but a caller thread may write them while the GIL is
 // released, and a changed entry must never turn into a write outside the validated memory. Stops at the
 // first inconsistency and reports it.
-inline Problem copy_keys(const Job& job, const MemoryRanges& allowed, std::size_t first, std::size_t last,
+inline Problem copy_keys(const Job& job, const RangeSet& allowed, std::size_t first, std::size_t last,
                          bool streaming, int64_t* copied) noexcept {
     const int64_t staging_end = job.staging + job.staging_len;  // validated: no overflow
     std::vector<std::size_t> hints;
     try {
-        hints.assign(job.regions, MemoryRanges::npos);
+        hints.assign(job.regions, RangeSet::npos);
     } catch (...) {
         // Out of memory for R hints: run without them (every lookup is a binary search).
     }
@@ -439,11 +387,11 @@ inline Problem copy_keys(const Job& job, const MemoryRanges& allowed, std::size_
             const int64_t size = size_row[r];
             if (size == 0) continue;
             int64_t end = 0;
-            std::size_t found = MemoryRanges::npos;
+            std::size_t found = RangeSet::npos;
             if (size > 0 && size <= room && add_checked(addr, size, &end)) {
-                found = allowed.find(addr, end, hints.empty() ? MemoryRanges::npos : hints[r]);
+                found = allowed.find(addr, end, hints.empty() ? RangeSet::npos : hints[r]);
             }
-            if (found == MemoryRanges::npos || ranges_overlap(addr, end, job.staging, staging_end)) {
+            if (found == RangeSet::npos || ranges_overlap(addr, end, job.staging, staging_end)) {
                 problem = {Fault::changed_during_copy, k, r, 0, addr, size};
                 break;
             }
@@ -500,7 +448,7 @@ inline unsigned thread_count(unsigned requested, int64_t total_bytes, std::size_
 
 // Copies a validated job on `threads` threads (the caller's included). Returns a changed_during_copy fault
 // if a concurrent writer altered the inputs (the bytes copied so far stay copied); *copied = bytes moved.
-inline Problem copy(const Job& job, const MemoryRanges& allowed, const Validated& v, unsigned threads,
+inline Problem copy(const Job& job, const RangeSet& allowed, const Validated& v, unsigned threads,
                     bool streaming, int64_t* copied) {
     const std::size_t parts = thread_count(threads, v.total_bytes, v.selected_keys);
     if (parts <= 1) return detail::copy_keys(job, allowed, 0, job.keys, streaming, copied);

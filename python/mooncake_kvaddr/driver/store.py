@@ -194,13 +194,32 @@ def _check_keys(keys: Sequence[str] | Sequence[bytes]) -> int:
         raise TypeError(f"keys: expected a sequence (list/tuple) of str, got {type(keys).__name__}") from None
 
 
-def _first_negative(rows: Any) -> tuple[int, int]:
-    """(row, column) of the first negative value; only called once we know one exists."""
+_INT64_MAX = (1 << 63) - 1
+
+
+def _first_out_of_range(rows: Any) -> tuple[int, int]:
+    """(row, column) of the first value outside ``[0, 2**63)``; only called once we know one exists."""
     for i, row in enumerate(rows):
         for j, value in enumerate(row):
-            if value < 0:
+            if not 0 <= value <= _INT64_MAX:
                 return i, j
-    raise AssertionError("no negative value")
+    raise AssertionError("no value out of range")
+
+
+def _why_out_of_range(value: Any) -> str:
+    if value < 0:
+        return f"is negative ({value}); must be >= 0"
+    return f"is {value}, not below 2**63 (no address or size is that large)"
+
+
+def _out_of_range(values: Any, flat: bool) -> bool:
+    """Some value is negative or >= 2**63 (a uint64 array passes a ``min() >= 0`` check with any value)."""
+    if isinstance(values, np.ndarray):
+        return bool(values.size) and (int(values.min()) < 0 or int(values.max()) > _INT64_MAX)
+    if flat:
+        return bool(min(values) < 0 or max(values) > _INT64_MAX)
+    # The builtins over each row: ~14 ns per int, no Python loop.
+    return bool(min(map(min, values)) < 0 or max(map(max, values)) > _INT64_MAX)
 
 
 def _check_rows(n: int, addrs: Any, sizes: Any, check_values: bool) -> list[int]:
@@ -229,11 +248,9 @@ def _check_rows(n: int, addrs: Any, sizes: Any, check_values: bool) -> list[int]
             raise ValueError(f"key {i}: no regions; every key needs at least one (address, size) region")
     if check_values and n:
         for name, rows in (("address", addrs), ("size", sizes)):
-            # min() over a flat 2-D array, else the builtin over each row: ~14 ns per int, no Python loop.
-            smallest = rows.min() if isinstance(rows, np.ndarray) else min(map(min, rows))
-            if smallest < 0:
-                i, j = _first_negative(rows)
-                raise ValueError(f"key {i}: {name} [{j}] is negative ({rows[i][j]}); must be >= 0")
+            if _out_of_range(rows, flat=False):
+                i, j = _first_out_of_range(rows)
+                raise ValueError(f"key {i}: {name} [{j}] {_why_out_of_range(rows[i][j])}")
     return counts
 
 
@@ -242,9 +259,9 @@ def _check_flat(n: int, ptrs: Any, sizes: Any, check_values: bool) -> None:
         raise ValueError(f"{n} keys but {len(ptrs)} pointers and {len(sizes)} sizes: need one of each per key")
     if check_values and n:
         for name, values in (("pointer", ptrs), ("size", sizes)):
-            if min(values) < 0:
-                i = next(k for k, v in enumerate(values) if v < 0)
-                raise ValueError(f"key {i}: {name} is negative ({values[i]}); must be >= 0")
+            if _out_of_range(values, flat=True):
+                i = next(k for k, v in enumerate(values) if not 0 <= v <= _INT64_MAX)
+                raise ValueError(f"key {i}: {name} {_why_out_of_range(values[i])}")
 
 
 def _plan(counts: Sequence[int], budget: int) -> list[tuple[int, int]]:
