@@ -220,6 +220,45 @@ def test_random_bad_ids_never_reach_mooncake(
         np.testing.assert_array_equal(region[untouched], old[untouched], err_msg=f"region {r}")
 
 
+@mooncake
+@pytest.mark.parametrize(("mode", "regions"), MODES)
+def test_a_block_id_equal_to_num_blocks_is_out_of_range(
+    store: MooncakeStore, model: str, mode: str, regions: int
+) -> None:
+    """The edge itself, alone among valid ids (a fuzz list mixes it with ids the screen's slow path catches)."""
+    src, dst = Cache(regions, 9, 64, seed=4), Cache(regions, 9, 64, fill=0xC3)
+    h = hashes(model, 2)
+    with open_transfer(store, model, src, mode) as xfer:
+        stored = xfer.store(TransferRequest("r", 32, h, [[8, 9]]))
+        assert set(stored.invalid_block_ids) == {9}
+        keys = [xfer.databases[0].key_for(x) for x in h]
+        assert store.batch_is_exist(keys).present == [True, False]
+        assert xfer.store(TransferRequest("r", 32, h, [[8, 7]])).ok  # key 1 now exists (from block 7)
+    with open_transfer(store, model, dst, mode) as xfer:
+        before = dst.snapshot()
+        loaded = xfer.load(TransferRequest("r", 32, h, [[8, 9]]))
+    assert set(loaded.invalid_block_ids) == {9} and loaded.failed_block_ids == {9}
+    assert loaded.loaded_block_ids == {8} and dst.object_bytes(8) == src.object_bytes(8)
+    for region, old in zip(dst.regions, before, strict=True):
+        np.testing.assert_array_equal(region[:8], old[:8])  # blocks 0-7 untouched; 9 is past the region
+
+
+def test_an_empty_registration_is_refused_where_it_is_made() -> None:
+    from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
+
+    store = MooncakeStore(StoreConfig(master_server_address="127.0.0.1:1"))
+    xfer = KVTransfer(store, [ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)])
+    with pytest.raises(ValueError, match="no KV-cache regions"):
+        xfer.register_kv_caches([], 4)
+    with pytest.raises(ValueError, match="no KV-cache regions"):
+        xfer.register_kv_caches(iter([]), 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="0 bytes is not a multiple"):
+        xfer.register_kv_caches([np.zeros((0, 64), np.uint8)], 4)
+    with pytest.raises(ValueError, match="0 bytes is not a multiple"):
+        xfer.register_kv_caches([np.zeros((4, 64), np.uint8), np.zeros((4, 0), np.uint8)], 4)
+    xfer.close()
+
+
 # ------------------------------------------------------------------------------------------- class 2: after close
 
 

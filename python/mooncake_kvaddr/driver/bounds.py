@@ -58,6 +58,9 @@ class RegisteredCaches:
         num_blocks = int(num_blocks)
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+        if len(regions) == 0:
+            # Refused here, not at the first store ("key 0: no regions") or load: every key needs a region.
+            raise ValueError("regions: no KV-cache regions to register; pass at least one array")
         bases: list[int] = []
         lens: list[int] = []
         buffers: dict[int, int] = {}
