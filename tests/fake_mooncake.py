@@ -45,7 +45,8 @@ class FakeMooncake:
     """The client. ``call_seconds``: fake seconds every transfer call takes. ``hang_from``: transfer call
     number (1-based) from which every call hangs: it takes :data:`HUNG_CALL_S` and fails every key ``-800``
     without moving a byte. ``fail_fast``: every transfer call fails ``-800`` at once (1 fake second).
-    ``exist_seconds``: fake seconds every ``batch_is_exist`` takes."""
+    ``exist_seconds``: fake seconds every ``batch_is_exist`` takes. ``short_reads``: keys whose gets answer one
+    byte less than they copied."""
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
@@ -55,6 +56,8 @@ class FakeMooncake:
         self.hang_from: int | None = None
         self.fail_fast = False
         self.exist_seconds = 0.0
+        #: Keys whose gets copy every byte but answer one byte less (a short read: never counted as loaded).
+        self.short_reads: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle and odds and ends
 
@@ -117,7 +120,7 @@ class FakeMooncake:
         for address, size in regions:
             ctypes.memmove(address, data[offset : offset + size], size)
             offset += size
-        return len(data)
+        return len(data) - 1 if key in self.short_reads else len(data)
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any) -> list[int]:
         if self._failed("batch_put_from", keys):

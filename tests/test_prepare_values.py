@@ -351,3 +351,24 @@ def test_constructor_validation() -> None:
     db = ChunkedTokenDatabase(md, 32, 0)
     assert db.hash_block_size == 32
     assert ChunkedTokenDatabase(md, 32, None).hash_block_size == 32
+
+
+@pytest.mark.parametrize("immutable", [False, True])
+def test_sizes_follow_new_block_lens_once_the_size_rows_were_cached(immutable: bool) -> None:
+    """A size row is cached per block count; a new block_len must replace it, on every later call (the second
+    call after the change is the one that reads the cache)."""
+    bases, lens = oracle_regions(3, 3)
+    native, oracle = paired(bases, lens, 16)
+    native.immutable_rows = immutable
+    chunks = [(0, 16), (16, 48), (48, 64)]
+    for _ in range(3):
+        native.prepare_values(chunks, [1, 2, 3, 4])
+    for new in ([4096, 8192, 64], [512]):
+        native.set_block_len(list(new))
+        oracle.set_block_len(list(new))
+        want = oracle.prepare_values(chunks, [1, 2, 3, 4])
+        for _ in range(3):
+            got = native.prepare_values(chunks, [1, 2, 3, 4])
+            assert [list(r) for r in got[0]] == want[0] and [list(r) for r in got[1]] == want[1]
+            a, s, _ = native.prepare_values_array(chunks, [1, 2, 3, 4])
+            assert a.tolist() == want[0] and s.tolist() == want[1]

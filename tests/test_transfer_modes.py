@@ -617,3 +617,28 @@ def _no_lingering_threads() -> Iterator[None]:
             return
         time.sleep(0.05)
     raise AssertionError(f"transfer threads left running: {[t.name for t in extra]}")
+
+
+@pytest.mark.parametrize(("mode", "regions"), [("auto", 1), ("staged", 3)])
+def test_a_short_read_is_a_failed_chunk_in_the_contiguous_paths(
+    monkeypatch: pytest.MonkeyPatch, mode: str, regions: int
+) -> None:
+    """Direct and staged loads read whole objects with batch_get_into: one byte less than the object is a
+    failure (the staged slot is then never scattered), not a loaded chunk."""
+    from fake_mooncake import fake_store
+
+    with fake_store(monkeypatch) as (store, fake):
+        src, dst = Cache(regions, 6, 256, seed=3), Cache(regions, 6, 256, fill=0x5A)
+        h = hashes("short", 3)
+        with transfer(store, "short", src, 16, transfer_mode=mode, start_threads=False) as writer:
+            assert writer.store(TransferRequest("r", 48, h, [[1, 2, 3]])).ok
+            fake.short_reads.add(writer.databases[0].key_for(h[1]))
+        with transfer(store, "short", dst, 16, transfer_mode=mode, start_threads=False) as reader:
+            assert reader.mode == ("direct" if mode == "auto" else "staged")
+            before = dst.snapshot()
+            loaded = reader.load(TransferRequest("r", 48, h, [[1, 4, 3]]))
+    assert loaded.loaded_block_ids == {1, 3} and loaded.failed_block_ids == {4}
+    assert_blocks_equal(src, [1, 3], dst, [1, 3])
+    if mode == "staged":  # nothing scattered into the block of the short key
+        for region, old in zip(dst.regions, before, strict=True):
+            assert region[4].tobytes() == old[4].tobytes()
