@@ -135,6 +135,22 @@ def test_wrong_vtable_refuses_without_calling(raw_store: Any) -> None:
     assert _native.mooncake_client_call_count() == before
 
 
+@pytest.mark.parametrize("typeinfo", ["_ZTISt9exception", "_ZTIN8mooncake11DummyClientE"])
+def test_a_real_typeinfo_of_another_class_refuses_without_calling(
+    raw_store: Any, client: NativeClient, typeinfo: str
+) -> None:
+    """The RTTI comparison itself: the override resolves (std::exception's typeinfo through the library's
+    libstdc++; DummyClient's in the library), so only comparing the vtable's RTTI word with it refuses."""
+    import ctypes
+
+    assert ctypes.c_void_p.in_dll(ctypes.CDLL(client.library), typeinfo) is not None  # it resolves
+    before = _native.mooncake_client_call_count()
+    native, reason = NativeClient.probe(raw_store, symbol_overrides={"typeinfo": typeinfo})
+    assert native is None
+    assert "does not point at the exported typeinfo " + typeinfo in reason
+    assert _native.mooncake_client_call_count() == before
+
+
 def test_method_not_in_vtable_refuses(raw_store: Any) -> None:
     # A real exported RealClient method with the right library, but not virtual: not what the binding calls.
     internal = (

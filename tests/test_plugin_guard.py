@@ -493,3 +493,20 @@ def test_malformed_rows_refuse_only_their_key(rig_factory: Callable[[str], Rig],
         assert codes == [0, INVALID_PARAMS], (i, codes)
         assert rig.raw.get(keys[0]) == ctypes.string_at(rig.a.ptr, 2 * REGION)
         assert not _exists(rig.raw, keys[1])
+
+
+def test_ragged_rows_are_checked_up_to_each_rows_own_width() -> None:
+    """The Python guard (the bound-method fallback) pads ragged rows into a matrix: the padding cells are not
+    slices (a good short row passes), every real cell is one (a bad last cell of a short row is refused)."""
+    table = RangeTable(armed=True)
+    buf = np.zeros(4096, np.uint8)
+    p = int(buf.ctypes.data)
+    assert table.add(p, buf.nbytes)
+    check = guard_module.StoreGuard("test", table)
+    keys = ["a", "b", "c"]
+    good = check.check_multi(keys, [[p, p + 64, p + 128], [p], [p, p + 64]], [[64, 64, 64], [64], [64, 64]])
+    assert good is not None and good.good is None and good.refused == 0
+    bad_last = check.check_multi(keys, [[p, p + 64, p + 128], [p], [p, p + 4096]], [[64, 64, 64], [64], [64, 64]])
+    assert bad_last is not None and bad_last.good == [0, 1]
+    bad_short = check.check_multi(keys, [[p, p + 64, p + 128], [p - 64], [p, p + 64]], [[64, 64, 64], [64], [64, 64]])
+    assert bad_short is not None and bad_short.good == [0, 2]

@@ -342,10 +342,11 @@ def test_immutable_rows_follow_region_changes() -> None:
 
 def test_constructor_validation() -> None:
     md = KeyMetadata("t", 0, 0, 0, 0)
-    with pytest.raises(ValueError):
-        ChunkedTokenDatabase(md, 32, 12)
-    with pytest.raises(ValueError):
-        ChunkedTokenDatabase(md, 0)
+    # The façade's own check, named in its words (not a later layer's): block_size and hash_block_size.
+    for block_size, hash_block_size in ((32, 12), (48, 32), (0, None), (-32, 16), (32, -16)):
+        with pytest.raises(ValueError, match=rf"block_size \({block_size}\) must be a positive multiple of "
+                                             rf"hash_block_size \({hash_block_size or block_size}\)"):
+            ChunkedTokenDatabase(md, block_size, hash_block_size)
     with pytest.raises(ValueError):
         ChunkedTokenDatabase(md, 32, address_cache_bytes=-1)
     db = ChunkedTokenDatabase(md, 32, 0)

@@ -194,3 +194,16 @@ def test_a_small_pool_scatters_each_batch_into_the_right_rows(
     assert all((region[[0, missing]] == 6).all() for region in dst.regions)
     batches = calls.count("_staging_scatter")
     assert calls == ["plan_load_arrays"] * groups + ["_staging_scatter"] * batches and batches >= 4
+
+
+def test_a_sub_plan_starts_at_zero_so_a_batch_leases_only_its_own_keys() -> None:
+    """Keys [start, end) of a fused slot layout equal plan_slots of their sizes alone: a later sub-batch (a
+    split load) must not lease the bytes of the keys before it."""
+    sizes = np.array([[100, 28], [64, 64], [1, 0], [4096, 1], [7, 9], [64, 0]], np.int64)
+    whole = plan_slots(sizes)
+    for start, end in ((1, 3), (2, 6), (5, 6), (0, 6), (3, 4)):
+        got = _sub_plan(whole, start, end)
+        want = plan_slots(np.ascontiguousarray(sizes[start:end]))
+        assert got.offsets.tolist() == want.offsets.tolist(), (start, end)
+        assert got.object_sizes.tolist() == want.object_sizes.tolist()
+        assert got.total_bytes == want.total_bytes < whole.total_bytes or (start, end) == (0, 6)

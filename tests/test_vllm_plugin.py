@@ -197,6 +197,11 @@ def test_rank_local_matches_vllm(data: Any, case: dict[str, Any]) -> None:
     _assert_same_outcome(
         lambda: original["RankLocalStoreLayout.prepare_values"](layout, *args), lambda: layout.prepare_values(*args)
     )
+    # A new block_len list alone (the base list kept): the engine must follow it too.
+    layout.block_len = [length * 2 + 1 for length in layout.block_len]
+    _assert_same_outcome(
+        lambda: original["RankLocalStoreLayout.prepare_values"](layout, *args), lambda: layout.prepare_values(*args)
+    )
     digest = bytes(range(32))
     assert layout.key_for(0, digest) == original["RankLocalStoreLayout.key_for"](layout, 0, digest)
 
