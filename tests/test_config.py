@@ -555,3 +555,17 @@ def test_store_setup_leaves_environment_and_root_logger_alone(user_level: str | 
     for phase in ("import", "setup", "close"):
         assert out[phase] == {"env_same": True, "env_diff": [], "root_same": True}, phase
     assert all(name.startswith("mooncake_kvaddr") for name in out["loggers"])  # type: ignore[attr-defined]
+
+
+def test_one_on_off_reader_for_every_switch() -> None:
+    """core.flags.flag: the spelling every environment switch and config key shares (docs/configuration.md)."""
+    from mooncake_kvaddr.core.flags import flag
+
+    for default in (False, True):
+        assert flag(None, default) is default
+        for on in ("1", "true", "TRUE", " on ", "Yes", True, 1):
+            assert flag(on, default) is True
+        for off in ("0", "false", "Off", " no", False, 0):
+            assert flag(off, default) is False
+        for neither in ("", "2", "maybe", "enabled"):
+            assert flag(neither, default) is default

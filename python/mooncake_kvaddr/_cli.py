@@ -15,15 +15,17 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO, Final
 
+from mooncake_kvaddr.core.flags import flag
+
 __all__ = ["VERBOSE_ENV", "NativeLog", "native_log", "verbose_requested"]
 
 #: Environment variable that turns on Mooncake's log lines in the command lines (``1``, ``true``, ``yes``).
 VERBOSE_ENV: Final = "MOONCAKE_KVADDR_VERBOSE"
 
 
-def verbose_requested(flag: bool) -> bool:
+def verbose_requested(given: bool) -> bool:
     """True if ``--verbose`` was given or ``$MOONCAKE_KVADDR_VERBOSE`` is set to a true value."""
-    return flag or os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return given or flag(os.environ.get(VERBOSE_ENV), False)
 
 
 class NativeLog:

@@ -81,3 +81,16 @@ class PoolKey:
 def model_name_from_path(model: str) -> str:
     """The key's model name for a model path or hub id: the last ``/`` component, trailing ``/`` ignored."""
     return model.rstrip("/").rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class TailKeyBoundary:
+    """The token boundary whose key stores group ``group_id``'s tail block (vLLM 0.33's shape).
+
+    A loader keys the block that ends the hit with ``block_hashes[num_tokens // hash_block_size - 1]``
+    instead of the hash at the hit length; ``num_tokens`` equals the hit length unless the group holds only
+    a longer partial (or full) key of that block.
+    """
+
+    group_id: int
+    num_tokens: int

@@ -54,6 +54,7 @@ from mooncake_kvaddr.core.keys import (
     reduce_exists,
     replication_factor,
 )
+from mooncake_kvaddr.core.metadata import TailKeyBoundary
 from mooncake_kvaddr.driver.store import BatchResult
 
 __all__ = [
@@ -204,19 +205,6 @@ class LookupPrefixSource(Protocol):
     given ``(tp, pcp, dcp, pp)`` rank namespaces (in probe order)."""
 
     def lookup_key_prefixes(self, rank_namespaces: Sequence[tuple[int, int, int, int]]) -> Sequence[str]: ...
-
-
-@dataclass(frozen=True)
-class TailKeyBoundary:
-    """The token boundary whose key stores group ``group_id``'s tail block (vLLM 0.33's shape).
-
-    A loader keys the block that ends the hit with ``block_hashes[num_tokens // hash_block_size - 1]``
-    instead of the hash at the hit length; ``num_tokens`` equals the hit length unless the group holds only
-    a longer partial (or full) key of that block.
-    """
-
-    group_id: int
-    num_tokens: int
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Final
 
+from mooncake_kvaddr.core.flags import flag
+
 __all__ = [
     "ENV_VAR",
     "VERIFIED_VERSIONS",
@@ -41,7 +43,6 @@ logger = logging.getLogger(__name__)
 ENV_VAR: Final = "MOONCAKE_KVADDR_NATIVE_CLIENT"
 # (distribution, version) pairs this path was verified against (docs/native-client.md).
 VERIFIED_VERSIONS: Final = frozenset({("mooncake-transfer-engine-non-cuda", "0.3.13.post1")})
-_OFF_VALUES: Final = frozenset({"0", "off", "false", "no"})
 _UNVERIFIED: Final = "unverified"
 _logged: set[str] = set()
 
@@ -167,7 +168,7 @@ class NativeClient:
     @classmethod
     def _open(cls, store: Any, symbol_overrides: dict[str, str] | None) -> NativeClient:
         setting = os.environ.get(ENV_VAR, "").strip().lower()
-        if setting in _OFF_VALUES:
+        if not flag(setting or None, True):
             raise NativeClientUnavailable(f"disabled by {ENV_VAR}={os.environ[ENV_VAR]}")
         if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
             raise NativeClientUnavailable(

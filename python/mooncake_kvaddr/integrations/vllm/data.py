@@ -27,18 +27,10 @@ from mooncake_kvaddr.core.layouts import (
     TPShardedStoreLayout,
     make_mooncake_group_id,
 )
-from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey, TailKeyBoundary
 
 #: vLLM's private name for the group-id helper (``worker._make_mooncake_group_id``).
 _make_mooncake_group_id = make_mooncake_group_id
-
-
-@dataclass(frozen=True)
-class TailKeyBoundary:
-    """A group's tail block is stored under ``block_hashes[num_tokens // hash_block_size - 1]``."""
-
-    group_id: int
-    num_tokens: int
 
 
 @dataclass

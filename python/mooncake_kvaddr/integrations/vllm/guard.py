@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr import _native
+from mooncake_kvaddr.driver.outcomes import CODE_INVALID_PARAMS
 
 __all__ = [
     "FLAT_METHODS",
@@ -45,7 +46,7 @@ __all__ = [
 logger = logging.getLogger("vllm.mooncake_kvaddr")
 
 #: Mooncake's INVALID_PARAMS result code (docs/configuration.md): the code a refused key gets.
-INVALID_PARAMS = -600
+INVALID_PARAMS = CODE_INVALID_PARAMS
 
 Int64Array = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]

@@ -49,6 +49,7 @@ from types import ModuleType
 from typing import Any
 
 from mooncake_kvaddr import _native
+from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.core.layouts import DEFAULT_ROW_CACHE_BYTES
 
 __all__ = [
@@ -142,13 +143,8 @@ class PatchReport:
         return bool(self.patched)
 
 
-def _truthy(value: object) -> bool:
-    return str(value).strip().lower() in {"1", "true", "on", "yes"}
-
-
 def _disabled_by_env(environ: Mapping[str, str]) -> bool:
-    value = environ.get(ENV_PLUGIN)
-    return value is not None and value.strip().lower() in {"0", "false", "off", "no"}
+    return not flag(environ.get(ENV_PLUGIN), True)
 
 
 # --- the replacement methods ---------------------------------------------------------------------------------
@@ -482,10 +478,7 @@ def staged_settings(
     ``kv_connector_extra_config``."""
     env = os.environ if environ is None else environ
     extra = extra_config or {}
-    if ENV_STAGED in env:
-        wanted = _truthy(env[ENV_STAGED])
-    else:
-        wanted = _truthy(extra.get(EXTRA_STAGED, False))
+    wanted = flag(env.get(ENV_STAGED, extra.get(EXTRA_STAGED)), False)
     raw = env.get(ENV_STAGING_BYTES, extra.get(EXTRA_STAGING_BYTES, DEFAULT_STAGING_BYTES))
     try:
         nbytes = int(raw)
@@ -502,9 +495,7 @@ def native_client_setting(extra_config: Mapping[str, Any] | None, environ: Mappi
     wrapper only calls Mooncake's C++ client where that client was verified for the installed Mooncake, and
     passes every call to Mooncake's own method otherwise (docs/vllm-plugin.md, "Native-client transport")."""
     env = os.environ if environ is None else environ
-    if ENV_NATIVE_CLIENT in env:
-        return _truthy(env[ENV_NATIVE_CLIENT])
-    return _truthy((extra_config or {}).get(EXTRA_NATIVE_CLIENT, True))
+    return flag(env.get(ENV_NATIVE_CLIENT, (extra_config or {}).get(EXTRA_NATIVE_CLIENT)), True)
 
 
 def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any] | None) -> Any:

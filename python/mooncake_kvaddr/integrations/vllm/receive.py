@@ -36,6 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_kvaddr.core.flags import flag
+from mooncake_kvaddr.integrations.vllm.plugin import ENV_RECV
+
 __all__ = [
     "ENV_RECV",
     "ReceiveStats",
@@ -48,8 +51,6 @@ __all__ = [
     "self_check",
 ]
 
-#: Set to ``0``/``false``/``off``/``no`` to keep vLLM's own receive handler (the layouts stay patched).
-ENV_RECV = "MOONCAKE_KVADDR_VLLM_RECV"
 
 #: The array entry point our store wrappers offer (keys, (n, w) int64 addrs, (n, w) int64 sizes).
 ARRAY_ENTRY = "batch_get_into_multi_buffers_arrays"
@@ -73,8 +74,7 @@ _EXPECTED_PROCESS_TOKENS = ("token_len", "block_hashes", "mask_num", "chunk_mask
 
 def receive_enabled(environ: Mapping[str, str]) -> bool:
     """False when :data:`ENV_RECV` turns the replacement handler off (on by default with the plugin)."""
-    value = environ.get(ENV_RECV)
-    return value is None or value.strip().lower() not in {"0", "false", "off", "no"}
+    return flag(environ.get(ENV_RECV), True)
 
 
 def _params(func: Any) -> tuple[str, ...]:
