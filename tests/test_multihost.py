@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_kvaddr.driver.master import process_is_running
-from mooncake_kvaddr.testing.netns import (
+from mooncake_kvaddr.bench.netns import (
     NAME_PREFIX,
     NetnsCluster,
     Worker,
@@ -33,6 +32,7 @@ from mooncake_kvaddr.testing.netns import (
     sweep_stale,
     unavailable_reason,
 )
+from mooncake_kvaddr.driver.master import process_is_running
 
 pytestmark = [pytest.mark.multihost, pytest.mark.mooncake]
 
@@ -252,8 +252,8 @@ def test_verify_catches_every_lie_a_load_could_tell() -> None:
     """The checker the fault tests rely on: wrong, stale, partial and unaccounted chunks are all seen."""
     import numpy as np
 
+    from mooncake_kvaddr.bench.netns_client import dataset, verify
     from mooncake_kvaddr.driver.transfer import LoadResult
-    from mooncake_kvaddr.testing.netns_client import dataset, verify
 
     expected = dataset(1, 2, 7, 64)
     other = dataset(2, 2, 7, 64)
@@ -274,7 +274,7 @@ def test_verify_catches_every_lie_a_load_could_tell() -> None:
 
 
 def test_unavailable_reason_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mooncake_kvaddr.testing.netns as netns
+    import mooncake_kvaddr.bench.netns as netns
 
     try:
         netns.unavailable_reason.cache_clear()

@@ -1,7 +1,8 @@
 """The package as a whole: its layers (docs/architecture.md), one version, public names that resolve, the bench.
 
-Layer rules are checked twice: statically (every import statement in a layer's source, function-level ones
-included) and at run time (a fresh interpreter imports a layer and lists ``sys.modules``).
+Layer rules are checked twice: statically (every import statement in every module of the package, function-level
+ones included, and every ``importlib.import_module``-style call whose module name is a string literal or a
+module-level string constant) and at run time (a fresh interpreter imports a layer and lists ``sys.modules``).
 """
 
 from __future__ import annotations
@@ -22,50 +23,134 @@ import mooncake_kvaddr
 from mooncake_kvaddr import _version
 
 PACKAGE_DIR = Path(mooncake_kvaddr.__file__).parent
-PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+TESTS_DIR = Path(__file__).resolve().parent
+PYPROJECT = TESTS_DIR.parent / "pyproject.toml"
 
-# layer -> module prefixes it must never import (docs/architecture.md, "Layers").
+BENCH = "mooncake_kvaddr.bench"
+# The suite's own modules (tests/*.py, importable as top-level names when tests/ is on the path, or as
+# ``tests.*``): the package never imports them; the installed wheel does not even ship them.
+TEST_MODULES: tuple[str, ...] = ("tests", *sorted(p.stem for p in TESTS_DIR.glob("*.py")))
+
+# layer -> module prefixes it must never import (docs/architecture.md, "Layers"). "top" is the package's own
+# top-level modules (``__init__``, ``__main__``, ``demo``, ...); every other layer is a subpackage.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "core": ("mooncake_kvaddr.driver", "mooncake_kvaddr.integrations", "mooncake_kvaddr.bench", "mooncake"),
-    "driver": ("mooncake_kvaddr.integrations", "mooncake_kvaddr.bench"),
+    "core": ("mooncake_kvaddr.driver", "mooncake_kvaddr.integrations", BENCH, "mooncake", *TEST_MODULES),
+    "driver": ("mooncake_kvaddr.integrations", BENCH, *TEST_MODULES),
+    "integrations": (BENCH, *TEST_MODULES),
+    "top": (BENCH, *TEST_MODULES),
+    "bench": TEST_MODULES,
 }
+
+# Calls that import the module named by their first argument (importlib.import_module, __import__,
+# runpy.run_module, pkgutil.resolve_name): a literal name there is an import like any other.
+_DYNAMIC_IMPORTS = frozenset({"import_module", "__import__", "run_module", "resolve_name"})
+
+
+def _package_of(path: Path, module: str) -> str:
+    return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def _resolve(name: str, level: int, package: str) -> str:
+    """``name`` imported ``level`` dots up from ``package`` (level 0: absolute)."""
+    if not level:
+        return name
+    base = package.rsplit(".", level - 1)[0] if level > 1 else package
+    return f"{base}.{name}" if name else base
+
+
+def _literal(node: ast.expr | None, constants: dict[str, str]) -> str | None:
+    """The string ``node`` stands for: a literal, or a module-level constant assigned one."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return constants.get(node.id)
+    return None
+
+
+def _dynamic_target(node: ast.Call, constants: dict[str, str]) -> str | None:
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in _DYNAMIC_IMPORTS:
+        return None
+    arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg in ("name", "mod_name")), None)
+    return _literal(arg, constants)
 
 
 def _imports(path: Path, module: str) -> set[str]:
     """Every module ``path`` imports anywhere in its body, relative imports resolved against ``module``."""
     found: set[str] = set()
-    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    package = _package_of(path, module)
+    tree = ast.parse(path.read_text(), str(path))
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                name = f"{base}.{node.module}" if node.module else base
-            else:
-                name = node.module or ""
+            name = _resolve(node.module or "", node.level, package)
             found.add(name)
             found.update(f"{name}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and (target := _dynamic_target(node, constants)):
+            target = target.split(":", 1)[0]  # pkgutil.resolve_name's "module:attribute"
+            level = len(target) - len(target.lstrip("."))
+            found.add(_resolve(target[level:], level, package))
     return found
 
 
+def _layer_of(path: Path) -> str | None:
+    """The layer ``path`` (a module of the package) belongs to; ``None`` for a subpackage with no rules."""
+    parts = path.relative_to(PACKAGE_DIR).parts
+    if len(parts) == 1:
+        return "top"
+    return parts[0] if parts[0] in FORBIDDEN else None
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(("mooncake_kvaddr", *parts))
+
+
+def _package_modules() -> list[tuple[str, Path]]:
+    """Every module of the package, as (dotted name, source path)."""
+    return [(_module_name(p), p) for p in sorted(PACKAGE_DIR.rglob("*.py"))]
+
+
 def _layer_modules(layer: str) -> list[tuple[str, Path]]:
-    return [
-        (f"mooncake_kvaddr.{layer}." + ".".join(p.relative_to(PACKAGE_DIR / layer).with_suffix("").parts), p)
-        for p in sorted((PACKAGE_DIR / layer).rglob("*.py"))
-    ]
+    return [(name, p) for name, p in _package_modules() if _layer_of(p) == layer]
 
 
 def _hits(names: set[str], forbidden: tuple[str, ...]) -> list[str]:
     return sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
 
 
+def test_every_module_belongs_to_a_layer_with_rules() -> None:
+    # A new subpackage (as ``testing/`` once was) must be given its rules here and in docs/architecture.md.
+    unplaced = [name for name, path in _package_modules() if _layer_of(path) is None]
+    assert not unplaced, f"modules outside every layer of docs/architecture.md: {unplaced}"
+    assert {_layer_of(path) for _, path in _package_modules()} == set(FORBIDDEN)
+
+
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_layer_sources_never_import_the_layers_above(layer: str) -> None:
     modules = _layer_modules(layer)
-    assert modules, f"no modules found under {PACKAGE_DIR / layer}"
+    assert modules, f"no modules found for layer {layer} under {PACKAGE_DIR}"
     bad = {name: hits for name, path in modules if (hits := _hits(_imports(path, name), FORBIDDEN[layer]))}
     assert not bad, f"{layer} imports what it must not: {bad}"
+
+
+def test_nothing_outside_the_bench_imports_it() -> None:
+    # The rule the layer table implies, stated once over the whole package: only bench/ itself imports bench.
+    outside = [(name, path) for name, path in _package_modules() if _layer_of(path) != "bench"]
+    assert len(outside) > 20  # the scan saw the library, not an empty directory
+    bad = {name: hits for name, path in outside if (hits := _hits(_imports(path, name), (BENCH,)))}
+    assert not bad, f"the library imports the bench: {bad}"
 
 
 def test_import_scanner_sees_function_level_and_relative_imports(tmp_path: Path) -> None:
@@ -78,6 +163,38 @@ def test_import_scanner_sees_function_level_and_relative_imports(tmp_path: Path)
         "mooncake_kvaddr.driver.master",
         "mooncake_kvaddr.driver.store",
     ]
+
+
+def test_import_scanner_sees_dynamic_imports_by_name(tmp_path: Path) -> None:
+    source = tmp_path / "mod.py"
+    source.write_text(
+        "import importlib, runpy, pkgutil\n"
+        "BENCH_MODULE = 'mooncake_kvaddr.bench.tcp'\n"
+        "def f():\n"
+        "    importlib.import_module('mooncake_kvaddr.bench.harness')\n"
+        "    importlib.import_module(name='..bench.workload', package=__package__)\n"
+        "    importlib.import_module(BENCH_MODULE)\n"
+        "    __import__('kvaddr_testing')\n"
+        "    runpy.run_module('mooncake_kvaddr.bench', run_name='__main__')\n"
+        "    pkgutil.resolve_name('mooncake_kvaddr.bench.cli:main')\n"
+    )
+    names = _imports(source, "mooncake_kvaddr.driver.mod")
+    assert _hits(names, FORBIDDEN["driver"]) == [
+        "kvaddr_testing",
+        "mooncake_kvaddr.bench",
+        "mooncake_kvaddr.bench.cli",
+        "mooncake_kvaddr.bench.harness",
+        "mooncake_kvaddr.bench.tcp",
+        "mooncake_kvaddr.bench.workload",
+    ]
+
+
+def test_the_bench_and_test_modules_are_forbidden_names() -> None:
+    # Guard the rule table itself: the tests' helpers are named, and the bench may use every library layer.
+    assert {"tests", "conftest", "kvaddr_testing", "fake_mooncake"} <= set(TEST_MODULES)
+    assert all(BENCH in FORBIDDEN[layer] for layer in ("core", "driver", "integrations", "top"))
+    assert _hits({"mooncake_kvaddr.core", "mooncake_kvaddr.driver", "mooncake_kvaddr.integrations"},
+                 FORBIDDEN["bench"]) == []
 
 
 def _modules_after(statement: str) -> list[str]:
@@ -93,6 +210,24 @@ def test_importing_the_core_loads_no_driver_and_no_mooncake() -> None:
     loaded = _modules_after(f"import mooncake_kvaddr; {core}")
     assert "mooncake_kvaddr.core.database" in loaded  # the probe really imported the core
     assert _hits(set(loaded), FORBIDDEN["core"]) == []
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_importing_a_layer_loads_nothing_it_must_not(layer: str) -> None:
+    # ``__main__`` modules run a command when imported (bench/__main__.py runs the benchmark): leave them out.
+    names = [name for name, _ in _layer_modules(layer) if not name.endswith(".__main__")]
+    loaded = _modules_after("import mooncake_kvaddr; " + "; ".join(f"import {name}" for name in names))
+    assert set(names) <= set(loaded)  # the probe really imported the layer
+    assert _hits(set(loaded), FORBIDDEN[layer]) == []
+
+
+def test_the_bench_command_runs_the_bench_in_a_child_process() -> None:
+    # ``python -m mooncake_kvaddr bench`` reaches the benchmark without importing it into the library's process.
+    out = subprocess.run([sys.executable, "-m", "mooncake_kvaddr", "bench", "--help"], capture_output=True,
+                         text=True, check=True, timeout=120)
+    assert "usage: python -m mooncake_kvaddr.bench" in out.stdout
+    loaded = _modules_after("from mooncake_kvaddr.__main__ import main; main(['--help'])")
+    assert _hits(set(loaded), (BENCH,)) == []
 
 
 def test_driver_names_load_lazily() -> None:

@@ -21,9 +21,9 @@ def bench() -> Any:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.33.0)")
     pytest.importorskip("torch", reason="torch is not installed (comes with vLLM)")
     pytest.importorskip(plugin.WORKER_MODULE, reason="vLLM has no Mooncake store worker module")
-    from mooncake_kvaddr.integrations.vllm import plugin_bench
+    from mooncake_kvaddr.bench import vllm_plugin
 
-    return plugin_bench
+    return vllm_plugin
 
 
 @pytest.fixture(autouse=True)

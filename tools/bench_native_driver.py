@@ -20,9 +20,9 @@ import numpy as np
 
 from kvaddr_testing import Cache, hashes, make_transfer
 from mooncake_kvaddr import _native
+from mooncake_kvaddr.bench.native_client import _BusyThread
 from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.master import EmbeddedMaster
-from mooncake_kvaddr.driver.native_client_bench import _BusyThread
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import TransferRequest
 

@@ -2,11 +2,12 @@
 
 The sub-commands own their process and keep Mooncake's native log lines quiet unless ``--verbose`` (or
 ``MOONCAKE_KVADDR_VERBOSE=1``) asks for them; the library itself never changes logging or the environment
-(``docs/configuration.md``).
+(``docs/configuration.md``). ``bench`` runs ``python -m mooncake_kvaddr.bench`` with the same arguments.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 
@@ -28,9 +29,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if command == "bench":
-        from mooncake_kvaddr.bench import main as bench_main
-
-        return bench_main(rest)
+        # A child process, not an import: nothing outside the bench package imports it (docs/architecture.md).
+        return subprocess.call([sys.executable, "-m", "mooncake_kvaddr.bench", *rest])
     print(f"unknown command {command!r}: expected demo or bench", file=sys.stderr)
     return 2
 

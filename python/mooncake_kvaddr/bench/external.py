@@ -1,12 +1,12 @@
-"""Sections whose measurements live beside the code they measure, printed through the one harness.
+"""Sections whose producers return plain rows, printed through the one harness.
 
 - ``layouts``: vLLM 0.33 store layouts — our layout engine beside vLLM's own ``prepare_values``
-  (:mod:`mooncake_kvaddr.integrations.vllm.benchmarks`; docs/vllm.md).
+  (:mod:`mooncake_kvaddr.bench.vllm_layouts`; docs/vllm.md).
 - ``native_client``: Mooncake's bound multi-buffer methods beside our native client calls
-  (:mod:`mooncake_kvaddr.driver.native_client_bench`; docs/native-client.md).
+  (:mod:`mooncake_kvaddr.bench.native_client`; docs/native-client.md).
 - ``vllm_threads``: vLLM 0.33's own send/receive threads without the plugin, with it, and with the staged
-  transport (:mod:`mooncake_kvaddr.integrations.vllm.plugin_bench`; docs/vllm-plugin.md).
-- ``multihost``: cross-namespace TCP (:mod:`mooncake_kvaddr.testing.netns_bench`; docs/multihost.md).
+  transport (:mod:`mooncake_kvaddr.bench.vllm_plugin`; docs/vllm-plugin.md).
+- ``multihost``: cross-namespace TCP (:mod:`mooncake_kvaddr.bench.netns_tcp`; docs/multihost.md).
 
 Each producer returns plain row dicts; this module only chooses the columns and names the baseline.
 """
@@ -26,9 +26,9 @@ def _rows_by(rows: Sequence[dict[str, Any]], *keys: str) -> dict[str, dict[str, 
 
 def layouts(quick: bool) -> dict[str, Any] | None:
     """Our layout engine vs vLLM 0.33's ``prepare_values`` (or its numpy equivalent without vLLM)."""
-    from mooncake_kvaddr.integrations.vllm import benchmarks
+    from mooncake_kvaddr.bench import vllm_layouts
 
-    rows = benchmarks.run(quick)
+    rows = vllm_layouts.run(quick)
     reference = rows[0].get("reference", "vLLM 0.33 prepare_values") if rows else "vLLM 0.33 prepare_values"
     cols = (Col("median_ms", "median ms"), Col("min_ms", "min ms"),
             Col("speedup_vs_reference", "speed-up", ".1f", "x"), Col("speedup_of_minima", "x (minima)", ".1f", "x"))
@@ -39,9 +39,9 @@ def layouts(quick: bool) -> dict[str, Any] | None:
 
 def native_client(quick: bool) -> dict[str, Any] | None:
     """Mooncake's bound methods vs our native client, per load and store."""
-    from mooncake_kvaddr.driver import native_client_bench
+    from mooncake_kvaddr.bench import native_client as producer
 
-    rows = native_client_bench.run(quick=quick)
+    rows = producer.run(quick=quick)
     if rows and "skipped" in rows[0]:
         skipped("native_client", str(rows[0]["skipped"]))
         return None
@@ -57,11 +57,11 @@ def native_client(quick: bool) -> dict[str, Any] | None:
 def vllm_threads(quick: bool) -> dict[str, Any] | None:
     """vLLM 0.33's own threads: without the plugin, with it, with the staged transport."""
     try:
-        plugin_bench = importlib.import_module("mooncake_kvaddr.integrations.vllm.plugin_bench")
+        vllm_plugin = importlib.import_module("mooncake_kvaddr.bench.vllm_plugin")
     except ImportError as exc:
         skipped("vllm_threads", f"plugin bench unavailable: {exc}")
         return None
-    rows: list[dict[str, Any]] = plugin_bench.run(quick)
+    rows: list[dict[str, Any]] = vllm_plugin.run(quick)
     if not rows:
         return None
     base = next((row for row in rows if row.get("mode") == "vllm"), rows[0])
@@ -81,13 +81,13 @@ def vllm_threads(quick: bool) -> dict[str, Any] | None:
 
 def multihost(quick: bool) -> dict[str, Any] | None:
     """Cross-namespace TCP: staged vs multi-buffer (split) vs vLLM's single call."""
-    from mooncake_kvaddr.testing import netns, netns_bench
+    from mooncake_kvaddr.bench import netns, netns_tcp
 
     reason = netns.unavailable_reason()
     if reason:
         skipped("multihost", reason)
         return None
-    rows = netns_bench.run(quick)
+    rows = netns_tcp.run(quick)
     cols = (Col("median_ms", "median ms", ".1f"), Col("mib_per_s", "MiB/s", ".0f"),
             Col("speedup_vs_multi_buffer_split", "x split", ".1f", "x"), Col("verified", "verified"),
             Col("status", "status"))

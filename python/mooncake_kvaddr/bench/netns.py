@@ -723,7 +723,7 @@ class NetnsCluster:
         return popen.returncode
 
     def spawn_worker(self, role: str, *, env: Mapping[str, str] | None = None, ready_timeout: float = 60.0) -> Worker:
-        """Start :mod:`mooncake_kvaddr.testing.netns_client` in ``role``'s namespace and wait for its hello.
+        """Start :mod:`mooncake_kvaddr.bench.netns_client` in ``role``'s namespace and wait for its hello.
 
         The worker imports this package from the same location as the caller; ``MC_LOG_LEVEL`` defaults to
         WARNING; the cluster's ``worker_env`` and then ``env`` are added. Call it from a thread that outlives
@@ -738,7 +738,7 @@ class NetnsCluster:
         full_env.setdefault("MC_LOG_LEVEL", "WARNING")
         full_env.update(self._worker_env)
         full_env.update(env or {})
-        argv = [sys.executable, "-u", "-m", "mooncake_kvaddr.testing.netns_client"]
+        argv = [sys.executable, "-u", "-m", "mooncake_kvaddr.bench.netns_client"]
         popen, log = self._spawn(role, argv, full_env, pipes=True)
         worker = Worker(f"{role}[{popen.pid}]", popen, log)
         self.workers.append(worker)

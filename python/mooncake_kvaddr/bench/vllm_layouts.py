@@ -220,7 +220,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    """Print the rows as a table (``python -m mooncake_kvaddr.integrations.vllm.benchmarks [--quick]``)."""
+    """Print the rows as a table (``python -m mooncake_kvaddr.bench.vllm_layouts [--quick]``)."""
     import sys
 
     for row in run(quick="--quick" in sys.argv):

@@ -616,7 +616,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual runs
-    """``python -m mooncake_kvaddr.integrations.vllm.plugin_bench [--full] [--reps N]``: print JSON rows."""
+    """``python -m mooncake_kvaddr.bench.vllm_plugin [--full] [--reps N]``: print JSON rows."""
     import argparse
     import json
     import os

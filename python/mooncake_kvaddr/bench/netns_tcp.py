@@ -1,6 +1,6 @@
 """Benchmark: staged vs multi-buffer transfers over Mooncake's TCP transport between network namespaces.
 
-A :class:`~mooncake_kvaddr.testing.netns.NetnsCluster` puts the master, a segment holder (the "writer"
+A :class:`~mooncake_kvaddr.bench.netns.NetnsCluster` puts the master, a segment holder (the "writer"
 worker, which holds the pool's only segment and otherwise idles) and a pure client (the "reader" worker,
 global segment 0) on three "hosts" joined by a bridge, so every byte the client stores or loads crosses TCP
 between namespaces (docs/multihost.md). Three paths move the same request, in the client:
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_kvaddr.testing.netns import NetnsCluster, Worker, unavailable_reason
+from mooncake_kvaddr.bench.netns import NetnsCluster, Worker, unavailable_reason
 
 __all__ = ["PATHS", "Shape", "main", "run", "shapes"]
 
@@ -185,7 +185,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m mooncake_kvaddr.testing.netns_bench [--quick] [--reps N] [--json PATH]``."""
+    """``python -m mooncake_kvaddr.bench.netns_tcp [--quick] [--reps N] [--json PATH]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="a tenth of each shape, one repetition")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per path (default 3, quick 1)")

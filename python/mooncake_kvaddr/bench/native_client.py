@@ -15,7 +15,7 @@ side by side in one process against an embedded master (in-process memcpy transf
 Paths: bound multi-buffer (lists built outside the timed region), native multi-buffer (int64 arrays), and the
 contiguous one-region-per-key calls a staged transfer uses (``batch_get_into`` / ``batch_put_from``), bound and
 native. ``run(quick)`` returns one dict per (operation, path); ``python -m
-mooncake_kvaddr.driver.native_client_bench [--quick]`` prints them.
+mooncake_kvaddr.bench.native_client [--quick]`` prints them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The worker that :class:`mooncake_kvaddr.testing.netns.NetnsCluster` runs inside a namespace.
+"""The worker that :class:`mooncake_kvaddr.bench.netns.NetnsCluster` runs inside a namespace.
 
-Run as ``python -m mooncake_kvaddr.testing.netns_client``. It reads one JSON command per line on stdin and
+Run as ``python -m mooncake_kvaddr.bench.netns_client``. It reads one JSON command per line on stdin and
 answers on stdout with ``{"reply": op, "ok": true, ...}`` (or ``"ok": false`` and ``"error"``); progress is
 reported as ``{"event": name, ...}`` lines. Mooncake's own output is moved to stderr first, so stdout carries
 the protocol only. The commands drive the project's :class:`~mooncake_kvaddr.driver.store.MooncakeStore` and
