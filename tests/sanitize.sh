@@ -49,7 +49,7 @@ tests=(test_prepare_values.py test_differential.py test_keys_native.py test_pool
        test_hardening_driver_audit.py)
 if [[ ${SANITIZE_DRIVER:-1} != 0 ]] && python3 -c "import mooncake.store" 2>/dev/null; then
     tests+=(test_transfer_modes.py test_transfer.py test_transfer_safety.py test_staged_plan.py
-            test_native_client.py test_native_client_driver.py)
+            test_native_client.py test_native_client_driver.py test_address_forms.py)
 fi
 # pytest runs from tests/: accept test paths given from the repository root too (tests/test_x.py).
 if (($#)); then
