@@ -19,6 +19,7 @@
 
 #include "bindings/common.hpp"
 #include "bindings/gil_policy.hpp"
+#include "kvaddr/ranges.hpp"
 #include "kvaddr/staging.hpp"
 
 namespace kvaddr::py_bindings {
@@ -192,6 +193,57 @@ py::tuple plan_slots(py::handle sizes_obj, py::handle alignment_obj) {
     return py::make_tuple(std::move(offsets), std::move(object_sizes), total);
 }
 
+// Per cell of two same-shape int64 arrays (1-D or 2-D, C-contiguous): the slice obeys kvaddr/ranges.hpp's rule
+// and lies inside one allowed range. The one range check of the Python layers (the vLLM guard, the driver's
+// bounds); with a per-column hint, since column r of every key lives in the same buffer.
+py::array_t<bool> slices_inside(py::handle addrs_obj, py::handle sizes_obj, py::handle allowed_obj) {
+    const py::ssize_t ndim = py::isinstance<py::array>(addrs_obj) ? py::reinterpret_borrow<py::array>(addrs_obj).ndim() : 0;
+    if (ndim != 1 && ndim != 2) {
+        raise(PyExc_ValueError, "addrs must be a 1-D or 2-D numpy int64 array");
+    }
+    const py::array addrs = int64_array(addrs_obj, "addrs", ndim);
+    const py::array sizes = int64_array(sizes_obj, "sizes", ndim);
+    for (py::ssize_t d = 0; d < ndim; ++d) {
+        if (addrs.shape(d) != sizes.shape(d)) {
+            raise(PyExc_ValueError, "addrs and sizes must have the same shape, got " + shape_text(addrs) + " and " +
+                                        shape_text(sizes));
+        }
+    }
+    const RangeSet allowed = memory_ranges(allowed_obj);
+    const auto rows = static_cast<std::size_t>(addrs.shape(0));
+    const auto cols = ndim == 2 ? static_cast<std::size_t>(addrs.shape(1)) : std::size_t{1};
+    py::array_t<bool> out(std::vector<py::ssize_t>(addrs.shape(), addrs.shape() + ndim));
+    const auto* a = static_cast<const int64_t*>(addrs.data());
+    const auto* s = static_cast<const int64_t*>(sizes.data());
+    bool* ok = out.mutable_data();
+    std::vector<std::size_t> hints(cols, RangeSet::npos);
+    auto check = [&]() noexcept {
+        for (std::size_t i = 0; i < rows; ++i) {
+            for (std::size_t j = 0; j < cols; ++j) {
+                const std::size_t k = i * cols + j;
+                const auto address = static_cast<uint64_t>(a[k]);
+                const auto size = static_cast<uint64_t>(s[k]);
+                bool inside = slice_fault(address, size, true, true) == SliceFault::none;
+                if (inside) {
+                    const std::size_t found = allowed.find(a[k], a[k] + s[k], hints[j]);
+                    inside = found != RangeSet::npos;
+                    if (inside) hints[j] = found;
+                }
+                ok[k] = inside;
+            }
+        }
+    };
+    if (release_gil_for(work_ns(static_cast<uint64_t>(rows) * cols, kNsPerSliceCheck))) {
+        // Safe: only the two exported arrays (kept alive by `addrs`/`sizes`), the C++ range set and `out` are read
+        // or written.
+        py::gil_scoped_release release;
+        check();
+    } else {
+        check();
+    }
+    return out;
+}
+
 }  // namespace
 
 void register_staging(py::module_& m) {
@@ -223,6 +275,8 @@ void register_staging(py::module_& m) {
         py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
         py::arg("streaming") = true,
         "Copy each selected key's staging slot back out to its slices, in region order. Returns bytes copied.");
+    m.def("slices_inside", &slices_inside, py::arg("addrs"), py::arg("sizes"), py::arg("allowed_ranges"),
+          "Per cell: the (address, size) slice is a valid slice inside one of the (ptr, nbytes) allowed ranges.");
 }
 
 }  // namespace kvaddr::py_bindings

@@ -121,6 +121,9 @@ def _staging_scatter(
     threads: int = 0,
     streaming: bool = True,
 ) -> int: ...
+def slices_inside(
+    addrs: _Int64Array, sizes: _Int64Array, allowed_ranges: Sequence[tuple[int, int]]
+) -> npt.NDArray[np.bool_]: ...
 
 def multi_buffer_arrays(
     addr_rows: Sequence[Sequence[int]], size_rows: Sequence[Sequence[int]]

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 
 __all__ = ["RegisteredCaches", "Screened"]
@@ -143,8 +144,10 @@ class RegisteredCaches:
                 )
 
     def slices_inside(self, addrs: np.ndarray[Any, Any], sizes: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """Per key (row of an ``(n, regions)`` matrix): every slice lies inside its registered region."""
-        lo = np.asarray(self.bases, dtype=np.int64)
-        hi = lo + np.asarray(self.block_lens, dtype=np.int64) * self.num_blocks
-        inside: np.ndarray[Any, Any] = ((addrs >= lo) & (sizes >= 0) & (addrs <= hi - sizes)).all(axis=1)
+        """Per key (row of an ``(n, regions)`` int64 matrix): every slice lies inside a registered buffer (the
+        native module's one range set, ``csrc/kvaddr/ranges.hpp``)."""
+        if addrs.size == 0:
+            return np.ones(addrs.shape[0], dtype=bool)
+        cells = _native.slices_inside(addrs, sizes, self.buffers)
+        inside: np.ndarray[Any, Any] = np.all(cells, axis=1)
         return inside

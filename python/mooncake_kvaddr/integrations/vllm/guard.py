@@ -136,13 +136,9 @@ def takes_pointers(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Ranges:
-    """One immutable snapshot of the registered ranges, sorted by start.
-
-    ``reach[i]`` is the largest end among ranges ``0..i``: a slice ``[a, a + s)`` lies inside one registered
-    range exactly when ``a + s <= reach[i]`` for the last ``i`` with ``starts[i] <= a`` (the range reaching
-    furthest among those starting at or before ``a`` contains it if any does), so overlapping registrations
-    are handled exactly.
-    """
+    """One immutable snapshot of the registered ranges, sorted by start (``reach[i]``: the largest end among
+    ranges ``0..i``). Slices are checked by the native module's one range set (``csrc/kvaddr/ranges.hpp``),
+    exact for overlapping registrations."""
 
     starts: Int64Array
     ends: Int64Array
@@ -161,38 +157,16 @@ class Ranges:
         return cls(starts, ends, reach, items, pairs)
 
     def cells_inside(self, addrs: Int64Array, sizes: Int64Array) -> BoolArray:
-        """Per slice (any shape): inside one registered range, size >= 0, no wrap (vectorised)."""
-        ok: BoolArray = (sizes >= 0) & (addrs > 0)
-        ok &= addrs <= _INT64_MAX - np.maximum(sizes, 0)
-        if self.starts.size == 0:
-            return np.zeros(addrs.shape, dtype=bool)
-        index = np.searchsorted(self.starts, addrs, side="right") - 1
-        ok &= index >= 0
-        with np.errstate(over="ignore"):
-            ends = addrs + np.where(ok, sizes, 0)
-        ok &= ends <= self.reach[np.maximum(index, 0)]
-        return ok
+        """Per slice (a 1-D or 2-D int64 array): inside one registered range, size >= 0, no wrap - the one range
+        set of the native module (``csrc/kvaddr/ranges.hpp``)."""
+        inside: BoolArray = _native.slices_inside(
+            np.ascontiguousarray(addrs, dtype=np.int64), np.ascontiguousarray(sizes, dtype=np.int64), self.items
+        )
+        return inside
 
     def all_inside(self, addrs: Int64Array, sizes: Int64Array) -> bool:
-        """True when every slice of the (keys x regions) matrices is inside. Fast sufficient test first: each
-        column's span (lowest address to highest address plus largest size: four reductions, no temporary)
-        inside one range; then the exact column span; else slice by slice."""
-        if addrs.size == 0:
-            return True
-        if self.starts.size == 0:
-            return False
-        if addrs.ndim == 2:
-            low = addrs.min(axis=0)
-            top = addrs.max(axis=0)
-            smallest = sizes.min(axis=0)
-            largest = sizes.max(axis=0)
-            if int(low.min()) > 0 and int(smallest.min()) >= 0 and bool(np.all(top <= _INT64_MAX - largest)):
-                index = np.searchsorted(self.starts, low, side="right") - 1
-                if bool(np.all(index >= 0)):
-                    reach = self.reach[index]
-                    if bool(np.all(top + largest <= reach)) or bool(np.all((addrs + sizes).max(axis=0) <= reach)):
-                        return True
-        return bool(self.cells_inside(addrs, sizes).all())
+        """True when every slice of the (keys x regions) matrices is inside."""
+        return addrs.size == 0 or bool(self.cells_inside(addrs, sizes).all())
 
 
 class RangeTable:
@@ -297,10 +271,9 @@ def _int(value: Any) -> int | None:
 def _slice_ok(ranges: Ranges, address: Any, size: Any) -> bool:
     """One slice (Python ints or anything else) inside one registered range."""
     a, s = _int(address), _int(size)
-    if a is None or s is None or a <= 0 or s < 0 or a + s > _INT64_MAX or ranges.starts.size == 0:
-        return False
-    i = int(np.searchsorted(ranges.starts, a, side="right")) - 1
-    return i >= 0 and a + s <= int(ranges.reach[i])
+    if a is None or s is None or not (0 < a <= _INT64_MAX and 0 <= s <= _INT64_MAX):
+        return False  # not an int64 slice at all (the native check takes int64 values)
+    return bool(ranges.cells_inside(np.array([a], np.int64), np.array([s], np.int64))[0])
 
 
 @dataclass
