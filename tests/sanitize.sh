@@ -47,6 +47,7 @@ tests=(test_prepare_values.py test_differential.py test_keys_native.py test_pool
        test_threads.py test_staging.py test_hardening_native.py test_fuzz_native.py test_leaks.py test_layouts.py
        test_rows_native.py test_hardening_audit.py test_region_pin.py test_hardening_audit2.py
        test_hardening_driver_audit.py)
+tests+=(test_ranges.py)
 if [[ ${SANITIZE_DRIVER:-1} != 0 ]] && python3 -c "import mooncake.store" 2>/dev/null; then
     tests+=(test_transfer_modes.py test_transfer.py test_transfer_safety.py test_staged_plan.py
             test_native_client.py test_native_client_driver.py test_address_forms.py)

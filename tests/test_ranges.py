@@ -1,0 +1,86 @@
+"""The one range set (csrc/kvaddr/ranges.hpp) through ``_native.slices_inside``, against a plain Python reading.
+
+A slice is ``0 < address``, ``0 <= size``, ``address + size <= 2**63 - 1``, and lies inside ONE allowed range
+(overlapping ranges allowed; a slice spanning two adjacent ranges is outside).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake_kvaddr import _native
+
+TOP = 2**63 - 1
+
+
+def reference(address: int, size: int, ranges: list[tuple[int, int]]) -> bool:
+    if address <= 0 or size < 0 or address + size > TOP:
+        return False
+    return any(p <= address and address + size <= p + n for p, n in ranges if n > 0)
+
+
+edges = st.sampled_from([0, 1, 4095, 4096, 4097, 8191, 8192, TOP - 4096, TOP - 1, TOP])
+values = st.one_of(st.integers(-(2**63), TOP), edges, st.integers(0, 3 * 4096))
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[list[tuple[int, int]], list[list[int]], list[list[int]]]:
+    ranges = []
+    for _ in range(draw(st.integers(0, 4))):
+        p = draw(st.one_of(st.integers(0, 4 * 4096), st.sampled_from([TOP - 4096, TOP - 8192])))
+        n = draw(st.integers(0, min(3 * 4096, TOP - p)))
+        ranges.append((p, n))
+    rows, cols = draw(st.integers(1, 5)), draw(st.integers(1, 4))
+    addrs = [[draw(values) for _ in range(cols)] for _ in range(rows)]
+    sizes = [[draw(st.one_of(values, st.integers(0, 4096))) for _ in range(cols)] for _ in range(rows)]
+    return ranges, addrs, sizes
+
+
+@settings(max_examples=400, deadline=None)
+@given(cases())
+def test_every_cell_equals_the_reference(case: tuple[list[tuple[int, int]], list[list[int]], list[list[int]]]) -> None:
+    ranges, addrs, sizes = case
+    a, s = np.array(addrs, np.int64), np.array(sizes, np.int64)
+    got = _native.slices_inside(a, s, ranges)
+    want = [[reference(x, y, ranges) for x, y in zip(ra, rs, strict=True)] for ra, rs in zip(addrs, sizes, strict=True)]
+    assert got.tolist() == want
+    assert _native.slices_inside(a[:, 0].copy(), s[:, 0].copy(), ranges).tolist() == [w[0] for w in want]
+
+
+def test_the_edges_of_the_rule() -> None:
+    top_range = [(TOP - 4096, 4096)]  # ends exactly at 2**63 - 1
+    cases = [
+        ((TOP - 4096, 4096), top_range, True),  # ends at 2**63 - 1: the last valid slice
+        ((TOP - 4096, 4097), top_range, False),
+        ((TOP, 0), top_range, True),  # empty slice at the range's end
+        ((4096, 0), [(4096, 4096)], True),
+        ((8192, 0), [(4096, 4096)], True),
+        ((8193, 0), [(4096, 4096)], False),
+        ((0, 0), [(0, 4096)], False),  # a null address is never a slice
+        ((4096, -1), [(4096, 4096)], False),
+        ((-4096, 4096), [(4096, 4096)], False),
+        ((4096, 8192), [(4096, 4096), (8192, 4096)], False),  # spans two adjacent buffers
+        ((6000, 100), [(4096, 8192), (5000, 200)], True),  # inside the wider of two overlapping ranges
+        ((4096, 1), [], False),
+    ]
+    for (address, size), ranges, want in cases:
+        got = _native.slices_inside(np.array([address], np.int64), np.array([size], np.int64), ranges)
+        assert got.tolist() == [want], (address, size, ranges)
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    a = np.array([[4096]], np.int64)
+    with pytest.raises(TypeError, match="int64"):
+        _native.slices_inside(a.astype(np.uint64), a, [(4096, 1)])
+    with pytest.raises(ValueError, match="same shape"):
+        _native.slices_inside(a, np.zeros((1, 2), np.int64), [(4096, 1)])
+    with pytest.raises(ValueError, match="1-D or 2-D"):
+        _native.slices_inside(np.zeros((1, 1, 1), np.int64), np.zeros((1, 1, 1), np.int64), [])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _native.slices_inside(np.zeros((2, 2), np.int64).T, np.zeros((2, 2), np.int64), [])
+    with pytest.raises(ValueError, match="not a valid memory range"):
+        _native.slices_inside(a, a, [(-1, 10)])
+    assert _native.slices_inside(np.zeros((0, 3), np.int64), np.zeros((0, 3), np.int64), []).shape == (0, 3)
