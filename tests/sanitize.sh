@@ -44,9 +44,9 @@ assert native.__file__.startswith(sys.argv[1]), native.__file__
 sys.exit(pytest.main(sys.argv[2:]))
 PY
 tests=(test_prepare_values.py test_differential.py test_keys_native.py test_pool_keys_walk_and_hash_views.py
-       test_threads.py test_staging.py test_hardening_native.py test_fuzz_native.py test_leaks.py test_layouts.py
-       test_rows_native.py test_hardening_audit.py test_region_pin.py test_hardening_audit2.py
-       test_hardening_driver_audit.py)
+       test_threads.py test_staging.py test_native_hostile_inputs.py test_fuzz_native.py test_leaks.py
+       test_layouts.py test_rows_native.py test_layouts_and_transfer_screen_hostile.py test_region_pin.py
+       test_native_argument_conversion.py test_driver_ownership_and_close.py)
 tests+=(test_ranges.py)
 if [[ ${SANITIZE_DRIVER:-1} != 0 ]] && python3 -c "import mooncake.store" 2>/dev/null; then
     tests+=(test_transfer_modes.py test_transfer.py test_transfer_safety.py test_staged_plan.py
