@@ -9,8 +9,8 @@ the GIL time a busy Python thread loses beside it, split by phase (vLLM's own Py
 Mooncake's slot call), and the wall time of 1/2/4 receive threads loading 4 requests. Needs vLLM, torch and
 Mooncake; imports them only when called.
 
-Size: the rig that drives vLLM's real threads and the measurement around it (~500 lines) are one
-experiment; splitting them would spread one set of assumptions about vLLM 0.33 over two files.
+The rig that drives vLLM's real threads and the measurement around it are one experiment; splitting them
+would spread one set of assumptions about vLLM 0.33 over two files.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ by a path with a fused plan (:class:`MultiBufferPath` does). Every put and get r
 each batch of its own; keys it no longer tries are counted ``transfer_failed`` (``docs/transfer-modes.md``,
 "Deadlines").
 
-Size: the three paths are kept in one module (~640 lines) so that their put and get can be compared side by
-side; a new path belongs in a module of its own.
+The three paths share one module so that their put and get can be compared side by side; a new path
+belongs in a module of its own.
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ for host-memory caches with more than one region per key); with one region per k
 ``"auto"`` use ``"direct"``. Objects are the concatenation of their regions in every mode, so the modes
 interoperate.
 
-Size: this module is one class whose store and load request logic, registration and lifecycle are meant to
-be read together (~600 lines, a third of them docstrings); everything else it uses has its own module
-(paths, bounds, rules, results, workers).
+This module is one class whose store and load request logic, registration and lifecycle are meant to be
+read together; everything else it uses has its own module (paths, bounds, rules, results, workers).
 """
 
 from __future__ import annotations
