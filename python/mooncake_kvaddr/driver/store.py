@@ -23,7 +23,6 @@ The module is longer than most because each binding call Mooncake offers needs i
 from __future__ import annotations
 
 import contextlib
-import enum
 import importlib
 import importlib.util
 import logging
@@ -39,6 +38,8 @@ from typing import Any, Final
 import numpy as np
 
 from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.errors import StoreClosedError, StoreError, StoreSetupError
+from mooncake_kvaddr.driver.gate import CallGate, GateState
 from mooncake_kvaddr.driver.master import EmbeddedMaster, mooncake_install_hint
 from mooncake_kvaddr.driver.native_client import NativeClient
 from mooncake_kvaddr.driver.outcomes import (
@@ -96,22 +97,6 @@ def _now() -> float:
     return time.monotonic()
 
 
-class StoreError(RuntimeError):
-    """A Mooncake store operation failed as a whole (not per key). ``code`` is Mooncake's, if any."""
-
-    def __init__(self, message: str, code: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class StoreClosedError(StoreError):
-    """The store is not set up yet, or is closing/closed: the call never reached Mooncake."""
-
-
-class StoreSetupError(StoreError):
-    """``setup()`` failed: no master reachable, client port clash, bad configuration."""
-
-
 class RequestDeadline:
     """The time limit of one request, shared by every Mooncake call the request makes.
 
@@ -153,13 +138,6 @@ class RequestDeadline:
 
     def __repr__(self) -> str:
         return f"RequestDeadline(timeout_s={self.timeout_s}, reason={self.reason!r})"
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    READY = "ready"
-    CLOSING = "closing"
-    CLOSED = "closed"
 
 
 def load_mooncake() -> ModuleType:
@@ -332,10 +310,10 @@ class MooncakeStore:
                 "a private master on 127.0.0.1 for tests and demos (docs/configuration.md)"
             )
         self._config = config
-        self._cond = threading.Condition(threading.Lock())
+        self._gate = CallGate(
+            "MooncakeStore", ready=False, not_ready="MooncakeStore is not set up: call setup() (or use 'with') first"
+        )
         self._lifecycle = threading.Lock()  # serialises setup() and close()
-        self._state = _State.NEW
-        self._in_flight = 0
         self._client: Any = None
         self._master: EmbeddedMaster | None = None
         self._module: ModuleType | None = None
@@ -352,12 +330,12 @@ class MooncakeStore:
     @property
     def state(self) -> str:
         """``"new"``, ``"ready"``, ``"closing"`` or ``"closed"``."""
-        return self._state.value
+        return self._gate.state.value
 
     @property
     def ready(self) -> bool:
         """True between a successful :meth:`setup` and :meth:`close`."""
-        return self._state is _State.READY
+        return self._gate.state is GateState.READY
 
     @property
     def native_client_active(self) -> bool:
@@ -386,10 +364,10 @@ class MooncakeStore:
         """
         config = self._config
         with self._lifecycle:
-            if self._state is _State.READY:
+            if self._gate.state is GateState.READY:
                 return self
-            if self._state is not _State.NEW:
-                raise StoreClosedError(f"MooncakeStore is {self._state.value}; create a new one")
+            if self._gate.state is not GateState.NEW:
+                raise StoreClosedError(f"MooncakeStore is {self._gate.state.value}; create a new one")
             module = self._module or load_mooncake()
             self._module = module
             master: EmbeddedMaster | None = None
@@ -408,11 +386,10 @@ class MooncakeStore:
                     master.close(kill=True)
                 raise
             native = self._open_native(client)
-            with self._cond:
-                self._client = client
-                self._native = native
-                self._master = master
-                self._state = _State.READY
+            self._client = client
+            self._native = native
+            self._master = master
+            self._gate.open()  # published last: an admitted call sees the fields above
         return self
 
     def _open_native(self, client: Any) -> NativeClient | None:
@@ -492,19 +469,16 @@ class MooncakeStore:
         if not self._lifecycle.acquire(timeout=timeout):
             raise StoreError(f"close(): setup()/close() in another thread did not finish within {timeout} s")
         try:
-            with self._cond:
-                if self._state in (_State.NEW, _State.CLOSED):
-                    self._state = _State.CLOSED
-                    return
-                self._state = _State.CLOSING
-                if not self._cond.wait_for(lambda: self._in_flight == 0, timeout=timeout):
-                    raise StoreError(
-                        f"close(): {self._in_flight} call(s) still in flight after {timeout} s; "
-                        "the store stays closing (no new calls); call close() again"
-                    )
-                client, self._client = self._client, None
-                master, self._master = self._master, None
-                native, self._native = self._native, None
+            if not self._gate.begin_close():
+                return  # never set up, or closed already
+            if not self._gate.wait_idle(timeout):
+                raise StoreError(
+                    f"close(): {self._gate.in_flight} call(s) still in flight after {timeout} s; "
+                    "the store stays closing (no new calls); call close() again"
+                )
+            client, self._client = self._client, None
+            master, self._master = self._master, None
+            native, self._native = self._native, None
             try:
                 if native is not None:
                     native.close()  # no call in flight; before Mooncake's client goes away
@@ -512,8 +486,7 @@ class MooncakeStore:
                 if rc != 0:
                     logger.warning("Mooncake client close() returned %s", rc)
             finally:
-                with self._cond:
-                    self._state = _State.CLOSED
+                self._gate.release()
                 if master is not None:
                     # The client is gone and the master keeps objects in memory only: no need to wait
                     # ~0.9 s for its graceful shutdown (docs/configuration.md, "Close time").
@@ -547,21 +520,8 @@ class MooncakeStore:
 
     @contextlib.contextmanager
     def _admitted_pair(self) -> Iterator[tuple[Any, NativeClient | None]]:
-        with self._cond:
-            if self._state is not _State.READY:
-                if self._state is _State.NEW:
-                    raise StoreClosedError("MooncakeStore is not set up: call setup() (or use 'with') first")
-                raise StoreClosedError(f"MooncakeStore is {self._state.value}: no calls after close()")
-            self._in_flight += 1
-            client = self._client
-            native = self._native
-        try:
-            yield client, native
-        finally:
-            with self._cond:
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._cond.notify_all()
+        with self._gate.admitted():
+            yield self._client, self._native
 
     # ------------------------------------------------------------------ batch calls
 

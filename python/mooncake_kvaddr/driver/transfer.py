@@ -32,9 +32,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack
 from functools import partial
 from typing import Any, TypeVar
 
@@ -44,6 +44,7 @@ from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.config import TRANSFER_MODES
+from mooncake_kvaddr.driver.gate import CallGate, GateState
 from mooncake_kvaddr.driver.lookup import GroupSpecLike, LookupResult, ParallelLayout, StoreLookup
 from mooncake_kvaddr.driver.paths import (
     DirectPath,
@@ -196,10 +197,9 @@ class KVTransfer:
             partial(self._run_queued, self._load_request),
             num_recv_threads,
         )
-        self._closed = False  # close() began: new calls are refused
-        self._released = False  # close() finished: caches and staging released
-        self._cond = threading.Condition(threading.Lock())
-        self._in_flight = 0
+        self._gate = CallGate("KVTransfer")
+        # Orders queueing against close(): a job queued before close() began runs, one after it is refused.
+        self._queue_lock = threading.Lock()
         if start_threads:
             self.start()
 
@@ -726,23 +726,20 @@ class KVTransfer:
 
     def start(self) -> None:
         """Start the send thread and the receive threads (idempotent)."""
-        with self._cond:  # close() marks the transfer closed under this lock before it stops the threads
-            if self._closed:
-                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+        with self._queue_lock:  # close() marks the transfer closed under this lock before it stops the threads
+            self._refuse_if_closed()
             self._workers.start()
 
     def submit_store(self, request: TransferRequest) -> Future[StoreResult]:
         """Queue a store on the send thread."""
-        with self._cond:  # queued before close() stops the threads (so it runs), or refused
-            if self._closed:
-                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+        with self._queue_lock:  # queued before close() stops the threads (so it runs), or refused
+            self._refuse_if_closed()
             return self._workers.submit_store(request)
 
     def submit_load(self, request: TransferRequest) -> Future[LoadResult]:
         """Queue a load; the first free receive thread takes it."""
-        with self._cond:  # queued before close() stops the threads (so it runs), or refused
-            if self._closed:
-                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+        with self._queue_lock:  # queued before close() stops the threads (so it runs), or refused
+            self._refuse_if_closed()
             return self._workers.submit_load(request)
 
     def close(self, timeout: float = 60.0) -> None:
@@ -758,22 +755,20 @@ class KVTransfer:
         finishes, and the staging pool stays registered with the store and allocated (each such call's lease
         holds it) until the last of them returns, which unregisters it.
         """
-        with self._cond:
-            if self._released:
+        with self._queue_lock:
+            if self._gate.state is GateState.CLOSED:
                 return
-            self._closed = True
+            self._gate.begin_close()
         deadline = time.monotonic() + timeout
         stuck = self._workers.stop(deadline)
         if stuck:
             raise TimeoutError(f"KVTransfer.close: threads still running after {timeout} s: {stuck}")
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._in_flight == 0, max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"KVTransfer.close: {self._in_flight} call(s) still running after {timeout} s")
-            if self._released:
-                return  # another thread's close() got here first and releases everything (once)
-            paths = {id(p): p for p in (self._get_path, self._put_path) if p is not None}
-            self._get_path = self._put_path = None
-            self._released = True
+        if not self._gate.wait_idle(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"KVTransfer.close: {self._gate.in_flight} call(s) still running after {timeout} s")
+        if not self._gate.release():
+            return  # another thread's close() got here first and releases everything (once)
+        paths = {id(p): p for p in (self._get_path, self._put_path) if p is not None}
+        self._get_path = self._put_path = None
         self._unregister_buffers()
         if self._pool_registered and self._pool is not None:
             self._pool_registered = False
@@ -810,21 +805,14 @@ class KVTransfer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextmanager
-    def _admitted(self, *, queued: bool = False) -> Iterator[None]:
+    def _admitted(self, *, queued: bool = False) -> AbstractContextManager[None]:
         """Count a call in flight so that :meth:`close` releases nothing under it; refuse new calls once
         closing began (``queued``: a job accepted before ``close``, which still runs)."""
-        with self._cond:
-            if self._closed and (not queued or self._released):
-                raise StoreClosedError("KVTransfer is closed: no calls after close()")
-            self._in_flight += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._in_flight -= 1
-                if not self._in_flight:
-                    self._cond.notify_all()
+        return self._gate.admitted(queued=queued)
+
+    def _refuse_if_closed(self) -> None:
+        if self._gate.closed:
+            raise StoreClosedError("KVTransfer is closed: no calls after close()")
 
     def _run_queued(self, work: Callable[[TransferRequest], _T], request: TransferRequest) -> _T:
         with self._admitted(queued=True):

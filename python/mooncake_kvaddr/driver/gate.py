@@ -1,0 +1,96 @@
+"""The one call gate: admits calls while open, and lets ``close`` release nothing under a call in flight.
+
+``MooncakeStore``, ``KVTransfer`` and the vLLM plugin's store wrappers each hold one (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from mooncake_kvaddr.driver.errors import StoreClosedError
+
+__all__ = ["CallGate", "GateState"]
+
+
+class GateState(enum.Enum):
+    NEW = "new"  # not opened yet: no call admitted
+    READY = "ready"
+    CLOSING = "closing"  # close began: only queued calls are admitted
+    CLOSED = "closed"  # released: nothing is admitted
+
+
+class CallGate:
+    """Counts the calls in flight. ``name`` goes into the :class:`StoreClosedError` a refused call raises;
+    ``not_ready`` is the message for a call before :meth:`open` (a gate made ``ready=True`` is open at once)."""
+
+    def __init__(self, name: str, *, ready: bool = True, not_ready: str = "") -> None:
+        self._name = name
+        self._not_ready = not_ready or f"{name} is not ready"
+        self._cond = threading.Condition(threading.Lock())
+        self._in_flight = 0
+        self._state = GateState.READY if ready else GateState.NEW
+
+    @property
+    def state(self) -> GateState:
+        return self._state
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`begin_close` ran: no new call is admitted."""
+        return self._state in (GateState.CLOSING, GateState.CLOSED)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def open(self) -> None:
+        """Admit calls from now on (a gate made with ``ready=False``)."""
+        with self._cond:
+            if self._state is GateState.NEW:
+                self._state = GateState.READY
+
+    @contextmanager
+    def admitted(self, *, queued: bool = False) -> Iterator[None]:
+        """Hold an in-flight slot for one call. ``StoreClosedError`` before :meth:`open` and once closing began;
+        ``queued``: a job accepted before ``close`` began, which still runs until the gate is released."""
+        with self._cond:
+            state = self._state
+            if state is not GateState.READY and not (queued and state is GateState.CLOSING):
+                if state is GateState.NEW:
+                    raise StoreClosedError(self._not_ready)
+                raise StoreClosedError(f"{self._name} is {state.value}: no calls after close()")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._cond.notify_all()
+
+    def begin_close(self) -> bool:
+        """Admit no new call; False when the gate was already released (or never opened: then it is now)."""
+        with self._cond:
+            if self._state is GateState.NEW:
+                self._state = GateState.CLOSED
+                return False
+            if self._state is GateState.CLOSED:
+                return False
+            self._state = GateState.CLOSING
+            return True
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no call is in flight; False if some still are after ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._in_flight == 0, timeout)
+
+    def release(self) -> bool:
+        """Mark the gate closed for good: True for the one caller that must now release the resources."""
+        with self._cond:
+            if self._state is GateState.CLOSED or self._in_flight:
+                return False
+            self._state = GateState.CLOSED
+            return True
