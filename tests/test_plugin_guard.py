@@ -510,3 +510,31 @@ def test_ragged_rows_are_checked_up_to_each_rows_own_width() -> None:
     assert bad_last is not None and bad_last.good == [0, 1]
     bad_short = check.check_multi(keys, [[p, p + 64, p + 128], [p - 64], [p, p + 64]], [[64, 64, 64], [64], [64, 64]])
     assert bad_short is not None and bad_short.good == [0, 2]
+
+
+def test_the_snapshot_form_of_ranged_reads_is_guarded_like_get_into_ranges() -> None:
+    """Mooncake 0.3.14's ``get_into_ranges_from_snapshot(snapshot, buffer_ptrs, ...)``: checked as
+    ``get_into_ranges`` is (the snapshot passed through untouched); a buffer with a slice outside gets -600
+    for each of its ranges and is not sent."""
+    sent: list[tuple[Any, ...]] = []
+
+    class Fake:
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 0
+
+        def get_into_ranges_from_snapshot(self, *args: Any) -> Any:
+            """get_into_ranges_from_snapshot(self, snapshot: RangedReadSnapshot, buffer_ptrs: list[int], all_keys:
+            list[list[str]], all_dst_offsets: list[list[list[int]]], all_src_offsets: list[list[list[int]]],
+            all_sizes: list[list[list[int]]]) -> list[list[list[int]]]"""
+            sent.append(args)
+            return [[[len(row) for row in sizes] for sizes in args[5]][i] for i in range(len(args[1]))]
+
+    store = NativeMooncakeStore(Fake(), armed=True)
+    assert "get_into_ranges_from_snapshot" in guard_module.guarded_names()
+    assert store.register_buffer(4096, 4096) == 0
+    snap = object()
+    got = store.get_into_ranges_from_snapshot(
+        snap, [4096, 1 << 40], [["a"], ["b"]], [[[0]], [[0]]], [[[0]], [[0]]], [[[64]], [[64]]]
+    )
+    assert got == [[1], [[INVALID_PARAMS]]]
+    assert len(sent) == 1 and sent[0][0] is snap and sent[0][1] == [4096] and sent[0][2] == [["a"]]

@@ -110,15 +110,21 @@ SINGLE_METHODS: dict[str, tuple[tuple[str, ...], Any]] = {
     "put_from_with_metadata": (("key", "buffer_ptr", "metadata_buffer_ptr", "size", "metadata_size"), INVALID_PARAMS),
 }
 #: Raw-pointer methods with their own shape: ``get_into_ranges(buffer_ptrs, all_keys, all_dst_offsets,
-#: all_src_offsets, all_sizes)``.
+#: all_src_offsets, all_sizes)``, and Mooncake 0.3.14's ``get_into_ranges_from_snapshot(snapshot, ...the
+#: same...)``: name -> the parameters before ``buffer_ptrs``.
+RANGES_METHODS: dict[str, tuple[str, ...]] = {
+    "get_into_ranges": (),
+    "get_into_ranges_from_snapshot": ("snapshot",),
+}
 RANGES_METHOD = "get_into_ranges"
+_RANGES_NAMES = ("buffer_ptrs", "all_keys", "all_dst_offsets", "all_src_offsets", "all_sizes")
 #: Methods whose pointer arguments are the registration itself (handled by the wrappers).
 REGISTRATION_METHODS = frozenset({"register_buffer", "unregister_buffer"})
 
 
 def guarded_names() -> frozenset[str]:
     """Every method name the guard checks (or handles) itself."""
-    return frozenset(MULTI_METHODS) | frozenset(FLAT_METHODS) | frozenset(SINGLE_METHODS) | {RANGES_METHOD}
+    return frozenset(MULTI_METHODS) | frozenset(FLAT_METHODS) | frozenset(SINGLE_METHODS) | frozenset(RANGES_METHODS)
 
 
 _POINTER_PARAM = re.compile(r"\w*(ptr|ptrs|pointer|pointers)\s*:")
@@ -489,8 +495,8 @@ class StoreGuard:
                 return func(*args, **kwargs)
             self.note_refused(1, name)
             return refusal
-        if name == RANGES_METHOD:
-            return self._call_ranges(func, args, kwargs)
+        if name in RANGES_METHODS:
+            return self._call_ranges(name, func, args, kwargs)
         return func(*args, **kwargs)
 
     def split(
@@ -531,12 +537,17 @@ class StoreGuard:
             results[i] = value
         return results
 
-    def _call_ranges(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``get_into_ranges``: a buffer with any slice outside gets -600 for every range of it (not sent)."""
-        names = ("buffer_ptrs", "all_keys", "all_dst_offsets", "all_src_offsets", "all_sizes")
-        bound = _bind(names, args, kwargs)
-        if bound is None:
+    def _call_ranges(
+        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``get_into_ranges`` (and its snapshot form): a buffer with any slice outside gets -600 for every range
+        of it (not sent)."""
+        lead = RANGES_METHODS[name]
+        names = (*lead, *_RANGES_NAMES)
+        bound_all = _bind(names, args, kwargs)
+        if bound_all is None:
             return func(*args, **kwargs)
+        bound = bound_all[len(lead) :]
         ptrs, all_keys, dsts, _srcs, all_sizes = bound
         ranges = self.table.ranges
         good: list[int] = []
@@ -550,21 +561,21 @@ class StoreGuard:
                 ) and len(all_keys[i]) == len(dsts[i]):
                     good.append(i)
         except (TypeError, ValueError, IndexError):
-            raise GuardRefused("get_into_ranges: arguments the guard cannot read are not sent to Mooncake") from None
+            raise GuardRefused(f"{name}: arguments the guard cannot read are not sent to Mooncake") from None
         if len(good) == n:
             return func(*args, **kwargs)
-        self.note_refused(n - len(good), RANGES_METHOD)
+        self.note_refused(n - len(good), name)
 
         def refused(i: int) -> list[list[int]]:
             return [[INVALID_PARAMS] * len(size_row) for size_row in all_sizes[i]]
 
         results: list[Any] = [refused(i) for i in range(n)]
         if good:
-            values = {name: _pick(value, good) for name, value in zip(names, bound, strict=True)}
+            values = {param: _pick(value, good) for param, value in zip(_RANGES_NAMES, bound, strict=True)}
             new_args, new_kwargs = _rebind(names, args, kwargs, values)
             answers = list(func(*new_args, **new_kwargs))
             if len(answers) != len(good):
-                raise RuntimeError(f"Mooncake's get_into_ranges returned {len(answers)} results for {len(good)}")
+                raise RuntimeError(f"Mooncake's {name} returned {len(answers)} results for {len(good)}")
             for i, value in zip(good, answers, strict=True):
                 results[i] = value
         return results
