@@ -1,10 +1,10 @@
 """Regression tests of a second adversarial audit of the native entry points (issue 9, SECURITY.md).
 
 Each test is a case the earlier hardening tests (test_native_hostile_inputs.py,
-test_layouts_and_transfer_screen_hostile.py, test_fuzz_native.py) missed: instances made by ``__new__`` without ``__init__``, int arguments that went
-through pybind11's own int casters (floats truncated, ``__index__`` exceptions replaced), ndarray subclasses
-read as raw memory, lookup prefixes given as a set, and a few loose types on the Python side of the vLLM
-mirror. Tests that compare with vLLM 0.33 itself carry the ``vllm`` marker.
+test_layouts_and_transfer_screen_hostile.py, test_fuzz_native.py) missed: instances made by ``__new__`` without
+``__init__``, int arguments that went through pybind11's own int casters (floats truncated, ``__index__``
+exceptions replaced), ndarray subclasses read as raw memory, lookup prefixes given as a set, and a few loose
+types on the Python side of the vLLM mirror. Tests that compare with vLLM 0.33 itself carry the ``vllm`` marker.
 """
 
 from __future__ import annotations
