@@ -547,3 +547,23 @@ def test_tcp_transport_equals_bound(master: EmbeddedMaster, monkeypatch: pytest.
         assert native_bytes == layout.src.tobytes() == layout.dst.tobytes()
     finally:
         store.close()
+
+
+def test_refused_keys_leave_every_other_key_its_own_result(client: NativeClient) -> None:
+    """With ``ranges``, refused keys (-600, not sent) are interleaved with sent ones that answer differently
+    (bytes read, missing): every slot gets its own key's answer, in order."""
+    layout = Layout(np.full((4, 2), 512, np.int64), seed=5)
+    keys = _unique("merge", 4)
+    ranges = np.array([[layout.src.ctypes.data, layout.src.ctypes.data + layout.src.nbytes],
+                       [layout.dst.ctypes.data, layout.dst.ctypes.data + layout.dst.nbytes]], np.int64)
+    assert client.batch_put_from_multi_buffers(keys[1:2], layout.src_addrs[1:2], layout.sizes[1:2]) == [0]
+    addrs = layout.dst_addrs.copy()
+    addrs[0, 1] = 1 << 45  # key 0 and key 2: a slice outside the ranges
+    addrs[2, 0] = 8
+    got = client.batch_get_into_multi_buffers(keys, addrs, layout.sizes, ranges=ranges)
+    assert got == [CODE_INVALID_PARAMS, 1024, CODE_INVALID_PARAMS, CODE_NOT_FOUND]
+    assert client.last_refused() == 2
+    assert layout.dst_bytes(1) == layout.src_bytes(1)
+    flat = client.batch_get_into(keys, [8, int(layout.dst_addrs[1, 0]), 8, int(layout.dst_addrs[3, 0])],
+                                 [1024] * 4, ranges=ranges)
+    assert flat == [CODE_INVALID_PARAMS, 1024, CODE_INVALID_PARAMS, CODE_NOT_FOUND]
