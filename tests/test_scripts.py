@@ -61,3 +61,10 @@ def test_object_floor_script_runs(tmp_path: Path) -> None:
 
     report = json.loads((tmp_path / "floor.json").read_text())
     assert all(ms > 0 for ms in report["median_ms"].values()), report
+
+
+def test_every_listed_mutant_still_applies() -> None:
+    """tools/mutants.json (docs/development.md, "Mutation runs") names code that exists: a mutant whose text
+    changed must be updated with the code it mutates."""
+    out = _run("tools/mutation_run.py", "tools/mutants.json", "--check")
+    assert "0 no longer apply" in out, out
