@@ -84,3 +84,13 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="not a valid memory range"):
         _native.slices_inside(a, a, [(-1, 10)])
     assert _native.slices_inside(np.zeros((0, 3), np.int64), np.zeros((0, 3), np.int64), []).shape == (0, 3)
+
+
+def test_the_per_column_hint_never_widens_a_range() -> None:
+    """Row 0 finds column j's range (the hint for the rows below); a later row of the same column that ends
+    one byte past that range, or starts one byte before it, is still outside."""
+    ranges = [(4096, 4096), (65536, 4096)]
+    addrs = np.array([[4096, 65536], [4096 + 4000, 65536 + 4000], [4095, 65535], [8192, 69632]], np.int64)
+    sizes = np.array([[64, 64], [97, 96], [64, 64], [0, 0]], np.int64)
+    got = _native.slices_inside(addrs, sizes, ranges)
+    assert got.tolist() == [[True, True], [False, True], [False, False], [True, True]]
