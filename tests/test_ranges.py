@@ -94,3 +94,21 @@ def test_the_per_column_hint_never_widens_a_range() -> None:
     sizes = np.array([[64, 64], [97, 96], [64, 64], [0, 0]], np.int64)
     got = _native.slices_inside(addrs, sizes, ranges)
     assert got.tolist() == [[True, True], [False, True], [False, False], [True, True]]
+
+
+def test_the_drivers_bounds_need_every_slice_of_a_row_inside() -> None:
+    """RegisteredCaches.slices_inside / check_rows_inside (the driver's users of the range set): a key is
+    inside only when each of its slices is; the first key with any slice outside is named."""
+    from mooncake_kvaddr.driver.bounds import RegisteredCaches
+    from mooncake_kvaddr.driver.paths import check_rows_inside
+
+    regions = [np.zeros((4, 64), np.uint8), np.zeros((4, 64), np.uint8)]
+    caches = RegisteredCaches.from_regions(regions, 4)
+    b0, b1 = caches.bases
+    addrs = np.array([[b0, b1], [b0 + 192, b1 + 192], [b0, b1 + 256], [b0 - 1, b1]], np.int64)
+    sizes = np.full((4, 2), 64, np.int64)
+    assert caches.slices_inside(addrs, sizes).tolist() == [True, True, False, False]
+    with pytest.raises(ValueError, match="key 2: its region lies outside"):
+        check_rows_inside(caches, addrs, sizes)
+    a, s = check_rows_inside(caches, addrs[:2], sizes[:2])
+    assert a.tolist() == addrs[:2].tolist() and s.tolist() == sizes[:2].tolist()
