@@ -13,8 +13,10 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.metadata
 import os
+import re
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,3 +111,12 @@ def test_a_file_no_distribution_owns_has_no_distribution(tmp_path: Any) -> None:
     stray.write_bytes(b"")
     assert nc._distribution_of.__wrapped__(str(stray)) is None
 
+
+def test_verified_versions_are_exactly_the_wheel_matrix_legs() -> None:
+    """The verified set never grows beyond what the wheel matrix runs (.ci/wheels, its LEGS table)."""
+    script = Path(__file__).resolve().parents[1] / ".ci" / "wheels"
+    if not script.is_file():
+        pytest.skip("no .ci/wheels here (not a repository checkout)")
+    legs = re.findall(r'^\s*"[\w.-]+\|([\w.-]+)==([\w.]+)\|', script.read_text(), re.M)
+    assert legs, "no legs found in .ci/wheels"
+    assert set(legs) == set(nc.VERIFIED_VERSIONS)

@@ -43,8 +43,21 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENV_VAR: Final = "MOONCAKE_KVADDR_NATIVE_CLIENT"
-# (distribution, version) pairs this path was verified against (docs/native-client.md).
-VERIFIED_VERSIONS: Final = frozenset({("mooncake-transfer-engine-non-cuda", "0.3.13.post1")})
+# (distribution, version) pairs this path was verified against: exactly the wheels the wheel matrix
+# (.ci/wheels) runs the native-client tests on, each of which passed them (docs/native-client.md, "Verified
+# with"; tests/test_native_client_wheel.py keeps the two lists equal). Device wheels were run on host memory.
+VERIFIED_VERSIONS: Final = frozenset(
+    {
+        ("mooncake-transfer-engine-non-cuda", "0.3.13.post1"),
+        ("mooncake-transfer-engine", "0.3.13.post1"),
+        ("mooncake-transfer-engine-cuda13", "0.3.13.post1"),
+        ("mooncake-transfer-engine-cuda13", "0.3.14"),
+        ("mooncake-transfer-engine-efa-non-cuda", "0.3.13.post1"),
+        ("mooncake-transfer-engine-efa", "0.3.13.post1"),
+        ("mooncake-transfer-engine-efa-cuda13", "0.3.13.post1"),
+        ("mooncake-transfer-engine-rocm", "0.3.13.post1"),
+    }
+)
 _OFF_VALUES: Final = frozenset({"0", "off", "false", "no"})
 _UNVERIFIED: Final = "unverified"
 _logged: set[str] = set()
