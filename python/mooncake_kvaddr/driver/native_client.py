@@ -7,8 +7,9 @@ copy and the call. Results are the bound methods' results, code for code.
 
 The path is checked before it is used and stays off, with one logged reason, unless everything matches:
 x86-64 Linux, a verified Mooncake version, the store's client object being a ``RealClient`` of the very
-``store.so`` Python loaded, and every method found by its mangled name in that library and in the class's
-vtable (docs/native-client.md). ``MOONCAKE_KVADDR_NATIVE_CLIENT=0`` turns it off.
+store library Python loaded (``mooncake/store.so`` up to 0.3.13, ``mooncake/_store*.so`` behind the
+``mooncake.store`` package from 0.3.14 on), and every method found by its mangled name in that library and in
+the class's vtable (docs/native-client.md). ``MOONCAKE_KVADDR_NATIVE_CLIENT=0`` turns it off.
 
 Safety is shared with the caller: like the bound methods, a call on a closed store would crash inside
 Mooncake. Each call therefore checks that the store still holds the same client (not closed, not set up
@@ -19,12 +20,14 @@ accounting (as :class:`~mooncake_kvaddr.driver.store.MooncakeStore` does).
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.metadata
 import logging
 import os
 import platform
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any, Final
 
 from mooncake_kvaddr.core.flags import flag
@@ -36,13 +39,27 @@ __all__ = [
     "NativeClient",
     "NativeClientUnavailable",
     "mooncake_distribution",
+    "store_library",
 ]
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR: Final = "MOONCAKE_KVADDR_NATIVE_CLIENT"
-# (distribution, version) pairs this path was verified against (docs/native-client.md).
-VERIFIED_VERSIONS: Final = frozenset({("mooncake-transfer-engine-non-cuda", "0.3.13.post1")})
+# (distribution, version) pairs this path was verified against: exactly the wheels the wheel matrix
+# (.ci/wheels) runs the native-client tests on, each of which passed them (docs/native-client.md, "Verified
+# with"; tests/test_native_client_wheel.py keeps the two lists equal). Device wheels were run on host memory.
+VERIFIED_VERSIONS: Final = frozenset(
+    {
+        ("mooncake-transfer-engine-non-cuda", "0.3.13.post1"),
+        ("mooncake-transfer-engine", "0.3.13.post1"),
+        ("mooncake-transfer-engine-cuda13", "0.3.13.post1"),
+        ("mooncake-transfer-engine-cuda13", "0.3.14"),
+        ("mooncake-transfer-engine-efa-non-cuda", "0.3.13.post1"),
+        ("mooncake-transfer-engine-efa", "0.3.13.post1"),
+        ("mooncake-transfer-engine-efa-cuda13", "0.3.13.post1"),
+        ("mooncake-transfer-engine-rocm", "0.3.13.post1"),
+    }
+)
 _UNVERIFIED: Final = "unverified"
 _logged: set[str] = set()
 
@@ -73,7 +90,8 @@ def _split_keys(keys: Keys) -> tuple[Any, Any]:
     return keys, None
 
 
-# Wheels known to ship mooncake/store.so; asked first because scanning every installed distribution is slow.
+# The Mooncake wheels (all ship the import package ``mooncake``); asked first because scanning every installed
+# distribution is slow.
 _KNOWN_DISTRIBUTIONS: Final = (
     "mooncake-transfer-engine-non-cuda",
     "mooncake-transfer-engine",
@@ -87,16 +105,60 @@ _KNOWN_DISTRIBUTIONS: Final = (
 )
 
 
+def _is_extension(module: ModuleType | None) -> bool:
+    """``module`` was loaded from a shared library (not a ``.py`` file or a namespace)."""
+    if module is None:
+        return False
+    if isinstance(getattr(module, "__loader__", None), importlib.machinery.ExtensionFileLoader):
+        return True
+    location = getattr(module, "__file__", None)
+    return isinstance(location, str) and location.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def _store_extension() -> ModuleType | None:
+    """The loaded extension module that holds Mooncake's store (and so ``RealClient``), if any.
+
+    Up to 0.3.13 that is ``mooncake.store`` itself (``mooncake/store.so``). From 0.3.14 on ``mooncake.store``
+    is a package that re-exports an extension (``mooncake/_store.cpython-*.so``); it is found as the module
+    that defines the ``MooncakeDistributedStore`` class the package hands out, whatever its file is called."""
+    module = sys.modules.get("mooncake.store")
+    if module is None:
+        return None
+    if _is_extension(module):
+        return module
+    try:
+        cls = getattr(module, "MooncakeDistributedStore", None)
+    except Exception:  # a package __getattr__ that fails (e.g. an unsupported backend) tells us nothing
+        return None
+    defining = sys.modules.get(getattr(cls, "__module__", None) or "")
+    return defining if _is_extension(defining) else None
+
+
+def store_library() -> str | None:
+    """Path of the shared library Python loaded Mooncake's store from (None if ``mooncake.store`` is not
+    imported, or its classes do not come from an extension module)."""
+    location = getattr(_store_extension(), "__file__", None)
+    return location if isinstance(location, str) and location else None
+
+
+def _owns(dist: importlib.metadata.Distribution, library: str) -> bool:
+    """``dist``'s installed-files record lists ``library`` (compared as real paths)."""
+    wanted = os.path.realpath(library)
+    name = os.path.basename(wanted)
+    for entry in dist.files or ():
+        if entry.name == name and os.path.realpath(str(dist.locate_file(entry))) == wanted:
+            return True
+    return False
+
+
 def _provides(name: str, library: str | None) -> str | None:
-    """Version of distribution ``name`` if it is installed (and ships ``library``, when given)."""
+    """Version of distribution ``name`` if it is installed (and its files include ``library``, when given)."""
     try:
         dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
         return None
-    if library is not None:
-        located = os.path.realpath(str(dist.locate_file("mooncake/store.so")))
-        if located != os.path.realpath(library):
-            return None
+    if library is not None and not _owns(dist, library):
+        return None
     return dist.version
 
 
@@ -118,9 +180,9 @@ def _distribution_of(library: str | None) -> tuple[str, str] | None:
 
 
 def mooncake_distribution() -> tuple[str, str] | None:
-    """``(distribution, version)`` of the installed wheel whose ``mooncake/store.so`` Python loaded, if known."""
-    module = sys.modules.get("mooncake.store")
-    return _distribution_of(getattr(module, "__file__", None))
+    """``(distribution, version)`` of the installed wheel whose store library (:func:`store_library`) Python
+    loaded, if known; before ``mooncake.store`` is imported, the first Mooncake wheel installed."""
+    return _distribution_of(store_library())
 
 
 def _log_once(reason: str) -> None:
@@ -184,16 +246,22 @@ class NativeClient:
         module = sys.modules.get("mooncake.store")
         if module is None or type(store) is not getattr(module, "MooncakeDistributedStore", None):
             raise NativeClientUnavailable(f"not a mooncake.store.MooncakeDistributedStore: {type(store).__name__}")
-        library = getattr(module, "__file__", None)
+        library = store_library()
         if not library:
-            raise NativeClientUnavailable("mooncake.store has no file location")
+            raise NativeClientUnavailable(
+                f"mooncake.store's classes do not come from a loaded extension module "
+                f"({getattr(module, '__file__', None)!r}, class module {type(store).__module__!r})"
+            )
         distribution = mooncake_distribution()
         if distribution not in VERIFIED_VERSIONS and setting != _UNVERIFIED:
             raise NativeClientUnavailable(
                 f"Mooncake {distribution or 'of unknown version'} is not a verified version "
                 f"({sorted(VERIFIED_VERSIONS)}); {ENV_VAR}={_UNVERIFIED} tries it anyway (all checks still apply)"
             )
-        capsule = store._get_pyclient_capsule()
+        get_capsule = getattr(store, "_get_pyclient_capsule", None)
+        if get_capsule is None:
+            raise NativeClientUnavailable("this Mooncake store has no _get_pyclient_capsule (not the C++ store)")
+        capsule = get_capsule()
         if capsule is None:
             raise NativeClientUnavailable("the store is not set up (or closed)")
         try:
@@ -206,7 +274,7 @@ class NativeClient:
 
     @property
     def library(self) -> str:
-        """Path of the ``store.so`` whose client is called."""
+        """Path of the store library (``store.so``, or ``_store*.so`` from 0.3.14 on) whose client is called."""
         return str(self._handle.library)
 
     @property

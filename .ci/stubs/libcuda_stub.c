@@ -1,0 +1,38 @@
+/* libcuda.so.1 stand-in: the CUDA driver API functions the Mooncake CUDA wheels import (listed with
+ * `nm -D --undefined-only` over their store/engine/client libraries), each failing. cuInit reports
+ * CUDA_ERROR_NO_DEVICE (100); every other call reports CUDA_ERROR_NOT_INITIALIZED (3), which is what a
+ * driver says when cuInit did not succeed. The return type is CUresult, an int-sized enum. */
+#include "stub.h"
+
+STUB_CODE(cuInit, 100)
+STUB_CODE(cuCtxGetCurrent, 3)
+STUB_CODE(cuCtxGetDevice, 3)
+STUB_CODE(cuCtxSetCurrent, 3)
+STUB_CODE(cuDeviceGet, 3)
+STUB_CODE(cuDeviceGetAttribute, 3)
+STUB_CODE(cuDeviceGetPCIBusId, 3)
+STUB_CODE(cuDevicePrimaryCtxRelease_v2, 3)
+STUB_CODE(cuDevicePrimaryCtxRetain, 3)
+STUB_CODE(cuFuncSetAttribute, 3)
+STUB_CODE_MESSAGE(cuGetErrorName, 3)
+STUB_CODE_MESSAGE(cuGetErrorString, 3)
+STUB_CODE(cuLaunchKernel, 3)
+STUB_CODE(cuLaunchKernelEx, 3)
+STUB_CODE(cuMemAddressFree, 3)
+STUB_CODE(cuMemAddressReserve, 3)
+STUB_CODE(cuMemCreate, 3)
+STUB_CODE(cuMemExportToShareableHandle, 3)
+STUB_CODE(cuMemGetAddressRange_v2, 3)
+STUB_CODE(cuMemGetAllocationGranularity, 3)
+STUB_CODE(cuMemGetHandleForAddressRange, 3)
+STUB_CODE(cuMemImportFromShareableHandle, 3)
+STUB_CODE(cuMemMap, 3)
+STUB_CODE(cuMemRelease, 3)
+STUB_CODE(cuMemRetainAllocationHandle, 3)
+STUB_CODE(cuMemSetAccess, 3)
+STUB_CODE(cuMemUnmap, 3)
+STUB_CODE(cuModuleGetFunction, 3)
+STUB_CODE(cuModuleLoadDataEx, 3)
+STUB_CODE(cuModuleUnload, 3)
+STUB_CODE(cuPointerGetAttribute, 3)
+STUB_CODE(cuPointerSetAttribute, 3)
