@@ -538,3 +538,29 @@ def test_the_snapshot_form_of_ranged_reads_is_guarded_like_get_into_ranges() -> 
     )
     assert got == [[1], [[INVALID_PARAMS]]]
     assert len(sent) == 1 and sent[0][0] is snap and sent[0][1] == [4096] and sent[0][2] == [["a"]]
+
+
+def test_rows_that_cannot_be_paired_with_the_keys_refuse_every_key() -> None:
+    """A multi-buffer call with more or fewer address/size rows than keys: every key -600, nothing sent (the
+    Python guard; Mooncake itself would answer -600 or index past the rows)."""
+    sent: list[Any] = []
+
+    class Fake:
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 0
+
+        def batch_put_from_multi_buffers(self, *args: Any) -> list[int]:
+            sent.append(args)
+            return [0] * len(args[0])
+
+    table = RangeTable(armed=True)
+    assert table.add(4096, 4096)
+    check = guard_module.StoreGuard("test", table)
+    for addrs, sizes in (([[4096]], [[64], [64]]), ([[4096], [4160], [4224]], [[64], [64], [64]])):
+        verdict = check.check_multi(["a", "b"], addrs, sizes)
+        assert verdict is not None and verdict.good == [] and verdict.refused == 2
+    store = NativeMooncakeStore(Fake(), armed=True)
+    store._client = None  # the bound-method path: the Python guard decides
+    assert store.register_buffer(4096, 4096) == 0
+    assert store.batch_put_from_multi_buffers(["a", "b"], [[4096]], [[64], [64]]) == [INVALID_PARAMS] * 2
+    assert sent == []

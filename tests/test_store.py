@@ -109,6 +109,9 @@ def test_plan_splits_by_region_budget_in_order() -> None:
     assert _plan([2, 15, 2, 2], 10) == [(0, 1), (1, 2), (2, 4)]
     assert _plan([1] * 5, 2) == [(0, 2), (2, 4), (4, 5)]
     assert _plan([10, 10], 10) == [(0, 1), (1, 2)]
+    # Exactly at the budget is within it: one call, not two.
+    assert _plan([5, 5], 10) == [(0, 2)]
+    assert _plan([4, 6, 1], 10) == [(0, 2), (2, 3)]
 
 
 def test_batch_result_maps_codes_per_operation() -> None:
