@@ -28,6 +28,8 @@ def temporary_enable_log_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture()
-def caplog_vllm(temporary_enable_log_propagate: None, caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+def caplog_vllm(
+    temporary_enable_log_propagate: None, caplog: pytest.LogCaptureFixture
+) -> Iterator[pytest.LogCaptureFixture]:
     with caplog.at_level(logging.INFO):
         yield caplog
