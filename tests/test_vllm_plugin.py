@@ -674,3 +674,100 @@ def test_staged_bounds_check_slice_by_slice_when_a_column_spans_buffers() -> Non
     # Near the top of the address space: no overflow, no staging, not sent.
     assert store.batch_put_from_multi_buffers(["w"], [[(1 << 63) - 8]], [[256]]) == [-600]
     assert inner.calls == ["put_from"]
+
+
+# --- the worker hook: vLLM's worker keeps its store; the transfer threads get the wrapper ---------------------
+
+
+class _HookStore:
+    """A Mooncake stand-in for the worker hook: refuses to register ``bad``; counts closes."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+        self.registered: list[tuple[int, int]] = []
+        self.gets: list[list[str]] = []
+        self.closes = 0
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self.registered.append((ptr, size))
+        return -1 if ptr == self.bad else 0
+
+    def batch_get_into_multi_buffers(self, keys: list[str], addrs: Any, sizes: Any) -> list[int]:
+        self.gets.append(list(keys))
+        return [sum(row) for row in sizes]
+
+    def close(self) -> int:
+        self.closes += 1
+        return 0
+
+
+class _StandInWorker:
+    """What the hook relies on in ``MooncakeStoreWorker`` (docs/vllm-plugin.md): ``register_kv_caches`` registers
+    every buffer through ``self.store`` and hands ``self.store`` to the threads it starts; ``close`` drops and
+    closes it once."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.store: Any = kv_cache_config
+        self.threads: list[Any] = []
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        for ptr, size in kv_caches:
+            if self.store.register_buffer(ptr, size) != 0:
+                logging.getLogger("stand-in").error("register_buffer failed for %#x", ptr)
+        self.threads.append(types.SimpleNamespace(store=self.store))
+
+    def close(self) -> None:
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()
+
+
+def test_worker_hook_keeps_vllms_store_and_wraps_the_threads(
+    data: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from mooncake_kvaddr.driver.store import StoreClosedError
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    monkeypatch.delenv(plugin.ENV_NATIVE_CLIENT, raising=False)
+    monkeypatch.delenv(plugin.ENV_STAGED, raising=False)
+    good, bad = 0x10000, 0x40000
+    raw = _HookStore(bad)
+    plugin._wrap_worker(_StandInWorker)
+    try:
+        worker = _StandInWorker(types.SimpleNamespace(kv_transfer_config=None), raw)
+        with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
+            worker.register_kv_caches([(good, 4096), (bad, 4096)])
+            worker.threads[0].store.register_buffer(bad, 4096)  # the same refusal again: no second line
+        assert worker.store is raw  # vLLM's own object, for vLLM and its tests
+        transport = worker.threads[0].store
+        assert isinstance(transport, NativeMooncakeStore) and transport.wrapped is raw
+        assert raw.registered == [(good, 4096), (bad, 4096), (bad, 4096)]
+        ours = [r for r in caplog.records if r.name == "vllm.mooncake_kvaddr"]
+        assert len(ours) == 1 and ours[0].levelno == logging.WARNING, ours
+        assert hex(bad) in ours[0].getMessage() and "-600" in ours[0].getMessage()
+        # The guard knows what was registered: the good buffer passes, the refused one gets -600.
+        codes = transport.batch_get_into_multi_buffers(["k0", "k1"], [[good], [bad]], [[64], [64]])
+        assert codes == [64, -600] and raw.gets == [["k0"]]
+        worker.close()
+        worker.close()
+        assert raw.closes == 1 and worker.store is None
+        with pytest.raises(StoreClosedError):
+            transport.batch_get_into_multi_buffers(["k0"], [[good]], [[64]])
+    finally:
+        plugin.unpatch()
+    assert not hasattr(_StandInWorker.close, "__wrapped__")  # unpatch restores the worker's methods
+
+
+def test_staged_over_native_warns_once_per_refused_buffer(caplog: pytest.LogCaptureFixture) -> None:
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    raw = _HookStore(bad=0x40000)
+    stacked = StagedMooncakeStore(NativeMooncakeStore(raw, armed=True), staging_bytes=1 << 12, armed=True)
+    alone = StagedMooncakeStore(_HookStore(bad=0x40000), staging_bytes=1 << 12, armed=True)
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
+        for store in (stacked, alone):
+            for _ in range(2):
+                assert store.register_buffer(0x40000, 4096) == -1
+            assert store.register_buffer(0x10000, 4096) == 0
+    lines = [r for r in caplog.records if "register_buffer" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelno == logging.WARNING for r in lines)

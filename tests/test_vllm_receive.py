@@ -71,8 +71,9 @@ class ListStore:
         return _answer(self.behaviour, list(keys))
 
 
-class ArrayStore(ListStore):
-    """Also offers the array entry point (as our store wrappers do); records those calls as lists."""
+class ArrayStore(ListStore, receive.ArrayStore):
+    """Also offers the array entry point (as our store wrappers do; a ``receive.ArrayStore``, so the handler
+    uses it); records those calls as lists."""
 
     def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
         assert addrs.dtype == np.int64 and sizes.dtype == np.int64 and addrs.ndim == 2
@@ -483,3 +484,72 @@ def test_staged_array_entry_passes_what_it_does_not_stage_through() -> None:
     passed = len(cases) - len(refused)
     assert store.stats.staged_gets == 0 and store.stats.passthrough_gets == passed
     assert inner.calls == ["get_multi"] * passed
+
+
+# --- which store gets the int64 matrices: decided by type ------------------------------------------------------
+
+
+def _small_case(data: Any) -> dict[str, Any]:
+    metadata = data.KeyMetadata("m/typed", 1, 0, 0, 0)
+    layout = data.RankLocalStoreLayout(metadata, 16, 16)
+    layout.set_kv_caches_base_addr([1 << 30, 2 << 30])
+    layout.set_block_len([4096])
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    spec = data.LoadSpec(
+        vllm_cached_tokens=0, kvpool_cached_tokens=48, can_load=True, token_len=48, tail_key_boundaries=()
+    )
+    meta = data.ReqMeta(
+        req_id="typed", token_len_chunk=48, block_ids=([5, 6, 7],), block_hashes=hashes, load_spec=spec
+    )
+    return {
+        "dbs": [data.ChunkedTokenDatabase(metadata, 16, 16, layout)],
+        "masks": ([True, True, True],),
+        "participates": [True],
+        "block_size": 16,
+        "tp_rank": 1,
+        "meta": meta,
+    }
+
+
+def test_a_foreign_store_that_has_every_attribute_gets_vllms_lists(vllm: tuple[Any, Any]) -> None:
+    """A mock store "has" the array entry too; the handler must not take that for our wrapper: it gets vLLM's
+    own call, with lists of lists of ints, exactly as vLLM's handler makes it."""
+    from unittest.mock import MagicMock
+
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = _small_case(data)
+    expected = run_handler(worker, original, ListStore("ok"), case)
+    store = MagicMock()
+    store.batch_get_into_multi_buffers.side_effect = lambda keys, addrs, sizes: [4096] * len(keys)
+    store.calls = []
+    before = ours.stats.fast_requests
+    actual = run_handler(worker, ours, store, case)
+    assert ours.stats.fast_requests == before + 1
+    assert not store.batch_get_into_multi_buffers_arrays.called
+    (keys, addrs, sizes), kwargs = store.batch_get_into_multi_buffers.call_args
+    assert kwargs == {}
+    assert type(addrs) is list and all(type(row) is list for row in addrs)
+    assert {type(v) for row in addrs for v in row} == {int}
+    assert [keys, addrs, sizes] == [list(c) for c in expected[1][0][:3]]
+    assert actual[2:] == expected[2:]
+
+
+def test_the_array_entry_is_ours_or_registered(vllm: tuple[Any, Any]) -> None:
+    """Our wrappers are array stores; a class with the method is one only when registered."""
+    from test_vllm_plugin import FakeMooncake
+
+    class Unregistered(ListStore):
+        def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+            raise AssertionError("never called: not a registered array store")
+
+    inner = FakeMooncake()
+    assert isinstance(NativeMooncakeStore(inner), receive.ArrayStore)
+    assert isinstance(StagedMooncakeStore(inner, staging_bytes=1 << 12), receive.ArrayStore)
+    assert not isinstance(inner, receive.ArrayStore)
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = _small_case(data)
+    expected = run_handler(worker, original, ListStore("ok"), case)
+    assert run_handler(worker, ours, Unregistered("ok"), case) == expected
+    assert run_handler(worker, ours, ArrayStore("ok"), case)[2:] == expected[2:]

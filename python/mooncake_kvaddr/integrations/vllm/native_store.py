@@ -50,7 +50,15 @@ from mooncake_kvaddr.integrations.vllm.guard import (
     takes_pointers,
 )
 
-__all__ = ["CLOSE_TIMEOUT_S", "CallGate", "NativeMooncakeStore", "NativeStats", "guarded_method"]
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "CallGate",
+    "NativeMooncakeStore",
+    "NativeStats",
+    "guarded_method",
+    "registration_ok",
+    "warn_failed_registration",
+]
 
 #: How long a store wrapper's ``close()`` waits for the calls in flight before it raises ``StoreError``.
 CLOSE_TIMEOUT_S = 60.0
@@ -117,6 +125,30 @@ class CallGate:
 
 logger = logging.getLogger("vllm.mooncake_kvaddr")
 
+
+def registration_ok(result: Any) -> bool:
+    """True when Mooncake's ``register_buffer`` answered 0 (success)."""
+    return isinstance(result, (int, np.integer)) and not isinstance(result, bool) and int(result) == 0
+
+
+def warn_failed_registration(logged: set[tuple[Any, Any]], buffer_ptr: Any, size: Any, result: Any) -> None:
+    """One warning per buffer Mooncake refused to register: vLLM only logs the failure (on its non-grouped
+    path) and carries on, and the registered-range guard then answers -600 for every key with a slice in that
+    buffer (docs/vllm-plugin.md, "Registered-range guard"); the warning says why those keys fail."""
+    key = (buffer_ptr, size)
+    if key in logged:
+        return
+    logged.add(key)
+    where = f"{buffer_ptr:#x}" if isinstance(buffer_ptr, int) else repr(buffer_ptr)
+    logger.warning(
+        "mooncake_kvaddr: Mooncake's register_buffer(%s, %s) answered %r: the registered-range guard refuses "
+        "every key with a slice in that buffer (-600, not sent to Mooncake)",
+        where,
+        size,
+        result,
+    )
+
+
 _UNSET = object()
 _REFUSED = (TypeError, ValueError, OverflowError)
 
@@ -139,6 +171,7 @@ class NativeMooncakeStore:
         self._client: Any = _UNSET  # _UNSET: not probed yet; None: unavailable
         self._lock = threading.Lock()
         self._logged: set[str] = set()
+        self._failed_registrations: set[tuple[Any, Any]] = set()
         self._gate = CallGate("NativeMooncakeStore")
         self.stats = NativeStats()
 
@@ -279,11 +312,14 @@ class NativeMooncakeStore:
         return self._call("batch_is_exist", keys)
 
     def register_buffer(self, buffer_ptr: int, size: int) -> Any:
-        """Mooncake's ``register_buffer``; a buffer it accepts (0) becomes a range the guard lets through."""
+        """Mooncake's ``register_buffer``; a buffer it accepts (0) becomes a range the guard lets through; one
+        it refuses gets one warning (its keys will be refused with -600)."""
         with self._gate.admitted():
             result = self._store.register_buffer(buffer_ptr, size)
-            if isinstance(result, (int, np.integer)) and not isinstance(result, bool) and int(result) == 0:
+            if registration_ok(result):
                 self.ranges.add(buffer_ptr, size)
+            else:
+                warn_failed_registration(self._failed_registrations, buffer_ptr, size, result)
             return result
 
     def unregister_buffer(self, buffer_ptr: int) -> Any:

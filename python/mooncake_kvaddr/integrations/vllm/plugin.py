@@ -528,9 +528,21 @@ def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any
     return StagedMooncakeStore(store, staging_bytes=nbytes, armed=True)
 
 
+#: On a worker whose transfer threads got a transport wrapper: ``(vLLM's store, the wrapper)``.
+_TRANSPORT_ATTR = "_mooncake_kvaddr_transport"
+
+
 def _wrap_worker(worker_cls: type) -> None:
+    """Thin wrappers on ``MooncakeStoreWorker``: ``__init__`` keeps the connector's extra config, and
+    ``register_kv_caches`` runs vLLM's with the transport wrapper (:func:`maybe_stage_store`) as the worker's
+    store for the duration of the call, so that vLLM registers its KV caches through the wrapper (the
+    registered-range guard's table) and hands the wrapper to the transfer threads it starts there. Afterwards
+    ``worker.store`` is vLLM's own object again (vLLM and its tests use it directly). ``close`` (when vLLM
+    has it) runs vLLM's with the wrapper as the store again, so the store is closed through the wrapper, which
+    first refuses new calls and waits for those in flight (docs/vllm-plugin.md)."""
     original_init = _static(worker_cls, "__init__")
     original_register = _static(worker_cls, "register_kv_caches")
+    original_close = _static(worker_cls, "close")
 
     def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, vllm_config, kv_cache_config, *args, **kwargs)
@@ -538,13 +550,31 @@ def _wrap_worker(worker_cls: type) -> None:
         self._mooncake_kvaddr_extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
 
     def register_kv_caches(self: Any, kv_caches: Any, *args: Any, **kwargs: Any) -> Any:
-        self.store = maybe_stage_store(self.store, kv_caches, getattr(self, "_mooncake_kvaddr_extra", None))
-        return original_register(self, kv_caches, *args, **kwargs)
+        store = self.store
+        transport = maybe_stage_store(store, kv_caches, self.__dict__.get("_mooncake_kvaddr_extra"))
+        if transport is store:
+            return original_register(self, kv_caches, *args, **kwargs)
+        self.__dict__[_TRANSPORT_ATTR] = (store, transport)
+        self.store = transport
+        try:
+            return original_register(self, kv_caches, *args, **kwargs)
+        finally:
+            if self.store is transport:
+                self.store = store
 
-    for name, func, original in (
+    def close(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pair = self.__dict__.pop(_TRANSPORT_ATTR, None)
+        if pair is not None and pair[0] is not None and self.store is pair[0]:
+            self.store = pair[1]
+        return original_close(self, *args, **kwargs)
+
+    wrappers: list[tuple[str, Any, Any]] = [
         ("__init__", __init__, original_init),
         ("register_kv_caches", register_kv_caches, original_register),
-    ):
+    ]
+    if callable(original_close):
+        wrappers.append(("close", close, original_close))
+    for name, func, original in wrappers:
         wrapper: Any = func
         wrapper.__wrapped__ = original
         wrapper.__qualname__ = f"{worker_cls.__qualname__}.{name}"

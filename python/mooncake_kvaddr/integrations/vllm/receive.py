@@ -7,8 +7,9 @@ per chunk and shard and ``prepare_values`` once, concatenates the groups, rotate
 and hands Mooncake ``list[list[int]]`` rows. Ours does each group in ONE native call (the layout engine's
 ``plan_load``, docs/vllm.md "Fused plan"), concatenates and rotates, and makes the one store call:
 
-- with int64 matrices when the store offers ``batch_get_into_multi_buffers_arrays`` (our
-  :class:`StagedMooncakeStore` and :class:`NativeMooncakeStore`: no Python row is ever built);
+- with int64 matrices to ``batch_get_into_multi_buffers_arrays`` when the thread's store is one of our own
+  wrappers (:class:`StagedMooncakeStore`, :class:`NativeMooncakeStore`; decided by type, never by probing
+  a foreign store for the attribute: a mock "has" every attribute): no Python row is ever built;
 - with lists of lists of ints, value-equal to vLLM's, for any other store (a plain Mooncake store).
 
 The observable behaviour is vLLM's: the same keys in the same order, value-equal rows, the same
@@ -23,6 +24,7 @@ stricter). Planning has no side effects, so handing over after a refusal is safe
 
 from __future__ import annotations
 
+import abc
 import inspect
 import logging
 import queue
@@ -40,7 +42,9 @@ from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.integrations.vllm.plugin import ENV_RECV
 
 __all__ = [
+    "ARRAY_ENTRY",
     "ENV_RECV",
+    "ArrayStore",
     "ReceiveStats",
     "RequestPlan",
     "check_shape",
@@ -54,6 +58,27 @@ __all__ = [
 
 #: The array entry point our store wrappers offer (keys, (n, w) int64 addrs, (n, w) int64 sizes).
 ARRAY_ENTRY = "batch_get_into_multi_buffers_arrays"
+
+
+class ArrayStore(abc.ABC):
+    """The store types whose :data:`ARRAY_ENTRY` the receive handler calls: our own wrappers
+    (:class:`NativeMooncakeStore`, :class:`StagedMooncakeStore`, registered by :func:`make_handler`) and
+    whatever a caller registers explicitly (``ArrayStore.register(cls)``: a test's recording store, a
+    benchmark's timing proxy). The choice is by type, never by probing the store for the attribute (a mock
+    store "has" every attribute); any other store gets vLLM's list rows (docs/vllm-plugin.md)."""
+
+    @abc.abstractmethod
+    def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
+        """``batch_get_into_multi_buffers`` with (keys x regions) int64 matrices; Mooncake's per-key codes."""
+
+
+def _register_wrappers() -> None:
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+    from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+    ArrayStore.register(NativeMooncakeStore)
+    ArrayStore.register(StagedMooncakeStore)
+
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -303,10 +328,9 @@ def _execute(thread: Any, req_id: Any, plan: RequestPlan, logger: Any) -> None:
     try:
         batch_bytes = plan.total_bytes()
         store = thread.store
-        entry = getattr(store, ARRAY_ENTRY, None) if plan.arrays else None
         load_get_start = time.perf_counter()
-        if entry is not None:
-            res = entry(keys, plan.addrs, plan.sizes)
+        if plan.arrays and isinstance(store, ArrayStore):
+            res = store.batch_get_into_multi_buffers_arrays(keys, plan.addrs, plan.sizes)
         elif plan.arrays:
             res = store.batch_get_into_multi_buffers(keys, plan.addrs.tolist(), plan.sizes.tolist())
         else:
@@ -375,6 +399,7 @@ def make_handler(
     envs = worker.envs
     logger = worker.logger
     stats = ReceiveStats()
+    _register_wrappers()
 
     def _handle_request(self: Any, req_meta: Any) -> Any:
         """mooncake_kvaddr's receive handler (docs/vllm-plugin.md, "The receive handler")."""
@@ -382,7 +407,7 @@ def make_handler(
         plan: RequestPlan | str = why
         if not why:
             # The store is read again inside the call's try (as vLLM reads it there): no error escapes here.
-            arrays = getattr(getattr(self, "store", None), ARRAY_ENTRY, None) is not None
+            arrays = isinstance(getattr(self, "store", None), ArrayStore)
             try:
                 plan = plan_request(self, req_meta, arrays, kinds, engines, blob_type)
             except Exception as exc:  # vLLM's handler raises its own error (or accepts what our engine refuses)
@@ -419,7 +444,7 @@ class _RecordingStore:
         return self._answer(list(keys))
 
 
-class _ArrayRecordingStore(_RecordingStore):
+class _ArrayRecordingStore(_RecordingStore, ArrayStore):
     """The same, with the array entry point our store wrappers offer."""
 
     def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:

@@ -44,7 +44,13 @@ import numpy.typing as npt
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.driver.staging import StagingLease, StagingPool, gather, plan_batches, plan_slots, scatter
 from mooncake_kvaddr.integrations.vllm.guard import RangeTable, StoreGuard
-from mooncake_kvaddr.integrations.vllm.native_store import CallGate, guarded_method
+from mooncake_kvaddr.integrations.vllm.native_store import (
+    CallGate,
+    NativeMooncakeStore,
+    guarded_method,
+    registration_ok,
+    warn_failed_registration,
+)
 
 __all__ = ["StagedMooncakeStore", "StagedStats"]
 
@@ -101,6 +107,7 @@ class StagedMooncakeStore:
         self.ranges = RangeTable(armed=armed)
         self.guard = StoreGuard("StagedMooncakeStore", self.ranges)
         self._pool_registered: bool | None = None  # None: not tried yet; False: Mooncake refused it
+        self._failed_registrations: set[tuple[Any, Any]] = set()
         self._gate = CallGate("StagedMooncakeStore")
         self.stats = StagedStats()
 
@@ -126,14 +133,17 @@ class StagedMooncakeStore:
         return snapshot.starts, snapshot.ends, snapshot.items
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        """Mooncake's ``register_buffer``; a buffer it accepts becomes a range staging may touch."""
+        """Mooncake's ``register_buffer``; a buffer it accepts becomes a range staging may touch; one it refuses
+        gets one warning (its keys will be refused with -600)."""
         with self._gate.admitted():
             return self._register_buffer(buffer_ptr, size)
 
     def _register_buffer(self, buffer_ptr: int, size: int) -> int:
         result = self._store.register_buffer(buffer_ptr, size)
-        if isinstance(result, (int, np.integer)) and not isinstance(result, bool) and int(result) == 0:
+        if registration_ok(result):
             self.ranges.add(buffer_ptr, size)
+        elif not isinstance(self._store, NativeMooncakeStore):  # stacked: the native wrapper warned already
+            warn_failed_registration(self._failed_registrations, buffer_ptr, size, result)
         return int(result) if isinstance(result, (int, np.integer)) else result
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
@@ -244,7 +254,7 @@ class StagedMooncakeStore:
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
         handler's entry, docs/vllm-plugin.md): staged without building a Python row; a call staging does not
-        take goes to the wrapped store's array entry when it has one (our native-client wrapper), else to its
+        take goes to the wrapped store's array entry when it is our native-client wrapper, else to its
         ``batch_get_into_multi_buffers`` with the rows as lists."""
         with self._gate.admitted():
             return self.guard.call_arrays(keys, addrs, sizes, self._get_multi_arrays)
@@ -263,9 +273,8 @@ class StagedMooncakeStore:
             staged = self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
         if staged is None:
             self.stats.passthrough_gets += 1
-            entry = getattr(self._store, "batch_get_into_multi_buffers_arrays", None)
-            if entry is not None:
-                return entry(keys, addrs, sizes)
+            if isinstance(self._store, NativeMooncakeStore):  # our own type: never probe a foreign store
+                return self._store.batch_get_into_multi_buffers_arrays(keys, addrs, sizes)
             rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
             return self._store.batch_get_into_multi_buffers(keys, *rows)
         self.stats.staged_gets += 1
