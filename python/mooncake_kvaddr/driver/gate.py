@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import enum
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from mooncake_kvaddr.driver.errors import StoreClosedError
+from mooncake_kvaddr.driver.errors import StoreClosedError, StoreError
 
 __all__ = ["CallGate", "GateState"]
 
@@ -94,3 +96,26 @@ class CallGate:
                 return False
             self._state = GateState.CLOSED
             return True
+
+    def gated(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``func`` called under :meth:`admitted`."""
+
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.admitted():
+                return func(*args, **kwargs)
+
+        return call
+
+    def close(self, timeout: float = 60.0) -> bool:
+        """:meth:`begin_close`, :meth:`wait_idle` and :meth:`release` in one: True for the one caller that must
+        now release the resources. ``StoreError`` if calls still run after ``timeout`` seconds (nothing may be
+        released yet; call ``close`` again later)."""
+        if not self.begin_close():
+            return False
+        if not self.wait_idle(timeout):
+            raise StoreError(
+                f"{self._name}.close(): {self._in_flight} call(s) still in flight after {timeout} s; "
+                "no new calls are admitted; call close() again"
+            )
+        return self.release()

@@ -25,7 +25,7 @@ first successful registration arms the check. A raw-pointer method the guard doe
 Close: a closed Mooncake store crashes the process (SIGSEGV) on its next call, so after ``close()`` every call
 through the wrapper (the replaced ones and every other method reached through it) raises
 :class:`~mooncake_kvaddr.driver.store.StoreClosedError` instead of reaching Mooncake, and ``close()`` first waits
-(bounded) for the calls in flight (:class:`CallGate`).
+(bounded) for the calls in flight (the driver's one :class:`~mooncake_kvaddr.driver.gate.CallGate`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,13 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mooncake_kvaddr.driver.store import StoreClosedError, StoreError
+from mooncake_kvaddr.driver.gate import CallGate
 from mooncake_kvaddr.integrations.vllm.guard import (
     REGISTRATION_METHODS,
     GuardRefused,
@@ -62,66 +61,6 @@ __all__ = [
 
 #: How long a store wrapper's ``close()`` waits for the calls in flight before it raises ``StoreError``.
 CLOSE_TIMEOUT_S = 60.0
-
-
-class CallGate:
-    """Admits calls until :meth:`close`; counts those in flight so that ``close`` releases nothing under one.
-
-    ``name`` goes into the :class:`~mooncake_kvaddr.driver.store.StoreClosedError` a call after close raises.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._cond = threading.Condition(threading.Lock())
-        self._in_flight = 0
-        self._closing = False
-        self._released = False
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` began: no call is admitted any more."""
-        return self._closing
-
-    @contextmanager
-    def admitted(self) -> Iterator[None]:
-        """Hold an in-flight slot for one call; ``StoreClosedError`` once closing began."""
-        with self._cond:
-            if self._closing:
-                raise StoreClosedError(f"{self._name} is closed: no calls after close()")
-            self._in_flight += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._in_flight -= 1
-                if not self._in_flight:
-                    self._cond.notify_all()
-
-    def gated(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        """``func`` called under :meth:`admitted`."""
-
-        @functools.wraps(func)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with self.admitted():
-                return func(*args, **kwargs)
-
-        return call
-
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
-        """Refuse new calls, wait for those in flight; True for the one caller that must now release the
-        resources (False when another close did or does). ``StoreError`` if calls still run after ``timeout``
-        seconds (nothing may be released yet; call ``close`` again later)."""
-        with self._cond:
-            self._closing = True
-            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout):
-                raise StoreError(
-                    f"{self._name}.close(): {self._in_flight} call(s) still in flight after {timeout} s; "
-                    "no new calls are admitted; call close() again"
-                )
-            if self._released:
-                return False
-            self._released = True
-            return True
 
 logger = logging.getLogger("vllm.mooncake_kvaddr")
 
@@ -331,7 +270,7 @@ class NativeMooncakeStore:
     def close(self, *args: Any, **kwargs: Any) -> Any:
         """Refuse new calls, wait for those in flight, drop the native client, then close the wrapped store
         (once: a later ``close`` returns 0 without calling Mooncake)."""
-        if not self._gate.close():
+        if not self._gate.close(CLOSE_TIMEOUT_S):
             return 0
         with self._lock:
             client, self._client = self._client, None

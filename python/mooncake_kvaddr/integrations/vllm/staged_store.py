@@ -23,7 +23,7 @@ staging buffer.
 Close: after ``close()`` every call through the wrapper raises
 :class:`~mooncake_kvaddr.driver.store.StoreClosedError` (a closed Mooncake store would crash the process), and
 ``close()`` waits (bounded) for the calls in flight before it unregisters the staging buffer
-(:class:`~mooncake_kvaddr.integrations.vllm.native_store.CallGate`).
+(:class:`~mooncake_kvaddr.driver.gate.CallGate`).
 
 Extension point: :meth:`StagedMooncakeStore._get_slots` / :meth:`_put_slots` move the staged objects
 (Mooncake's ``batch_get_into``/``batch_put_from`` here); a native Mooncake client can override these two to
@@ -45,6 +45,7 @@ from mooncake_kvaddr import _native
 from mooncake_kvaddr.driver.staging import StagingLease, StagingPool, gather, plan_batches, plan_slots, scatter
 from mooncake_kvaddr.integrations.vllm.guard import RangeTable, StoreGuard
 from mooncake_kvaddr.integrations.vllm.native_store import (
+    CLOSE_TIMEOUT_S,
     CallGate,
     NativeMooncakeStore,
     guarded_method,
@@ -159,7 +160,7 @@ class StagedMooncakeStore:
     def close(self, *args: Any, **kwargs: Any) -> Any:
         """Refuse new calls, wait for those in flight, unregister the staging buffer (when registered), then
         close the wrapped store (once: a later ``close`` returns 0 without calling Mooncake)."""
-        if not self._gate.close():
+        if not self._gate.close(CLOSE_TIMEOUT_S):
             return 0
         with self._lock:
             registered, self._pool_registered = self._pool_registered, False
