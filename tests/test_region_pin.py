@@ -178,3 +178,21 @@ def test_pin_regions_refuses_hostile_input_cleanly(engine: str) -> None:
     target.unpin_regions()
     target.unpin_regions()  # one more than held: a no-op, never negative
     assert target.region_pins == 0
+
+
+@pytest.mark.parametrize("engine", ["table", "layout"])
+def test_a_second_pin_must_match_bases_and_block_lengths(engine: str) -> None:
+    """Pinned regions are (bases, block lengths) together: the same bases with other block lengths are other
+    regions (their slices reach other memory) and are refused like other bases."""
+    from mooncake_kvaddr import _native
+
+    target: Any = _native.AddressTable(16, 16, 0) if engine == "table" else _native.LayoutEngine(16, 16, False, 0, 1, 0)
+    target.pin_regions([1 << 20, 2 << 20], [64, 64])
+    with pytest.raises(ValueError, match="pinned to other values"):
+        target.pin_regions([1 << 20, 2 << 20], [64, 128])
+    with pytest.raises(ValueError, match="pinned to other values"):
+        target.pin_regions([1 << 20, 3 << 20], [64, 64])
+    target.pin_regions([1 << 20, 2 << 20], [64, 64])  # the same values: a second pin
+    target.unpin_regions()
+    target.unpin_regions()
+    target.pin_regions([1 << 20, 2 << 20], [64, 128])  # released: other values may be pinned now

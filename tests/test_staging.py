@@ -554,8 +554,9 @@ def test_staging_buffer_is_aligned_and_bounded() -> None:
     for offset, n in ((0, 101), (-1, 1), (50, -1), (101, 0)):
         with pytest.raises(ValueError, match="outside the 100-byte staging buffer"):
             buf.span(offset, n)
-    with pytest.raises(ValueError, match="power of two"):
-        StagingBuffer(10, alignment=32)
+    for alignment in (32, 96, 4096 + 64):  # too small, or not a power of two
+        with pytest.raises(ValueError, match="power of two"):
+            StagingBuffer(10, alignment=alignment)
     with pytest.raises(ValueError, match="nbytes"):
         StagingBuffer(-1)
 

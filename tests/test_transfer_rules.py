@@ -81,6 +81,9 @@ def test_staging_estimate_and_split_edges() -> None:
     assert split_by_staging_budget([2048, 20000, 2048], 2 * one, 40000) == [(0, 1), (1, 2), (2, 3)]
     assert split_by_staging_budget([2048, 40000, 2048], 2 * one, 40000) == 1
     assert split_by_staging_budget([], 1, 1) == []
+    # Exactly at the budget is within it (vLLM fails only a key whose estimate is above it).
+    assert split_by_staging_budget([2048], one, one) == [(0, 1)]
+    assert split_by_staging_budget([2048, 2048], one, one) == [(0, 1), (1, 2)]
 
 
 @settings(max_examples=300, deadline=None)
