@@ -771,3 +771,56 @@ def test_staged_over_native_warns_once_per_refused_buffer(caplog: pytest.LogCapt
             assert store.register_buffer(0x10000, 4096) == 0
     lines = [r for r in caplog.records if "register_buffer" in r.getMessage()]
     assert len(lines) == 2 and all(r.levelno == logging.WARNING for r in lines)
+
+
+# --- start-up: nothing is imported or checked until the Mooncake store modules are ------------------------------
+
+_DEFERRED = """
+import logging, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+import vllm
+from mooncake_kvaddr.integrations.vllm import plugin
+start = time.perf_counter()
+plugin.register()
+plugin.register()
+took = time.perf_counter() - start
+print("LOADED" if any(m in sys.modules for m in (plugin.DATA_MODULE, plugin.WORKER_MODULE)) else "DEFERRED")
+print(f"REGISTER_MS {took * 1e3:.3f}")
+first = sys.argv[1]
+if first == "is_patched":
+    print("IS_PATCHED", plugin.is_patched())
+else:
+    __import__(plugin.DATA_MODULE if first == "data" else plugin.WORKER_MODULE)
+data = sys.modules[plugin.DATA_MODULE]
+worker = sys.modules[plugin.WORKER_MODULE]
+ours = data.RankLocalStoreLayout.__dict__["prepare_values"] is plugin._rank_local_prepare_values
+handler = worker.KVCacheStoreRecvingThread.__dict__["_handle_request"]
+print("PATCHED" if ours and handler.__module__.endswith("receive") else "UNTOUCHED")
+print("LOADERS", type(data.__loader__).__name__, type(worker.__spec__.loader).__name__)
+print("HOOKS", sum(type(f).__name__ == "_StoreImportHook" for f in sys.meta_path))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("first", ["data", "worker", "is_patched"])
+def test_register_defers_until_the_store_modules_are_imported(first: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    _vllm_data()
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", plugin.ENV_PLUGIN, plugin.ENV_RECV)}
+    done = subprocess.run(
+        [sys.executable, "-c", _DEFERRED, first], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    assert "DEFERRED" in out
+    took = float(next(line for line in out if line.startswith("REGISTER_MS")).split()[1])
+    assert took < 50, took  # docs/vllm-plugin.md, "Start-up": ~0.1 ms measured
+    assert "PATCHED" in out and "HOOKS 0" in out
+    assert "LOADERS SourceFileLoader SourceFileLoader" in out  # the modules look as if never hooked
+    if first == "is_patched":
+        assert "IS_PATCHED True" in out
+    assert sum("native Mooncake store paths active" in line for line in out) == 1
+    assert not any("WARNING" in line and "mooncake_kvaddr" in line for line in out)

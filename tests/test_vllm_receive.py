@@ -553,3 +553,103 @@ def test_the_array_entry_is_ours_or_registered(vllm: tuple[Any, Any]) -> None:
     expected = run_handler(worker, original, ListStore("ok"), case)
     assert run_handler(worker, ours, Unregistered("ok"), case) == expected
     assert run_handler(worker, ours, ArrayStore("ok"), case)[2:] == expected[2:]
+
+
+# --- fingerprints ------------------------------------------------------------------------------------------------
+
+
+def test_installed_release_matches_the_recorded_fingerprints(vllm: tuple[Any, Any]) -> None:
+    import vllm as vllm_package
+
+    data, worker = vllm
+    version = vllm_package.__version__
+    for part in plugin.FINGERPRINTED:
+        functions = plugin.vllm_functions(part, data, worker)
+        assert set(functions) == set(plugin.FINGERPRINTED[part])
+        assert plugin.fingerprint_problem(version, functions) == "", part
+        if version in plugin.KNOWN_FINGERPRINTS:
+            for name, func in functions.items():
+                assert plugin.fingerprint(func) == plugin.KNOWN_FINGERPRINTS[version][name]
+
+
+def test_fingerprint_ignores_layout_and_comments_but_not_code() -> None:
+    base = "def f(x):\n    y = x + 1  # note\n\n    return y\n"
+    same = "    def f(x):\n        # a comment line\n        y = x + 1\n\n\n        return y   \n"
+    assert plugin.fingerprint_source(base) == plugin.fingerprint_source(same)
+    for changed in (
+        "def f(x):\n    y = x + 2\n    return y\n",
+        "def f(x):\n    y = x + 1\n    return x\n",
+        "def f(x):\n    y = x + 1\n    pass\n    return y\n",
+    ):
+        assert plugin.fingerprint_source(changed) != plugin.fingerprint_source(base)
+    assert plugin.fingerprint(len) is None  # no Python source: never "the same"
+    assert plugin.fingerprint_problem("0.33.0", {"RankLocalStoreLayout.key_for": len}).endswith("source to fingerprint")
+    assert "is missing" in plugin.fingerprint_problem("0.33.0", {"RankLocalStoreLayout.key_for": None})
+    assert "none" in plugin.fingerprint_problem("0.34.0", {"RankLocalStoreLayout.key_for": plugin.fingerprint})
+
+
+def _with_one_more_statement(func: Any, module: Any, path: Any) -> Any:
+    """``func`` compiled again from its own source (in a file, so it has source) plus one statement at the end
+    of its body, in ``module``'s globals."""
+    import ast
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(func))
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    source += " " * body[0].col_offset + "pass\n"
+    path.write_text(source)
+    namespace = dict(vars(module))
+    exec(compile(source, str(path), "exec"), namespace)
+    return namespace[func.__name__]
+
+
+def test_a_changed_handler_body_keeps_vllms_handler_with_one_warning(
+    vllm: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Any
+) -> None:
+    """A point release whose ``_handle_request`` differs by one statement: vLLM's handler stays, the layouts are
+    still patched, and one warning says why."""
+    import logging
+
+    data, worker = vllm
+    cls = worker.KVCacheStoreRecvingThread
+    plugin.unpatch()
+    try:
+        changed = _with_one_more_statement(cls.__dict__["_handle_request"], worker, tmp_path / "changed.py")
+        assert plugin.fingerprint(changed) != plugin.fingerprint(cls.__dict__["_handle_request"])
+        monkeypatch.setattr(cls, "_handle_request", changed)
+        monkeypatch.delenv(plugin.ENV_PLUGIN, raising=False)
+        monkeypatch.delenv(plugin.ENV_RECV, raising=False)
+        with caplog.at_level(logging.INFO, logger="vllm.mooncake_kvaddr"):
+            plugin.register()
+            plugin.register()
+        assert plugin.is_patched() and not plugin.is_receive_patched()
+        assert cls.__dict__["_handle_request"] is changed
+        assert data.RankLocalStoreLayout.__dict__["prepare_values"] is plugin._rank_local_prepare_values
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert "receive handler kept" in warnings[0] and "KVCacheStoreRecvingThread._handle_request" in warnings[0]
+        assert "not the function this plugin was checked against" in warnings[0]
+    finally:
+        plugin.unpatch()
+        monkeypatch.undo()
+        plugin.patch(receive=True)
+    assert plugin.is_receive_patched()
+
+
+def test_a_changed_layout_body_leaves_vllm_untouched(
+    vllm: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    data, _ = vllm
+    cls = data.RankLocalStoreLayout
+    plugin.unpatch()
+    try:
+        changed = _with_one_more_statement(cls.__dict__["key_for"], data, tmp_path / "changed_key_for.py")
+        monkeypatch.setattr(cls, "key_for", changed)
+        report = plugin.patch()
+        assert not report.active and "RankLocalStoreLayout.key_for is not the function" in report.reason
+        assert not plugin.is_patched() and cls.__dict__["key_for"] is changed
+    finally:
+        plugin.unpatch()
+        monkeypatch.undo()
+        plugin.patch(receive=True)

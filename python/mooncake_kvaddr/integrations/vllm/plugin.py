@@ -4,16 +4,22 @@ kernels, with no change to vLLM or to the user's code (docs/vllm-plugin.md).
 vLLM runs every entry point of the ``vllm.general_plugins`` group in each of its processes; this package
 declares :func:`register` there. :func:`register`:
 
-1. does nothing when ``MOONCAKE_KVADDR_VLLM_PLUGIN=0`` (or ``false``/``off``/``no``);
+1. does nothing when ``MOONCAKE_KVADDR_VLLM_PLUGIN=0`` (or ``false``/``off``/``no``); when vLLM's Mooncake
+   store modules are not imported yet, defers steps 2-4 to their first import (an import hook; vLLM runs the
+   entry point in every process, most of which never build a Mooncake store worker: docs/vllm-plugin.md,
+   "Start-up");
 2. checks that the installed vLLM is a release whose Mooncake store module it knows (0.32/0.33) and that
    every method it replaces is there with the expected parameters;
 3. runs a self-check: on small generated cases, vLLM's own methods and ours return equal values of equal
-   types (and raise the same exception types for bad input);
+   types (and raise the same exception types for bad input); and checks that each function it replaces (or
+   relies on line by line) has a fingerprint recorded for that release series (docs/vllm-plugin.md,
+   "Fingerprints");
 4. only then replaces the methods on vLLM's classes and logs one line naming them and the vLLM version.
 
 If any step fails, vLLM is left untouched and one warning says why. Patching is idempotent (vLLM may call
 plugins more than once per process) and reversible (:func:`unpatch`). Nothing here imports torch or vLLM at
-module import; vLLM is imported inside :func:`register` (vLLM has imported it already by then).
+module import; vLLM is imported inside :func:`register` (vLLM has imported it already by then), vLLM's
+Mooncake store modules only when the patch runs.
 
 What is replaced (all on vLLM's ``...mooncake.store.data`` classes, state kept on vLLM's own objects):
 
@@ -38,11 +44,16 @@ read together to see that nothing is patched that was not checked first.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import io
 import logging
 import os
 import random
+import sys
+import textwrap
 import threading
+import tokenize
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -62,9 +73,14 @@ __all__ = [
     "EXTRA_NATIVE_CLIENT",
     "EXTRA_STAGED",
     "EXTRA_STAGING_BYTES",
+    "FINGERPRINTED",
+    "KNOWN_FINGERPRINTS",
     "SUPPORTED_VLLM_SERIES",
     "WORKER_MODULE",
     "PatchReport",
+    "fingerprint",
+    "fingerprint_problem",
+    "fingerprint_source",
     "is_patched",
     "is_receive_patched",
     "maybe_stage_store",
@@ -73,6 +89,7 @@ __all__ = [
     "register",
     "self_check",
     "unpatch",
+    "vllm_functions",
 ]
 
 #: Set to ``0``/``false``/``off``/``no`` to keep vLLM untouched.
@@ -108,6 +125,8 @@ _STATE_LOCK = threading.RLock()
 #: (class, attribute name) -> the original attribute, for every replaced attribute.
 _ORIGINALS: dict[tuple[type, str], Any] = {}
 _REPORT: PatchReport | None = None
+#: The report whose line :func:`register` logged (the line is logged once per patch).
+_LOGGED: PatchReport | None = None
 _WARNED = False
 
 # Parameters (after self) of each replaced method, as vLLM 0.32/0.33 declare them.
@@ -136,6 +155,8 @@ class PatchReport:
     reason: str = ""
     #: Why vLLM's own receive handler was kept while the rest is patched ("" when it was replaced, or off).
     receive_reason: str = ""
+    #: Why the worker's transport hook was not installed ("" when it was, or when there is no worker module).
+    hook_reason: str = ""
 
     @property
     def active(self) -> bool:
@@ -453,6 +474,115 @@ def _check_shape(data: ModuleType, worker: ModuleType | None) -> str:
     return ""
 
 
+# --- fingerprints ------------------------------------------------------------------------------------------
+
+#: The vLLM functions each part of the plugin was checked against, by part: the layouts (replaced), the receive
+#: handler (replaced; ``process_tokens`` is the chunk walk it reproduces) and the worker's transport hook
+#: (``register_kv_caches``/``close`` run with the wrapper as the store, so their bodies are what the hook
+#: relies on).
+FINGERPRINTED: dict[str, tuple[str, ...]] = {
+    "layouts": (
+        "RankLocalStoreLayout.prepare_values",
+        "RankLocalStoreLayout.prepare_value_for_block",
+        "RankLocalStoreLayout.key_for",
+        "TPShardedStoreLayout.prepare_values",
+        "TPShardedStoreLayout.key_for",
+        "TPShardedStoreLayout._set_segment_templates",
+    ),
+    "receive": ("KVCacheStoreRecvingThread._handle_request", "ChunkedTokenDatabase.process_tokens"),
+    "worker": ("MooncakeStoreWorker.register_kv_caches", "MooncakeStoreWorker.close"),
+}
+
+#: :func:`fingerprint` of each function in :data:`FINGERPRINTED`, per release checked. 0.32.0's Mooncake store
+#: ``data.py`` and ``worker.py`` are byte-identical to 0.33.0's (compared from the 0.32.0 wheel, not installed).
+KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
+    release: {
+        "RankLocalStoreLayout.prepare_values": "3aa2513fe91a14c4",
+        "RankLocalStoreLayout.prepare_value_for_block": "d152372ee913685e",
+        "RankLocalStoreLayout.key_for": "2c426949ec2ea759",
+        "TPShardedStoreLayout.prepare_values": "c2254d3f4f8756ab",
+        "TPShardedStoreLayout.key_for": "998e0f8942fb19c0",
+        "TPShardedStoreLayout._set_segment_templates": "410b7150a8211070",
+        "KVCacheStoreRecvingThread._handle_request": "67cd42f2dc3c5f11",
+        "ChunkedTokenDatabase.process_tokens": "d7d54c491f37709b",
+        "MooncakeStoreWorker.register_kv_caches": "d61b0517475bfad8",
+        "MooncakeStoreWorker.close": "b9b831fa3647518f",
+    }
+    for release in ("0.32.0", "0.33.0")
+}
+
+
+def fingerprint_source(source: str) -> str:
+    """The fingerprint of a function's source text: the first 16 hex digits of the sha256 of the text with the
+    common indentation, comments, trailing whitespace and empty lines removed. Stable across installs and
+    Python versions (no bytecode in it); any change to a statement, a name or a constant changes it."""
+    text = textwrap.dedent(source)
+    cuts: dict[int, int] = {}
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.COMMENT:
+                cuts[token.start[0]] = token.start[1]
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        cuts.clear()  # not tokenizable: the whole text counts
+    kept = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line[: cuts[number]] if number in cuts else line
+        if line.strip():
+            kept.append(line.rstrip())
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
+def fingerprint(func: Any) -> str | None:
+    """:func:`fingerprint_source` of ``func``'s source (``inspect.getsource``); None when it has none."""
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return None
+    return fingerprint_source(source)
+
+
+def fingerprint_problem(version: str, functions: Mapping[str, Any]) -> str:
+    """Empty string when every function in ``functions`` ("Class.method" -> vLLM's function) has a fingerprint
+    recorded for a release of ``version``'s series (0.32.x, 0.33.x); otherwise the first that does not."""
+    series = next((s for s in SUPPORTED_VLLM_SERIES if version.startswith(s)), None)
+    for name, func in functions.items():
+        if func is None:
+            return f"{name} is missing"
+        known = {
+            table[name]
+            for release, table in KNOWN_FINGERPRINTS.items()
+            if series is not None and release.startswith(series) and name in table
+        }
+        actual = fingerprint(func)
+        if actual is None:
+            return f"{name} has no readable source to fingerprint"
+        if actual not in known:
+            return (
+                f"{name} is not the function this plugin was checked against "
+                f"(fingerprint {actual}, known: {', '.join(sorted(known)) or 'none'})"
+            )
+    return ""
+
+
+#: Classes of the worker module among :data:`FINGERPRINTED` (the others are the data module's).
+_WORKER_CLASSES = ("KVCacheStoreRecvingThread", "MooncakeStoreWorker")
+
+
+def vllm_functions(part: str, data: ModuleType, worker: ModuleType | None) -> dict[str, Any]:
+    """vLLM's own functions of one :data:`FINGERPRINTED` part, "Class.method" -> function (the originals where
+    we replaced them; None for one that is missing)."""
+    found: dict[str, Any] = {}
+    for name in FINGERPRINTED[part]:
+        cls_name, method = name.split(".")
+        module = worker if cls_name in _WORKER_CLASSES else data
+        cls = None if module is None else module.__dict__.get(cls_name)
+        try:
+            found[name] = _reference(cls, method) if isinstance(cls, type) else None
+        except AttributeError:
+            found[name] = None
+    return found
+
+
 # --- the staged-transport hook on MooncakeStoreWorker --------------------------------------------------------
 
 
@@ -593,12 +723,17 @@ def _replace(cls: type, name: str, value: Any) -> None:
 
 
 def is_patched() -> bool:
-    """True while vLLM runs with our methods."""
+    """True while vLLM runs with our methods. After :func:`register` deferred the work (no Mooncake store
+    module imported yet, docs/vllm-plugin.md "Start-up"), this does it first: imports vLLM's Mooncake store
+    modules, checks and patches, as :func:`register` did before."""
+    _run_deferred()
     return bool(_ORIGINALS)
 
 
 def is_receive_patched() -> bool:
-    """True while vLLM's receive threads run our ``_handle_request``."""
+    """True while vLLM's receive threads run our ``_handle_request`` (resolves deferred work as
+    :func:`is_patched`)."""
+    _run_deferred()
     return any(name == "_handle_request" for _, name in _ORIGINALS)
 
 
@@ -610,6 +745,10 @@ def _patch_receive(data: ModuleType, worker: ModuleType, report: PatchReport) ->
     problem = receive.check_shape(data, worker)
     if problem:
         report.receive_reason = f"unexpected shape: {problem}"
+        return
+    problem = fingerprint_problem(report.vllm_version, vllm_functions("receive", data, worker))
+    if problem:
+        report.receive_reason = problem
         return
     cls = worker.KVCacheStoreRecvingThread
     handler = receive.make_handler(_static(cls, "_handle_request"), data, worker, _OURS, _PLAN_ENGINES)
@@ -635,22 +774,26 @@ def patch(
     ``receive``: replace the receive handler (None: unless :data:`ENV_RECV` turns it off).
     """
     global _REPORT
+    if _REPORT is not None and _REPORT.active:
+        return _REPORT
+    if data is None or version is None:
+        # Imported before the lock is taken: the import hook (register) may be running this very import's
+        # deferred work in another thread, holding the module's import lock while it waits for ours.
+        import importlib
+
+        import vllm
+
+        version = version or str(getattr(vllm, "__version__", "unknown"))
+        data = data or importlib.import_module(DATA_MODULE)
+        if worker is None:
+            try:
+                worker = importlib.import_module(WORKER_MODULE)
+            except Exception as exc:  # worker needs vLLM's full stack; the layouts do not
+                logger.debug("mooncake_kvaddr: no staged-transport hook (%s)", exc)
+                worker = None
     with _STATE_LOCK:
         if _REPORT is not None and _REPORT.active:
             return _REPORT
-        if data is None or version is None:
-            import importlib
-
-            import vllm
-
-            version = version or str(getattr(vllm, "__version__", "unknown"))
-            data = data or importlib.import_module(DATA_MODULE)
-            if worker is None:
-                try:
-                    worker = importlib.import_module(WORKER_MODULE)
-                except Exception as exc:  # worker needs vLLM's full stack; the layouts do not
-                    logger.debug("mooncake_kvaddr: no staged-transport hook (%s)", exc)
-                    worker = None
         report = PatchReport(vllm_version=version)
         if not version.startswith(SUPPORTED_VLLM_SERIES):
             report.reason = f"vLLM {version} is not a release this plugin knows ({', '.join(SUPPORTED_VLLM_SERIES)}x)"
@@ -664,6 +807,10 @@ def patch(
         except Exception as exc:
             report.reason = f"self-check against vLLM {version} failed: {exc}"
             return report
+        problem = fingerprint_problem(version, vllm_functions("layouts", data, worker))
+        if problem:
+            report.reason = f"vLLM {version}: {problem}"
+            return report
         rank_local = data.RankLocalStoreLayout
         sharded = data.TPShardedStoreLayout
         for cls, name, func in (
@@ -676,8 +823,10 @@ def patch(
             _replace(cls, name, func)
             report.patched.append(f"{cls.__name__}.{name}")
         if worker is not None:
-            _wrap_worker(worker.MooncakeStoreWorker)
-            report.staged_hook = True
+            report.hook_reason = fingerprint_problem(version, vllm_functions("worker", data, worker))
+            if not report.hook_reason:
+                _wrap_worker(worker.MooncakeStoreWorker)
+                report.staged_hook = True
             from mooncake_kvaddr.integrations.vllm.receive import receive_enabled
 
             if receive if receive is not None else receive_enabled(os.environ):
@@ -700,23 +849,134 @@ def unpatch() -> None:
                 setattr(cls, name, original)
         _ORIGINALS.clear()
         _REPORT = None
+        _cancel_deferred()
+
+
+# --- start-up: the entry point defers its work to the first import of the Mooncake store modules ---------------
+
+_WATCHED = (DATA_MODULE, WORKER_MODULE)
+_HOOK: _StoreImportHook | None = None
+
+
+class _StoreImportHook:
+    """A ``sys.meta_path`` finder that runs the plugin's checks and patches right after vLLM's Mooncake store
+    ``data`` or ``worker`` module is first executed (docs/vllm-plugin.md, "Start-up"). It finds nothing
+    itself: it asks the finders after it and wraps the loader of the spec they return, and it leaves
+    ``sys.meta_path`` when it fires (or when :func:`unpatch` cancels it)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _WATCHED or getattr(self._local, "busy", False):
+            return None
+        self._local.busy = True
+        try:
+            spec = None
+            for finder in list(sys.meta_path):
+                find = None if finder is self else getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find is not None else None
+                if spec is not None:
+                    break
+        finally:
+            self._local.busy = False
+        if spec is not None and spec.loader is not None and callable(getattr(spec.loader, "exec_module", None)):
+            spec.loader = _ThenPatch(spec.loader, fullname)
+        return spec
+
+
+class _ThenPatch:
+    """A loader that runs the real one, puts it back on the module (so the module looks untouched), then lets
+    the deferred work run (:func:`_store_module_executed`)."""
+
+    def __init__(self, loader: Any, name: str) -> None:
+        self._loader = loader
+        self._name = name
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        _store_module_executed(self._name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def _store_module_executed(name: str) -> None:
+    """A watched module finished executing: patch now, unless it is ``data`` imported by ``worker`` (whose own
+    execution is not finished: the hook fires again when it is)."""
+    if name == DATA_MODULE and WORKER_MODULE in sys.modules:
+        return
+    _run_deferred()
+
+
+def _cancel_deferred() -> bool:
+    """Take the hook out of ``sys.meta_path``; True when one was pending."""
+    global _HOOK
+    with _STATE_LOCK:
+        hook, _HOOK = _HOOK, None
+        if hook is None:
+            return False
+        try:
+            sys.meta_path.remove(hook)
+        except ValueError:
+            pass
+        return True
+
+
+def _run_deferred() -> None:
+    """The work :func:`register` deferred, if it is still pending (never raises)."""
+    if _HOOK is not None and _cancel_deferred():
+        _activate()
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: patch vLLM unless turned off; never raises."""
+    """The ``vllm.general_plugins`` entry point: patch vLLM unless turned off; never raises.
+
+    vLLM runs it in every process, most of which never build a Mooncake store worker. So when vLLM's Mooncake
+    store modules are not imported yet, it only checks the release and installs an import hook; the checks
+    and the patch run when one of those modules is first imported (or when :func:`is_patched` is asked),
+    with the same log line (docs/vllm-plugin.md, "Start-up")."""
+    global _HOOK
     if _disabled_by_env(os.environ):
         logger.debug("mooncake_kvaddr: vLLM plugin turned off by %s", ENV_PLUGIN)
         return
-    with _STATE_LOCK:
-        already = _REPORT is not None and _REPORT.active
-        try:
-            report = patch()
-        except Exception as exc:  # a plugin must never break vLLM's start-up
-            logger.warning("mooncake_kvaddr: vLLM left untouched: %s: %s", type(exc).__name__, exc)
-            return
-    if already:
+    try:
+        with _STATE_LOCK:
+            if (_REPORT is not None and _REPORT.active) or _HOOK is not None:
+                return
+            if not any(name in sys.modules for name in _WATCHED):
+                import vllm
+
+                version = str(getattr(vllm, "__version__", "unknown"))
+                if version.startswith(SUPPORTED_VLLM_SERIES):
+                    _HOOK = _StoreImportHook()
+                    sys.meta_path.insert(0, _HOOK)
+                    logger.debug("mooncake_kvaddr: patches vLLM %s on first import of its Mooncake store", version)
+                    return
+    except Exception as exc:  # a plugin must never break vLLM's start-up
+        logger.warning("mooncake_kvaddr: vLLM left untouched: %s: %s", type(exc).__name__, exc)
         return
-    global _WARNED
+    _activate()
+
+
+def _activate() -> None:
+    """Check, self-check and patch now; log the one line (or the one warning). Never raises."""
+    global _WARNED, _LOGGED
+    try:
+        report = patch()
+    except Exception as exc:  # a plugin must never break vLLM's start-up
+        logger.warning("mooncake_kvaddr: vLLM left untouched: %s: %s", type(exc).__name__, exc)
+        return
+    with _STATE_LOCK:
+        if report.active and report is _LOGGED:
+            return  # patched (and logged) before
+        _LOGGED = report
     if report.active:
         logger.info(
             "mooncake_kvaddr: native Mooncake store paths active for vLLM %s: %s%s",
@@ -724,6 +984,8 @@ def register() -> None:
             ", ".join(report.patched),
             " (+ staged-transport hook)" if report.staged_hook else "",
         )
+        if report.hook_reason:
+            logger.warning("mooncake_kvaddr: store transports off (vLLM's worker kept as is): %s", report.hook_reason)
         if report.receive_reason:
             logger.warning("mooncake_kvaddr: vLLM's own receive handler kept: %s", report.receive_reason)
     elif not _WARNED:
