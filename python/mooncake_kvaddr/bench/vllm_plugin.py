@@ -407,11 +407,16 @@ class _Proxy:
         return getattr(self._store, name)
 
 
+class _ArrayProxy(_Proxy):
+    """A timed proxy of an array store (registered with the receive handler's ``ArrayStore`` when first used)."""
+
+
 def _instrument(rig: VllmStoreRig, phases: _Phases, receive_handler: bool) -> Callable[[], None]:
     """Time the layout's ``prepare_values`` (vLLM's handler) or the receive handler's plan (ours), the store
     call, and (staged) Mooncake's slot call under it."""
     from mooncake_kvaddr.integrations.vllm import receive
 
+    receive.ArrayStore.register(_ArrayProxy)
     layout = rig.db.store_layout
     plan_request = receive.plan_request
     if receive_handler:
@@ -420,7 +425,8 @@ def _instrument(rig: VllmStoreRig, phases: _Phases, receive_handler: bool) -> Ca
     else:
         layout.__dict__["prepare_values"] = phases.timed("prepare_values", layout.prepare_values)
     timed = {"batch_get_into_multi_buffers": "store call", receive.ARRAY_ENTRY: "store call"}
-    proxy = _Proxy(rig.store, phases, timed)
+    # The receive handler picks the array entry by the store's type: a timed array store stays one.
+    proxy = (_ArrayProxy if isinstance(rig.store, receive.ArrayStore) else _Proxy)(rig.store, phases, timed)
     inner = getattr(rig.store, "_store", None)
     if inner is not None:
         rig.store._store = _Proxy(inner, phases, {"batch_get_into": "mooncake slot call"})
