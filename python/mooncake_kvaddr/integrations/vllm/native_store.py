@@ -19,8 +19,8 @@ Guard: every raw-pointer call (the replaced ones, the ``_arrays`` entry, and eve
 reached through ``__getattr__``) is checked against the buffers registered through this wrapper's
 ``register_buffer`` (:mod:`~mooncake_kvaddr.integrations.vllm.guard`): a key with a slice outside them gets
 -600 and never reaches Mooncake. ``armed=True`` (the plugin's wrappers) checks from the start; otherwise the
-first successful registration arms the check. A raw-pointer method the guard does not know raises
-:class:`~mooncake_kvaddr.integrations.vllm.guard.GuardRefused` once armed.
+first successful registration arms the check. A raw-pointer method the guard does not know passes unchecked
+(as without the plugin) with one warning.
 
 Close: a closed Mooncake store crashes the process (SIGSEGV) on its next call, so after ``close()`` every call
 through the wrapper (the replaced ones and every other method reached through it) raises
@@ -42,7 +42,6 @@ import numpy as np
 from mooncake_kvaddr.driver.gate import CallGate
 from mooncake_kvaddr.integrations.vllm.guard import (
     REGISTRATION_METHODS,
-    GuardRefused,
     RangeTable,
     StoreGuard,
     guarded_names,
@@ -285,10 +284,14 @@ class NativeMooncakeStore:
 _GUARDED = guarded_names()
 
 
+#: Unknown raw-pointer methods already warned about (one warning per method name and process).
+_WARNED_UNKNOWN: set[str] = set()
+
+
 def guarded_method(guard: StoreGuard, name: str, value: Callable[..., Any]) -> Callable[..., Any]:
     """``value`` (the wrapped store's method ``name``) behind ``guard``: a raw-pointer method the guard checks
-    goes through :meth:`StoreGuard.call`; one it does not know raises :class:`GuardRefused` once the guard is
-    armed; every other method is returned as is."""
+    goes through :meth:`StoreGuard.call`; one it does not know (a newer Mooncake's) passes through unchecked,
+    as it does with vLLM alone, with one warning per method; every other method is returned as is."""
     if name in _GUARDED:
 
         @functools.wraps(value)
@@ -300,8 +303,13 @@ def guarded_method(guard: StoreGuard, name: str, value: Callable[..., Any]) -> C
 
         @functools.wraps(value)
         def unknown(*args: Any, **kwargs: Any) -> Any:
-            if guard.table.armed:
-                raise GuardRefused(f"{name} takes raw pointers the registered-range guard cannot check: refused")
+            if guard.table.armed and name not in _WARNED_UNKNOWN:
+                _WARNED_UNKNOWN.add(name)
+                logger.warning(
+                    "mooncake_kvaddr: Mooncake's %s takes raw pointers the registered-range guard does not know; "
+                    "its calls pass unchecked, as without the plugin (docs/vllm-plugin.md, 'Registered-range "
+                    "guard')", name,
+                )  # fmt: skip
             return value(*args, **kwargs)
 
         return unknown
