@@ -602,3 +602,18 @@ def test_the_staged_wrapper_never_reports_results_it_did_not_get() -> None:
         store.batch_get_into_multi_buffers(["a", "b"], addrs, sizes)
     assert store.stats.staged_puts == 1 and store.stats.staged_gets == 1
     store.close()
+
+
+def test_a_lease_inside_another_pools_buffer_is_refused() -> None:
+    """A lease must lie inside its own pool's buffer, not merely inside some live staging buffer: another
+    pool's slots belong to other requests (before, which buffer a forged lease landed in decided the verdict,
+    so a test's outcome depended on where the allocator put the next pool)."""
+    from mooncake_kvaddr.driver.staging import check_staging
+
+    a, b = StagingPool(1 << 16), StagingPool(1 << 16)
+    forged = StagingLease(a, b.buffer.ptr - a.buffer.ptr, 4096)  # pool a's lease, pointing into b's buffer
+    with pytest.raises(ValueError, match="not inside its own pool's staging buffer"):
+        check_staging(forged)
+    lease = a.acquire(4096)
+    assert check_staging(lease) is a.buffer
+    lease.release()
