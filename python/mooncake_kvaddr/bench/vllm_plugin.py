@@ -28,11 +28,17 @@ __all__ = ["HEADLINE", "MODES", "QUICK", "REMOTE", "RigShape", "VllmStoreRig", "
 
 #: Transfer modes: vLLM alone; the plugin's patched layouts only (vLLM's own receive handler): alone, + staged
 #: transport, + native-client transport, + staged transport whose slot calls go through the native client; the
-#: plugin with its receive handler too (``recv*``): alone (plain Mooncake store, list rows), + staged, + native
-#: (int64 matrices to the store wrapper), + both (staged slot calls through the native client).
+#: plugin with its receive handler too (``recv*``): alone (plain Mooncake store, list rows: what
+#: ``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=0`` installs), + staged, + native (int64 matrices to the store wrapper),
+#: + both (staged slot calls through the native client), and ``recv_native_off``: the plugin's default store
+#: wrapper where no native client can be built (an unverified wheel, ``MOONCAKE_KVADDR_NATIVE_CLIENT=0``; set
+#: for the mode's duration), so every call goes to Mooncake's bound methods behind the registered-range guard.
 MODES = (
-    "vllm", "plugin", "recv", "recv_staged", "recv_native", "recv_staged_native", "staged", "native", "staged_native"
-)
+    "vllm", "plugin", "recv", "recv_staged", "recv_native", "recv_staged_native", "recv_native_off", "staged",
+    "native", "staged_native",
+)  # fmt: skip
+#: The modes whose native client is switched off (``MOONCAKE_KVADDR_NATIVE_CLIENT=0`` while they run).
+NATIVE_OFF_SUFFIX = "_native_off"
 BLOCK = 128
 
 
@@ -71,8 +77,14 @@ REMOTE_TCP_ENV = {
 
 
 def mode_flags(mode: str) -> tuple[bool, bool, bool]:
-    """``(receive handler replaced, staged transport, native-client transport)`` of a mode of :data:`MODES`."""
-    return mode.startswith("recv"), "staged" in mode, mode.endswith("native")
+    """``(receive handler replaced, staged transport, native-client store wrapper)`` of a mode of :data:`MODES`
+    (the wrapper of a ``*_native_off`` mode has no native client: see :func:`native_off`)."""
+    return mode.startswith("recv"), "staged" in mode, "native" in mode
+
+
+def native_off(mode: str) -> bool:
+    """True for the modes whose store wrapper runs without a native client (Mooncake's bound methods)."""
+    return mode.endswith(NATIVE_OFF_SUFFIX)
 
 
 @contextlib.contextmanager
@@ -548,38 +560,52 @@ def _wait_for_segment(rig: VllmStoreRig, timeout: float = 30.0) -> None:
 def _measure_mode(
     master: str, shape: RigShape, mode: str, reps: int, thread_counts: tuple[int, ...], *, remote: bool = False
 ) -> dict[str, Any]:
+    import os
+
     row: dict[str, Any] = {"mode": mode, "tokens": shape.tokens, "regions": shape.regions, "remote": remote}
     receive_handler, staged, native = mode_flags(mode)
-    with plugin_mode(mode):
+    with contextlib.ExitStack() as stack:
+        if native_off(mode):  # read when the wrapper first probes for its native client (its first batch call)
+            from mooncake_kvaddr.driver.native_client import ENV_VAR
+
+            stack.callback(_restore_env, {ENV_VAR: os.environ.get(ENV_VAR)})
+            os.environ[ENV_VAR] = "0"
+        stack.enter_context(plugin_mode(mode))
         staging = max(shape.request_bytes // 2, 64 << 20)
         rig = VllmStoreRig(master, shape, staged=staged, native=native, staging_bytes=staging,
                            model=f"bench/{mode}", segment=not remote)  # fmt: skip
-        try:
-            if remote:
-                _wait_for_segment(rig)
-            hashes = rig.hashes(MODES.index(mode) + 1, shape.blocks)
-            rig.fill(7)
-            expected = rig.snapshot()
-            rig.store_request(f"store-{mode}", hashes)
-            handler = rig._worker.KVCacheStoreRecvingThread._handle_request
-            fallbacks = handler.stats.fallback_requests if receive_handler else 0
-            row.update(_single_requests(rig, hashes, expected, reps, mode, receive_handler))
-            ok = bool(row["bytes_ok"])
-            for count in thread_counts:
-                rig.start_receivers(count)
-                samples = []
-                for rep in range(reps + 1):
-                    rig.zero()
-                    start = time.perf_counter()
-                    failed = rig.load_requests([f"{mode}-{count}thr-{rep}-{i}" for i in range(4)], hashes)
-                    samples.append(time.perf_counter() - start)
-                    ok = ok and not failed and rig.verify(expected)
-                row[f"wall_4req_{count}thr_ms"] = statistics.median(samples[1:]) * 1e3
-            row["bytes_ok"] = ok
-            if receive_handler:  # requests our handler handed to vLLM's (0: every one took the fast path)
-                row["recv_fallbacks"] = handler.stats.fallback_requests - fallbacks
-        finally:
-            rig.close()
+        stack.callback(rig.close)
+        if remote:
+            _wait_for_segment(rig)
+        hashes = rig.hashes(MODES.index(mode) + 1, shape.blocks)
+        rig.fill(7)
+        expected = rig.snapshot()
+        rig.store_request(f"store-{mode}", hashes)
+        handler = rig._worker.KVCacheStoreRecvingThread._handle_request
+        fallbacks = handler.stats.fallback_requests if receive_handler else 0
+        row.update(_single_requests(rig, hashes, expected, reps, mode, receive_handler))
+        ok = bool(row["bytes_ok"])
+        for count in thread_counts:
+            rig.start_receivers(count)
+            samples = []
+            for rep in range(reps + 1):
+                rig.zero()
+                start = time.perf_counter()
+                failed = rig.load_requests([f"{mode}-{count}thr-{rep}-{i}" for i in range(4)], hashes)
+                samples.append(time.perf_counter() - start)
+                ok = ok and not failed and rig.verify(expected)
+            row[f"wall_4req_{count}thr_ms"] = statistics.median(samples[1:]) * 1e3
+        row["bytes_ok"] = ok
+        if receive_handler:  # requests our handler handed to vLLM's (0: every one took the fast path)
+            row["recv_fallbacks"] = handler.stats.fallback_requests - fallbacks
+        if native:  # which client the wrapper's calls went to (a *_native_off mode: the bound methods only)
+            from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+            wrapper = rig.store.wrapped if staged else rig.store
+            assert isinstance(wrapper, NativeMooncakeStore)
+            row["native_client"] = wrapper.native_client is not None
+            row["native_calls"] = wrapper.stats.native_calls
+            row["fallback_calls"] = wrapper.stats.fallback_calls
     return row
 
 
@@ -590,6 +616,7 @@ def run(
     master_address: str | None = None,
     modes: tuple[str, ...] = MODES,
     remote: bool = False,
+    thread_counts: tuple[int, ...] = (1, 2, 4),
 ) -> list[dict[str, Any]]:
     """Measure ``modes`` (default all of :data:`MODES`); one dict per mode, times in ms, ``bytes_ok`` per mode.
 
@@ -599,6 +626,7 @@ def run(
     separate ``mooncake_client`` process does, so every byte crosses Mooncake's TCP transport between
     processes (request :data:`REMOTE`, or :data:`QUICK` with ``quick``; Mooncake's TCP queue limits raised as
     in :data:`REMOTE_TCP_ENV`, set in this process's environment for the run and restored after).
+    ``thread_counts``: the receive-thread counts of the 4-request rows (empty: single requests only).
     """
     import os
 
@@ -618,11 +646,12 @@ def run(
             from mooncake_kvaddr.bench.tcp import segment_holder
 
             stack.enter_context(segment_holder(master_address, 2 * len(modes) * shape.request_bytes + (256 << 20)))
-        return [_measure_mode(master_address, shape, mode, reps, (1, 2, 4), remote=remote) for mode in modes]
+        return [_measure_mode(master_address, shape, mode, reps, thread_counts, remote=remote) for mode in modes]
 
 
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual runs
-    """``python -m mooncake_kvaddr.bench.vllm_plugin [--full] [--reps N]``: print JSON rows."""
+    """``python -m mooncake_kvaddr.bench.vllm_plugin [--full] [--reps N] [--modes M,...] [--threads N,...]
+    [--json PATH]``: print (and write) JSON rows."""
     import argparse
     import json
     import os
@@ -633,12 +662,19 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual ru
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     parser.add_argument("--remote", action="store_true", help="the segment in another process: TCP between processes")
+    parser.add_argument("--threads", default="1,2,4",
+                        help="receive-thread counts of the 4-request rows, comma-separated ('' for none)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}")
-    rows = run(quick=not args.full, reps=args.reps, modes=modes, remote=args.remote)
+    threads = tuple(int(t) for t in args.threads.split(",") if t)
+    rows = run(quick=not args.full, reps=args.reps, modes=modes, remote=args.remote, thread_counts=threads)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
     json.dump(rows, sys.stdout, indent=1)
     print(flush=True)
     os._exit(0)  # vLLM's receive threads block forever on their queues
