@@ -443,6 +443,47 @@ def test_native_array_entry_dispatch_and_fallback(client: str) -> None:
         assert rows == addrs.tolist() and size_rows == sizes.tolist() and types[1] is list
 
 
+class _RowStore:
+    """Keeps the very row lists Mooncake's bound method was handed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, Any, Any]] = []
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        return 0
+
+    def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+        self.calls.append((list(keys), addrs, sizes))
+        return [1] * len(keys)
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_native_array_entry_without_a_client_hands_mooncake_value_equal_rows(uniform: bool) -> None:
+    """No native client (an unverified wheel): the arrays entry checks the matrices, then hands Mooncake's bound
+    method lists of Python ints value-equal to the matrices; identical size rows may be one shared list. A key
+    with a slice outside the registered buffers still gets -600 and is not handed on."""
+    bound = _RowStore()
+    store = NativeMooncakeStore(bound, armed=True)
+    store._client = None
+    cache = StagingBuffer(8 * 4 * 256)
+    assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+    addrs, sizes = _arrays(cache, 8, 4, 256)
+    if not uniform:
+        sizes[:, 1] = 128
+        sizes[5, 2] = 64
+    addrs[6, 3] = cache.ptr + cache.nbytes - 100  # past the end of the buffer
+    keys = [f"k{i}" for i in range(8)]
+    result = store.batch_get_into_multi_buffers_arrays(keys, addrs, sizes)
+    assert result == [1, 1, 1, 1, 1, 1, -600, 1] and store.stats.fallback_calls == 1
+    sent_keys, rows, size_rows = bound.calls[0]
+    good = [i for i in range(8) if i != 6]
+    assert sent_keys == [keys[i] for i in good]
+    assert type(rows) is list and all(type(r) is list for r in rows + size_rows)
+    assert all(type(v) is int for r in rows + size_rows for v in r)
+    assert rows == addrs[good].tolist() and size_rows == sizes[good].tolist()
+    assert (len({id(r) for r in size_rows}) == 1) == uniform
+
+
 def test_staged_array_entry_passes_what_it_does_not_stage_through() -> None:
     """Other dtypes, shapes, duplicate or non-str keys: Mooncake's own call with the rows as lists, nothing
     staged (the receive handler never sends these; other callers may)."""

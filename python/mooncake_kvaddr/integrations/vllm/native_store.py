@@ -228,7 +228,8 @@ class NativeMooncakeStore:
         if done:
             return result
         self.stats.fallback_calls += 1
-        return self._store.batch_get_into_multi_buffers(keys, np.asarray(addrs).tolist(), np.asarray(sizes).tolist())
+        addr_rows, size_rows = bound_rows(addrs, sizes)
+        return self._store.batch_get_into_multi_buffers(keys, addr_rows, size_rows)
 
     def batch_put_from_multi_buffers(
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
@@ -279,6 +280,19 @@ class NativeMooncakeStore:
 
     def __repr__(self) -> str:
         return f"NativeMooncakeStore({self._store!r})"
+
+
+def bound_rows(addrs: Any, sizes: Any) -> tuple[list[Any], list[Any]]:
+    """The receive handler's (keys x regions) matrices as the lists of rows Mooncake's bound method takes, built
+    with the least GIL time (docs/vllm-plugin.md, "Native-client transport"): one new int per address cell
+    (``tolist``), but when every size row is the same row (one block length per region: every rank-local
+    layout) a single list of sizes stands for every row. Mooncake's binding only reads the rows (it copies
+    them into its own vectors), and the lists never leave this call."""
+    a, s = np.asarray(addrs), np.asarray(sizes)
+    if s.ndim == 2 and s.dtype == np.int64 and s.shape[0] > 0 and bool((s == s[0]).all()):
+        row: list[Any] = s[0].tolist()
+        return a.tolist(), [row] * s.shape[0]
+    return a.tolist(), s.tolist()
 
 
 _GUARDED = guarded_names()
