@@ -104,7 +104,7 @@ def report(args: argparse.Namespace) -> int:
         "",
     ]
     header = (
-        f"{'leg':<14} {'mode':<30} {'cpu_gil':>8} {'x vLLM':>7} {'stall':>7} {'x vLLM':>7} {'wall':>7} "
+        f"{'leg':<14} {'mode':<30} {'cpu_gil':>8} {'x vLLM':>7} {'floor':>7} {'stall':>7} {'x vLLM':>7} {'wall':>7} "
         f"{'native':>6} {'bytes':>5}"
     )
     for doc in docs:
@@ -139,6 +139,8 @@ def report(args: argparse.Namespace) -> int:
                 "stall_ms": stall,
                 "stall_x_vllm": stall_x,
                 "wall_ms": row.get("wall_ms"),
+                "conversion_ms": row.get("mooncake_conversion_ms"),
+                "cpu_gil_floor_ms": row.get("cpu_gil_floor_ms"),
                 "native_client": native,
                 "native_calls": row.get("native_calls"),
                 "fallback_calls": row.get("fallback_calls"),
@@ -147,18 +149,28 @@ def report(args: argparse.Namespace) -> int:
                 "phases_ms": {k: v for k, v in row.items() if k.startswith(("cpu_", "stall_")) and k.endswith("_ms")},
             }
             lines.append(
-                f"{'':<14} {LABELS.get(mode, mode):<30} {_fmt(gil, '.2f'):>8} {_fmt(gil_x):>7} {_fmt(stall):>7} "
+                f"{'':<14} {LABELS.get(mode, mode):<30} {_fmt(gil, '.2f'):>8} {_fmt(gil_x):>7} "
+                f"{_fmt(row.get('cpu_gil_floor_ms')):>7} {_fmt(stall):>7} "
                 f"{_fmt(stall_x):>7} {_fmt(row.get('wall_ms')):>7} {'-' if native is None else str(native):>6} "
                 f"{row.get('bytes_ok')!s:>5}"
             )
         lines.append("")
         legs.append(leg)
-    lines.append(f"{'leg':<14} {'vLLM alone cpu_gil':>19} {'plugin default':>15} {'ratio':>7}")
+    lines.append("cpu_gil counts Mooncake's bound call whole (an upper bound); floor = cpu_gil less that call's CPU")
+    lines.append("beyond converting its rows (timed alone): what surely held the GIL. The default's cpu_gil is exact.")
+    lines.append(
+        f"{'leg':<14} {'vLLM alone cpu_gil':>19} {'floor':>7} {'plugin default':>15} {'ratio':>7} {'of floor':>9}"
+        f" {'no native client floor':>23}"
+    )
     for leg in legs:
         v, p = leg["modes"].get("vllm", {}), leg["modes"].get("recv_native", {})
+        off = leg["modes"].get("recv_native_off", {})
+        floor, exact = v.get("cpu_gil_floor_ms"), p.get("cpu_gil_ms")
+        floor_x = floor / exact if floor is not None and exact else None
+        v["gil_floor_x_default"] = floor_x
         lines.append(
-            f"{leg['leg']:<14} {_fmt(v.get('cpu_gil_ms'), '.2f'):>19} {_fmt(p.get('cpu_gil_ms'), '.2f'):>15} "
-            f"{_fmt(p.get('cpu_gil_x_vllm')):>6}x"
+            f"{leg['leg']:<14} {_fmt(v.get('cpu_gil_ms'), '.2f'):>19} {_fmt(floor, '.2f'):>7} {_fmt(exact, '.2f'):>15} "
+            f"{_fmt(p.get('cpu_gil_x_vllm')):>6}x {_fmt(floor_x):>8}x {_fmt(off.get('cpu_gil_floor_ms'), '.2f'):>23}"
         )
     text = "\n".join(lines) + "\n"
     print(text, end="")

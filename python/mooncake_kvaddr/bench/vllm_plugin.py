@@ -441,7 +441,8 @@ def _instrument(rig: VllmStoreRig, phases: _Phases, receive_handler: bool) -> Ca
     proxy = (_ArrayProxy if isinstance(rig.store, receive.ArrayStore) else _Proxy)(rig.store, phases, timed)
     inner = getattr(rig.store, "_store", None)
     if inner is not None:
-        rig.store._store = _Proxy(inner, phases, {"batch_get_into": "mooncake slot call"})
+        bound = {"batch_get_into": "mooncake slot call", "batch_get_into_multi_buffers": "mooncake bound call"}
+        rig.store._store = _Proxy(inner, phases, bound)
     for receiver in rig.receivers:
         receiver.store = proxy
         receiver.__dict__["_handle_request"] = phases.timed("request", receiver._handle_request)
@@ -483,7 +484,8 @@ def _single_requests(
     attributed to the phase it overlapped (on a loaded machine this includes time the OS gave the cores to
     other processes); ``cpu_*`` — the receive thread's own CPU time by phase (GIL held, except the copies
     timed as ``cpu_copy_released``, and the native-client calls' CPU beyond their GIL-held wall time, timed as
-    ``cpu_native_released``). ``cpu_gil`` = request CPU - both.
+    ``cpu_native_released``). ``cpu_gil`` = request CPU - both. ``cpu_bound_call``: the CPU of Mooncake's bound
+    ``batch_get_into_multi_buffers`` (argument conversion plus its C++ call on this thread).
     """
     rig.start_receivers(1)
     phases = _Phases()
@@ -527,6 +529,8 @@ def _single_requests(
             # Mooncake's own part of the store call: the whole call without staging, the slot call with it.
             add("cpu_mooncake_call", slots if "mooncake slot call" in cpu else store_call)
             add("cpu_staging_python", store_call - slots - copy if "mooncake slot call" in cpu else 0.0)
+            # Mooncake's bound multi-buffer get: the store call itself on a plain store, else a wrapper's call of it.
+            add("cpu_bound_call", store_call if rig.store is rig.raw_store else cpu.get("mooncake bound call", 0.0))
             add("cpu_copy_released", copy)
             add("cpu_native_released", native_released)
     finally:
@@ -557,6 +561,26 @@ def _wait_for_segment(rig: VllmStoreRig, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+def _conversion_ms(rig: VllmStoreRig, reps: int) -> float | None:
+    """Median thread CPU (ms) Mooncake's bound ``batch_get_into_multi_buffers`` spends converting one request's
+    rows as lists of Python ints (what vLLM hands it), with the GIL held and nothing transferred: called with no
+    key, the binding converts every argument, then answers ``[]`` (``MooncakeStore.time_argument_conversion``).
+    Part of vLLM alone's GIL time that its ``cpu_*`` split counts in the store call; None when the binding
+    answered anything else."""
+    regions = [cache.untyped_storage().data_ptr() for cache in rig.caches]
+    stride = rig.shape.region_bytes
+    addrs = [[base + block * stride for base in regions] for block in rig.block_ids()]
+    sizes = [[stride] * len(regions) for _ in addrs]
+    samples = []
+    for _ in range(max(reps, 1)):
+        cpu0 = time.thread_time()
+        out = rig.raw_store.batch_get_into_multi_buffers([], addrs, sizes)
+        samples.append((time.thread_time() - cpu0) * 1e3)
+        if list(out):
+            return None
+    return statistics.median(samples)
+
+
 def _measure_mode(
     master: str, shape: RigShape, mode: str, reps: int, thread_counts: tuple[int, ...], *, remote: bool = False
 ) -> dict[str, Any]:
@@ -584,6 +608,11 @@ def _measure_mode(
         handler = rig._worker.KVCacheStoreRecvingThread._handle_request
         fallbacks = handler.stats.fallback_requests if receive_handler else 0
         row.update(_single_requests(rig, hashes, expected, reps, mode, receive_handler))
+        conversion = row["mooncake_conversion_ms"] = _conversion_ms(rig, reps)
+        if conversion is not None:
+            # What surely held the GIL: cpu_gil less the part of Mooncake's bound call beyond converting its rows
+            # (its C++ call on this thread, GIL released or not: cpu_gil counts it whole).
+            row["cpu_gil_floor_ms"] = row["cpu_gil_ms"] - max(0.0, row["cpu_bound_call_ms"] - conversion)
         ok = bool(row["bytes_ok"])
         for count in thread_counts:
             rig.start_receivers(count)
@@ -662,8 +691,9 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual ru
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     parser.add_argument("--remote", action="store_true", help="the segment in another process: TCP between processes")
-    parser.add_argument("--threads", default="1,2,4",
-                        help="receive-thread counts of the 4-request rows, comma-separated ('' for none)")
+    parser.add_argument(
+        "--threads", default="1,2,4", help="receive-thread counts of the 4-request rows, comma-separated ('' for none)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
