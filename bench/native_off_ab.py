@@ -63,12 +63,12 @@ def main() -> int:
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         with EmbeddedMaster() as master:
             for variant in order:
-                mode, rows = VARIANTS[variant]
-                native_store.bound_rows = _tolist_rows if rows == "tolist" else rows_fn  # type: ignore[assignment]
+                mode, form = VARIANTS[variant]
+                native_store.bound_rows = _tolist_rows if form == "tolist" else rows_fn
                 try:
                     row = vllm_plugin._measure_mode(master.rpc_address, shape, mode, args.reps, ())
                 finally:
-                    native_store.bound_rows = rows_fn  # type: ignore[assignment]
+                    native_store.bound_rows = rows_fn
                 if not row.get("bytes_ok"):
                     raise SystemExit(f"{variant}: bytes differ")
                 samples[variant].append(row)
