@@ -76,6 +76,7 @@ __all__ = [
     "FINGERPRINTED",
     "KNOWN_FINGERPRINTS",
     "SUPPORTED_VLLM_SERIES",
+    "TRANSPORT_ATTR",
     "WORKER_MODULE",
     "PatchReport",
     "fingerprint",
@@ -157,6 +158,8 @@ class PatchReport:
     receive_reason: str = ""
     #: Why the worker's transport hook was not installed ("" when it was, or when there is no worker module).
     hook_reason: str = ""
+    #: Why vLLM's own ``MooncakeStoreWorker.lookup`` was kept ("" when it was replaced, or off).
+    lookup_reason: str = ""
 
     @property
     def active(self) -> bool:
@@ -479,7 +482,7 @@ def _check_shape(data: ModuleType, worker: ModuleType | None) -> str:
 #: The vLLM functions each part of the plugin was checked against, by part: the layouts (replaced), the receive
 #: handler (replaced; ``process_tokens`` is the chunk walk it reproduces) and the worker's transport hook
 #: (``register_kv_caches``/``close`` run with the wrapper as the store, so their bodies are what the hook
-#: relies on).
+#: relies on), the worker's lookup (replaced; the block pool's attributes are what its faster pool reads).
 FINGERPRINTED: dict[str, tuple[str, ...]] = {
     "layouts": (
         "RankLocalStoreLayout.prepare_values",
@@ -491,6 +494,11 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
     ),
     "receive": ("KVCacheStoreRecvingThread._handle_request", "ChunkedTokenDatabase.process_tokens"),
     "worker": ("MooncakeStoreWorker.register_kv_caches", "MooncakeStoreWorker.close"),
+    "lookup": (
+        "MooncakeStoreWorker.lookup",
+        "ExternalCachedBlockPool.__init__",
+        "ExternalCachedBlockPool.get_cached_block",
+    ),
 }
 
 #: :func:`fingerprint` of each function in :data:`FINGERPRINTED`, per release checked. 0.32.0's Mooncake store
@@ -507,6 +515,9 @@ KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
         "ChunkedTokenDatabase.process_tokens": "d7d54c491f37709b",
         "MooncakeStoreWorker.register_kv_caches": "d61b0517475bfad8",
         "MooncakeStoreWorker.close": "b9b831fa3647518f",
+        "MooncakeStoreWorker.lookup": "23da6e4e0684a1e0",
+        "ExternalCachedBlockPool.__init__": "8812d6d330d5298f",
+        "ExternalCachedBlockPool.get_cached_block": "58a17cb93531b829",
     }
     for release in ("0.32.0", "0.33.0")
 }
@@ -565,7 +576,7 @@ def fingerprint_problem(version: str, functions: Mapping[str, Any]) -> str:
 
 
 #: Classes of the worker module among :data:`FINGERPRINTED` (the others are the data module's).
-_WORKER_CLASSES = ("KVCacheStoreRecvingThread", "MooncakeStoreWorker")
+_WORKER_CLASSES = ("KVCacheStoreRecvingThread", "MooncakeStoreWorker", "ExternalCachedBlockPool")
 
 
 def vllm_functions(part: str, data: ModuleType, worker: ModuleType | None) -> dict[str, Any]:
@@ -659,7 +670,7 @@ def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any
 
 
 #: On a worker whose transfer threads got a transport wrapper: ``(vLLM's store, the wrapper)``.
-_TRANSPORT_ATTR = "_mooncake_kvaddr_transport"
+TRANSPORT_ATTR = "_mooncake_kvaddr_transport"
 
 
 def _wrap_worker(worker_cls: type) -> None:
@@ -684,7 +695,7 @@ def _wrap_worker(worker_cls: type) -> None:
         transport = maybe_stage_store(store, kv_caches, self.__dict__.get("_mooncake_kvaddr_extra"))
         if transport is store:
             return original_register(self, kv_caches, *args, **kwargs)
-        self.__dict__[_TRANSPORT_ATTR] = (store, transport)
+        self.__dict__[TRANSPORT_ATTR] = (store, transport)
         self.store = transport
         try:
             return original_register(self, kv_caches, *args, **kwargs)
@@ -693,7 +704,7 @@ def _wrap_worker(worker_cls: type) -> None:
                 self.store = store
 
     def close(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pair = self.__dict__.pop(_TRANSPORT_ATTR, None)
+        pair = self.__dict__.pop(TRANSPORT_ATTR, None)
         if pair is not None and pair[0] is not None and self.store is pair[0]:
             self.store = pair[1]
         return original_close(self, *args, **kwargs)
@@ -761,17 +772,40 @@ def _patch_receive(data: ModuleType, worker: ModuleType, report: PatchReport) ->
     report.patched.append("KVCacheStoreRecvingThread._handle_request")
 
 
+def _patch_lookup(data: ModuleType, worker: ModuleType, report: PatchReport) -> None:
+    """Replace ``MooncakeStoreWorker.lookup`` after its own shape check, fingerprint and self-check."""
+    from mooncake_kvaddr.integrations.vllm import lookup
+
+    problem = lookup.check_shape(worker) or fingerprint_problem(
+        report.vllm_version, vllm_functions("lookup", data, worker)
+    )
+    if problem:
+        report.lookup_reason = problem
+        return
+    cls = worker.MooncakeStoreWorker
+    replacement = lookup.make_lookup(_static(cls, "lookup"), worker)
+    try:
+        lookup.self_check(worker, replacement)
+    except Exception as exc:
+        report.lookup_reason = f"self-check failed: {exc}"
+        return
+    _replace(cls, "lookup", replacement)
+    report.patched.append("MooncakeStoreWorker.lookup")
+
+
 def patch(
     *,
     data: ModuleType | None = None,
     worker: ModuleType | None = None,
     version: str | None = None,
     receive: bool | None = None,
+    lookup: bool | None = None,
 ) -> PatchReport:
     """Check, self-check and patch (see the module docstring); idempotent. Returns what was done.
 
     ``data``/``worker``/``version`` default to the installed vLLM's modules and version (tests pass their own).
     ``receive``: replace the receive handler (None: unless :data:`ENV_RECV` turns it off).
+    ``lookup``: replace the worker's lookup (None: unless ``MOONCAKE_KVADDR_VLLM_LOOKUP`` turns it off).
     """
     global _REPORT
     if _REPORT is not None and _REPORT.active:
@@ -834,6 +868,13 @@ def patch(
                     _patch_receive(data, worker, report)
                 except Exception as exc:  # the layouts stay patched; only the handler stays vLLM's
                     report.receive_reason = f"{type(exc).__name__}: {exc}"
+            from mooncake_kvaddr.integrations.vllm.lookup import lookup_enabled
+
+            if lookup if lookup is not None else lookup_enabled(os.environ):
+                try:
+                    _patch_lookup(data, worker, report)
+                except Exception as exc:  # the rest stays patched; only the lookup stays vLLM's
+                    report.lookup_reason = f"{type(exc).__name__}: {exc}"
         _REPORT = report
         return report
 
@@ -988,6 +1029,8 @@ def _activate() -> None:
             logger.warning("mooncake_kvaddr: store transports off (vLLM's worker kept as is): %s", report.hook_reason)
         if report.receive_reason:
             logger.warning("mooncake_kvaddr: vLLM's own receive handler kept: %s", report.receive_reason)
+        if report.lookup_reason:
+            logger.warning("mooncake_kvaddr: vLLM's own lookup kept: %s", report.lookup_reason)
     elif not _WARNED:
         _WARNED = True
         logger.warning("mooncake_kvaddr: vLLM left untouched: %s", report.reason)
