@@ -26,8 +26,8 @@ import numpy as np
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.driver.native_client import KeyBlob
-from mooncake_kvaddr.integrations.vllm.plugin import TRANSPORT_ATTR
 from mooncake_kvaddr.integrations.vllm.receive import _DropThread
+from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
 
 __all__ = [
     "ENV_LOOKUP",
