@@ -273,3 +273,12 @@ def test_native_client_lookup_sends_one_blob_and_matches_vllm(raw_store: Any, st
 def test_a_worker_without_our_transport_uses_its_own_store() -> None:
     stub = types.SimpleNamespace(store=object())
     assert lookup_module._native_transport(stub) is None
+
+
+@pytest.mark.mooncake
+def test_the_lookup_bench_section_runs_and_agrees() -> None:
+    from mooncake_kvaddr.bench import vllm_lookup
+
+    rows = vllm_lookup.run(quick=True, reps=1)
+    assert [row["variant"] for row in rows] == list(vllm_lookup.VARIANTS)
+    assert all(row["hit_ok"] and row["cpu_gil_ms"] > 0 and row["wall_ms"] > 0 for row in rows)
