@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvaddr_testing import oracle_regions, paired
-from mooncake_kvaddr import BlobBlockHashes, ChunkedTokenDatabase, KeyMetadata, PoolKey
+from mooncake_kvaddr import BlobBlockHashes, ChunkedTokenDatabase, KeyMetadata, PoolKey, _native
 from mooncake_kvaddr.core.keys import (
     SpecKind,
     build_keys,
@@ -49,6 +50,41 @@ def test_build_lookup_keys_hash_major(prefix_list: list[str], sized: tuple[int, 
     expected = [f"{p}@{h.hex()}" for h in hashes for p in prefix_list]
     assert build_lookup_keys(prefix_list, hashes) == expected
     assert build_lookup_keys(prefix_list, b"".join(hashes), n) == expected
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(prefixes, min_size=0, max_size=8), hash_lists)
+def test_lookup_key_blob_is_the_lookup_keys_utf8(prefix_list: list[str], sized: tuple[int, list[bytes]]) -> None:
+    n, hashes = sized
+    if not all(_encodable(p) for p in prefix_list):
+        with pytest.raises(UnicodeEncodeError):  # what Mooncake's own conversion of such a key str raises
+            _native.lookup_key_blob(prefix_list, hashes)
+        return
+    expected = [k.encode() for k in build_lookup_keys(prefix_list, hashes)]
+    for args in ((prefix_list, hashes), (prefix_list, b"".join(hashes), n), (tuple(prefix_list), hashes, n),
+                 (prefix_list, [memoryview(h) for h in hashes])):  # fmt: skip
+        blob, offsets = _native.lookup_key_blob(*args)
+        assert isinstance(blob, bytes) and offsets.dtype == np.int64 and offsets.shape == (len(expected) + 1,)
+        assert [blob[offsets[i] : offsets[i + 1]] for i in range(len(expected))] == expected
+        assert offsets[0] == 0 and offsets[-1] == len(blob)
+
+
+def test_lookup_key_blob_refuses_bad_input() -> None:
+    for args in ((["ok"], [1]), ("one str", [b"x"]), ([b"bytes"], [b"x"]), ({"a"}, [b"x"]), (["ok"], "str"),
+                 (["ok"], b"abc", 2), (["ok"], [b"ab", b"abc"], 2), (["ok"], b"abcd"), (["ok"], [b"ab"], 0),
+                 ([1], [b"x"]), (["ok"], {b"x"})):  # fmt: skip
+        with pytest.raises((TypeError, ValueError)):
+            _native.lookup_key_blob(*args)
+    with pytest.raises(UnicodeEncodeError):
+        _native.lookup_key_blob(["\ud800"], [b"x"])
 
 
 def test_key_for_non_ascii_model_name() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
+from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, _native
 from mooncake_kvaddr.core.keys import build_keys, build_lookup_keys, reduce_exists
 from mooncake_kvaddr.driver.staging import HostCopyBackend, StagingBuffer, plan_slots
 
@@ -62,6 +62,9 @@ def calls(db: ChunkedTokenDatabase, inputs: dict[str, Any]) -> list[Callable[[],
         lambda: build_keys("p", [b"ab", "cd"]),  # TypeError after a view
         lambda: build_lookup_keys(["a", "b"], blob, 4),
         lambda: build_lookup_keys(["a", "b"], bad_blob, 4),
+        lambda: _native.lookup_key_blob(["a", "é"], blob, 4),
+        lambda: _native.lookup_key_blob(["a", "b"], bad_blob, 4),
+        lambda: _native.lookup_key_blob(["a", "\ud800"], [b"ab"]),  # UnicodeEncodeError after a prefix
         lambda: list(db.process_tokens(48, [b"a", b"b", b"c"], chunk_mask=mask)),
         lambda: list(db.process_tokens(2**62, [b"a"] * 3)),  # AssertionError
         lambda: reduce_exists([1, 1, 0, 1], [2, 2]),

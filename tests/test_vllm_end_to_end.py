@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
 from mooncake_kvaddr.integrations.vllm import plugin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
@@ -85,7 +86,7 @@ def test_store_then_load_with_vllms_threads(
             elif not staged:
                 assert rig.store is rig.raw_store
             layout = rig.db.store_layout
-            assert (plugin._ENGINE_ATTR in layout.__dict__) == (mode != "vllm")
+            assert (vllm_layouts.ENGINE_ATTR in layout.__dict__) == (mode != "vllm")
 
             # Keys never stored: vLLM reports the blocks as failed, nothing is written into the caches.
             rig.zero()

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_kvaddr.driver.staging import StagingBuffer
-from mooncake_kvaddr.integrations.vllm import plugin
+from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
+from mooncake_kvaddr.integrations.vllm import plugin, transports
 from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
 
 
@@ -49,9 +50,9 @@ def test_register_patches_once_logs_one_line_and_unpatch_restores(
     lines = [r for r in caplog.records if r.name == "vllm.mooncake_kvaddr" and "active" in r.getMessage()]
     assert len(lines) == 1 and "0.3" in lines[0].getMessage()
     assert plugin.is_patched()
-    assert data.RankLocalStoreLayout.prepare_values is plugin._rank_local_prepare_values
-    assert data.TPShardedStoreLayout.prepare_values is plugin._sharded_prepare_values
-    assert data.LBNHCStoreLayout.prepare_values is plugin._sharded_prepare_values
+    assert data.RankLocalStoreLayout.prepare_values is vllm_layouts._rank_local_prepare_values
+    assert data.TPShardedStoreLayout.prepare_values is vllm_layouts._sharded_prepare_values
+    assert data.LBNHCStoreLayout.prepare_values is vllm_layouts._sharded_prepare_values
     plugin.unpatch()
     assert data.RankLocalStoreLayout.__dict__["prepare_values"] is original
     assert not plugin.is_patched()
@@ -63,7 +64,7 @@ def test_environment_switch_turns_it_off(data: Any, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(plugin.ENV_PLUGIN, value)
     plugin.register()
     assert not plugin.is_patched()
-    assert data.RankLocalStoreLayout.prepare_values is not plugin._rank_local_prepare_values
+    assert data.RankLocalStoreLayout.prepare_values is not vllm_layouts._rank_local_prepare_values
 
 
 @pytest.mark.vllm
@@ -135,7 +136,7 @@ def test_register_warns_once_when_it_cannot_patch(
 
 
 def _same(a: Any, b: Any) -> bool:
-    return plugin._same(a, b)
+    return vllm_layouts._same(a, b)
 
 
 def _outcome(fn: Any) -> tuple[str, Any]:
@@ -178,7 +179,7 @@ def rank_local_cases(draw: Any) -> dict[str, Any]:
 @given(case=rank_local_cases())
 def test_rank_local_matches_vllm(data: Any, case: dict[str, Any]) -> None:
     plugin.patch()
-    original = plugin._ORIGINAL_FUNCS
+    original = vllm_layouts._ORIGINAL_FUNCS
     layout = data.RankLocalStoreLayout(data.KeyMetadata("m", 0, 0, 0, 0), case["bs"], case["hbs"])
     layout.set_kv_caches_base_addr(case["bases"])
     layout.set_block_len(case["lens"])
@@ -229,7 +230,7 @@ def sharded_cases(draw: Any) -> dict[str, Any]:
 @given(case=sharded_cases())
 def test_tp_sharded_matches_vllm(data: Any, case: dict[str, Any]) -> None:
     plugin.patch()
-    original = plugin._ORIGINAL_FUNCS
+    original = vllm_layouts._ORIGINAL_FUNCS
     cls = data.LBNHCStoreLayout if case["lbnhc"] else data.LBHNCStoreLayout
     layout = cls(data.KeyMetadata("m", 0, 0, 0, 0), case["bs"], case["bs"], case["local_tp"], case["store_tp"],
                  case["tp_rank"], 16)  # fmt: skip
@@ -265,7 +266,7 @@ def test_registered_torch_caches_match_vllm(data: Any) -> None:
     """Regions from real tensors (dense, per-head, partial storage), vLLM's own registration."""
     torch = pytest.importorskip("torch")
     plugin.patch()
-    original = plugin._ORIGINAL_FUNCS
+    original = vllm_layouts._ORIGINAL_FUNCS
     num_blocks = 9
     dense = [torch.zeros(num_blocks, 16, 8, dtype=torch.float16) for _ in range(3)]
     per_head = torch.zeros(num_blocks, 16, 2, 8).transpose(1, 2)  # block not dense -> one region per head
@@ -620,9 +621,10 @@ import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-from mooncake_kvaddr.integrations.vllm import plugin
+from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
+from mooncake_kvaddr.integrations.vllm import plugin, transports
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import data
-patched = data.RankLocalStoreLayout.prepare_values is plugin._rank_local_prepare_values
+patched = data.RankLocalStoreLayout.prepare_values is vllm_layouts._rank_local_prepare_values
 print("PATCHED" if patched else "UNTOUCHED", flush=True)
 """
 
@@ -732,7 +734,7 @@ def test_worker_hook_keeps_vllms_store_and_wraps_the_threads(
     monkeypatch.delenv(plugin.ENV_STAGED, raising=False)
     good, bad = 0x10000, 0x40000
     raw = _HookStore(bad)
-    plugin._wrap_worker(_StandInWorker)
+    transports.wrap_worker(_StandInWorker)
     try:
         worker = _StandInWorker(types.SimpleNamespace(kv_transfer_config=None), raw)
         with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
@@ -779,7 +781,8 @@ _DEFERRED = """
 import logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 import vllm
-from mooncake_kvaddr.integrations.vllm import plugin
+from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
+from mooncake_kvaddr.integrations.vllm import plugin, transports
 start = time.perf_counter()
 plugin.register()
 plugin.register()
@@ -793,7 +796,7 @@ else:
     __import__(plugin.DATA_MODULE if first == "data" else plugin.WORKER_MODULE)
 data = sys.modules[plugin.DATA_MODULE]
 worker = sys.modules[plugin.WORKER_MODULE]
-ours = data.RankLocalStoreLayout.__dict__["prepare_values"] is plugin._rank_local_prepare_values
+ours = data.RankLocalStoreLayout.__dict__["prepare_values"] is vllm_layouts._rank_local_prepare_values
 handler = worker.KVCacheStoreRecvingThread.__dict__["_handle_request"]
 print("PATCHED" if ours and handler.__module__.endswith("receive") else "UNTOUCHED")
 print("LOADERS", type(data.__loader__).__name__, type(worker.__spec__.loader).__name__)

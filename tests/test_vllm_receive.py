@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_kvaddr.driver.staging import StagingBuffer
+from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
 from mooncake_kvaddr.integrations.vllm import plugin, receive
 from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
 from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
@@ -666,7 +667,7 @@ def test_a_changed_handler_body_keeps_vllms_handler_with_one_warning(
             plugin.register()
         assert plugin.is_patched() and not plugin.is_receive_patched()
         assert cls.__dict__["_handle_request"] is changed
-        assert data.RankLocalStoreLayout.__dict__["prepare_values"] is plugin._rank_local_prepare_values
+        assert data.RankLocalStoreLayout.__dict__["prepare_values"] is vllm_layouts._rank_local_prepare_values
         warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert len(warnings) == 1, warnings
         assert "receive handler kept" in warnings[0] and "KVCacheStoreRecvingThread._handle_request" in warnings[0]

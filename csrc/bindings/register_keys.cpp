@@ -185,6 +185,68 @@ py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle ha
     return keys;
 }
 
+// Lookup keys (hash-major, then the prefixes in order, as build_lookup_keys) as ONE UTF-8 blob cut at n + 1
+// int64 offsets: what the native client's batch_is_exist takes (docs/lookup.md, "Native lookup"), so a
+// lookup builds no Python str per key. The bytes are what Mooncake's binding would make of each key str.
+py::tuple lookup_key_blob(py::handle prefixes, py::handle hashes, py::handle hash_len) {
+    if (PyUnicode_Check(prefixes.ptr())) raise(PyExc_TypeError, "prefixes must be a sequence of str, not one str");
+    refuse_non_sequence(prefixes, "prefixes");
+    FastSequence prefix_seq(prefixes.ptr(), "prefixes");
+    std::vector<std::string> heads;  // each prefix's UTF-8 bytes and the '@'
+    heads.reserve(static_cast<std::size_t>(prefix_seq.size()));
+    for (Py_ssize_t p = 0; p < prefix_seq.size(); ++p) {
+        py::object prefix = prefix_seq.at(p);
+        if (!PyUnicode_Check(prefix.ptr())) raise(PyExc_TypeError, "prefix must be str, not " + type_name(prefix.ptr()));
+        Py_ssize_t size = 0;
+        const char* utf8 = PyUnicode_AsUTF8AndSize(prefix.ptr(), &size);  // a lone surrogate: UnicodeEncodeError
+        if (utf8 == nullptr) throw py::error_already_set();
+        heads.emplace_back(utf8, static_cast<std::size_t>(size));
+        heads.back().push_back('@');
+    }
+    HashSource source(hashes, hash_len);
+    const auto n_hashes = static_cast<std::size_t>(source.size());
+    // The hashes' bytes, copied once (a sequence item's view lasts only until the next `at`).
+    std::vector<uint8_t> hash_bytes;
+    std::vector<std::size_t> hash_ends(n_hashes);
+    for (std::size_t i = 0; i < n_hashes; ++i) {
+        std::size_t length = 0;
+        const uint8_t* hash = source.at(static_cast<Py_ssize_t>(i), &length);
+        hash_bytes.insert(hash_bytes.end(), hash, hash + length);
+        hash_ends[i] = hash_bytes.size();
+    }
+    std::size_t n_keys = 0;
+    if (__builtin_mul_overflow(n_hashes, heads.size(), &n_keys)) raise(PyExc_OverflowError, "too many lookup keys");
+    std::size_t total = 0;
+    for (const auto& head : heads) {
+        std::size_t part = 0;  // this prefix's bytes over every hash: n * len(head) + 2 * all hash bytes
+        if (__builtin_mul_overflow(n_hashes, head.size(), &part) || __builtin_add_overflow(total, part, &total) ||
+            __builtin_add_overflow(total, hash_bytes.size(), &total) ||
+            __builtin_add_overflow(total, hash_bytes.size(), &total) ||
+            total > static_cast<std::size_t>(PY_SSIZE_T_MAX)) {
+            raise(PyExc_OverflowError, "the lookup keys do not fit in one blob");
+        }
+    }
+    py::array_t<int64_t> offsets(static_cast<py::ssize_t>(n_keys + 1));
+    auto* cut = offsets.mutable_data();
+    py::bytes blob = py::reinterpret_steal<py::bytes>(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(total)));
+    if (!blob) throw py::error_already_set();
+    char* out = PyBytes_AS_STRING(blob.ptr());
+    std::size_t at = 0, key = 0;
+    cut[0] = 0;
+    for (std::size_t i = 0; i < n_hashes; ++i) {
+        const std::size_t begin = i == 0 ? 0 : hash_ends[i - 1];
+        const std::size_t length = hash_ends[i] - begin;
+        for (const auto& head : heads) {
+            std::memcpy(out + at, head.data(), head.size());
+            at += head.size();
+            write_hex(hash_bytes.data() + begin, length, out + at);
+            at += 2 * length;
+            cut[++key] = static_cast<int64_t>(at);
+        }
+    }
+    return py::make_tuple(std::move(blob), std::move(offsets));
+}
+
 // Exist results as int64 values; values that do not fit (never 1) read as 0, i.e. absent.
 std::vector<int64_t> exist_values(py::handle results) {
     refuse_non_sequence(results, "results");
@@ -355,6 +417,8 @@ void register_keys(py::module_& m) {
     m.def("build_keys", &build_keys, py::arg("prefix"), py::arg("hashes"), py::arg("hash_len") = py::none());
     m.def("build_lookup_keys", &build_lookup_keys, py::arg("prefixes"), py::arg("hashes"),
           py::arg("hash_len") = py::none());
+    m.def("lookup_key_blob", &lookup_key_blob, py::arg("prefixes"), py::arg("hashes"), py::arg("hash_len") = py::none(),
+          "(blob, offsets): build_lookup_keys' keys as one UTF-8 bytes blob cut at n + 1 int64 offsets.");
     m.def("reduce_exists", &reduce_exists, py::arg("results"), py::arg("widths"));
     m.def("chunk_walk", &chunk_walk, py::arg("token_len"), py::arg("n_hashes"), py::arg("block_size"),
           py::arg("hash_block_size"), py::arg("mask_num"), py::arg("chunk_mask"), py::arg("put_step"),

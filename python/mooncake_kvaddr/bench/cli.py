@@ -94,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         report.add("layouts", external.layouts(quick))
         if not args.no_mooncake:
             report.add("vllm_threads", external.vllm_threads(quick))
+            report.add("vllm_lookup", external.vllm_lookup(quick))
     if args.multihost:
         report.add("multihost", external.multihost(quick))
     if args.plot:

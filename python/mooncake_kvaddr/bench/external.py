@@ -6,6 +6,8 @@
   (:mod:`mooncake_kvaddr.bench.native_client`; docs/native-client.md).
 - ``vllm_threads``: vLLM 0.33's own send/receive threads without the plugin, with it, and with the staged
   transport (:mod:`mooncake_kvaddr.bench.vllm_plugin`; docs/vllm-plugin.md).
+- ``vllm_lookup``: vLLM 0.33's ``MooncakeStoreWorker.lookup`` at TP 8 without the plugin, with it, and with it
+  but without the native client (:mod:`mooncake_kvaddr.bench.vllm_lookup`; docs/vllm-plugin.md).
 - ``multihost``: cross-namespace TCP (:mod:`mooncake_kvaddr.bench.netns_tcp`; docs/multihost.md).
 
 Each producer returns plain row dicts; this module only chooses the columns and names the baseline.
@@ -77,6 +79,22 @@ def vllm_threads(quick: bool) -> dict[str, Any] | None:
     return table("vLLM 0.33's own send/receive threads per request (real Mooncake master); GIL ms = receive-thread "
                  "CPU with the GIL (docs/vllm-plugin.md), stall = a busy Python thread's lost time",
                  "vLLM 0.33 alone (no plugin); x = its value / the mode's", _rows_by(rows, "mode"), cols, label="mode")
+
+
+def vllm_lookup(quick: bool) -> dict[str, Any] | None:
+    """vLLM 0.33's worker lookup (TP 8, every key stored): vLLM alone, the plugin, the plugin without the native
+    client."""
+    from mooncake_kvaddr.bench import vllm_lookup as producer
+
+    rows = producer.run(quick)
+    shape = f"{rows[0]['units']} units x {rows[0]['keys'] // rows[0]['units']} rank namespaces" if rows else ""
+    cols = (Col("wall_ms", "wall ms"), Col("cpu_ms", "CPU ms"), Col("cpu_gil_ms", "GIL ms"),
+            Col("cpu_gil_x", "GIL x", ".1f", "x"), Col("stall_ms", "stall ms"), Col("stall_x", "stall x", ".1f", "x"),
+            Col("hit_ok", "same hit"))
+    return table(f"vLLM 0.33's MooncakeStoreWorker.lookup per request ({shape}, real Mooncake master); GIL ms = the "
+                 "calling thread's time with the GIL held (the native client's GIL-released part not counted), "
+                 "stall = a busy Python thread's lost time",
+                 "vLLM 0.33 alone; x = its value / the variant's", _rows_by(rows, "variant"), cols, label="variant")
 
 
 def multihost(quick: bool) -> dict[str, Any] | None:

@@ -1,0 +1,345 @@
+"""A replacement for vLLM 0.32/0.33's ``MooncakeStoreWorker.lookup`` (docs/vllm-plugin.md, "The lookup").
+
+vLLM builds one Python str per (unit, lookup prefix) - 18,064 at TP 8 for the headline request - and hands the
+list to Mooncake's ``batch_is_exist``, whose binding converts every str with the GIL held. Ours builds the keys
+in one native call per KV-cache group: as one UTF-8 blob for the native client (no str per key; Mooncake is
+called with the GIL released) or, for any other store, as the same list of str vLLM builds. The all-prefixes
+reduction is native too. Which units are asked for, the hit (vLLM's coordinator) and the tail boundaries stay
+vLLM's code; anything unusual goes to vLLM's own method before the store is called.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import random
+import threading
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mooncake_kvaddr import _native
+from mooncake_kvaddr.core.flags import flag
+from mooncake_kvaddr.driver.native_client import KeyBlob
+from mooncake_kvaddr.integrations.vllm.receive import _DropThread
+from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
+
+__all__ = [
+    "ENV_LOOKUP",
+    "LookupPlan",
+    "LookupStats",
+    "check_shape",
+    "lookup_enabled",
+    "make_lookup",
+    "plan_lookup",
+    "self_check",
+]
+
+#: Set to ``0``/``false``/``off``/``no`` to keep vLLM's own ``MooncakeStoreWorker.lookup``.
+ENV_LOOKUP = "MOONCAKE_KVADDR_VLLM_LOOKUP"
+
+_EXPECTED_PARAMS = ("num_tokens", "block_hashes")
+#: Names ``MooncakeStoreWorker.lookup`` resolves in its module; ours takes the same objects from there.
+_MODULE_NAMES = ("MooncakeLookupResult", "ExternalCachedBlockPool", "cdiv", "logger")
+
+
+def lookup_enabled(environ: Mapping[str, str]) -> bool:
+    """False when :data:`ENV_LOOKUP` turns the replacement off (on by default with the plugin)."""
+    return flag(environ.get(ENV_LOOKUP), True)
+
+
+def check_shape(worker: ModuleType) -> str:
+    """Empty string when vLLM's worker module has the lookup this module replaces; else the first mismatch."""
+    cls = worker.__dict__.get("MooncakeStoreWorker")
+    if not isinstance(cls, type):
+        return "MooncakeStoreWorker is missing"
+    for method, params in (("lookup", _EXPECTED_PARAMS), ("_tail_key_boundaries", None)):
+        func = inspect.getattr_static(cls, method, None)
+        if not callable(func):
+            return f"MooncakeStoreWorker.{method} is missing"
+        if params is not None and tuple(inspect.signature(func).parameters)[1:] != params:
+            return f"MooncakeStoreWorker.{method} has another signature"
+    for name in _MODULE_NAMES:
+        if worker.__dict__.get(name) is None:
+            return f"{worker.__name__}.{name} is missing"
+    return ""
+
+
+@dataclass
+class LookupStats:
+    """Counters of the replacement lookup: by our plan, by vLLM's method, and store calls with a key blob."""
+
+    fast: int = 0
+    fallback: int = 0
+    blob_calls: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class LookupPlan:
+    """What one lookup asks the store: per prefix-cacheable group, its unit hashes and key prefixes."""
+
+    groups: list[tuple[int, list[Any], tuple[str, ...]]]
+
+    @property
+    def key_count(self) -> int:
+        return sum(len(hashes) * len(prefixes) for _, hashes, prefixes in self.groups)
+
+    def key_list(self) -> list[str]:
+        """The keys in vLLM's order (per group, per unit, per prefix), as str."""
+        keys: list[str] = []
+        for _, hashes, prefixes in self.groups:
+            keys.extend(_native.build_lookup_keys(prefixes, hashes))
+        return keys
+
+    def key_blob(self) -> KeyBlob:
+        """The same keys as one UTF-8 blob cut at int64 offsets (the native client's form)."""
+        parts = [_native.lookup_key_blob(prefixes, hashes) for _, hashes, prefixes in self.groups]
+        if len(parts) == 1:
+            return KeyBlob(*parts[0])
+        shift = 0
+        cuts = [np.zeros(1, np.int64)]
+        for blob, offsets in parts:
+            cuts.append(offsets[1:] + shift)
+            shift += len(blob)
+        return KeyBlob(b"".join(blob for blob, _ in parts), np.concatenate(cuts))
+
+    def present(self, results: Any) -> set[tuple[int, bytes]]:
+        """The ``(group, hash bytes)`` units whose every prefix answered exactly 1 (vLLM's rule)."""
+        widths = [len(prefixes) for _, hashes, prefixes in self.groups for _ in hashes]
+        try:
+            flags = _native.reduce_exists(results, widths)
+        except (TypeError, ValueError, OverflowError):
+            return self._present_by_items(results)  # not a list of ints of the right length: vLLM's loop
+        found: set[tuple[int, bytes]] = set()
+        start = 0
+        for g, hashes, _ in self.groups:
+            found.update((g, bytes(h)) for h in itertools.compress(hashes, flags[start : start + len(hashes)]))
+            start += len(hashes)
+        return found
+
+    def _present_by_items(self, results: Any) -> set[tuple[int, bytes]]:
+        # Item by item, as vLLM reads them: the same answers and the same exceptions for any result object.
+        found: set[tuple[int, bytes]] = set()
+        pos = 0
+        for g, hashes, prefixes in self.groups:
+            count = len(prefixes)
+            for h in hashes:
+                if all(results[pos + j] == 1 for j in range(count)):
+                    found.add((g, bytes(h)))
+                pos += count
+        return found
+
+
+def plan_lookup(
+    worker: Any, token_len: int, block_hashes: Sequence[Any], cdiv: Callable[[int, int], int]
+) -> LookupPlan:
+    """The units vLLM's lookup would ask for, read from the worker exactly as vLLM reads them."""
+    coord = worker.coord
+    fine_grained = coord.enable_partial_hash_hits
+    masks = None if fine_grained else coord.lookup_mask(token_len)
+    groups: list[tuple[int, list[Any], tuple[str, ...]]] = []
+    for g, db in enumerate(worker.token_dbs):
+        spec = worker._kv_cache_groups[g].kv_cache_spec
+        if not spec.prefix_cacheable:
+            continue
+        prefixes = tuple(worker._lookup_key_prefixes[g])
+        if fine_grained:
+            limit = min(len(block_hashes), token_len // worker.hash_block_size)
+            hashes = [block_hashes[i] for i in range(limit)]
+        else:
+            mask = masks[g]  # type: ignore[index]
+            group_hashes = coord.block_hashes_for_spec(block_hashes, spec)
+            limit = min(len(group_hashes), cdiv(token_len, db.block_size))
+            if mask is None:
+                hashes = [group_hashes[i] for i in range(limit)]
+            else:
+                hashes = [group_hashes[i] for i in range(min(limit, len(mask))) if mask[i]]
+        groups.append((g, hashes, prefixes))
+    return LookupPlan(groups)
+
+
+def _native_transport(worker: Any) -> Any:
+    """The worker's native-client wrapper when its native client is live, else None (vLLM's store is used).
+    Chosen by our own types: the pair our worker hook stored, around the very store the worker holds."""
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+    from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+    pair = getattr(worker, "__dict__", {}).get(TRANSPORT_ATTR)
+    if not isinstance(pair, tuple) or len(pair) != 2 or pair[0] is not worker.store:
+        return None
+    transport = pair[1]
+    if isinstance(transport, StagedMooncakeStore):
+        transport = transport.wrapped
+    if isinstance(transport, NativeMooncakeStore) and transport.native_client is not None:
+        return transport
+    return None
+
+
+def fast_pool_class(pool_cls: type) -> type:
+    """vLLM's ``ExternalCachedBlockPool`` with a ``get_cached_block`` that answers the same without a generator
+    per block: vLLM's coordinator asks it once per block and hash unit, twice per lookup on a full hit (about
+    half of vLLM's lookup time at the headline request, docs/benchmarks.md). The fingerprints of vLLM's
+    ``__init__`` and ``get_cached_block`` (the attributes read here) are checked before it is used."""
+
+    class FastPool(pool_cls):  # type: ignore[misc]
+        __slots__ = ()
+
+        def get_cached_block(self, block_hash: Any, group_ids: list[int]) -> Any:
+            exists = self._exists
+            if exists is None:
+                return super().get_cached_block(block_hash, group_ids)
+            key = bytes(block_hash)
+            for g in group_ids:
+                if (g, key) not in exists:
+                    return None
+            return [self._present_block] * len(group_ids)
+
+    FastPool.__qualname__ = FastPool.__name__ = f"Fast{pool_cls.__name__}"
+    return FastPool
+
+
+def make_lookup(original: Callable[..., Any], worker_module: ModuleType) -> Callable[..., Any]:
+    """The replacement ``MooncakeStoreWorker.lookup``; ``original`` is vLLM's (run for anything unusual)."""
+    result_cls = worker_module.MooncakeLookupResult
+    pool_cls = fast_pool_class(worker_module.ExternalCachedBlockPool)
+    cdiv = worker_module.cdiv
+    log = worker_module.logger
+    stats = LookupStats()
+    lock = threading.Lock()
+
+    def fallback(self: Any, num_tokens: int, block_hashes: Any, why: str) -> Any:
+        with lock:
+            stats.fallback += 1
+            stats.reasons[why] = stats.reasons.get(why, 0) + 1
+        return original(self, num_tokens, block_hashes)
+
+    def lookup(self: Any, num_tokens: int, block_hashes: Any) -> Any:
+        """mooncake_kvaddr's lookup (docs/vllm-plugin.md, "The lookup")."""
+        if self._capacity_only:
+            return fallback(self, num_tokens, block_hashes, "capacity-only worker")
+        token_len = self.coord.align_lookup_length(num_tokens)
+        if not block_hashes or token_len <= 0:
+            return result_cls(0)
+        try:
+            plan = plan_lookup(self, token_len, block_hashes, cdiv)
+            n_keys = plan.key_count
+            transport = _native_transport(self) if n_keys else None
+            keys: Any = plan.key_blob() if transport is not None else plan.key_list()
+        except Exception as exc:  # vLLM's method raises its own error, or accepts what we refuse
+            return fallback(self, num_tokens, block_hashes, f"planning raised {type(exc).__name__}")
+        with lock:
+            stats.fast += 1
+            stats.blob_calls += transport is not None
+        if not n_keys:
+            return result_cls(0)
+        started = time.perf_counter()
+        try:
+            results = (transport if transport is not None else self.store).batch_is_exist(keys)
+            self._record_kv_connector_operation("lookup_exists", time.perf_counter() - started, n_keys)
+        except Exception as e:
+            self._record_kv_connector_operation(
+                "lookup_exists", time.perf_counter() - started, n_keys, status="error", num_failed_keys=n_keys
+            )
+            log.error("Remote connection failed in lookup: %s", e)
+            return result_cls(0)
+        pool = pool_cls(self.hash_block_size, plan.present(results))
+        _, hit = self.coord.find_longest_cache_hit(block_hashes, token_len, pool)
+        if hit >= num_tokens:
+            # A full hit is cut below the request's end: its last token is computed again for sampling.
+            usable = self.coord.align_lookup_length(num_tokens - 1)
+            if usable <= 0:
+                return result_cls(0)
+            _, hit = self.coord.find_longest_cache_hit(block_hashes, usable, pool)
+        return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool))
+
+    lookup.stats = stats  # type: ignore[attr-defined]
+    lookup.__wrapped__ = original  # type: ignore[attr-defined]
+    lookup.__qualname__ = "MooncakeStoreWorker.lookup"
+    return lookup
+
+
+# --- the self-check ------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """A store answering ``batch_is_exist`` from a set of keys, recording what it was asked."""
+
+    def __init__(self, present: set[str], fail: bool) -> None:
+        self.present = present
+        self.fail = fail
+        self.asked: list[list[str]] = []
+
+    def batch_is_exist(self, keys: Any) -> list[int]:
+        self.asked.append(list(keys))
+        if self.fail:
+            raise RuntimeError("self-check: store down")
+        return [1 if k in self.present else 0 for k in self.asked[-1]]
+
+
+def _stand_in(worker_module: ModuleType, coord: Any, groups: list[Any], dbs: list[Any], prefixes: Any, hbs: int,
+              store: Any, records: list[Any]) -> Any:  # fmt: skip
+    stub = types.SimpleNamespace(
+        _capacity_only=False,
+        coord=coord,
+        token_dbs=dbs,
+        _kv_cache_groups=groups,
+        _lookup_key_prefixes=prefixes,
+        hash_block_size=hbs,
+        store=store,
+        _record_kv_connector_operation=lambda op, _s, n, **kw: records.append((op, n, sorted(kw.items()))),
+    )
+    stub._tail_key_boundaries = types.MethodType(worker_module.MooncakeStoreWorker._tail_key_boundaries, stub)
+    return stub
+
+
+def self_check(worker_module: ModuleType, lookup: Callable[..., Any], *, seed: int = 0, cases: int = 8) -> None:
+    """vLLM's own lookup and ``lookup`` on small generated requests (one or two full-attention groups, coarse and
+    fine-grained, partial stores, a failing store): equal results, store calls and records, else
+    ``AssertionError``."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    original = getattr(lookup, "__wrapped__", None) or worker_module.MooncakeStoreWorker.lookup
+    rng = random.Random(seed)
+    quiet = _DropThread(threading.get_ident())
+    worker_module.logger.addFilter(quiet)  # the failing-store case logs vLLM's error line: not at start-up
+    try:
+        for case in range(cases):
+            hbs = 16
+            sizes = [hbs * rng.choice((1, 2))] + ([hbs * 2] if case % 2 else [])
+            groups = [
+                KVCacheGroupSpec([f"layer.{g}"], FullAttentionSpec(block_size=b, num_kv_heads=1, head_size=8,
+                                                                   dtype=torch.float16))
+                for g, b in enumerate(sizes)
+            ]  # fmt: skip
+            fine = case % 4 == 3
+            prefixes = tuple(
+                tuple(f"self-check/g{g}/r{r}" for r in range(rng.randint(1, 3))) for g in range(len(sizes))
+            )
+            hashes = [rng.randbytes(8) for _ in range(rng.randint(1, 12))]
+            every = [f"{p}@{h.hex()}" for ps in prefixes for p in ps for h in hashes]
+            present = {k for k in every if rng.random() < 0.85}
+            num_tokens = rng.randint(1, len(hashes) * hbs + 8)
+            outcomes = []
+            for func in (original, lookup):
+                coord = MooncakeStoreCoordinator(groups, max(sizes), hbs, enable_partial_hash_hits=fine)
+                store = _Recorder(present, fail=case == cases - 1)
+                records: list[Any] = []
+                dbs = [types.SimpleNamespace(block_size=b) for b in sizes]
+                stub = _stand_in(worker_module, coord, groups, dbs, prefixes, hbs, store, records)
+                try:
+                    got: Any = func(stub, num_tokens, hashes)
+                except Exception as exc:
+                    got = type(exc)
+                outcomes.append((got, store.asked, records))
+            if outcomes[0] != outcomes[1]:
+                raise AssertionError(f"lookup self-check case {case}: vLLM {outcomes[0]!r}, ours {outcomes[1]!r}")
+    finally:
+        worker_module.logger.removeFilter(quiet)
