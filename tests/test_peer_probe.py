@@ -254,12 +254,6 @@ def test_a_peer_whose_probe_fails_gets_none_of_its_keys(monkeypatch: pytest.Monk
         r.check(result, dst, [b for b in IDS if b - 1 not in on_down])
 
 
-def _holders(key: str) -> tuple[str, ...]:
-    """Peers holding ``key``'s replicas in the tests below: the first peer alone, the second alone, or both."""
-    side = zlib.crc32(key.encode()) % 3
-    return PEERS if side == 2 else (PEERS[side],)
-
-
 def test_a_key_with_a_replica_on_an_answering_peer_goes_ahead(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
     """Keys on the first peer alone, on the second alone, and on both. Each peer is probed with a key it holds
     alone (a key both hold could be read from the other peer, proving nothing); the second peer's probe fails
@@ -267,11 +261,13 @@ def test_a_key_with_a_replica_on_an_answering_peer_goes_ahead(monkeypatch: pytes
     (Mooncake picks the replica)."""
     with rig(monkeypatch, "multi_buffer", model) as r:
         queries: list[list[str]] = []
+        # The stored keys in chunk order, by thirds: the first peer alone, the second alone, both.
+        holders = {k: PEERS if i % 3 == 2 else (PEERS[i % 3],) for i, k in enumerate(r.client.objects)}
 
         def batch_get_replica_desc(keys: list[str]) -> dict[str, list[Any]]:
             queries.append(list(keys))
             objects = r.client.objects
-            return {k: [_replica(p, len(objects[k])) for p in _holders(k)] for k in keys if k in objects}
+            return {k: [_replica(p, len(objects[k])) for p in holders[k]] for k in keys if k in objects}
 
         r.client.batch_get_replica_desc = batch_get_replica_desc  # type: ignore[attr-defined]
         original = r.client.batch_get_into
@@ -279,7 +275,7 @@ def test_a_key_with_a_replica_on_an_answering_peer_goes_ahead(monkeypatch: pytes
 
         def probe(keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
             probed.extend(keys)
-            if _holders(keys[0]) != (PEERS[0],):
+            if holders[keys[0]] != (PEERS[0],):
                 return [-800]  # only a key held by the first peer alone is read from an answering peer
             return original(keys, ptrs, sizes)
 
@@ -288,10 +284,10 @@ def test_a_key_with_a_replica_on_an_answering_peer_goes_ahead(monkeypatch: pytes
         with r.transfer(dst) as reader:
             result = reader.load(r.request())
         keys = queries[0]
-        down_only = [i for i, k in enumerate(keys) if _holders(k) == (PEERS[1],)]
-        both = [i for i, k in enumerate(keys) if len(_holders(k)) == 2]
-        assert down_only and both and len(down_only) + len(both) < CHUNKS, "a side of the split is empty"
-        assert sorted(_holders(k) for k in probed) == [(PEERS[0],), (PEERS[1],)]  # each peer with a key of its own
+        down_only = [i for i, k in enumerate(keys) if holders[k] == (PEERS[1],)]
+        both = [i for i, k in enumerate(keys) if len(holders[k]) == 2]
+        assert len(down_only) == len(both) == CHUNKS // 3
+        assert sorted(holders[k] for k in probed) == [(PEERS[0],), (PEERS[1],)]  # each peer with a key of its own
         gets = [call for call in r.client.calls if call[0] != "batch_get_into"]
         assert gets == [("batch_get_into_multi_buffers", CHUNKS - len(down_only))]
         assert result.outcomes == {"ok": CHUNKS - len(down_only), "transfer_failed": len(down_only)}
