@@ -18,8 +18,8 @@ once; a disk-offload budget splits the load as vLLM does (:func:`offload_batches
 path goes to vLLM's own handler unchanged (:func:`fast_path_refusal`): ``VLLM_MOONCAKE_STORE_TIER_LOG`` on, a
 layout or token database not backed by our engine (a subclass overriding a method, an instance override),
 hashes, masks or block ids of a shape we do not take, an empty load (vLLM raises ``ZeroDivisionError`` from
-its rotation: its own handler raises it), and any exception while planning (vLLM's handler then raises its own
-exception, or succeeds where our engine is stricter). Planning has no side effects, so handing over after a refusal is safe.
+its rotation: its own handler raises it), and any exception while planning (vLLM's handler then raises its
+own exception, or succeeds where our engine is stricter). Planning has no side effects, so handing over after a refusal is safe.
 """
 
 from __future__ import annotations
