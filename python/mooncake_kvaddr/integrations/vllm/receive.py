@@ -13,13 +13,13 @@ and hands Mooncake ``list[list[int]]`` rows. Ours does each group in ONE native 
 - with lists of lists of ints, value-equal to vLLM's, for any other store (a plain Mooncake store).
 
 The observable behaviour is vLLM's: the same keys in the same order, value-equal rows, the same
-``_report_load_error``/``_record_operation`` calls, ``set_finished_request`` and ``request_queue.task_done()``
-once; a disk-offload budget splits the load as vLLM does (:func:`offload_batches`). Anything outside the fast
-path goes to vLLM's own handler unchanged (:func:`fast_path_refusal`): ``VLLM_MOONCAKE_STORE_TIER_LOG`` on, a
-layout or token database not backed by our engine (a subclass overriding a method, an instance override),
-hashes, masks or block ids of a shape we do not take, an empty load (vLLM raises ``ZeroDivisionError`` from
-its rotation: its own handler raises it), and any exception while planning (vLLM's handler then raises its
-own exception, or succeeds where our engine is stricter). Planning has no side effects, so handing over after a refusal is safe.
+``_report_load_error``/``_record_operation`` calls, ``set_finished_request`` and ``request_queue.task_done()`` once;
+a disk-offload budget splits the load as vLLM does (:func:`offload_batches`). Anything outside the fast path goes to
+vLLM's own handler unchanged (:func:`fast_path_refusal`): ``VLLM_MOONCAKE_STORE_TIER_LOG`` on, a layout or token
+database not backed by our engine (a subclass overriding a method, an instance override), hashes, masks or block ids
+of a shape we do not take, an empty load (vLLM raises ``ZeroDivisionError`` from its rotation: its own handler
+raises it), and any exception while planning (vLLM's handler then raises its own exception, or succeeds where our
+engine is stricter). Planning has no side effects, so handing over after a refusal is safe.
 """
 
 from __future__ import annotations
