@@ -443,14 +443,18 @@ def test_block_len_only_change_is_noticed(how: str) -> None:
     assert native.prepare_values_array(chunks, ids)[1].tolist() == oracle.prepare_values(chunks, ids)[1]
 
 
-def test_uint64_chunk_bounds_near_2_64_overflow() -> None:
+@pytest.mark.parametrize("bounds", [(2**64 - 32, 2**64 - 16), (2**63, 2**63 + 16)])
+def test_uint64_chunk_bounds_near_2_64_overflow(bounds: tuple[int, int]) -> None:
+    # Bounds a uint64 array can hold (2**64 itself cannot: numpy would raise before the call) but int64 cannot:
+    # a cast would wrap them to negative tokens, which the block ids, counted from the end, would then resolve.
     db = ChunkedTokenDatabase(MD, 16)
     db.set_kv_caches_base_addr([0])
     db.set_block_len([8])
+    chunks = np.array([bounds], np.uint64)
     with pytest.raises(OverflowError):
-        db.prepare_values_array(np.array([[2**64 - 16, 2**64]], np.uint64), [1])
+        db.prepare_values_array(chunks, [1, 2])
     with pytest.raises(OverflowError):
-        db.prepare_values(np.array([[2**64 - 16, 2**64]], np.uint64), [1])  # type: ignore[arg-type]
+        db.prepare_values(chunks, [1, 2])  # type: ignore[arg-type]
 
 
 def test_ints_below_minus_2_63_overflow_everywhere() -> None:

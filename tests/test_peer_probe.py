@@ -254,6 +254,68 @@ def test_a_peer_whose_probe_fails_gets_none_of_its_keys(monkeypatch: pytest.Monk
         r.check(result, dst, [b for b in IDS if b - 1 not in on_down])
 
 
+def test_a_key_with_a_replica_on_an_answering_peer_goes_ahead(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+    """Keys on the first peer alone, on the second alone, and on both. Each peer is probed with a key it holds
+    alone (a key both hold could be read from the other peer, proving nothing); the second peer's probe fails
+    ``transfer_failed``. Its own keys fail untried; the keys both hold go to Mooncake with the first peer's
+    (Mooncake picks the replica)."""
+    with rig(monkeypatch, "multi_buffer", model) as r:
+        queries: list[list[str]] = []
+        # The stored keys in chunk order, by thirds: the first peer alone, the second alone, both.
+        holders = {k: PEERS if i % 3 == 2 else (PEERS[i % 3],) for i, k in enumerate(r.client.objects)}
+
+        def batch_get_replica_desc(keys: list[str]) -> dict[str, list[Any]]:
+            queries.append(list(keys))
+            objects = r.client.objects
+            return {k: [_replica(p, len(objects[k])) for p in holders[k]] for k in keys if k in objects}
+
+        r.client.batch_get_replica_desc = batch_get_replica_desc  # type: ignore[attr-defined]
+        original = r.client.batch_get_into
+        probed: list[str] = []
+
+        def probe(keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+            probed.extend(keys)
+            if holders[keys[0]] != (PEERS[0],):
+                return [-800]  # only a key held by the first peer alone is read from an answering peer
+            return original(keys, ptrs, sizes)
+
+        r.client.batch_get_into = probe  # type: ignore[method-assign]
+        dst = _dst(r)
+        with r.transfer(dst) as reader:
+            result = reader.load(r.request())
+        keys = queries[0]
+        down_only = [i for i, k in enumerate(keys) if holders[k] == (PEERS[1],)]
+        both = [i for i, k in enumerate(keys) if len(holders[k]) == 2]
+        assert len(down_only) == len(both) == CHUNKS // 3
+        assert sorted(holders[k] for k in probed) == [(PEERS[0],), (PEERS[1],)]  # each peer with a key of its own
+        gets = [call for call in r.client.calls if call[0] != "batch_get_into"]
+        assert gets == [("batch_get_into_multi_buffers", CHUNKS - len(down_only))]
+        assert result.outcomes == {"ok": CHUNKS - len(down_only), "transfer_failed": len(down_only)}
+        r.check(result, dst, [b for b in IDS if b - 1 not in down_only])
+
+
+def test_a_key_merely_not_found_keeps_its_peer_known(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+    """Only a transfer failure forgets a peer: a key the master still places on a known peer but that the get
+    no longer finds (evicted meanwhile) fails ``not_found`` and the peer stays known, unprobed next time."""
+    with rig(monkeypatch, "multi_buffer", model) as r:
+        # The master's answer may be stale: it places every key, present or not, on the first peer.
+        r.client.batch_get_replica_desc = (  # type: ignore[attr-defined]
+            lambda keys: {k: [_replica(PEERS[0], 2 * BLOCK_BYTES)] for k in keys}
+        )
+        with r.transfer(_dst(r)) as reader:
+            assert reader.load(r.request()).ok
+            assert reader._probe is not None and reader._probe.known == {PEERS[0]}
+            del r.client.objects[sorted(r.client.objects)[0]]
+            r.client.calls.clear()
+            result = reader.load(r.request())
+            assert result.outcomes == {"ok": CHUNKS - 1, "not_found": 1}, result.outcomes
+            assert r.names() == ["batch_get_into_multi_buffers"]  # the peer is known: no probe
+            assert reader._probe.known == {PEERS[0]}
+            r.client.calls.clear()
+            assert reader.load(r.request()).outcomes == {"ok": CHUNKS - 1, "not_found": 1}
+            assert r.names() == ["batch_get_into_multi_buffers"]  # still known: still no probe
+
+
 @pytest.mark.parametrize("setting", ["probe_peers=False", "local_copy=True"])
 def test_no_probe_when_off_or_copying_in_memory(monkeypatch: pytest.MonkeyPatch, model: str, setting: str) -> None:
     name, _ = setting.split("=")

@@ -264,6 +264,28 @@ def test_address_cache_is_bounded_and_configurable() -> None:
         native.address_cache_bytes = -1
 
 
+def test_address_cache_exactly_at_its_capacity_holds_every_row() -> None:
+    """A cap of exactly N rows' bytes holds N rows: a row is evicted only when the next one would not fit."""
+    bases, lens = oracle_regions(10, 3)
+    native, oracle = paired(bases, lens, 16)
+    chunks = [(16 * i, 16 * (i + 1)) for i in range(6)]
+    block_ids = list(range(700, 706))
+    for _ in range(2):  # cached on the second sighting
+        assert native.prepare_values(chunks[:1], block_ids) == oracle.prepare_values(chunks[:1], block_ids)
+    row_bytes = native.address_cache_info()["bytes"]  # what one cached row of these regions costs
+    assert native.address_cache_info()["entries"] == 1 and row_bytes > 0
+    native.address_cache_bytes = 5 * row_bytes
+    native.clear_address_cache()
+    for _ in range(2):
+        assert native.prepare_values(chunks[:5], block_ids) == oracle.prepare_values(chunks[:5], block_ids)
+    info = native.address_cache_info()
+    assert info["entries"] == 5 and info["bytes"] == 5 * row_bytes == info["capacity_bytes"]
+    assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
+    assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
+    info = native.address_cache_info()
+    assert info["entries"] == 5 and info["bytes"] == 5 * row_bytes  # a sixth row evicts one: still full
+
+
 def test_rows_are_cached_on_their_second_sighting() -> None:
     bases, lens = oracle_regions(8, 2)
     native, oracle = paired(bases, lens, 16)

@@ -112,3 +112,19 @@ def test_the_drivers_bounds_need_every_slice_of_a_row_inside() -> None:
         check_rows_inside(caches, addrs, sizes)
     a, s = check_rows_inside(caches, addrs[:2], sizes[:2])
     assert a.tolist() == addrs[:2].tolist() and s.tolist() == sizes[:2].tolist()
+
+
+def test_a_buffer_two_regions_share_is_recorded_with_its_largest_length() -> None:
+    """Two regions may view one buffer from its first byte (one base, two block lengths): the driver's range set
+    records that buffer once, with the longer region's length, whichever region comes first, so every slice of
+    the longer region is inside."""
+    from mooncake_kvaddr.driver.bounds import RegisteredCaches
+
+    buf = np.zeros(512, np.uint8)
+    base = int(buf.ctypes.data)
+    for regions, lens in (([buf, buf[:256]], (128, 64)), ([buf[:256], buf], (64, 128))):
+        caches = RegisteredCaches.from_regions(regions, 4)
+        assert caches.bases == (base, base) and caches.block_lens == lens
+        assert caches.buffers == ((base, 512),)
+        last = np.array([[base + 3 * lens[0], base + 3 * lens[1]]], np.int64)  # block 3 of each region
+        assert caches.slices_inside(last, np.array([lens], np.int64)).tolist() == [True]

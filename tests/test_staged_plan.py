@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvaddr_testing import Cache, assert_blocks_equal, hashes
+from kvaddr_testing import Cache, Calls, assert_blocks_equal, hashes
 from kvaddr_testing import make_transfer as transfer
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.core import database as database_module
@@ -23,6 +23,7 @@ from mooncake_kvaddr.core import keys as keys_module
 from mooncake_kvaddr.driver import staging as staging_module
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
 from mooncake_kvaddr.driver.paths import PathContext, StagedPath, TransferPath, _sub_plan
+from mooncake_kvaddr.driver.rules import estimate_staging_bytes
 from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, StagingPool, plan_slots
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import TransferRequest
@@ -194,6 +195,30 @@ def test_a_small_pool_scatters_each_batch_into_the_right_rows(
     assert all((region[[0, missing]] == 6).all() for region in dst.regions)
     batches = calls.count("_staging_scatter")
     assert calls == ["plan_load_arrays"] * groups + ["_staging_scatter"] * batches and batches >= 4
+
+
+@mooncake
+@pytest.mark.parametrize("tp_rank", [3, 8])
+def test_a_rotated_load_split_by_the_disk_offload_budget_scatters_each_part_into_its_rows(
+    store: MooncakeStore, model: str, monkeypatch: pytest.MonkeyPatch, tp_rank: int
+) -> None:
+    """The disk-offload split (docs/transfer-modes.md) hands the staged get keys [start, end) of a rotated plan
+    whose rows stay in walk order: a later part must scatter into its own keys' rows, not the first part's."""
+    bs, chunks = 16, 10
+    src, dst = Cache(2, chunks + 1, 1024, seed=9), Cache(2, chunks + 1, 1024, fill=3)
+    h = hashes(model, chunks)
+    ids = list(range(1, chunks + 1))
+    with transfer(store, model, src, bs, transfer_mode="staged") as writer:
+        assert writer.store(TransferRequest("r", chunks * bs, h, [ids])).ok
+    calls = Calls(store, monkeypatch)
+    budget = 4 * estimate_staging_bytes(2048)  # usable 90 %: three 2 KiB keys per part
+    with transfer(
+        store, model, dst, bs, transfer_mode="staged", tp_rank=tp_rank, disk_offload_buffer_budget_bytes=budget
+    ) as reader:
+        loaded = reader.load(TransferRequest("r", chunks * bs, h, [ids]))
+    assert calls.named("batch_get_into") == [3, 3, 3, 1]  # four parts, the later ones starting past key 0
+    assert loaded.ok and loaded.loaded_block_ids == set(ids)
+    assert_blocks_equal(src, ids, dst, ids)
 
 
 def test_a_sub_plan_starts_at_zero_so_a_batch_leases_only_its_own_keys() -> None:

@@ -395,6 +395,20 @@ def test_gather_rejects_overlapping_slots() -> None:
         f.run(gather)
 
 
+def test_gather_accepts_adjacent_slots_out_of_order() -> None:
+    """Hand-made slots in reverse key order, packed so that each ends exactly where the next one by offset
+    starts: adjacent, not overlapping, so the gather fills every one."""
+    f = Fixture(regions=3, keys=4)
+    reversed_sizes = f.plan.object_sizes[::-1]
+    ends = np.cumsum(reversed_sizes)
+    f.offsets = np.ascontiguousarray((ends - reversed_sizes)[::-1])  # key 3 at 0, key 2 right after it, ...
+    assert f.offsets.tolist() == sorted(f.offsets.tolist(), reverse=True)
+    copied = gather(f.addrs, f.sizes, f.staging.span(0, int(ends[-1])), f.offsets, f.layout.allowed)
+    assert copied == int(f.sizes.sum())
+    got = slots_bytes(f.staging, f.offsets, f.plan.object_sizes)
+    assert got == f.layout.objects()
+
+
 def test_scatter_accepts_overlapping_slots() -> None:
     """Scatter only reads slots: one slot may feed two keys' slices."""
     f = Fixture()
@@ -444,6 +458,8 @@ def test_argument_types_and_shapes(fn: CopyFn) -> None:
         call(addrs=np.asfortranarray(f.addrs))
     with pytest.raises(ValueError, match=r"offsets must have shape \(20,\)"):
         call(offsets=f.offsets[:-1].copy())
+    with pytest.raises(ValueError, match=r"offsets must have shape \(20,\)"):
+        call(offsets=np.append(f.offsets, f.offsets[-1]))  # one slot per key: a longer vector too
     with pytest.raises(TypeError, match="select must have dtype bool or uint8"):
         call(select=np.ones(20, dtype=np.int64))
     with pytest.raises(TypeError, match="select must be None or a numpy"):

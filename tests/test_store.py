@@ -363,6 +363,19 @@ def test_the_hung_call_rule_needs_both_the_failure_and_the_time(monkeypatch: pyt
         assert client.transfer_calls() == [4] * 5 and got.ok
 
 
+def test_a_call_failing_after_exactly_the_hung_threshold_counts_as_hung(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule is "transfer_failed after HUNG_CALL_THRESHOLD_S or more": a call that fails after exactly that
+    long stops the request like one that waited out Mooncake's whole transfer timeout."""
+    monkeypatch.setattr("fake_mooncake.HUNG_CALL_S", store_module.HUNG_CALL_THRESHOLD_S)  # tests/fake_mooncake.py
+    with fake_store(monkeypatch, max_regions_per_batch=8, request_timeout_s=None) as (store, client):
+        client.hang_from = 1  # every call fails -800 after exactly the threshold
+        deadline = store.deadline()
+        got = _call_store(store, "batch_put_from", 20, deadline=deadline)
+    assert client.transfer_calls() == [8]  # no second call
+    assert got.count(Outcome.TRANSFER_FAILED) == 20
+    assert deadline.expired() and "transfer timeout" in (deadline.reason or "")
+
+
 @pytest.mark.parametrize("method", DATA_CALLS)
 def test_past_the_deadline_no_sub_batch_is_called(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
     with fake_store(monkeypatch, max_regions_per_batch=8, request_timeout_s=25.0) as (store, client):
@@ -704,6 +717,19 @@ def test_validation_errors_never_reach_mooncake(store: MooncakeStore, key_prefix
     assert len(store.batch_is_exist([])) == 0
     assert store.batch_get_into_multi_buffers([], [], []).ok
     assert spy.calls == []
+
+
+def test_an_address_matrix_without_regions_is_refused_before_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``(n, 0)`` int64 matrix names keys without a region: refused like an empty row list ("key 0: no
+    regions"), never handed to Mooncake."""
+    empty = np.zeros((2, 0), np.int64)
+    with fake_store(monkeypatch) as (store, client):
+        for method in ("batch_put_from_multi_buffers", "batch_get_into_multi_buffers"):
+            with pytest.raises(ValueError, match="key 0: no regions"):
+                getattr(store, method)(["a", "b"], empty, empty.copy())
+            with pytest.raises(ValueError, match="key 0: no regions"):
+                getattr(store, method)(["a", "b"], empty, empty.copy(), check_values=False)
+        assert client.calls == []
 
 
 @mooncake

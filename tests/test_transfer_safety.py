@@ -362,3 +362,35 @@ def test_num_blocks_accepts_numpy_ints_and_rejects_the_rest() -> None:
         RegisteredCaches.from_regions([np.zeros((4, 64), np.uint8)], 4.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_blocks"):
         RegisteredCaches.from_regions([np.zeros((4, 64), np.uint8)], 0)
+
+
+class _SameInt(int):
+    """An int subclass with honest comparisons: still not an exact int."""
+
+
+class _SameList(list):  # type: ignore[type-arg]
+    """A list subclass with honest comparisons: still not an exact list."""
+
+
+@pytest.mark.parametrize("which", ["bases", "block lengths"])
+def test_the_database_check_takes_exact_lists_of_exact_ints_only(which: str) -> None:
+    """``check_databases`` refuses a database whose bases or block lengths are not an exact list of exact ints,
+    even one that compares equal to the registered values: a subclass's comparisons may lie while the native
+    code reads other values (docs/transfer-modes.md, "Safety")."""
+    from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
+    from mooncake_kvaddr.driver.bounds import RegisteredCaches
+
+    caches = RegisteredCaches.from_regions([np.zeros((4, 64), np.uint8), np.zeros((4, 128), np.uint8)], 4)
+    registered = list(caches.bases) if which == "bases" else list(caches.block_lens)
+    db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
+    db.set_kv_caches_base_addr(list(caches.bases))
+    db.set_block_len(list(caches.block_lens))
+    caches.check_databases([db])  # the registered values, as exact lists: accepted
+    for values in ([_SameInt(v) for v in registered], _SameList(registered)):
+        assert values == registered
+        if which == "bases":
+            db.set_kv_caches_base_addr(values)
+        else:
+            db.set_block_len(values)
+        with pytest.raises(ValueError, match=r"databases\[0\]: its regions changed"):
+            caches.check_databases([db])

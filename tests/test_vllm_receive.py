@@ -196,10 +196,15 @@ def build_case(data: Any, draw: Any) -> dict[str, Any]:
         "block_size": thread_block_size,
         "tp_rank": rng.randint(0, 7),
         "meta": meta,
+        # A disk-offload staging budget (vLLM splits the load into sub-batches, or skips a request with a key
+        # over it): none, one that holds everything, ones that split, one below a single key's estimate.
+        "budget": rng.choice([None, None, None, 1 << 30, 13_000, 30_000, 60_000, 120_000, 5_000]),
     }
 
 
 FAST = {"count": 0}
+#: Differential cases with a budget that took the fast path: one batch, several, a request skipped.
+OFFLOAD = {"one": 0, "split": 0, "skipped": 0}
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -213,6 +218,9 @@ def test_receive_handler_matches_vllms(vllm: tuple[Any, Any], draw: Any, behavio
     actual = run_handler(worker, ours, (ArrayStore if arrays else ListStore)(behaviour), case)
     assert actual == expected
     FAST["count"] += ours.stats.fast_requests - before
+    if case["budget"] is not None and ours.stats.fast_requests > before:
+        calls = len(actual[1])
+        OFFLOAD["skipped" if calls == 0 else "one" if calls == 1 else "split"] += 1
 
 
 def test_the_differential_test_exercised_the_fast_path(vllm: tuple[Any, Any]) -> None:
@@ -220,6 +228,44 @@ def test_the_differential_test_exercised_the_fast_path(vllm: tuple[Any, Any]) ->
     if FAST["count"] == 0:
         pytest.skip("the differential test did not run in this session")
     assert FAST["count"] >= 100
+    assert min(OFFLOAD.values()) >= 3, OFFLOAD
+
+
+def _vllm_split(worker: Any, keys: list[str], addrs: Any, sizes: Any, usable: int, raw: int) -> Any:
+    """What vLLM's handler does with a budget: one batch when the estimate fits, else its own split."""
+    if sum(worker._estimate_disk_offload_staging_bytes(row) for row in sizes) <= usable:
+        return [keys], None
+    batches, oversized = worker._split_disk_offload_load_batches(keys, addrs, sizes, usable, raw)
+    return [batch[0] for batch in batches], oversized
+
+
+def test_offload_split_matches_vllms_at_every_edge(vllm: tuple[Any, Any]) -> None:
+    """receive.offload_batches against vLLM's own split on budgets placed exactly at, and one byte around, every
+    key's estimate and every running sum (usable above raw too: vLLM's usable ratio may exceed 1)."""
+    _, worker = vllm
+    rule = receive.OffloadRule(worker._DIRECT_IO_ALIGNMENT, worker._DIRECT_IO_PADDING_BYTES)
+    rng = random.Random(17)
+    for case in range(4000):
+        n, w = rng.randint(1, 7), rng.randint(1, 3)
+        sizes = [[rng.choice([0, 1, 4095, 4096, 4097, 8192, 20_000]) for _ in range(w)] for _ in range(n)]
+        keys = [f"k{i}" for i in range(n)]
+        addrs = [[(i + 1) << 20] * w for i in range(n)]
+        need = [rule.staging_bytes(sum(row)) for row in sizes]
+        edges = [sum(need[a:b]) for a in range(n) for b in range(a + 1, n + 1)]
+        edges = sorted({e + d for e in edges for d in (-1, 0, 1)})
+        usable, raw = rng.choice(edges), rng.choice(edges)
+        arrays = case % 2 == 1
+        plan = receive.RequestPlan(
+            keys, np.asarray(addrs, np.int64) if arrays else addrs, np.asarray(sizes, np.int64) if arrays else sizes,
+            np.arange(n, dtype=np.int64) if arrays else list(range(n)), arrays,
+        )  # fmt: skip
+        ours = receive.offload_batches(plan, usable, raw, rule)
+        theirs, oversized = _vllm_split(worker, keys, addrs, sizes, usable, raw)
+        if oversized is not None:
+            assert isinstance(ours, int) and keys[ours] == oversized, (sizes, usable, raw)
+        else:
+            assert not isinstance(ours, int), (sizes, usable, raw)
+            assert [keys[a:b] for a, b in ours] == theirs, (sizes, usable, raw)
 
 
 # --- fixed cases: fast path, fallbacks, the empty load -------------------------------------------------------------
@@ -268,16 +314,20 @@ def test_empty_load_raises_like_vllm(vllm: tuple[Any, Any]) -> None:
     assert run_handler(worker, ours, ArrayStore("ok"), case) == expected
 
 
-def test_disk_offload_budget_and_tier_log_go_to_vllm(vllm: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_offload_budgets_take_the_fast_path_and_tier_log_goes_to_vllm(
+    vllm: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     data, worker = vllm
     original, ours = _handlers(worker)
-    for case in (_simple_case(data, budget=1 << 30), _simple_case(data, budget=10000)):
-        before = ours.stats.fallback_requests
-        assert run_handler(worker, ours, ListStore("ok"), case) == run_handler(
-            worker, original, ListStore("ok"), case
-        )
-        assert ours.stats.fallback_requests == before + 1
-        assert ours.stats.last_fallback == "disk offload budget set"
+    # One batch, split batches (every key alone), one key over the budget (the request is skipped).
+    for budget, calls in ((1 << 30, 1), (17_000, 4), (10_000, 0)):
+        case = _simple_case(data, budget=budget)
+        for store_cls in (ListStore, ArrayStore):
+            before = ours.stats.fast_requests
+            actual = run_handler(worker, ours, store_cls("ok"), case)
+            assert actual == run_handler(worker, original, ListStore("ok"), case)
+            assert ours.stats.fast_requests == before + 1
+            assert len(actual[1]) == calls, budget
     monkeypatch.setenv("VLLM_MOONCAKE_STORE_TIER_LOG", "1")
 
     class TierStore(ListStore):

@@ -13,13 +13,13 @@ and hands Mooncake ``list[list[int]]`` rows. Ours does each group in ONE native 
 - with lists of lists of ints, value-equal to vLLM's, for any other store (a plain Mooncake store).
 
 The observable behaviour is vLLM's: the same keys in the same order, value-equal rows, the same
-``_report_load_error``/``_record_operation`` calls, ``set_finished_request`` and ``request_queue.task_done()``
-once. Anything outside the fast path goes to vLLM's own handler unchanged (:func:`fast_path_refusal`): a disk
-offload budget, ``VLLM_MOONCAKE_STORE_TIER_LOG`` on, a layout or token database not backed by our engine
-(a subclass overriding a method, an instance override), hashes, masks or block ids of a shape we do not
-take, an empty load (vLLM raises ``ZeroDivisionError`` from its rotation: its own handler raises it), and
-any exception while planning (vLLM's handler then raises its own exception, or succeeds where our engine is
-stricter). Planning has no side effects, so handing over after a refusal is safe.
+``_report_load_error``/``_record_operation`` calls, ``set_finished_request`` and ``request_queue.task_done()`` once;
+a disk-offload budget splits the load as vLLM does (:func:`offload_batches`). Anything outside the fast path goes to
+vLLM's own handler unchanged (:func:`fast_path_refusal`): ``VLLM_MOONCAKE_STORE_TIER_LOG`` on, a layout or token
+database not backed by our engine (a subclass overriding a method, an instance override), hashes, masks or block ids
+of a shape we do not take, an empty load (vLLM raises ``ZeroDivisionError`` from its rotation: its own handler
+raises it), and any exception while planning (vLLM's handler then raises its own exception, or succeeds where our
+engine is stricter). Planning has no side effects, so handing over after a refusal is safe.
 """
 
 from __future__ import annotations
@@ -129,6 +129,10 @@ def check_shape(data: ModuleType, worker: ModuleType) -> str:
     for name in ("envs", "logger"):
         if getattr(worker, name, None) is None:
             return f"{worker.__name__}.{name} is missing"
+    for name in ("_DIRECT_IO_ALIGNMENT", "_DIRECT_IO_PADDING_BYTES"):
+        value = worker.__dict__.get(name)
+        if type(value) is not int or value <= 0:
+            return f"{worker.__name__}.{name} is not a positive int"
     for name in ("BlobBlockHashes", "LoadSpec", "ReqMeta", "TailKeyBoundary"):
         if not isinstance(getattr(data, name, None), type):
             return f"{data.__name__}.{name} is missing"
@@ -164,6 +168,21 @@ class RequestPlan:
         if int(sizes.min()) >= 0 and top <= _INT64_MAX // max(1, sizes.size):
             return int(sizes.sum())
         return sum(int(v) for v in sizes.ravel().tolist())
+
+    def part(self, start: int, end: int) -> RequestPlan:
+        """Keys ``start:end`` with their rows and block ids (views of the matrices, no copy)."""
+        ids = self.block_ids[start:end]
+        return RequestPlan(self.keys[start:end], self.addrs[start:end], self.sizes[start:end], ids, self.arrays)
+
+    def key_bytes(self) -> list[int]:
+        """Each key's byte count (the sum of its sizes), exact Python ints."""
+        if not self.arrays:
+            return [sum(row) for row in self.sizes]
+        sizes = self.sizes
+        if sizes.size and (int(sizes.min()) < 0 or int(sizes.max()) > _INT64_MAX // max(1, sizes.shape[1])):
+            return [sum(row) for row in sizes.tolist()]
+        result: list[int] = sizes.sum(axis=1).tolist()
+        return result
 
     def block_id_list(self, indices: list[int] | None = None) -> list[int]:
         """Block ids (all, or those at ``indices``) as a list of Python ints."""
@@ -310,8 +329,6 @@ def plan_request(
 
 def fast_path_refusal(thread: Any, envs: Any) -> str:
     """Why this thread's requests go to vLLM's own handler ("" when they may take the fast path)."""
-    if getattr(thread, "usable_disk_offload_buffer_budget_bytes", None) is not None:
-        return "disk offload budget set"
     if getattr(envs, "VLLM_MOONCAKE_STORE_TIER_LOG", True):
         return "VLLM_MOONCAKE_STORE_TIER_LOG on"
     return ""
@@ -320,53 +337,114 @@ def fast_path_refusal(thread: Any, envs: Any) -> str:
 # --- the handler --------------------------------------------------------------------------------------------
 
 
-def _execute(thread: Any, req_id: Any, plan: RequestPlan, logger: Any) -> None:
-    """The store call and vLLM's bookkeeping around it (one batch: no disk-offload split on this path)."""
-    keys = plan.keys
+@dataclass(frozen=True)
+class OffloadRule:
+    """vLLM's disk-offload staging estimate of one key: its bytes rounded up to ``alignment`` plus ``padding``
+    (the worker module's direct-I/O constants, read when the handler is made)."""
+
+    alignment: int
+    padding: int
+
+    def staging_bytes(self, key_bytes: int) -> int:
+        return -(-key_bytes // self.alignment) * self.alignment + self.padding
+
+
+def offload_batches(plan: RequestPlan, usable: int, raw: int, rule: OffloadRule) -> list[tuple[int, int]] | int:
+    """vLLM's disk-offload split of a load (docs/vllm-plugin.md, "The receive handler"): key ranges of at most
+    ``usable`` staging bytes each (a key over ``usable`` alone), or the index of the first key over ``raw``
+    (vLLM then skips the whole request). One range when the whole load fits."""
+    need = [rule.staging_bytes(b) for b in plan.key_bytes()]
+    if sum(need) <= usable:
+        return [(0, len(need))]
+    batches: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, size in enumerate(need):
+        if size > raw:
+            return i
+        if size > usable:
+            if i > start:
+                batches.append((start, i))
+            batches.append((i, i + 1))
+            start, total = i + 1, 0
+            continue
+        if i > start and total + size > usable:
+            batches.append((start, i))
+            start, total = i, 0
+        total += size
+    if len(need) > start:
+        batches.append((start, len(need)))
+    return batches
+
+
+def _skip_oversized(thread: Any, req_id: Any, plan: RequestPlan, index: int, rule: OffloadRule, logger: Any) -> None:
+    """vLLM's answer to a key over the raw staging budget: every block of the request fails, nothing is read."""
+    thread._report_load_error(req_id, plan.block_id_list())
+    logger.warning(
+        "Skipping Mooncake load for request %s because key %s requires %d staging bytes, exceeding budget %d",
+        req_id,
+        plan.keys[index],
+        rule.staging_bytes(plan.key_bytes()[index]),
+        thread.disk_offload_buffer_budget_bytes,
+    )
+    thread.set_finished_request(req_id)
+    thread.request_queue.task_done()
+
+
+def _get(store: Any, batch: RequestPlan) -> Any:
+    if batch.arrays and isinstance(store, ArrayStore):
+        return store.batch_get_into_multi_buffers_arrays(batch.keys, batch.addrs, batch.sizes)
+    if batch.arrays:
+        return store.batch_get_into_multi_buffers(batch.keys, batch.addrs.tolist(), batch.sizes.tolist())
+    return store.batch_get_into_multi_buffers(batch.keys, batch.addrs, batch.sizes)
+
+
+def _execute(thread: Any, req_id: Any, plan: RequestPlan, batches: list[tuple[int, int]], logger: Any) -> None:
+    """One store call per batch and vLLM's bookkeeping around each; the first batch with a failed key ends
+    the load, and an exception fails the batch in flight (vLLM's rules)."""
+    batch = plan
     batch_bytes = 0
     load_get_start = time.perf_counter()
     try:
-        batch_bytes = plan.total_bytes()
-        store = thread.store
-        load_get_start = time.perf_counter()
-        if plan.arrays and isinstance(store, ArrayStore):
-            res = store.batch_get_into_multi_buffers_arrays(keys, plan.addrs, plan.sizes)
-        elif plan.arrays:
-            res = store.batch_get_into_multi_buffers(keys, plan.addrs.tolist(), plan.sizes.tolist())
-        else:
-            res = store.batch_get_into_multi_buffers(keys, plan.addrs, plan.sizes)
-        codes = res if type(res) is list else list(res)
-        if len(codes) != len(keys):
-            raise ValueError(f"the store returned {len(codes)} results for {len(keys)} keys")
-        failed = [i for i, value in enumerate(codes) if value < 0]
-        thread._record_operation(
-            "load_get",
-            load_get_start,
-            len(keys),
-            num_bytes=batch_bytes,
-            status="partial_failure" if failed else "ok",
-            num_failed_keys=len(failed),
-        )
-        if failed:
-            thread._report_load_error(req_id, plan.block_id_list(failed))
-            logger.warning(
-                "Mooncake load of request %s: %d of %d keys failed (first: %s)",
-                req_id,
-                len(failed),
+        for start, end in batches:
+            batch = plan if (start, end) == (0, len(plan.keys)) else plan.part(start, end)
+            keys = batch.keys
+            batch_bytes = batch.total_bytes()
+            store = thread.store
+            load_get_start = time.perf_counter()
+            res = _get(store, batch)
+            codes = res if type(res) is list else list(res)
+            if len(codes) != len(keys):
+                raise ValueError(f"the store returned {len(codes)} results for {len(keys)} keys")
+            failed = [i for i, value in enumerate(codes) if value < 0]
+            thread._record_operation(
+                "load_get",
+                load_get_start,
                 len(keys),
-                [(keys[i], codes[i]) for i in failed[:3]],
+                num_bytes=batch_bytes,
+                status="partial_failure" if failed else "ok",
+                num_failed_keys=len(failed),
             )
+            if failed:
+                thread._report_load_error(req_id, batch.block_id_list(failed))
+                logger.warning(
+                    "Mooncake load of request %s: %d of %d keys failed (first: %s)",
+                    req_id,
+                    len(failed),
+                    len(keys),
+                    [(keys[i], codes[i]) for i in failed[:3]],
+                )
+                break
     except Exception as exc:
-        thread._report_load_error(req_id, plan.block_id_list())
+        thread._report_load_error(req_id, batch.block_id_list())
         thread._record_operation(
             "load_get",
             load_get_start,
-            len(keys),
+            len(batch.keys),
             num_bytes=batch_bytes,
             status="error",
-            num_failed_keys=len(keys),
+            num_failed_keys=len(batch.keys),
         )
-        logger.warning("Mooncake load of request %s (keys %s...) raised: %s", req_id, keys[:3], exc)
+        logger.warning("Mooncake load of request %s (keys %s...) raised: %s", req_id, batch.keys[:3], exc)
     thread.set_finished_request(req_id)
     thread.request_queue.task_done()
 
@@ -398,6 +476,7 @@ def make_handler(
     blob_type = data.BlobBlockHashes
     envs = worker.envs
     logger = worker.logger
+    rule = OffloadRule(worker._DIRECT_IO_ALIGNMENT, worker._DIRECT_IO_PADDING_BYTES)
     stats = ReceiveStats()
     _register_wrappers()
 
@@ -418,7 +497,14 @@ def make_handler(
             stats.last_fallback = why
             return original(self, req_meta)
         stats.fast_requests += 1
-        _execute(self, req_meta.req_id, plan, logger)
+        usable = self.usable_disk_offload_buffer_budget_bytes
+        split = [(0, len(plan.keys))] if usable is None else offload_batches(
+            plan, usable, self.disk_offload_buffer_budget_bytes, rule
+        )
+        if isinstance(split, int):
+            _skip_oversized(self, req_meta.req_id, plan, split, rule, logger)
+            return None
+        _execute(self, req_meta.req_id, plan, split, logger)
         return None
 
     handler: Any = _handle_request
@@ -461,7 +547,7 @@ class _Coord:
 
 def _run_once(
     worker: ModuleType, handler: Callable[[Any, Any], Any], store: Any, coord: Any, dbs: list[Any],
-    block_size: int, tp_rank: int, participates: list[bool], req_meta: Any,
+    block_size: int, tp_rank: int, participates: list[bool], req_meta: Any, budget: int | None,
 ) -> tuple[Any, ...]:  # fmt: skip
     records: list[tuple[Any, ...]] = []
 
@@ -473,7 +559,7 @@ def _run_once(
     q.put(req_meta)
     q.get()
     thread = worker.KVCacheStoreRecvingThread(
-        store, coord, dbs, block_size, tp_rank, threading.Event(), disk_offload_buffer_budget_bytes=None,
+        store, coord, dbs, block_size, tp_rank, threading.Event(), disk_offload_buffer_budget_bytes=budget,
         record_operation=record, request_queue=q, group_participates=participates, is_hma_required=False,
     )  # fmt: skip
     try:
@@ -557,7 +643,9 @@ def _self_check(data: ModuleType, worker: ModuleType, handler: Any, rng: random.
 
         participates = [True, case % 5 != 4]
         store_cls = _ArrayRecordingStore if case % 2 else _RecordingStore
-        args = (_Coord(masks), dbs, block_size, case % 3, participates, meta)
+        # Disk-offload budgets: one that holds the load, one that splits it, one a single key exceeds.
+        budget = (None, 1 << 30, 40_000, 9_000)[case % 4] if case % 3 != 1 else None
+        args = (_Coord(masks), dbs, block_size, case % 3, participates, meta, budget)
         expected = _run_once(worker, original, _RecordingStore(answer), *args)
         actual = _run_once(worker, handler, store_cls(answer), *args)
         if expected != actual:

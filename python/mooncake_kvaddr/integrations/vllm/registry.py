@@ -95,7 +95,12 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
         "TPShardedStoreLayout.key_for",
         "TPShardedStoreLayout._set_segment_templates",
     ),
-    "receive": ("KVCacheStoreRecvingThread._handle_request", "ChunkedTokenDatabase.process_tokens"),
+    "receive": (
+        "KVCacheStoreRecvingThread._handle_request",
+        "ChunkedTokenDatabase.process_tokens",
+        "_estimate_disk_offload_staging_bytes",
+        "_split_disk_offload_load_batches",
+    ),
     "worker": ("MooncakeStoreWorker.register_kv_caches", "MooncakeStoreWorker.close"),
     "lookup": (
         "MooncakeStoreWorker.lookup",
@@ -116,6 +121,8 @@ KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
         "TPShardedStoreLayout._set_segment_templates": "410b7150a8211070",
         "KVCacheStoreRecvingThread._handle_request": "67cd42f2dc3c5f11",
         "ChunkedTokenDatabase.process_tokens": "d7d54c491f37709b",
+        "_estimate_disk_offload_staging_bytes": "1096992edcfb74ba",
+        "_split_disk_offload_load_batches": "0f7a2f3f89d959dc",
         "MooncakeStoreWorker.register_kv_caches": "d61b0517475bfad8",
         "MooncakeStoreWorker.close": "b9b831fa3647518f",
         "MooncakeStoreWorker.lookup": "23da6e4e0684a1e0",
@@ -183,10 +190,14 @@ _WORKER_CLASSES = ("KVCacheStoreRecvingThread", "MooncakeStoreWorker", "External
 
 
 def vllm_functions(part: str, data: ModuleType, worker: ModuleType | None) -> dict[str, Any]:
-    """vLLM's own functions of one :data:`FINGERPRINTED` part, "Class.method" -> function (the originals where
-    we replaced them; None for one that is missing)."""
+    """vLLM's own functions of one :data:`FINGERPRINTED` part, "Class.method" (or a worker-module function's
+    name) -> function (the originals where we replaced them; None for one that is missing)."""
     found: dict[str, Any] = {}
     for name in FINGERPRINTED[part]:
+        if "." not in name:
+            func = None if worker is None else worker.__dict__.get(name)
+            found[name] = func if inspect.isfunction(func) else None
+            continue
         cls_name, method = name.split(".")
         module = worker if cls_name in _WORKER_CLASSES else data
         cls = None if module is None else module.__dict__.get(cls_name)
