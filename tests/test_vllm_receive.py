@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from mooncake_kvaddr.driver.staging import StagingBuffer
 from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
-from mooncake_kvaddr.integrations.vllm import plugin, receive
+from mooncake_kvaddr.integrations.vllm import plugin, receive, receive_check
 from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
 from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
 
@@ -418,8 +418,8 @@ def test_self_check_catches_a_handler_that_differs(vllm: tuple[Any, Any]) -> Non
 
     wrong.stats = ours.stats  # type: ignore[attr-defined]
     with pytest.raises(AssertionError, match="receive handler"):
-        receive.self_check(data, worker, wrong)
-    receive.self_check(data, worker, ours)
+        receive_check.self_check(data, worker, wrong)
+    receive_check.self_check(data, worker, ours)
 
 
 # --- array entry points of the store wrappers ------------------------------------------------------------------------

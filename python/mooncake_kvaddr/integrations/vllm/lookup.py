@@ -26,7 +26,7 @@ import numpy as np
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.driver.native_client import KeyBlob
-from mooncake_kvaddr.integrations.vllm.receive import _DropThread
+from mooncake_kvaddr.integrations.vllm.receive_check import DropThread
 from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
 
 __all__ = [
@@ -308,7 +308,7 @@ def self_check(worker_module: ModuleType, lookup: Callable[..., Any], *, seed: i
 
     original = getattr(lookup, "__wrapped__", None) or worker_module.MooncakeStoreWorker.lookup
     rng = random.Random(seed)
-    quiet = _DropThread(threading.get_ident())
+    quiet = DropThread(threading.get_ident())
     worker_module.logger.addFilter(quiet)  # the failing-store case logs vLLM's error line: not at start-up
     try:
         for case in range(cases):

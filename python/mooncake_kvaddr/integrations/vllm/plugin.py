@@ -144,9 +144,9 @@ def is_receive_patched() -> bool:
 def _patch_receive(data: ModuleType, worker: ModuleType, report: PatchReport) -> None:
     """Replace ``KVCacheStoreRecvingThread._handle_request`` after its own shape check and self-check (the
     layouts must be patched already: the handler plans only layouts backed by our engine)."""
-    from mooncake_kvaddr.integrations.vllm import receive
+    from mooncake_kvaddr.integrations.vllm import receive, receive_check
 
-    problem = receive.check_shape(data, worker)
+    problem = receive_check.check_shape(data, worker)
     if problem:
         report.receive_reason = f"unexpected shape: {problem}"
         return
@@ -157,7 +157,7 @@ def _patch_receive(data: ModuleType, worker: ModuleType, report: PatchReport) ->
     cls = worker.KVCacheStoreRecvingThread
     handler = receive.make_handler(static_attribute(cls, "_handle_request"), data, worker, OURS, PLAN_ENGINES)
     try:
-        receive.self_check(data, worker, handler)
+        receive_check.self_check(data, worker, handler)
     except Exception as exc:
         report.receive_reason = f"self-check failed: {exc}"
         return

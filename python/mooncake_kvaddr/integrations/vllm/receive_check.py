@@ -1,0 +1,210 @@
+"""The receive handler's start-up checks, run by the plugin before it replaces vLLM's ``_handle_request``
+(docs/vllm-plugin.md, "What ``register()`` does"): the shape of vLLM's receive thread and token database, and a
+self-check of vLLM's handler and ours on small generated requests. Kept apart from the handler so that its
+module holds only what runs per request.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import queue
+import random
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
+
+__all__ = ["DropThread", "check_shape", "self_check"]
+
+# Parameters (after self) of what this module relies on, as vLLM 0.32/0.33 declare them.
+_EXPECTED_THREAD: dict[str, tuple[str, ...]] = {
+    "_handle_request": ("req_meta",),
+    "_report_load_error": ("req_id", "block_ids"),
+    "_record_operation": ("operation", "start_time", "num_keys", "num_bytes", "status", "num_failed_keys"),
+    "set_finished_request": ("req_id",),
+    "__init__": (
+        "store", "coord", "token_databases", "block_size", "tp_rank", "ready_event",
+        "disk_offload_buffer_budget_bytes", "record_operation", "request_queue", "group_participates",
+        "is_hma_required",
+    ),
+}  # fmt: skip
+_EXPECTED_PROCESS_TOKENS = ("token_len", "block_hashes", "mask_num", "chunk_mask", "put_step", "put_step_rank")
+
+
+
+def _params(func: Any) -> tuple[str, ...]:
+    return tuple(inspect.signature(func).parameters)[1:]
+
+
+def check_shape(data: ModuleType, worker: ModuleType) -> str:
+    """Empty string when vLLM's receive thread and token database have the shape this module relies on;
+    otherwise the first mismatch."""
+    cls = getattr(worker, "KVCacheStoreRecvingThread", None)
+    if not isinstance(cls, type):
+        return "KVCacheStoreRecvingThread is missing"
+    for method, params in _EXPECTED_THREAD.items():
+        func = inspect.getattr_static(cls, method, None)
+        if not callable(func):
+            return f"KVCacheStoreRecvingThread.{method} is missing"
+        try:
+            actual = _params(func)
+        except (TypeError, ValueError):
+            return f"KVCacheStoreRecvingThread.{method} has no readable signature"
+        if actual != params:
+            return f"KVCacheStoreRecvingThread.{method} takes {actual}, expected {params}"
+    db = getattr(data, "ChunkedTokenDatabase", None)
+    func = inspect.getattr_static(db, "process_tokens", None) if isinstance(db, type) else None
+    if not callable(func) or _params(func) != _EXPECTED_PROCESS_TOKENS:
+        return "ChunkedTokenDatabase.process_tokens is missing or has another signature"
+    for name in ("envs", "logger"):
+        if getattr(worker, name, None) is None:
+            return f"{worker.__name__}.{name} is missing"
+    for name in ("_DIRECT_IO_ALIGNMENT", "_DIRECT_IO_PADDING_BYTES"):
+        value = worker.__dict__.get(name)
+        if type(value) is not int or value <= 0:
+            return f"{worker.__name__}.{name} is not a positive int"
+    for name in ("BlobBlockHashes", "LoadSpec", "ReqMeta", "TailKeyBoundary"):
+        if not isinstance(getattr(data, name, None), type):
+            return f"{data.__name__}.{name} is missing"
+    return ""
+
+
+class _RecordingStore:
+    """A store that records each multi-buffer get (as plain lists) and answers from a script."""
+
+    def __init__(self, answer: Callable[[list[str]], Any]) -> None:
+        self.calls: list[tuple[list[str], list[list[int]], list[list[int]]]] = []
+        self._answer = answer
+
+    def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+        self.calls.append((list(keys), [list(map(int, r)) for r in addrs], [list(map(int, r)) for r in sizes]))
+        return self._answer(list(keys))
+
+
+class _ArrayRecordingStore(_RecordingStore, ArrayStore):
+    """The same, with the array entry point our store wrappers offer."""
+
+    def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+        return self.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
+
+
+class _Coord:
+    def __init__(self, masks: tuple[list[bool], ...]) -> None:
+        self.masks = masks
+
+    def load_mask(self, block_hashes: Any, token_len: int) -> tuple[list[bool], ...]:
+        return self.masks
+
+
+def _run_once(
+    worker: ModuleType, handler: Callable[[Any, Any], Any], store: Any, coord: Any, dbs: list[Any],
+    block_size: int, tp_rank: int, participates: list[bool], req_meta: Any, budget: int | None,
+) -> tuple[Any, ...]:  # fmt: skip
+    records: list[tuple[Any, ...]] = []
+
+    def record(**kwargs: Any) -> None:
+        kwargs.pop("duration_seconds")
+        records.append(tuple(sorted(kwargs.items())))
+
+    q: queue.Queue[Any] = queue.Queue()
+    q.put(req_meta)
+    q.get()
+    thread = worker.KVCacheStoreRecvingThread(
+        store, coord, dbs, block_size, tp_rank, threading.Event(), disk_offload_buffer_budget_bytes=budget,
+        record_operation=record, request_queue=q, group_participates=participates, is_hma_required=False,
+    )  # fmt: skip
+    try:
+        handler(thread, req_meta)
+        outcome: Any = "ok"
+    except Exception as exc:  # the type is compared
+        outcome = type(exc)
+    return (
+        outcome,
+        store.calls,
+        records,
+        sorted(thread.get_and_clear_block_ids_with_load_errors()),
+        sorted(thread.get_and_clear_finished_requests()),
+        q.unfinished_tasks,
+    )
+
+
+def self_check(
+    data: ModuleType, worker: ModuleType, handler: Callable[[Any, Any], Any], *, seed: int = 0, cases: int = 8
+) -> None:
+    """vLLM's own handler and ``handler`` on small generated requests (two groups, masks, tail keys, rotation,
+    failing and raising stores, plain and array stores): identical store calls and side effects, else
+    ``AssertionError``."""
+    me = threading.get_ident()
+    quiet = DropThread(me)
+    worker.logger.addFilter(quiet)  # the failing-store cases log vLLM's warnings: not at start-up
+    try:
+        _self_check(data, worker, handler, random.Random(seed), cases)
+    finally:
+        worker.logger.removeFilter(quiet)
+
+
+class DropThread(logging.Filter):
+    """Drops the log records of one thread (a self-check's expected warnings are not start-up noise)."""
+
+    def __init__(self, ident: int) -> None:
+        super().__init__()
+        self.ident = ident
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.ident
+
+
+def _self_check(data: ModuleType, worker: ModuleType, handler: Any, rng: random.Random, cases: int) -> None:
+    original = worker.KVCacheStoreRecvingThread._handle_request
+    original = getattr(original, "__wrapped__", original)
+    stats = getattr(handler, "stats", None)
+    fast_before = stats.fast_requests if stats is not None else 0
+    metadata = data.KeyMetadata("self-check/recv", 1, 0, 0, 0)
+    for case in range(cases):
+        block_size = 64
+        rank_local = data.RankLocalStoreLayout(metadata, block_size, 16)
+        rank_local.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(3)])
+        rank_local.set_block_len([4096])
+        sharded = data.LBHNCStoreLayout(metadata, block_size, block_size, 2, 4, case % 2, 8)
+        sharded._set_segment_templates(
+            [([rng.randrange(1 << 20, 1 << 40)] * 2, [65536, 65536], [512, 512]) for _ in range(2)]
+        )
+        dbs = [
+            data.ChunkedTokenDatabase(metadata, block_size, 16, rank_local),
+            data.ChunkedTokenDatabase(metadata, block_size, block_size, sharded),
+        ]
+        blocks = rng.randint(1, 6)
+        token_len = blocks * block_size - 16 * rng.randrange(0, 3 if case % 2 == 0 else 1)
+        hashes = [rng.randbytes(32) for _ in range(blocks * 4)]
+        masks = tuple([rng.random() < 0.8 for _ in range(blocks + 1)] for _ in dbs)
+        tails = (data.TailKeyBoundary(0, rng.randrange(16, token_len + 1, 16)),) if case % 3 == 0 else ()
+        spec = data.LoadSpec(
+            vllm_cached_tokens=rng.randrange(0, token_len), kvpool_cached_tokens=token_len, can_load=True,
+            token_len=token_len, tail_key_boundaries=tails,
+        )  # fmt: skip
+        block_ids = ([rng.randrange(1, 500) for _ in range(blocks)], [rng.randrange(1, 500) for _ in range(blocks)])
+        meta = data.ReqMeta(
+            req_id=f"self-check-{case}", token_len_chunk=token_len, block_ids=block_ids, block_hashes=hashes,
+            load_spec=spec,
+        )  # fmt: skip
+        mode = case % 4
+
+        def answer(keys: list[str], mode: int = mode) -> Any:
+            if mode == 3:
+                raise RuntimeError("store down")
+            return [-704 if mode == 2 and i % 2 else 4096 for i in range(len(keys))]
+
+        participates = [True, case % 5 != 4]
+        store_cls = _ArrayRecordingStore if case % 2 else _RecordingStore
+        # Disk-offload budgets: one that holds the load, one that splits it, one a single key exceeds.
+        budget = (None, 1 << 30, 40_000, 9_000)[case % 4] if case % 3 != 1 else None
+        args = (_Coord(masks), dbs, block_size, case % 3, participates, meta, budget)
+        expected = _run_once(worker, original, _RecordingStore(answer), *args)
+        actual = _run_once(worker, handler, store_cls(answer), *args)
+        if expected != actual:
+            raise AssertionError(f"receive handler, case {case}: vLLM gives {expected!r}, ours {actual!r}")
+    if stats is not None and stats.fast_requests == fast_before:
+        raise AssertionError("receive handler: no self-check request took the fast path")
