@@ -23,7 +23,6 @@ import argparse
 import glob
 import json
 import os
-import platform
 import sys
 import time
 from typing import Any
@@ -39,19 +38,10 @@ LABELS = {
 }
 
 
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
-
-
 def measure(args: argparse.Namespace) -> int:
     from mooncake_kvaddr import __version__
     from mooncake_kvaddr.bench import vllm_plugin
+    from mooncake_kvaddr.bench.harness import machine
     from mooncake_kvaddr.driver import native_client
 
     modes = tuple(m for m in args.modes.split(",") if m)
@@ -64,7 +54,7 @@ def measure(args: argparse.Namespace) -> int:
         "mooncake_distribution": list(native_client.mooncake_distribution() or ()),
         "store_library": native_client.store_library(),
         "mooncake_kvaddr": __version__,
-        "machine": _machine(),
+        "machine": machine(),
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
