@@ -15,7 +15,13 @@ from typing import Any
 
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.layouts import DEFAULT_ROW_CACHE_BYTES
-from mooncake_kvaddr.integrations.vllm.registry import DATA_MODULE, WORKER_MODULE, original_of, static_attribute
+from mooncake_kvaddr.integrations.vllm.registry import (
+    DATA_MODULE,
+    WORKER_MODULE,
+    original_of,
+    signature_problem,
+    static_attribute,
+)
 
 __all__ = ["ENGINE_ATTR", "OURS", "PLAN_ENGINES", "REPLACEMENTS", "check_shape", "self_check"]
 
@@ -180,15 +186,9 @@ def check_shape(data: ModuleType, worker: ModuleType | None) -> str:
         cls = getattr(data, cls_name, None)
         if not isinstance(cls, type):
             return f"{DATA_MODULE}.{cls_name} is missing"
-        func = static_attribute(cls, method)
-        if not callable(func):
-            return f"{cls_name}.{method} is missing"
-        try:
-            actual = _params(func)
-        except (TypeError, ValueError):
-            return f"{cls_name}.{method} has no readable signature"
-        if actual != params:
-            return f"{cls_name}.{method} takes {actual}, expected {params}"
+        problem = signature_problem(cls, method, params)
+        if problem:
+            return problem
         _ORIGINAL_FUNCS[f"{cls_name}.{method}"] = original_of(cls, method)
     for name in ("KeyMetadata", "LBHNCStoreLayout", "LBNHCStoreLayout"):
         if not isinstance(getattr(data, name, None), type):

@@ -27,6 +27,7 @@ from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.driver.native_client import KeyBlob
 from mooncake_kvaddr.integrations.vllm.receive_check import DropThread
+from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
 
 __all__ = [
@@ -58,12 +59,11 @@ def check_shape(worker: ModuleType) -> str:
     cls = worker.__dict__.get("MooncakeStoreWorker")
     if not isinstance(cls, type):
         return "MooncakeStoreWorker is missing"
-    for method, params in (("lookup", _EXPECTED_PARAMS), ("_tail_key_boundaries", None)):
-        func = inspect.getattr_static(cls, method, None)
-        if not callable(func):
-            return f"MooncakeStoreWorker.{method} is missing"
-        if params is not None and tuple(inspect.signature(func).parameters)[1:] != params:
-            return f"MooncakeStoreWorker.{method} has another signature"
+    problem = signature_problem(cls, "lookup", _EXPECTED_PARAMS)
+    if problem:
+        return problem
+    if not callable(inspect.getattr_static(cls, "_tail_key_boundaries", None)):
+        return "MooncakeStoreWorker._tail_key_boundaries is missing"
     for name in _MODULE_NAMES:
         if worker.__dict__.get(name) is None:
             return f"{worker.__name__}.{name} is missing"

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
+from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 
 __all__ = ["DropThread", "check_shape", "self_check"]
 
@@ -46,15 +47,9 @@ def check_shape(data: ModuleType, worker: ModuleType) -> str:
     if not isinstance(cls, type):
         return "KVCacheStoreRecvingThread is missing"
     for method, params in _EXPECTED_THREAD.items():
-        func = inspect.getattr_static(cls, method, None)
-        if not callable(func):
-            return f"KVCacheStoreRecvingThread.{method} is missing"
-        try:
-            actual = _params(func)
-        except (TypeError, ValueError):
-            return f"KVCacheStoreRecvingThread.{method} has no readable signature"
-        if actual != params:
-            return f"KVCacheStoreRecvingThread.{method} takes {actual}, expected {params}"
+        problem = signature_problem(cls, method, params)
+        if problem:
+            return problem
     db = getattr(data, "ChunkedTokenDatabase", None)
     func = inspect.getattr_static(db, "process_tokens", None) if isinstance(db, type) else None
     if not callable(func) or _params(func) != _EXPECTED_PROCESS_TOKENS:

@@ -29,6 +29,7 @@ __all__ = [
     "original_of",
     "replace_attribute",
     "restore_all",
+    "signature_problem",
     "static_attribute",
     "vllm_functions",
 ]
@@ -65,6 +66,21 @@ def static_attribute(cls: type, name: str) -> Any:
         return inspect.getattr_static(cls, name)
     except AttributeError:
         return None
+
+
+def signature_problem(cls: type, method: str, params: tuple[str, ...]) -> str:
+    """Empty string when ``cls.method`` exists with exactly ``params`` after ``self``; otherwise what differs (the
+    shape checks of every replaced part say it the same way)."""
+    func = static_attribute(cls, method)
+    if not callable(func):
+        return f"{cls.__name__}.{method} is missing"
+    try:
+        actual = tuple(inspect.signature(func).parameters)[1:]
+    except (TypeError, ValueError):
+        return f"{cls.__name__}.{method} has no readable signature"
+    if actual != params:
+        return f"{cls.__name__}.{method} takes {actual}, expected {params}"
+    return ""
 
 
 def original_of(cls: type, name: str) -> Callable[..., Any]:
