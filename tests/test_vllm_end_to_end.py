@@ -53,8 +53,10 @@ def test_store_then_load_with_vllms_threads(
         rig = bench.VllmStoreRig(master.rpc_address, shape, staged=staged, native=native,
                                  recv_threads=2, staging_bytes=1 << 20, model=f"e2e/{mode}")  # fmt: skip
         handler = rig._worker.KVCacheStoreRecvingThread._handle_request
-        assert hasattr(handler, "stats") == mode.startswith("recv")
+        sender = rig._worker.KVCacheStoreSendingThread._handle_request
+        assert hasattr(handler, "stats") == mode.startswith("recv") == hasattr(sender, "stats")
         fast = handler.stats.fast_requests if mode.startswith("recv") else 0
+        stored = sender.stats.fast_requests if mode.startswith("recv") else 0
         try:
             if mode.endswith("native"):
                 client, why = NativeClient.probe(rig.raw_store)
@@ -69,8 +71,9 @@ def test_store_then_load_with_vllms_threads(
             assert not rig.verify(expected)
             assert rig.load_requests([f"load-{mode}-a", f"load-{mode}-b"], hashes) == set()
             assert rig.verify(expected)
-            if mode.startswith("recv"):  # both loads planned by our handler
+            if mode.startswith("recv"):  # the store and both loads planned by our handlers
                 assert handler.stats.fast_requests == fast + 2
+                assert sender.stats.fast_requests == stored + 1
             if staged:
                 assert rig.store.stats.staged_puts >= 1 and rig.store.stats.staged_gets >= 2
                 assert rig.store.stats.passthrough_gets == 0

@@ -6,8 +6,8 @@ Loaded with ``-p vllm_suite_plugin``; ``MOONCAKE_KVADDR_VLLM_SUITE`` says the mo
 - ``on``: before anything is collected, vLLM's own plugin loader (``vllm.plugins.load_general_plugins()``) runs
   the package's ``vllm.general_plugins`` entry point, as in every vLLM process. After collection (vLLM's test
   modules have imported the Mooncake store modules by then) vLLM's classes must carry the plugin's methods,
-  the receive handler included, and ``plugin.is_patched()`` must say so; at the end they must still be there.
-  The summary prints how many requests the receive handler planned itself and how many it handed to vLLM's.
+  both handlers and the lookup included, and ``plugin.is_patched()`` must say so; at the end they must still be there.
+  The summary prints how many requests each handler planned itself and how many it handed to vLLM's.
 - ``off``: the baseline. ``MOONCAKE_KVADDR_VLLM_PLUGIN=0`` must be set (vLLM loads its plugins itself in some
   code paths) and nothing may be patched at the end.
 
@@ -49,6 +49,8 @@ def _patched_now() -> list[str]:
         (data.TPShardedStoreLayout, "prepare_values"),
         (data.TPShardedStoreLayout, "key_for"),
         (worker.KVCacheStoreRecvingThread, "_handle_request"),
+        (worker.KVCacheStoreSendingThread, "_handle_request"),
+        (worker.MooncakeStoreWorker, "lookup"),
     ):
         func = cls.__dict__.get(name)
         if getattr(func, "__module__", "").startswith("mooncake_kvaddr."):
@@ -72,7 +74,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.stash[_MODE] != "on":
         return
     found = _patched_now()
-    if len(found) != 5:
+    if len(found) != _EXPECTED:
         raise pytest.UsageError(f"the plugin is not active after collection (patched: {found})")
     from mooncake_kvaddr.integrations.vllm import plugin
 
@@ -85,7 +87,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if mode is None:
         return
     found = _patched_now()
-    ok = len(found) == 5 if mode == "on" else not found
+    ok = len(found) == _EXPECTED if mode == "on" else not found
     if not ok:
         session.config.stash[_PROBLEM] = f"plugin {mode}, but vLLM's patched attributes at the end: {found}"
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
@@ -101,14 +103,17 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     line = f"vllm-suite: mooncake_kvaddr plugin {mode}"
     if mode == "on":
         _, worker = _vllm_classes()
-        stats = getattr(worker.KVCacheStoreRecvingThread.__dict__.get("_handle_request"), "stats", None)
-        if stats is not None:
-            line += (
-                f"; receive handler: {stats.fast_requests} request(s) planned natively, "
-                f"{stats.fallback_requests} handed to vLLM's handler (last reason: {stats.last_fallback or '-'})"
-            )
+        for what, cls in (("receive", worker.KVCacheStoreRecvingThread), ("send", worker.KVCacheStoreSendingThread)):
+            stats = getattr(cls.__dict__.get("_handle_request"), "stats", None)
+            if stats is not None:
+                line += (
+                    f"; {what} handler: {stats.fast_requests} request(s) planned natively, "
+                    f"{stats.fallback_requests} handed to vLLM's handler (last reason: {stats.last_fallback or '-'})"
+                )
     terminalreporter.write_line(line)
 
 
+#: The replaced attributes :func:`_patched_now` reads: four layout methods, both handlers, the lookup.
+_EXPECTED = 7
 _MODE = pytest.StashKey[str]()
 _PROBLEM = pytest.StashKey[str]()

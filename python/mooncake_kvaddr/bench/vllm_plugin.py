@@ -26,9 +26,9 @@ from typing import Any
 
 __all__ = ["HEADLINE", "MODES", "QUICK", "REMOTE", "RigShape", "VllmStoreRig", "plugin_mode", "run"]
 
-#: Transfer modes: vLLM alone; the plugin's patched layouts only (vLLM's own receive handler): alone, + staged
+#: Transfer modes: vLLM alone; the plugin's patched layouts only (vLLM's own handlers): alone, + staged
 #: transport, + native-client transport, + staged transport whose slot calls go through the native client; the
-#: plugin with its receive handler too (``recv*``): alone (plain Mooncake store, list rows: what
+#: plugin with its receive and send handlers too (``recv*``): alone (plain Mooncake store, list rows: what
 #: ``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=0`` installs), + staged, + native (int64 matrices to the store wrapper),
 #: + both (staged slot calls through the native client), and ``recv_native_off``: the plugin's default store
 #: wrapper where no native client can be built (an unverified wheel, ``MOONCAKE_KVADDR_NATIVE_CLIENT=0``; set
@@ -89,24 +89,26 @@ def native_off(mode: str) -> bool:
 
 @contextlib.contextmanager
 def plugin_mode(mode: str) -> Iterator[None]:
-    """vLLM untouched (``vllm``), patched without the receive handler (``plugin``, ``staged``, ``native``,
-    ``staged_native``) or with it (``recv*``) for the duration of the block; the previous state afterwards."""
+    """vLLM untouched (``vllm``), patched without the receive and send handlers (``plugin``, ``staged``,
+    ``native``, ``staged_native``) or with both (``recv*``) for the duration of the block; the previous state
+    afterwards."""
     from mooncake_kvaddr.integrations.vllm import plugin
 
     was = plugin.is_patched()
     had_receive = was and plugin.is_receive_patched()
+    had_send = was and plugin.is_send_patched()
     plugin.unpatch()
     if mode != "vllm":
         receive = mode_flags(mode)[0]
-        report = plugin.patch(receive=receive)
-        if not report.active or plugin.is_receive_patched() != receive:
+        report = plugin.patch(receive=receive, send=receive)
+        if not report.active or plugin.is_receive_patched() != receive or plugin.is_send_patched() != receive:
             raise RuntimeError(f"plugin not active as {mode!r}: {report.reason or report.receive_reason}")
     try:
         yield
     finally:
         plugin.unpatch()
         if was:
-            plugin.patch(receive=had_receive)
+            plugin.patch(receive=had_receive, send=had_send)
 
 
 class VllmStoreRig:

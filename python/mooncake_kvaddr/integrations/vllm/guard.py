@@ -418,10 +418,15 @@ class StoreGuard:
         return RowCheck(None if len(good) == n else good, n, a, s)
 
     def call_arrays(
-        self, keys: list[str], addrs: Int64Array, sizes: Int64Array, func: Callable[[Any, Any, Any], Any]
+        self,
+        keys: list[str],
+        addrs: Int64Array,
+        sizes: Int64Array,
+        func: Callable[[Any, Any, Any], Any],
+        name: str = "batch_get_into_multi_buffers_arrays",
     ) -> Any:
-        """The ``..._arrays`` entry: ``func(keys, addrs, sizes)`` for the keys whose slices are all inside
-        (matrices of the good rows), -600 for the others."""
+        """The ``..._arrays`` entries (``name``): ``func(keys, addrs, sizes)`` for the keys whose slices are all
+        inside (matrices of the good rows), -600 for the others."""
         if not self.table.armed:
             return func(keys, addrs, sizes)
         if (
@@ -439,7 +444,7 @@ class StoreGuard:
         if check.good is None:
             return func(keys, addrs, sizes)
         good = check.good
-        self.note_refused(check.refused, "batch_get_into_multi_buffers_arrays")
+        self.note_refused(check.refused, name)
         results: list[Any] = [INVALID_PARAMS] * check.count
         if good:
             answers = list(func([keys[i] for i in good], np.asarray(addrs)[good], np.asarray(sizes)[good]))

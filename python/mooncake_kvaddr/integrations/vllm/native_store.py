@@ -237,6 +237,31 @@ class NativeMooncakeStore:
         """Mooncake's ``batch_put_from_multi_buffers`` (``ReplicateConfig`` passed through)."""
         return self._call("batch_put_from_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
 
+    def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
+        """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with the rows as two (keys x regions) int64
+        matrices (the send handler's entry, docs/vllm-plugin.md); as :meth:`batch_get_into_multi_buffers_arrays`."""
+        with self._gate.admitted():
+            if self.ranges.armed:
+                done, result = self._native_call(
+                    "batch_put_from_multi_buffers", (keys, addrs, sizes, config), "batch_put_from_multi_buffers arrays",
+                    True,
+                )  # fmt: skip
+                if done:
+                    return result
+            return self.guard.call_arrays(
+                keys, addrs, sizes, lambda k, a, s: self._put_arrays(k, a, s, config), "batch_put_from_multi_buffers"
+            )
+
+    def _put_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
+        done, result = self._native_call(
+            "batch_put_from_multi_buffers", (keys, addrs, sizes, config), "batch_put_from_multi_buffers arrays"
+        )
+        if done:
+            return result
+        self.stats.fallback_calls += 1
+        addr_rows, size_rows = bound_rows(addrs, sizes)
+        return self._store.batch_put_from_multi_buffers(keys, addr_rows, size_rows, config)
+
     def batch_get_into(self, *args: Any, **kwargs: Any) -> Any:
         """Mooncake's ``batch_get_into(keys, buffer_ptrs, sizes)`` through the native client."""
         return self._call("batch_get_into", *args, **kwargs)

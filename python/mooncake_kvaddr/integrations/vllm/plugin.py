@@ -74,6 +74,7 @@ __all__ = [
     "fingerprint_source",
     "is_patched",
     "is_receive_patched",
+    "is_send_patched",
     "maybe_stage_store",
     "native_client_setting",
     "patch",
@@ -112,6 +113,8 @@ class PatchReport:
     hook_reason: str = ""
     #: Why vLLM's own ``MooncakeStoreWorker.lookup`` was kept ("" when it was replaced, or off).
     lookup_reason: str = ""
+    #: Why vLLM's own send handler was kept ("" when it was replaced, or off).
+    send_reason: str = ""
 
     @property
     def active(self) -> bool:
@@ -138,7 +141,17 @@ def is_receive_patched() -> bool:
     """True while vLLM's receive threads run our ``_handle_request`` (resolves deferred work as
     :func:`is_patched`)."""
     _run_deferred()
-    return any(name == "_handle_request" for _, name in ORIGINALS)
+    return _replaced("KVCacheStoreRecvingThread", "_handle_request")
+
+
+def is_send_patched() -> bool:
+    """True while vLLM's send threads run our ``_handle_request`` (resolves deferred work as :func:`is_patched`)."""
+    _run_deferred()
+    return _replaced("KVCacheStoreSendingThread", "_handle_request")
+
+
+def _replaced(cls_name: str, name: str) -> bool:
+    return any(cls.__name__ == cls_name and attr == name for cls, attr in ORIGINALS)
 
 
 def _patch_receive(data: ModuleType, worker: ModuleType, report: PatchReport) -> None:
@@ -186,6 +199,28 @@ def _patch_lookup(data: ModuleType, worker: ModuleType, report: PatchReport) -> 
     report.patched.append("MooncakeStoreWorker.lookup")
 
 
+def _patch_send(data: ModuleType, worker: ModuleType, report: PatchReport) -> None:
+    """Replace ``KVCacheStoreSendingThread._handle_request`` after its shape check, fingerprints and self-check
+    (the layouts must be patched already, as for the receive handler)."""
+    from mooncake_kvaddr.integrations.vllm import send, send_check
+
+    problem = send_check.check_shape(data, worker) or fingerprint_problem(
+        report.vllm_version, vllm_functions("send", data, worker)
+    )
+    if problem:
+        report.send_reason = problem
+        return
+    cls = worker.KVCacheStoreSendingThread
+    handler = send.make_handler(static_attribute(cls, "_handle_request"), data, worker, OURS, PLAN_ENGINES)
+    try:
+        send_check.self_check(data, worker, handler)
+    except Exception as exc:
+        report.send_reason = f"self-check failed: {exc}"
+        return
+    replace_attribute(cls, "_handle_request", handler)
+    report.patched.append("KVCacheStoreSendingThread._handle_request")
+
+
 def patch(
     *,
     data: ModuleType | None = None,
@@ -193,12 +228,14 @@ def patch(
     version: str | None = None,
     receive: bool | None = None,
     lookup: bool | None = None,
+    send: bool | None = None,
 ) -> PatchReport:
     """Check, self-check and patch (see the module docstring); idempotent. Returns what was done.
 
     ``data``/``worker``/``version`` default to the installed vLLM's modules and version (tests pass their own).
     ``receive``: replace the receive handler (None: unless :data:`ENV_RECV` turns it off).
     ``lookup``: replace the worker's lookup (None: unless ``MOONCAKE_KVADDR_VLLM_LOOKUP`` turns it off).
+    ``send``: replace the send handler (None: unless ``MOONCAKE_KVADDR_VLLM_SEND`` turns it off).
     """
     global _REPORT
     if _REPORT is not None and _REPORT.active:
@@ -260,6 +297,13 @@ def patch(
                     _patch_lookup(data, worker, report)
                 except Exception as exc:  # the rest stays patched; only the lookup stays vLLM's
                     report.lookup_reason = f"{type(exc).__name__}: {exc}"
+            from mooncake_kvaddr.integrations.vllm.send import send_enabled
+
+            if send if send is not None else send_enabled(os.environ):
+                try:
+                    _patch_send(data, worker, report)
+                except Exception as exc:  # the rest stays patched; only the send handler stays vLLM's
+                    report.send_reason = f"{type(exc).__name__}: {exc}"
         _REPORT = report
         return report
 
@@ -411,6 +455,8 @@ def _activate() -> None:
             logger.warning("mooncake_kvaddr: vLLM's own receive handler kept: %s", report.receive_reason)
         if report.lookup_reason:
             logger.warning("mooncake_kvaddr: vLLM's own lookup kept: %s", report.lookup_reason)
+        if report.send_reason:
+            logger.warning("mooncake_kvaddr: vLLM's own send handler kept: %s", report.send_reason)
     elif not _WARNED:
         _WARNED = True
         logger.warning("mooncake_kvaddr: vLLM left untouched: %s", report.reason)

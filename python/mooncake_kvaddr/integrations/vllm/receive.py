@@ -66,6 +66,12 @@ class ArrayStore(abc.ABC):
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         """``batch_get_into_multi_buffers`` with (keys x regions) int64 matrices; Mooncake's per-key codes."""
 
+    def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
+        """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with int64 matrices (the send handler's
+        entry); this default hands the rows on as lists to the subclass's ``batch_put_from_multi_buffers``."""
+        rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
+        return self.batch_put_from_multi_buffers(keys, *rows, config)  # type: ignore[attr-defined]
+
 
 def _register_wrappers() -> None:
     from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
@@ -126,6 +132,14 @@ class RequestPlan:
             return [sum(row) for row in sizes.tolist()]
         result: list[int] = sizes.sum(axis=1).tolist()
         return result
+
+    def take(self, indices: list[int]) -> RequestPlan:
+        """The keys at ``indices`` (in that order) with their rows and block ids."""
+        keys = [self.keys[i] for i in indices]
+        if self.arrays:
+            return RequestPlan(keys, self.addrs[indices], self.sizes[indices], self.block_ids[indices], True)
+        addrs, sizes, ids = ([m[i] for i in indices] for m in (self.addrs, self.sizes, self.block_ids))
+        return RequestPlan(keys, addrs, sizes, ids, False)
 
     def block_id_list(self, indices: list[int] | None = None) -> list[int]:
         """Block ids (all, or those at ``indices``) as a list of Python ints."""

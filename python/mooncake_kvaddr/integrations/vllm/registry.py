@@ -101,7 +101,8 @@ def original_of(cls: type, name: str) -> Callable[..., Any]:
 #: The vLLM functions each part of the plugin was checked against, by part: the layouts (replaced), the receive
 #: handler (replaced; ``process_tokens`` is the chunk walk it reproduces) and the worker's transport hook
 #: (``register_kv_caches``/``close`` run with the wrapper as the store, so their bodies are what the hook
-#: relies on), the worker's lookup (replaced; the block pool's attributes are what its faster pool reads).
+#: relies on), the worker's lookup (replaced; the block pool's attributes are what its faster pool reads), the
+#: send handler (replaced; the walk and the byte sum are what it reproduces).
 FINGERPRINTED: dict[str, tuple[str, ...]] = {
     "layouts": (
         "RankLocalStoreLayout.prepare_values",
@@ -116,6 +117,11 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
         "ChunkedTokenDatabase.process_tokens",
         "_estimate_disk_offload_staging_bytes",
         "_split_disk_offload_load_batches",
+    ),
+    "send": (
+        "KVCacheStoreSendingThread._handle_request",
+        "ChunkedTokenDatabase.process_tokens",
+        "_sum_batch_bytes",
     ),
     "worker": ("MooncakeStoreWorker.register_kv_caches", "MooncakeStoreWorker.close"),
     "lookup": (
@@ -144,6 +150,8 @@ KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
         "MooncakeStoreWorker.lookup": "23da6e4e0684a1e0",
         "ExternalCachedBlockPool.__init__": "8812d6d330d5298f",
         "ExternalCachedBlockPool.get_cached_block": "58a17cb93531b829",
+        "KVCacheStoreSendingThread._handle_request": "9faeb2e256df39de",
+        "_sum_batch_bytes": "3e69ccacfd52a5c3",
     }
     for release in ("0.32.0", "0.33.0")
 }
@@ -202,7 +210,12 @@ def fingerprint_problem(version: str, functions: Mapping[str, Any]) -> str:
 
 
 #: Classes of the worker module among :data:`FINGERPRINTED` (the others are the data module's).
-_WORKER_CLASSES = ("KVCacheStoreRecvingThread", "MooncakeStoreWorker", "ExternalCachedBlockPool")
+_WORKER_CLASSES = (
+    "KVCacheStoreRecvingThread",
+    "KVCacheStoreSendingThread",
+    "MooncakeStoreWorker",
+    "ExternalCachedBlockPool",
+)
 
 
 def vllm_functions(part: str, data: ModuleType, worker: ModuleType | None) -> dict[str, Any]:

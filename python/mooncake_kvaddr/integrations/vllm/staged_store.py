@@ -260,8 +260,8 @@ class StagedMooncakeStore:
         with self._gate.admitted():
             return self.guard.call_arrays(keys, addrs, sizes, self._get_multi_arrays)
 
-    def _get_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
-        staged = None
+    def _plan_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> _Staged | None:
+        """The staging plan of an ``..._arrays`` call (int64 matrices, distinct keys), or None."""
         if (
             isinstance(addrs, np.ndarray)
             and isinstance(sizes, np.ndarray)
@@ -271,7 +271,11 @@ class StagedMooncakeStore:
             and addrs.shape == sizes.shape
             and self._keys_stageable(keys)
         ):
-            staged = self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
+            return self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
+        return None
+
+    def _get_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
+        staged = self._plan_arrays(keys, addrs, sizes)
         if staged is None:
             self.stats.passthrough_gets += 1
             if isinstance(self._store, NativeMooncakeStore):  # our own type: never probe a foreign store
@@ -347,6 +351,27 @@ class StagedMooncakeStore:
         if staged is None:
             self.stats.passthrough_puts += 1
             return self._store.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+        return self._staged_put(keys, staged, config)
+
+    def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
+        """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with the rows as two (keys x regions) int64
+        matrices (the send handler's entry, docs/vllm-plugin.md): staged without building a Python row; a call
+        staging does not take goes on as :meth:`batch_get_into_multi_buffers_arrays` describes."""
+        with self._gate.admitted():
+            put = lambda k, a, s: self._put_multi_arrays(k, a, s, config)  # noqa: E731
+            return self.guard.call_arrays(keys, addrs, sizes, put, "batch_put_from_multi_buffers")
+
+    def _put_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
+        staged = self._plan_arrays(keys, addrs, sizes)
+        if staged is None:
+            self.stats.passthrough_puts += 1
+            if isinstance(self._store, NativeMooncakeStore):  # our own type: never probe a foreign store
+                return self._store.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, config)
+            rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
+            return self._store.batch_put_from_multi_buffers(keys, *rows, config)
+        return self._staged_put(keys, staged, (config,))
+
+    def _staged_put(self, keys: list[str], staged: _Staged, config: tuple[Any, ...]) -> list[int]:
         self.stats.staged_puts += 1
         results: list[int] = []
         lease = self._lease(staged)

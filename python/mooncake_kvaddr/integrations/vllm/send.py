@@ -1,0 +1,322 @@
+"""A replacement for vLLM 0.32/0.33's ``KVCacheStoreSendingThread._handle_request`` (docs/vllm-plugin.md,
+"The send handler").
+
+vLLM's handler walks every group's chunks in Python, keys each chunk and shard, asks Mooncake which keys exist
+and builds the missing keys' rows with ``prepare_values``. Ours plans each group in one native call (the
+layout engine's fused walk, keys and rows) and hands the rows as int64 matrices to our store wrappers' array
+put (lists, value-equal to vLLM's, for any other store). Everything around it is vLLM's, call for call:
+liveness, the pressure skip, the boundary-state puts (vLLM's own method), the existence filter, records,
+group ids, saved offsets, completion. Anything else runs vLLM's own handler (:func:`plan_store` says why);
+planning has no side effect, so handing over is safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mooncake_kvaddr.core.flags import flag
+from mooncake_kvaddr.integrations.vllm.receive import ArrayStore, RequestPlan, _hash_source, _Kinds, _register_wrappers
+
+__all__ = ["ENV_SEND", "SendStats", "make_handler", "plan_store", "send_enabled"]
+
+#: Set to ``0``/``false``/``off``/``no`` to keep vLLM's own send handler (the rest stays patched).
+ENV_SEND = "MOONCAKE_KVADDR_VLLM_SEND"
+
+
+def send_enabled(environ: Mapping[str, str]) -> bool:
+    """False when :data:`ENV_SEND` turns the replacement send handler off (on by default with the plugin)."""
+    return flag(environ.get(ENV_SEND), True)
+
+
+@dataclass
+class SendStats:
+    """Requests the replacement handler stored itself, and those it handed to vLLM's own handler (with the
+    last reason). Counters only, updated without a lock."""
+
+    fast_requests: int = 0
+    fallback_requests: int = 0
+    last_fallback: str = ""
+
+
+class SendPlan:
+    """One store job's keys and rows (a :class:`RequestPlan`) with each key's group index."""
+
+    __slots__ = ("groups", "rows", "skipped")
+
+    def __init__(self, rows: RequestPlan, groups: list[int], skipped: list[tuple[int, int]]) -> None:
+        self.rows = rows
+        self.groups = groups
+        #: (group, block index) of every chunk vLLM skips as an unavailable source block (its debug log).
+        self.skipped = skipped
+
+
+def _group_mask(
+    block_size: int, token_len: int, save_start: int, chunk_mask: Any, put_step: int, rank: int, blocks: Any
+) -> tuple[list[bool], list[int]]:
+    """vLLM's send walk as one absolute chunk mask: ``process_tokens``' start (``ceil(save_start / block_size)``),
+    its relative ``chunk_mask`` and put striping, then the skip of block ids past the list or equal to the null
+    block (0). Returns the mask and the chunk ids skipped for their block id."""
+    first = max(0, -(-save_start // block_size))
+    stop = -(-token_len // block_size)
+    if chunk_mask is not None:
+        stop = min(stop, first + len(chunk_mask))
+    if stop <= first:
+        return [], []
+    ids = np.arange(first, stop, dtype=np.int64)
+    keep = ids % put_step == rank
+    if chunk_mask is not None:
+        keep &= np.fromiter(map(bool, chunk_mask[: stop - first]), dtype=bool, count=stop - first)
+    present = np.zeros(stop - first, dtype=bool)
+    listed = max(0, min(stop, len(blocks)) - first)
+    if listed:
+        values = np.asarray(blocks[first : first + listed])
+        if values.dtype.kind not in "iub" or values.shape != (listed,):
+            raise TypeError("block ids that are not integers")
+        present[:listed] = values != 0
+    skipped = ids[keep & ~present].tolist()
+    keep &= present
+    return [False] * first + keep.tolist(), skipped
+
+
+def plan_store(
+    thread: Any,
+    req_meta: Any,
+    token_len: int,
+    save_start: int,
+    arrays: bool,
+    kinds: _Kinds,
+    engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
+    blob_type: type,
+) -> SendPlan | str:
+    """Every key of a store job that vLLM would send to ``batch_is_exist``, with its rows, or why the job is not
+    ours to plan. May raise (the caller then hands the job to vLLM's handler). No side effects."""
+    source = _hash_source(req_meta.block_hashes, blob_type)
+    if source is None:
+        return "block hashes of another type"
+    hashes, hash_len = source
+    n_hashes = len(hashes) // hash_len if hash_len else len(hashes)
+    masks = thread.coord.store_mask(token_len, save_start, num_prompt_tokens=req_meta.prefill_end_tokens)
+    parts: list[tuple[Any, ...]] = []
+    groups: list[int] = []
+    skipped: list[tuple[int, int]] = []
+    for g, db in enumerate(thread.token_databases):
+        if not thread.group_participates[g]:
+            continue
+        put_step = thread.group_put_steps[g]
+        if type(put_step) is not int or put_step <= 0 or type(thread.tp_rank) is not int:
+            return "a put step or TP rank that is not a positive int"
+        if not kinds.db_ok(db):
+            return "a token database that is not vLLM's"
+        layout = db.store_layout
+        kind = kinds.layout_kind(layout)
+        if not kind:
+            return "a layout not backed by our engine"
+        block_size, hash_block_size = db.block_size, db.hash_block_size
+        if (block_size, hash_block_size) != (layout.block_size, layout.hash_block_size) or type(block_size) is not int:
+            return "a token database whose block sizes are not its layout's"
+        if not n_hashes:
+            continue  # vLLM's walk yields nothing without hashes
+        if token_len % hash_block_size or token_len // hash_block_size > n_hashes:
+            return "a token length vLLM's walk refuses"
+        chunk_mask = masks[g]
+        if chunk_mask is not None and type(chunk_mask) is not list and type(chunk_mask) is not tuple:
+            return "a store mask that is not a list"
+        blocks = req_meta.block_ids[g]
+        if type(blocks) is not list and type(blocks) is not tuple and not isinstance(blocks, np.ndarray):
+            return "block ids that are not a list"
+        rank = (thread.tp_rank + g) % put_step
+        mask, unavailable = _group_mask(block_size, token_len, save_start, chunk_mask, put_step, rank, blocks)
+        skipped.extend((g, chunk) for chunk in unavailable)
+        engine, prefixes = engines[kind](layout)
+        part = engine.plan_load(prefixes, hashes, hash_len, token_len, save_start, mask, None, blocks, arrays)
+        if len(part[0]):
+            parts.append(part)
+            groups.extend([g] * len(part[0]))
+    if arrays and len({part[1].shape[1] for part in parts}) > 1:
+        arrays = False  # rows of different widths: no single matrix, lists as vLLM builds them
+        parts = [(p[0], p[1].tolist(), p[2].tolist(), p[3].tolist()) for p in parts]
+    if not parts:
+        return SendPlan(RequestPlan([], [], [], [], False), groups, skipped)
+    if len(parts) == 1:
+        keys, addrs, sizes, ids = parts[0]
+    elif arrays:
+        keys = [key for p in parts for key in p[0]]
+        addrs, sizes, ids = (np.concatenate([p[i] for p in parts]) for i in (1, 2, 3))
+    else:
+        keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
+    return SendPlan(RequestPlan(keys, addrs, sizes, ids, arrays), groups, skipped)
+
+
+def _put(store: Any, rows: RequestPlan, config: Any) -> Any:
+    if rows.arrays and isinstance(store, ArrayStore):
+        return store.batch_put_from_multi_buffers_arrays(rows.keys, rows.addrs, rows.sizes, config)
+    if rows.arrays:
+        return store.batch_put_from_multi_buffers(rows.keys, rows.addrs.tolist(), rows.sizes.tolist(), config)
+    return store.batch_put_from_multi_buffers(rows.keys, rows.addrs, rows.sizes, config)
+
+
+def _store_job(thread: Any, req_meta: Any, plan: SendPlan, token_len: int, worker: ModuleType) -> None:
+    """vLLM's send handler from the boundary-state puts on, with ``plan`` for its walk and ``prepare_values``."""
+    logger = worker.logger
+    req_id = req_meta.req_id
+    try:
+        if not thread._maybe_offload_boundary_states(req_meta):
+            return
+        if logger.isEnabledFor(logging.DEBUG):
+            for g, chunk in plan.skipped:
+                logger.debug(
+                    "Skipping unavailable Mooncake store source block (req=%s, group=%d, block=%d)", req_id, g, chunk
+                )
+        rows = plan.rows
+        if not rows.keys:
+            thread._record_saved(req_meta, token_len)
+            return
+        keys = rows.keys
+        exists_start = time.perf_counter()
+        try:
+            exists_states = thread.store.batch_is_exist(keys)
+        except Exception:
+            thread._record_operation(
+                "save_exists", exists_start, len(keys), status="error", num_failed_keys=len(keys)
+            )
+            raise
+        thread._record_operation("save_exists", exists_start, len(keys))
+        missing = [i for i, exists in enumerate(exists_states) if exists != 1]
+        if not missing:
+            thread._record_saved(req_meta, token_len)
+            return
+        groups = plan.groups
+        if len(missing) != len(keys):
+            rows = rows.take(missing)
+            keys = rows.keys
+            groups = [groups[i] for i in missing]
+        group_ids = (
+            [
+                worker._make_mooncake_group_id(thread.token_databases[g].metadata, key.rsplit("@", 1)[-1])
+                for key, g in zip(keys, groups, strict=True)
+            ]
+            if thread.enable_group_semantics and thread.supports_group_ids
+            else None
+        )
+        logger.debug("Storing KV cache for %d blocks (groups=%s) for request %s", len(keys), set(groups), req_id)
+        if req_meta.current_event is not None:
+            req_meta.current_event.synchronize()
+        if group_ids is not None:
+            thread.replicate_config.group_ids = group_ids
+        _put_and_record(thread, req_meta, rows, token_len, worker)
+    finally:
+        thread.finish_store_job(req_meta)
+        thread.request_queue.task_done()
+
+
+def _put_and_record(thread: Any, req_meta: Any, rows: RequestPlan, token_len: int, worker: ModuleType) -> None:
+    """The put and vLLM's bookkeeping of its outcome (records, pressure, saved offset)."""
+    logger = worker.logger
+    keys = rows.keys
+    failed_indices: set[int] = set()
+    put_had_exception = False
+    batch_bytes = rows.total_bytes()
+    put_start = time.perf_counter()
+    try:
+        res = _put(thread.store, rows, thread.replicate_config)
+    except Exception as e:
+        thread._record_operation(
+            "save_put", put_start, len(keys), num_bytes=batch_bytes, status="error", num_failed_keys=len(keys)
+        )
+        logger.error("Failed to put key %s, error: %s", keys, e)
+        put_had_exception = True
+    else:
+        failed_indices = {i for i, value in enumerate(res) if value < 0}
+        thread._record_operation(
+            "save_put",
+            put_start,
+            len(keys),
+            num_bytes=batch_bytes,
+            status="partial_failure" if failed_indices else "ok",
+            num_failed_keys=len(failed_indices),
+        )
+        failed_codes = {res[i] for i in failed_indices}
+        if failed_indices:
+            logger.warning(
+                "batch_put failed: %d/%d keys failed (codes=%s, batch_bytes=%d), first_key=%s",
+                len(failed_indices),
+                len(keys),
+                failed_codes,
+                batch_bytes,
+                keys[0],
+            )
+        if worker.MOONCAKE_NO_AVAILABLE_HANDLE in failed_codes and not thread._mark_request_skipped_for_pressure(
+            req_meta
+        ):
+            logger.warning(
+                "Detected Mooncake CPU/disk offloading pressure (NO_AVAILABLE_HANDLE); skipping future store "
+                "batches for request %s until a later store batch succeeds",
+                req_meta.req_id,
+            )
+    if not put_had_exception and not failed_indices:
+        thread._record_saved(req_meta, token_len)
+        if thread._clear_store_pressure():
+            logger.info("Mooncake CPU/disk offloading pressure cleared after a successful store batch")
+
+
+def make_handler(
+    original: Callable[[Any, Any], Any],
+    data: ModuleType,
+    worker: ModuleType,
+    ours: Mapping[str, Any],
+    engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
+) -> Callable[[Any, Any], Any]:
+    """The replacement ``_handle_request``; ``original`` is vLLM's (run for everything off the fast path).
+    ``ours`` and ``engines`` as for the receive handler's :func:`~.receive.make_handler`."""
+    kinds = _Kinds(data, ours)
+    blob_type = data.BlobBlockHashes
+    stats = SendStats()
+    lock = threading.Lock()
+    _register_wrappers()
+
+    def _plan(self: Any, req_meta: Any) -> tuple[SendPlan, int] | str:
+        if self.enable_kv_event:
+            return "kv events on"
+        lcm_block_size = self.coord.lcm_block_size
+        token_len = req_meta.token_len_chunk // lcm_block_size * lcm_block_size
+        if type(token_len) is not int or token_len <= 0:
+            return "no token to store"
+        if not self.is_live_store_job(req_meta) or self._should_skip_request(req_meta.req_id):
+            return "a job vLLM skips"
+        save_start = self._saved_offset.get(req_meta.req_id, 0)
+        if type(save_start) is not int:
+            return "a saved offset that is not an int"
+        arrays = isinstance(self.store, ArrayStore)
+        plan = plan_store(self, req_meta, token_len, save_start, arrays, kinds, engines, blob_type)
+        return plan if isinstance(plan, str) else (plan, token_len)
+
+    def _handle_request(self: Any, req_meta: Any) -> Any:
+        """mooncake_kvaddr's send handler (docs/vllm-plugin.md, "The send handler")."""
+        try:
+            planned = _plan(self, req_meta)
+        except Exception as exc:  # vLLM's handler raises its own error (or accepts what our engine refuses)
+            planned = f"planning raised {type(exc).__name__}"
+        if isinstance(planned, str):
+            with lock:
+                stats.fallback_requests += 1
+                stats.last_fallback = planned
+            return original(self, req_meta)
+        with lock:
+            stats.fast_requests += 1
+        _store_job(self, req_meta, planned[0], planned[1], worker)
+        return None
+
+    handler: Any = _handle_request
+    handler.__wrapped__ = original
+    handler.__qualname__ = "KVCacheStoreSendingThread._handle_request"
+    handler.stats = stats
+    result: Callable[[Any, Any], Any] = handler
+    return result

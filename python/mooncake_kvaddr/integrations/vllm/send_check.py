@@ -1,0 +1,275 @@
+"""The send handler's start-up checks (docs/vllm-plugin.md, "What ``register()`` does"): the shape of vLLM's send
+thread and worker module, and a self-check of vLLM's handler and ours on small generated store jobs. The case
+generator and the recording store are shared with the differential test.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
+from mooncake_kvaddr.integrations.vllm.receive_check import DropThread
+from mooncake_kvaddr.integrations.vllm.registry import signature_problem
+
+__all__ = ["RecordingStore", "check_shape", "make_case", "run_once", "self_check"]
+
+# Parameters (after self) of what the send handler relies on, as vLLM 0.32/0.33 declare them.
+_EXPECTED_THREAD: dict[str, tuple[str, ...]] = {
+    "_handle_request": ("req_meta",),
+    "_maybe_offload_boundary_states": ("req_meta",),
+    "_record_saved": ("req_meta", "token_len"),
+    "is_live_store_job": ("req_meta",),
+    "_should_skip_request": ("req_id",),
+    "finish_store_job": ("req_meta",),
+    "_mark_request_skipped_for_pressure": ("req_meta",),
+    "_clear_store_pressure": (),
+    "_record_operation": ("operation", "start_time", "num_keys", "num_bytes", "status", "num_failed_keys"),
+    "__init__": (
+        "store", "coord", "token_databases", "block_size", "tp_rank", "group_put_steps", "kv_role", "ready_event",
+        "enable_kv_event", "replicate_config", "enable_group_semantics", "supports_group_ids", "record_operation",
+        "group_participates",
+    ),
+}  # fmt: skip
+
+
+def check_shape(data: ModuleType, worker: ModuleType) -> str:
+    """Empty string when vLLM's send thread and worker module have the shape the send handler relies on;
+    otherwise the first mismatch (the receive handler's check covers the token database and hashes)."""
+    cls = getattr(worker, "KVCacheStoreSendingThread", None)
+    if not isinstance(cls, type):
+        return "KVCacheStoreSendingThread is missing"
+    for method, params in _EXPECTED_THREAD.items():
+        problem = signature_problem(cls, method, params)
+        if problem:
+            return problem
+    if type(worker.__dict__.get("MOONCAKE_NO_AVAILABLE_HANDLE")) is not int:
+        return f"{worker.__name__}.MOONCAKE_NO_AVAILABLE_HANDLE is not an int"
+    if not callable(worker.__dict__.get("_make_mooncake_group_id")):
+        return f"{worker.__name__}._make_mooncake_group_id is missing"
+    if getattr(worker, "logger", None) is None:
+        return f"{worker.__name__}.logger is missing"
+    for name in ("ReqMeta", "KeyMetadata", "ChunkedTokenDatabase"):
+        if not isinstance(getattr(data, name, None), type):
+            return f"{data.__name__}.{name} is missing"
+    return ""
+
+
+class RecordingStore:
+    """A store that records ``batch_is_exist`` and multi-buffer puts (rows as plain lists, with the replicate
+    config's group ids at the call) and answers from ``answer(call, keys)``: a list, or an exception to raise."""
+
+    def __init__(self, answer: Callable[[str, list[str]], Any]) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self._answer = answer
+
+    def _reply(self, call: str, keys: list[str]) -> Any:
+        result = self._answer(call, keys)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def batch_is_exist(self, keys: Any) -> Any:
+        self.calls.append(("exist", list(keys)))
+        return self._reply("exist", list(keys))
+
+    def batch_put_from_multi_buffers(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> Any:
+        rows = [list(map(int, r)) for r in addrs], [list(map(int, r)) for r in sizes]
+        self.calls.append(("put", list(keys), *rows, list(getattr(config, "group_ids", None) or ())))
+        return self._reply("put", list(keys))
+
+
+class ArrayRecordingStore(RecordingStore, ArrayStore):
+    """The same, with the array entries our store wrappers offer (the put's matrices recorded as lists)."""
+
+    def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+        raise AssertionError("the send handler never loads")
+
+    def batch_put_from_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> Any:
+        assert addrs.dtype.kind == "i" and sizes.dtype.kind == "i", "rows must come as integer matrices"
+        return self.batch_put_from_multi_buffers(keys, addrs.tolist(), sizes.tolist(), config)
+
+
+class _Config:
+    """A replicate config: vLLM sets ``group_ids`` on it before a put with group semantics."""
+
+    def __init__(self) -> None:
+        self.group_ids: list[str] = []
+
+
+class _Coord:
+    def __init__(self, masks: tuple[Any, ...], lcm_block_size: int) -> None:
+        self.masks = masks
+        self.lcm_block_size = lcm_block_size
+        self.hash_block_size = 16
+
+    def store_mask(self, token_len: int, start: int = 0, num_prompt_tokens: int | None = None) -> tuple[Any, ...]:
+        return self.masks
+
+
+def make_case(data: ModuleType, rng: random.Random, case: int) -> dict[str, Any]:
+    """One generated store job: two or three groups (rank-local and TP-shared, mixed widths), store masks (lists
+    or None), put steps, saved offsets, null and missing block ids, boundary puts, group semantics, and a script
+    of store answers (present keys, failed and raising puts, pressure codes)."""
+    metadata = data.KeyMetadata(f"send/{case % 3}", 1, case % 2, 0, 0, cache_prefix="p" if case % 4 == 1 else "")
+    # (vLLM's group ids name the model, prefix and namespace; the key's hash part is what differs.)
+    block_size = rng.choice((16, 32))
+    rank_local = data.RankLocalStoreLayout(metadata, block_size, 16)
+    rank_local.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(rng.randint(1, 3))])
+    rank_local.set_block_len([4096] if rng.random() < 0.5 else [4096, 2048, 1024][: rng.randint(1, 3)])
+    tp_rank = rng.randrange(0, 4)
+    sharded = data.LBHNCStoreLayout(metadata, block_size, block_size, 2, 4, tp_rank % 2, 8)
+    sharded._set_segment_templates(
+        [([rng.randrange(1 << 20, 1 << 40)] * 2, [65536, 65536], [512, 512]) for _ in range(2)]
+    )
+    dbs = [
+        data.ChunkedTokenDatabase(metadata, block_size, 16, rank_local),
+        data.ChunkedTokenDatabase(metadata, block_size, block_size, sharded),
+    ][: rng.randint(1, 2)]
+    if rng.random() < 0.3:
+        dbs.append(data.ChunkedTokenDatabase(metadata, block_size, 16, rank_local))
+    blocks = rng.randint(1, 7)
+    token_len = blocks * block_size - 16 * rng.randrange(0, block_size // 16)
+    if any(db.store_layout is sharded for db in dbs) and rng.random() < 0.7:
+        token_len = blocks * block_size  # TP-shared stores take full blocks only (else vLLM raises: also covered)
+    hashes = [rng.randbytes(rng.choice((8, 32))) for _ in range(token_len // 16 + rng.randrange(0, 3))]
+    save_start = rng.choice((0, 0, 16 * rng.randrange(0, token_len // 16 + 1), rng.randrange(0, token_len + 1)))
+    first = -(-save_start // block_size)
+    masks = tuple(
+        None if rng.random() < 0.3 else [rng.random() < 0.8 for _ in range(max(0, blocks - first + rng.randint(-1, 1)))]
+        for _ in dbs
+    )
+    block_ids = tuple(
+        [0 if rng.random() < 0.15 else rng.randrange(1, 400) for _ in range(blocks + rng.randint(-2, 0))] for _ in dbs
+    )
+    boundary = [(0, rng.randrange(1, 400), 16 * rng.randrange(1, token_len // 16 + 1))] if rng.random() < 0.2 else None
+    meta = data.ReqMeta(
+        req_id=f"req-{case % 5}", token_len_chunk=token_len + rng.randrange(0, 16), block_ids=block_ids,
+        block_hashes=hashes, store_job_id=case, boundary_puts=boundary, prefill_end_tokens=token_len,
+    )  # fmt: skip
+    present = rng.random()
+    mode = rng.randrange(8)
+
+    def answers(seed: int) -> Callable[[str, list[str]], Any]:
+        """A fresh script of store answers (each run of the job gets the same one)."""
+        script = random.Random(seed)
+
+        def answer(call: str, keys: list[str]) -> Any:
+            if call == "exist":
+                if mode == 6:
+                    return RuntimeError("exist down")
+                return [1 if script.random() < present * 0.5 else 0 for _ in keys]
+            if mode == 5:
+                return RuntimeError("put down")
+            codes = (0, -704, -200) if mode in (3, 4) else (0,)
+            return [script.choice(codes) for _ in keys]
+
+        return answer
+
+    return {
+        "dbs": dbs,
+        "coord": _Coord(masks, 16),
+        "block_size": block_size,
+        "tp_rank": tp_rank,
+        "put_steps": tuple(rng.choice((1, 1, 2, 3)) for _ in dbs),
+        "participates": [rng.random() < 0.9 for _ in dbs],
+        "semantics": rng.random() < 0.3,
+        "meta": meta,
+        "save_start": save_start,
+        "answers": answers,
+        "answer_seed": rng.randrange(1 << 30),
+        "live": rng.random() < 0.95,
+        # Offload pressure on: this job's request skipped, or another request's (a success clears it).
+        "pressure": rng.choice(("", "", "", "", "", "", "this", "other")),
+    }
+
+
+def run_once(
+    worker: ModuleType, handler: Callable[[Any, Any], Any], store: Any, case: dict[str, Any]
+) -> tuple[Any, ...]:
+    """Run ``handler`` on one job from :func:`make_case` with a fresh send thread over ``store``; everything a
+    caller can observe: outcome, store calls, records, saved offsets, completions, pressure state, queue."""
+    records: list[tuple[Any, ...]] = []
+
+    def record(**kwargs: Any) -> None:
+        kwargs.pop("duration_seconds")
+        records.append(tuple(sorted(kwargs.items())))
+
+    meta = case["meta"]
+    thread = worker.KVCacheStoreSendingThread(
+        store, case["coord"], case["dbs"], case["block_size"], case["tp_rank"], case["put_steps"], "kv_both",
+        threading.Event(), enable_kv_event=case.get("kv_event", False), replicate_config=_Config(),
+        enable_group_semantics=case["semantics"], supports_group_ids=True, record_operation=record,
+        group_participates=case["participates"],
+    )  # fmt: skip
+    q: queue.Queue[Any] = queue.Queue()
+    thread.request_queue = q
+    q.put(meta)
+    q.get()
+    if case["live"]:
+        thread.stored_requests[meta.req_id] = {meta.store_job_id}
+    if case["save_start"]:
+        thread._saved_offset[meta.req_id] = case["save_start"]
+    if case["pressure"]:
+        thread._store_pressure_active = True
+        thread._skip_store_requests.add(meta.req_id if case["pressure"] == "this" else "another-request")
+    try:
+        handler(thread, meta)
+        outcome: Any = "ok"
+    except Exception as exc:  # the type is compared
+        outcome = type(exc)
+    return (
+        outcome,
+        store.calls,
+        records,
+        dict(thread._saved_offset),
+        thread.take_completed_saves(),
+        thread._store_pressure_active,
+        sorted(thread._skip_store_requests),
+        q.unfinished_tasks,
+    )
+
+
+def self_check(data: ModuleType, worker: ModuleType, handler: Callable[[Any, Any], Any], *, cases: int = 24) -> None:
+    """vLLM's own handler and ``handler`` on generated jobs (plain and array stores): identical observable
+    behaviour, else ``AssertionError``; at least one job must take the fast path."""
+    quiet = DropThread(threading.get_ident())
+    worker.logger.addFilter(quiet)  # the failing-store cases log vLLM's warnings: not at start-up
+    try:
+        compare(data, worker, handler, random.Random(0), cases)
+    finally:
+        worker.logger.removeFilter(quiet)
+
+
+def compare(
+    data: ModuleType,
+    worker: ModuleType,
+    handler: Any,
+    rng: random.Random,
+    cases: int,
+    transform: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
+    """:func:`self_check`'s loop (the differential test runs it with many cases, ``transform`` editing each
+    generated job in place); returns how many jobs took the fast path."""
+    original = worker.KVCacheStoreSendingThread._handle_request
+    original = getattr(original, "__wrapped__", original)
+    stats = getattr(handler, "stats", None)
+    fast_before = stats.fast_requests if stats is not None else 0
+    for number in range(cases):
+        case = make_case(data, rng, number)
+        if transform is not None:
+            transform(case)
+        answers, seed = case["answers"], case["answer_seed"]
+        ours_cls = (ArrayRecordingStore, RecordingStore)[number % 2]
+        expected = run_once(worker, original, RecordingStore(answers(seed)), case)
+        actual = run_once(worker, handler, ours_cls(answers(seed)), case)
+        if expected != actual:
+            raise AssertionError(f"send handler, case {number}: vLLM gives {expected!r}, ours {actual!r}")
+    fast = stats.fast_requests - fast_before if stats is not None else 0
+    if stats is not None and fast == 0:
+        raise AssertionError("send handler: no self-check job took the fast path")
+    return fast

@@ -1,0 +1,291 @@
+"""The plugin's ``KVCacheStoreSendingThread._handle_request`` against vLLM 0.33's own (imported, never copied).
+
+Both run vLLM's real send thread over generated store jobs (rank-local and TP-shared groups, rows of mixed
+widths, store masks or none, put steps, saved offsets, null and past-the-list block ids, boundary-state puts,
+group semantics, dead and pressure-skipped jobs, token lengths vLLM refuses) and stores that answer present,
+absent, failed, pressure (-200) or raise; every store call (keys, rows, group ids), record, saved offset,
+completion, pressure state, queue count and exception must be equal. Plain stores get lists, our array stores
+int64 matrices. The real-master path is in test_vllm_end_to_end.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import data as data_module
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import worker as worker_module
+
+from mooncake_kvaddr.integrations.vllm import plugin, registry, send_check
+from mooncake_kvaddr.integrations.vllm import send as send_module
+
+pytestmark = [pytest.mark.vllm]
+
+SENDER = worker_module.KVCacheStoreSendingThread
+ORIGINAL = SENDER.__dict__["_handle_request"]
+ORIGINAL = getattr(ORIGINAL, "__wrapped__", ORIGINAL)
+
+
+@pytest.fixture(scope="module")
+def handler() -> Iterator[Any]:
+    plugin.unpatch()
+    report = plugin.patch()
+    assert "KVCacheStoreSendingThread._handle_request" in report.patched, report
+    yield SENDER.__dict__["_handle_request"]
+    plugin.unpatch()
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    # The failing-store jobs log vLLM's warnings twice each (vLLM's run and ours).
+    was = worker_module.logger.disabled
+    worker_module.logger.disabled = True
+    yield
+    worker_module.logger.disabled = was
+
+
+def test_send_matches_vllms_on_ten_thousand_jobs(handler: Any) -> None:
+    fast = send_check.compare(data_module, worker_module, handler, random.Random(2026), 10_000)
+    assert fast >= 8_000, fast  # the rest: dead or skipped jobs and token lengths vLLM's walk refuses
+
+
+def _blob_hashes_and_array_ids(case: dict[str, Any]) -> None:
+    meta = case["meta"]
+    hashes = meta.block_hashes
+    if len({len(h) for h in hashes}) == 1:
+        blob = memoryview(b"".join(hashes))
+        meta.block_hashes = data_module.BlobBlockHashes(blob, len(hashes[0]))
+    meta.block_ids = tuple(np.asarray(ids, dtype=np.int64) for ids in meta.block_ids)
+
+
+def test_blob_hashes_and_array_block_ids_match(handler: Any) -> None:
+    fast = send_check.compare(
+        data_module, worker_module, handler, random.Random(5), 1_500, transform=_blob_hashes_and_array_ids
+    )
+    assert fast >= 1_000, fast
+
+
+def test_kv_events_run_vllms_handler(handler: Any) -> None:
+    before = handler.stats.fallback_requests
+
+    def with_events(case: dict[str, Any]) -> None:
+        case["kv_event"] = True
+
+    with pytest.raises(AssertionError, match="no self-check job took the fast path"):
+        send_check.compare(data_module, worker_module, handler, random.Random(9), 40, transform=with_events)
+    assert handler.stats.fallback_requests == before + 40
+    assert handler.stats.last_fallback == "kv events on"
+
+
+def test_unusual_inputs_go_to_vllms_handler(handler: Any) -> None:
+    """Put steps, masks and block ids of shapes the walk does not take: vLLM's handler decides (and raises)."""
+    edits = [
+        lambda case: case.update(put_steps=tuple(0 for _ in case["put_steps"])),
+        lambda case: case.update(put_steps=tuple(2.0 for _ in case["put_steps"])),
+        lambda case: case.update(coord=send_check._Coord(tuple(np.ones(4, bool) for _ in case["dbs"]), 16)),
+        lambda case: setattr(case["meta"], "block_ids", tuple(["x"] * 9 for _ in case["dbs"])),
+        lambda case: setattr(case["meta"], "block_ids", tuple([2**70] * 9 for _ in case["dbs"])),
+        lambda case: setattr(case["meta"], "block_hashes", case["meta"].block_hashes[:1]),
+    ]
+    for number, edit in enumerate(edits):
+        before = handler.stats.fallback_requests
+        rng = random.Random(number)
+        for _ in range(60):
+            case = send_check.make_case(data_module, rng, number)
+            edit(case)
+            plain, arrays = send_check.RecordingStore, send_check.ArrayRecordingStore
+            expected = send_check.run_once(worker_module, ORIGINAL, plain(case["answers"](1)), case)
+            actual = send_check.run_once(worker_module, handler, arrays(case["answers"](1)), case)
+            assert expected == actual, (number, expected, actual)
+        # (A job whose groups all sit out never reads the odd input: it may take the fast path.)
+        assert handler.stats.fallback_requests - before >= 45, number
+
+
+def test_debug_log_lines_match(handler: Any) -> None:
+    """vLLM logs each skipped source block and the stored groups at DEBUG; ours logs the same lines in order."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    keep = Keep(logging.DEBUG)
+    logger = worker_module.logger
+    level, logger.disabled = logger.level, False
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(keep)
+    try:
+        rng = random.Random(3)
+        skipped = 0
+        for number in range(300):
+            case = send_check.make_case(data_module, rng, number)
+            runs = []
+            for func in (ORIGINAL, handler):
+                lines.clear()
+                send_check.run_once(worker_module, func, send_check.RecordingStore(case["answers"](4)), case)
+                runs.append(list(lines))
+            assert runs[0] == runs[1], number
+            skipped += sum("Skipping unavailable" in line for line in runs[0])
+        assert skipped > 50
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(level)
+
+
+def test_patch_replaces_the_send_handler_and_env_keeps_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin.unpatch()
+    try:
+        report = plugin.patch()
+        assert "KVCacheStoreSendingThread._handle_request" in report.patched, report
+        assert plugin.is_send_patched() and plugin.is_receive_patched()
+        plugin.unpatch()
+        assert SENDER.__dict__["_handle_request"] is ORIGINAL
+        monkeypatch.setenv(send_module.ENV_SEND, "0")
+        report = plugin.patch()
+        assert report.active and "KVCacheStoreSendingThread._handle_request" not in report.patched
+        assert not plugin.is_send_patched() and plugin.is_receive_patched()
+        assert SENDER.__dict__["_handle_request"] is ORIGINAL
+    finally:
+        plugin.unpatch()
+
+
+def test_a_changed_send_body_keeps_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin.unpatch()
+    table = {release: dict(prints) for release, prints in plugin.KNOWN_FINGERPRINTS.items()}
+    for prints in table.values():
+        prints["KVCacheStoreSendingThread._handle_request"] = "0" * 16
+    monkeypatch.setattr(registry, "KNOWN_FINGERPRINTS", table)
+    try:
+        report = plugin.patch()
+        assert report.active and "KVCacheStoreSendingThread._handle_request" not in report.patched
+        assert "KVCacheStoreSendingThread._handle_request is not the function" in report.send_reason
+        assert SENDER.__dict__["_handle_request"] is ORIGINAL
+    finally:
+        plugin.unpatch()
+
+
+def test_a_failing_self_check_keeps_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler that differs from vLLM's on one generated job is never installed."""
+    plugin.unpatch()
+    real = send_module._group_mask
+
+    def off_by_one_stripe(*args: Any) -> Any:
+        block_size, token_len, save_start, chunk_mask, put_step, rank, blocks = args
+        return real(block_size, token_len, save_start, chunk_mask, put_step, (rank + 1) % put_step, blocks)
+
+    monkeypatch.setattr(send_module, "_group_mask", off_by_one_stripe)
+    try:
+        report = plugin.patch()
+        assert report.active and "KVCacheStoreSendingThread._handle_request" not in report.patched
+        assert report.send_reason.startswith("self-check failed"), report.send_reason
+    finally:
+        plugin.unpatch()
+
+
+def test_shape_check_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert send_check.check_shape(data_module, worker_module) == ""
+    monkeypatch.delattr(worker_module, "_make_mooncake_group_id")
+    assert "_make_mooncake_group_id" in send_check.check_shape(data_module, worker_module)
+    monkeypatch.undo()
+    monkeypatch.setattr(worker_module, "MOONCAKE_NO_AVAILABLE_HANDLE", "-200")
+    assert "MOONCAKE_NO_AVAILABLE_HANDLE" in send_check.check_shape(data_module, worker_module)
+
+
+# --- the store wrappers' array put ------------------------------------------------------------------------------
+
+
+def _matrices(cache: Any, keys: int, regions: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    addrs = np.array([[cache.ptr + (r * keys + k) * size for r in range(regions)] for k in range(keys)], np.int64)
+    return addrs, np.full((keys, regions), size, dtype=np.int64)
+
+
+def test_staged_array_put_stores_what_the_list_put_stores() -> None:
+    from test_vllm_plugin import FakeMooncake
+
+    from mooncake_kvaddr.driver.staging import StagingBuffer
+    from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+    inner = FakeMooncake()
+    store = StagedMooncakeStore(inner, staging_bytes=4096, armed=True)
+    cache = StagingBuffer(16 * 2 * 1024)
+    store.register_buffer(cache.ptr, cache.nbytes)
+    cache.array[:] = np.random.default_rng(1).integers(0, 255, cache.nbytes, dtype=np.uint8)
+    addrs, sizes = _matrices(cache, 16, 2, 1024)
+    keys = [f"k{i}" for i in range(16)]
+    assert store.batch_put_from_multi_buffers(keys, addrs.tolist(), sizes.tolist()) == [0] * 16
+    by_lists = dict(inner.objects)
+    inner.objects.clear()
+    assert store.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, None) == [0] * 16
+    assert inner.objects == by_lists and store.stats.staged_puts == 2
+    # A key with a slice outside the registered buffers: -600, never stored; the others are.
+    inner.objects.clear()
+    addrs[4, 1] = cache.ptr + cache.nbytes - 10
+    codes = store.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, None)
+    assert codes == [0] * 4 + [-600] + [0] * 11
+    assert sorted(inner.objects) == sorted(k for k in keys if k != "k4")
+    # Rows staging does not take (uint64): the list put of the wrapped store, same bytes.
+    inner.objects.clear()
+    assert store.batch_put_from_multi_buffers_arrays(keys[:4], addrs[:4].astype(np.uint64), sizes[:4], None) == [0] * 4
+    assert inner.objects == {k: by_lists[k] for k in keys[:4]} and store.stats.passthrough_puts == 1
+
+
+class _PutClient:
+    def __init__(self, refuse: bool) -> None:
+        self.refuse = refuse
+        self.calls: list[Any] = []
+
+    def batch_put_from_multi_buffers(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> list[int]:
+        if self.refuse:
+            raise ValueError("refused")
+        self.calls.append((keys, addrs, sizes, config))
+        return [0] * len(keys)
+
+
+class _PutRecorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        return 0
+
+    def batch_put_from_multi_buffers(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> Any:
+        self.calls.append((list(keys), addrs, sizes, config))
+        return [0] * len(keys)
+
+
+@pytest.mark.parametrize("client", ["native", "refusing", "none"])
+def test_native_array_put_dispatch_and_fallback(client: str) -> None:
+    """The native client gets the matrices and the config; without one (or when it refuses them) Mooncake's
+    bound put gets value-equal rows of Python ints and the same config; -600 for a slice outside."""
+    from mooncake_kvaddr.driver.staging import StagingBuffer
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    bound = _PutRecorder()
+    store = NativeMooncakeStore(bound, armed=False)
+    fake = None if client == "none" else _PutClient(client == "refusing")
+    store._client = fake
+    cache = StagingBuffer(4 * 3 * 256)
+    addrs, sizes = _matrices(cache, 4, 3, 256)
+    config = object()
+    keys = ["a", "b", "c", "d"]
+    assert store.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, config) == [0] * 4
+    if client == "native":
+        assert fake is not None and fake.calls[0][1] is addrs and fake.calls[0][3] is config and not bound.calls
+    else:
+        sent_keys, rows, size_rows, got_config = bound.calls[0]
+        assert sent_keys == keys and got_config is config and rows == addrs.tolist() and size_rows == sizes.tolist()
+        assert all(type(v) is int for r in rows + size_rows for v in r)
+    armed = NativeMooncakeStore(_PutRecorder(), armed=True)
+    armed._client = None
+    assert armed.register_buffer(cache.ptr, cache.nbytes) == 0
+    addrs[2, 0] = cache.ptr - 4096
+    assert armed.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, config) == [0, 0, -600, 0]
+    assert armed.wrapped.calls[0][0] == ["a", "b", "d"]
