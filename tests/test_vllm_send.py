@@ -289,3 +289,16 @@ def test_native_array_put_dispatch_and_fallback(client: str) -> None:
     addrs[2, 0] = cache.ptr - 4096
     assert armed.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, config) == [0, 0, -600, 0]
     assert armed.wrapped.calls[0][0] == ["a", "b", "d"]
+
+
+@pytest.mark.mooncake
+def test_the_send_bench_section_runs_and_stores(master: Any) -> None:
+    """The bench's send section on the quick request through a real master: every variant stores every key,
+    the plugin's variants through our handler, the default one through the native client where it exists."""
+    from mooncake_kvaddr.bench import vllm_send
+
+    rows = vllm_send.run(quick=True, reps=1, master_address=master.rpc_address)
+    assert [row["variant"] for row in rows] == list(vllm_send.VARIANTS)
+    assert all(row["stored_ok"] and row["cpu_gil_ms"] > 0 and row["wall_ms"] > 0 for row in rows)
+    assert [row["fast_path"] for row in rows] == [0, 2, 2, 2]
+    assert not rows[2]["native_client"] and not rows[3]["native_client"]

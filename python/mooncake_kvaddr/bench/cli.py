@@ -95,6 +95,7 @@ def _run(args: argparse.Namespace) -> int:
         if not args.no_mooncake:
             report.add("vllm_threads", external.vllm_threads(quick))
             report.add("vllm_lookup", external.vllm_lookup(quick))
+            report.add("vllm_send", external.vllm_send(quick))
     if args.multihost:
         report.add("multihost", external.multihost(quick))
     if args.plot:

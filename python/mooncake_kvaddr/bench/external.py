@@ -97,6 +97,22 @@ def vllm_lookup(quick: bool) -> dict[str, Any] | None:
                  "vLLM 0.33 alone; x = its value / the variant's", _rows_by(rows, "variant"), cols, label="variant")
 
 
+def vllm_send(quick: bool) -> dict[str, Any] | None:
+    """vLLM 0.33's send thread storing one request: vLLM alone, the plugin, the plugin without the native client
+    (wrapper with Mooncake's bound methods; plain store)."""
+    from mooncake_kvaddr.bench import vllm_send as producer
+
+    rows = producer.run(quick)
+    shape = f"{rows[0]['blocks']} chunks x {rows[0]['regions']} regions" if rows else ""
+    cols = (Col("wall_ms", "wall ms"), Col("cpu_ms", "CPU ms"), Col("cpu_gil_ms", "GIL ms"),
+            Col("cpu_gil_x", "GIL x", ".1f", "x"), Col("stall_ms", "stall ms"), Col("stall_x", "stall x", ".1f", "x"),
+            Col("fast_path", "ours", ".0f"), Col("stored_ok", "stored"))
+    return table(f"vLLM 0.33's KVCacheStoreSendingThread per store ({shape}, real Mooncake master); GIL ms = the send "
+                 "thread's time with the GIL held (the native client's GIL-released part not counted), stall = a busy "
+                 "Python thread's lost time, ours = stores our handler planned",
+                 "vLLM 0.33 alone; x = its value / the variant's", _rows_by(rows, "variant"), cols, label="variant")
+
+
 def multihost(quick: bool) -> dict[str, Any] | None:
     """Cross-namespace TCP: staged vs multi-buffer (split) vs vLLM's single call."""
     from mooncake_kvaddr.bench import netns, netns_tcp
