@@ -73,16 +73,16 @@ def test_blob_hashes_and_array_block_ids_match(handler: Any) -> None:
     assert fast >= 1_000, fast
 
 
-def test_kv_events_run_vllms_handler(handler: Any) -> None:
-    before = handler.stats.fallback_requests
+def test_kv_events_match_vllms(handler: Any) -> None:
+    """With kv events on, every job's BlockStored events (hashes, parents, token ids, groups) and retry token ids
+    are vLLM's; the jobs take the fast path."""
+    before = handler.stats.fast_requests
 
     def with_events(case: dict[str, Any]) -> None:
         case["kv_event"] = True
 
-    with pytest.raises(AssertionError, match="no self-check job took the fast path"):
-        send_check.compare(data_module, worker_module, handler, random.Random(9), 40, transform=with_events)
-    assert handler.stats.fallback_requests == before + 40
-    assert handler.stats.last_fallback == "kv events on"
+    fast = send_check.compare(data_module, worker_module, handler, random.Random(9), 2_000, transform=with_events)
+    assert fast >= 1_500 and handler.stats.fast_requests == before + fast
 
 
 def test_unusual_inputs_go_to_vllms_handler(handler: Any) -> None:

@@ -49,13 +49,17 @@ class SendStats:
 class SendPlan:
     """One store job's keys and rows (a :class:`RequestPlan`) with each key's group index."""
 
-    __slots__ = ("groups", "rows", "skipped")
+    __slots__ = ("chunks", "groups", "rows", "skipped")
 
-    def __init__(self, rows: RequestPlan, groups: list[int], skipped: list[tuple[int, int]]) -> None:
+    def __init__(
+        self, rows: RequestPlan, groups: list[int], skipped: list[tuple[int, int]], chunks: list[tuple[int, int]]
+    ) -> None:
         self.rows = rows
         self.groups = groups
         #: (group, block index) of every chunk vLLM skips as an unavailable source block (its debug log).
         self.skipped = skipped
+        #: Each key's chunk ``(start, end)`` in tokens (kv events only; empty otherwise).
+        self.chunks = chunks
 
 
 def _group_mask(
@@ -95,9 +99,11 @@ def plan_store(
     kinds: _Kinds,
     engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
     blob_type: type,
+    events: bool = False,
 ) -> SendPlan | str:
-    """Every key of a store job that vLLM would send to ``batch_is_exist``, with its rows, or why the job is not
-    ours to plan. May raise (the caller then hands the job to vLLM's handler). No side effects."""
+    """Every key of a store job that vLLM would send to ``batch_is_exist``, with its rows (and, for ``events``,
+    its chunk), or why the job is not ours to plan. May raise (the caller then hands the job to vLLM's
+    handler). No side effects."""
     source = _hash_source(req_meta.block_hashes, blob_type)
     if source is None:
         return "block hashes of another type"
@@ -107,6 +113,7 @@ def plan_store(
     parts: list[tuple[Any, ...]] = []
     groups: list[int] = []
     skipped: list[tuple[int, int]] = []
+    chunks: list[tuple[int, int]] = []
     for g, db in enumerate(thread.token_databases):
         if not thread.group_participates[g]:
             continue
@@ -140,11 +147,17 @@ def plan_store(
         if len(part[0]):
             parts.append(part)
             groups.extend([g] * len(part[0]))
+            if events:  # the walk keeps the chunks the mask keeps, in order, one key per local shard each
+                for chunk in np.flatnonzero(mask).tolist():
+                    start = chunk * block_size
+                    chunks.extend([(start, min(start + block_size, token_len))] * len(prefixes))
+                if len(chunks) != len(groups):
+                    raise RuntimeError("the plan's keys do not match the walk")
     if arrays and len({part[1].shape[1] for part in parts}) > 1:
         arrays = False  # rows of different widths: no single matrix, lists as vLLM builds them
         parts = [(p[0], p[1].tolist(), p[2].tolist(), p[3].tolist()) for p in parts]
     if not parts:
-        return SendPlan(RequestPlan([], [], [], [], False), groups, skipped)
+        return SendPlan(RequestPlan([], [], [], [], False), groups, skipped, chunks)
     if len(parts) == 1:
         keys, addrs, sizes, ids = parts[0]
     elif arrays:
@@ -152,7 +165,7 @@ def plan_store(
         addrs, sizes, ids = (np.concatenate([p[i] for p in parts]) for i in (1, 2, 3))
     else:
         keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
-    return SendPlan(RequestPlan(keys, addrs, sizes, ids, arrays), groups, skipped)
+    return SendPlan(RequestPlan(keys, addrs, sizes, ids, arrays), groups, skipped, chunks)
 
 
 def _put(store: Any, rows: RequestPlan, config: Any) -> Any:
@@ -163,10 +176,31 @@ def _put(store: Any, rows: RequestPlan, config: Any) -> Any:
     return store.batch_put_from_multi_buffers(rows.keys, rows.addrs, rows.sizes, config)
 
 
+class _Events:
+    """vLLM's kv-event state of one job: the event token ids (with a failed job's retry ids in front), where they
+    start, and whether the save completed (read by vLLM's retry bookkeeping at the end)."""
+
+    __slots__ = ("on", "save_completed", "start", "token_ids")
+
+    def __init__(self, thread: Any, req_meta: Any) -> None:
+        self.on = bool(thread.enable_kv_event)
+        self.token_ids = req_meta.token_ids
+        self.start = req_meta.token_ids_start
+        self.save_completed = False
+        if self.on:
+            retry = thread._get_retry_token_ids(req_meta)
+            if retry is not None and self.token_ids is not None:
+                retry_start, retry_ids = retry
+                if retry_start + len(retry_ids) == self.start:
+                    self.token_ids = retry_ids + self.token_ids
+                    self.start = retry_start
+
+
 def _store_job(thread: Any, req_meta: Any, plan: SendPlan, token_len: int, worker: ModuleType) -> None:
     """vLLM's send handler from the boundary-state puts on, with ``plan`` for its walk and ``prepare_values``."""
     logger = worker.logger
     req_id = req_meta.req_id
+    events = _Events(thread, req_meta)
     try:
         if not thread._maybe_offload_boundary_states(req_meta):
             return
@@ -178,6 +212,7 @@ def _store_job(thread: Any, req_meta: Any, plan: SendPlan, token_len: int, worke
         rows = plan.rows
         if not rows.keys:
             thread._record_saved(req_meta, token_len)
+            events.save_completed = True
             return
         keys = rows.keys
         exists_start = time.perf_counter()
@@ -192,12 +227,15 @@ def _store_job(thread: Any, req_meta: Any, plan: SendPlan, token_len: int, worke
         missing = [i for i, exists in enumerate(exists_states) if exists != 1]
         if not missing:
             thread._record_saved(req_meta, token_len)
+            events.save_completed = True
             return
-        groups = plan.groups
+        groups, chunks = plan.groups, plan.chunks
         if len(missing) != len(keys):
             rows = rows.take(missing)
             keys = rows.keys
             groups = [groups[i] for i in missing]
+            if events.on:
+                chunks = [chunks[i] for i in missing]
         group_ids = (
             [
                 worker._make_mooncake_group_id(thread.token_databases[g].metadata, key.rsplit("@", 1)[-1])
@@ -211,14 +249,67 @@ def _store_job(thread: Any, req_meta: Any, plan: SendPlan, token_len: int, worke
             req_meta.current_event.synchronize()
         if group_ids is not None:
             thread.replicate_config.group_ids = group_ids
-        _put_and_record(thread, req_meta, rows, token_len, worker)
+        failed = _put_and_record(thread, req_meta, rows, token_len, worker)
+        events.save_completed = failed is not None and not failed
+        if events.on and failed is not None:
+            stored = _stored_events(thread, req_meta, groups, chunks, failed, events, worker)
+            if stored:
+                thread.update_kv_event(stored)
     finally:
+        if events.on and token_len:
+            thread._update_retry_token_ids(req_meta, events.save_completed, events.start, events.token_ids)
         thread.finish_store_job(req_meta)
         thread.request_queue.task_done()
 
 
-def _put_and_record(thread: Any, req_meta: Any, rows: RequestPlan, token_len: int, worker: ModuleType) -> None:
-    """The put and vLLM's bookkeeping of its outcome (records, pressure, saved offset)."""
+def _stored_events(
+    thread: Any,
+    req_meta: Any,
+    groups: list[int],
+    chunks: list[tuple[int, int]],
+    failed: set[int],
+    events: _Events,
+    worker: ModuleType,
+) -> list[Any]:
+    """vLLM's ``BlockStored`` events: one per logical block whose every missing shard was stored, in vLLM's
+    order, with its parent hash and token ids as vLLM derives them."""
+    hashes = req_meta.block_hashes
+    by_event: dict[tuple[Any, ...], list[int]] = {}
+    for index, ((start, end), g) in enumerate(zip(chunks, groups, strict=True)):
+        db = thread.token_databases[g]
+        by_event.setdefault((start, end, g, hashes[end // db.hash_block_size - 1]), []).append(index)
+    token_ids, first = events.token_ids, events.start
+    last = first + len(token_ids or ())
+    convert = worker.maybe_convert_block_hash
+    stored = []
+    for (start, end, g, block_hash), indices in by_event.items():
+        if any(index in failed for index in indices):
+            continue
+        db = thread.token_databases[g]
+        stored.append(
+            worker.BlockStored(
+                block_hashes=[convert(block_hash)],
+                parent_block_hash=convert(hashes[start // db.hash_block_size - 1]) if start > 0 else None,
+                token_ids=(
+                    token_ids[start - first : end - first]
+                    if token_ids is not None and first <= start and end <= last
+                    else []
+                ),
+                block_size=db.block_size,
+                lora_id=None,
+                medium="cpu",
+                lora_name=None,
+                group_idx=g,
+            )
+        )
+    return stored
+
+
+def _put_and_record(
+    thread: Any, req_meta: Any, rows: RequestPlan, token_len: int, worker: ModuleType
+) -> set[int] | None:
+    """The put and vLLM's bookkeeping of its outcome (records, pressure, saved offset); the indices of the
+    failed keys, or None when the put raised."""
     logger = worker.logger
     keys = rows.keys
     failed_indices: set[int] = set()
@@ -265,6 +356,7 @@ def _put_and_record(thread: Any, req_meta: Any, rows: RequestPlan, token_len: in
         thread._record_saved(req_meta, token_len)
         if thread._clear_store_pressure():
             logger.info("Mooncake CPU/disk offloading pressure cleared after a successful store batch")
+    return None if put_had_exception else failed_indices
 
 
 def make_handler(
@@ -283,8 +375,6 @@ def make_handler(
     _register_wrappers()
 
     def _plan(self: Any, req_meta: Any) -> tuple[SendPlan, int] | str:
-        if self.enable_kv_event:
-            return "kv events on"
         lcm_block_size = self.coord.lcm_block_size
         token_len = req_meta.token_len_chunk // lcm_block_size * lcm_block_size
         if type(token_len) is not int or token_len <= 0:
@@ -295,7 +385,8 @@ def make_handler(
         if type(save_start) is not int:
             return "a saved offset that is not an int"
         arrays = isinstance(self.store, ArrayStore)
-        plan = plan_store(self, req_meta, token_len, save_start, arrays, kinds, engines, blob_type)
+        events = bool(self.enable_kv_event)
+        plan = plan_store(self, req_meta, token_len, save_start, arrays, kinds, engines, blob_type, events)
         return plan if isinstance(plan, str) else (plan, token_len)
 
     def _handle_request(self: Any, req_meta: Any) -> Any:

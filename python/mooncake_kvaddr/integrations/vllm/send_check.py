@@ -28,6 +28,9 @@ _EXPECTED_THREAD: dict[str, tuple[str, ...]] = {
     "finish_store_job": ("req_meta",),
     "_mark_request_skipped_for_pressure": ("req_meta",),
     "_clear_store_pressure": (),
+    "_get_retry_token_ids": ("req_meta",),
+    "_update_retry_token_ids": ("req_meta", "save_completed", "token_ids_start", "event_token_ids"),
+    "update_kv_event": ("events",),
     "_record_operation": ("operation", "start_time", "num_keys", "num_bytes", "status", "num_failed_keys"),
     "__init__": (
         "store", "coord", "token_databases", "block_size", "tp_rank", "group_put_steps", "kv_role", "ready_event",
@@ -49,8 +52,9 @@ def check_shape(data: ModuleType, worker: ModuleType) -> str:
             return problem
     if type(worker.__dict__.get("MOONCAKE_NO_AVAILABLE_HANDLE")) is not int:
         return f"{worker.__name__}.MOONCAKE_NO_AVAILABLE_HANDLE is not an int"
-    if not callable(worker.__dict__.get("_make_mooncake_group_id")):
-        return f"{worker.__name__}._make_mooncake_group_id is missing"
+    for name in ("_make_mooncake_group_id", "maybe_convert_block_hash", "BlockStored"):
+        if not callable(worker.__dict__.get(name)):
+            return f"{worker.__name__}.{name} is missing"
     if getattr(worker, "logger", None) is None:
         return f"{worker.__name__}.logger is missing"
     for name in ("ReqMeta", "KeyMetadata", "ChunkedTokenDatabase"):
@@ -113,8 +117,9 @@ class _Coord:
 
 def make_case(data: ModuleType, rng: random.Random, case: int) -> dict[str, Any]:
     """One generated store job: two or three groups (rank-local and TP-shared, mixed widths), store masks (lists
-    or None), put steps, saved offsets, null and missing block ids, boundary puts, group semantics, and a script
-    of store answers (present keys, failed and raising puts, pressure codes)."""
+    or None), put steps, saved offsets, null and missing block ids, boundary puts, group semantics, kv events
+    (token ids, retry ids), and a script of store answers (present keys, failed and raising puts, pressure
+    codes)."""
     metadata = data.KeyMetadata(f"send/{case % 3}", 1, case % 2, 0, 0, cache_prefix="p" if case % 4 == 1 else "")
     # (vLLM's group ids name the model, prefix and namespace; the key's hash part is what differs.)
     block_size = rng.choice((16, 32))
@@ -147,9 +152,15 @@ def make_case(data: ModuleType, rng: random.Random, case: int) -> dict[str, Any]
         [0 if rng.random() < 0.15 else rng.randrange(1, 400) for _ in range(blocks + rng.randint(-2, 0))] for _ in dbs
     )
     boundary = [(0, rng.randrange(1, 400), 16 * rng.randrange(1, token_len // 16 + 1))] if rng.random() < 0.2 else None
+    # kv events: the step's token ids (none, all, or a suffix), and a failed job's retry ids (adjacent or not).
+    ids_start = rng.choice((0, save_start, 16 * rng.randrange(0, token_len // 16 + 1)))
+    token_ids = None if rng.random() < 0.2 else [rng.randrange(50_000) for _ in range(token_len - ids_start)]
+    retry_start = rng.randrange(0, ids_start + 1)
+    retry = (retry_start, list(range(ids_start - retry_start + rng.choice((0, 0, 1))))) if rng.random() < 0.3 else None
     meta = data.ReqMeta(
         req_id=f"req-{case % 5}", token_len_chunk=token_len + rng.randrange(0, 16), block_ids=block_ids,
         block_hashes=hashes, store_job_id=case, boundary_puts=boundary, prefill_end_tokens=token_len,
+        token_ids=token_ids, token_ids_start=ids_start,
     )  # fmt: skip
     present = rng.random()
     mode = rng.randrange(8)
@@ -183,6 +194,8 @@ def make_case(data: ModuleType, rng: random.Random, case: int) -> dict[str, Any]
         "answers": answers,
         "answer_seed": rng.randrange(1 << 30),
         "live": rng.random() < 0.95,
+        "kv_event": rng.random() < 0.3,
+        "retry": retry,
         # Offload pressure on: this job's request skipped, or another request's (a success clears it).
         "pressure": rng.choice(("", "", "", "", "", "", "this", "other")),
     }
@@ -192,7 +205,8 @@ def run_once(
     worker: ModuleType, handler: Callable[[Any, Any], Any], store: Any, case: dict[str, Any]
 ) -> tuple[Any, ...]:
     """Run ``handler`` on one job from :func:`make_case` with a fresh send thread over ``store``; everything a
-    caller can observe: outcome, store calls, records, saved offsets, completions, pressure state, queue."""
+    caller can observe: outcome, store calls, records, saved offsets, completions, pressure state, queue, kv
+    events and retry token ids."""
     records: list[tuple[Any, ...]] = []
 
     def record(**kwargs: Any) -> None:
@@ -214,6 +228,8 @@ def run_once(
         thread.stored_requests[meta.req_id] = {meta.store_job_id}
     if case["save_start"]:
         thread._saved_offset[meta.req_id] = case["save_start"]
+    if case.get("retry") is not None:
+        thread._retry_token_ids[meta.req_id] = case["retry"]
     if case["pressure"]:
         thread._store_pressure_active = True
         thread._skip_store_requests.add(meta.req_id if case["pressure"] == "this" else "another-request")
@@ -231,6 +247,8 @@ def run_once(
         thread._store_pressure_active,
         sorted(thread._skip_store_requests),
         q.unfinished_tasks,
+        thread.get_kv_events(),
+        dict(thread._retry_token_ids),
     )
 
 
