@@ -49,7 +49,8 @@ def _store_once(
     rig.store_request(tag, hashes)
     end = time.perf_counter()
     if last:  # an existence check leases the keys (no removal after it)
-        keys = [rig.db.key_for(h) for h in hashes]
+        db: Any = rig.db  # vLLM types its hashes as BlockHash (bytes at run time)
+        keys = [db.key_for(h) for h in hashes]
         present = list(rig.raw_store.batch_is_exist(keys))
         if present != [1] * len(keys):
             raise RuntimeError(f"{tag}: {present.count(1)} of {len(keys)} keys stored")
