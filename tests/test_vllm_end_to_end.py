@@ -148,3 +148,29 @@ def test_quick_bench_over_tcp_between_processes_moves_the_bytes(bench: Any, mast
     for row in rows:
         assert row["remote"] and row["bytes_ok"], row
     assert {name: os.environ.get(name) for name in bench.REMOTE_TCP_ENV} == before
+
+
+def test_offload_and_hybrid_loads_take_the_fast_path(bench: Any) -> None:
+    """The receive-cases bench section on the quick request: a disk-offload budget that splits the load and a
+    model with two groups of different row widths load the stored bytes exactly, vLLM alone and with the
+    plugin, and the plugin's handler plans both itself (no request handed to vLLM's)."""
+    from mooncake_kvaddr.bench import vllm_receive_cases
+
+    rows = vllm_receive_cases.run(quick=True, reps=1)  # a master per rig (see run)
+    assert [(row["case"], row["mode"]) for row in rows] == [
+        (case, mode) for case in vllm_receive_cases.CASES for mode in vllm_receive_cases.MODES
+    ]
+    assert all(row["bytes_ok"] for row in rows)
+    assert [row.get("recv_fallbacks") for row in rows] == [None, 0, None, 0]
+
+
+def test_rig_group_split() -> None:
+    from mooncake_kvaddr.bench.vllm_plugin import _group_split
+
+    assert _group_split(100, 1) == [(0, 100)]
+    assert _group_split(100, 2) == [(0, 67), (67, 100)]
+    assert _group_split(32, 2) == [(0, 22), (22, 32)]
+    assert _group_split(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    assert _group_split(7, 3) == [(0, 5), (5, 6), (6, 7)]
+    with pytest.raises(ValueError):
+        _group_split(2, 3)

@@ -72,6 +72,10 @@ class ListStore:
         return _answer(self.behaviour, list(keys))
 
 
+#: Ragged calls the differential test's array stores received (hybrid widths on the fast path).
+RAGGED = {"calls": 0}
+
+
 class ArrayStore(ListStore, receive.ArrayStore):
     """Also offers the array entry point (as our store wrappers do; a ``receive.ArrayStore``, so the handler
     uses it); records those calls as lists."""
@@ -82,6 +86,19 @@ class ArrayStore(ListStore, receive.ArrayStore):
         rows = addrs.tolist()
         types = (type(keys), list, {list} if rows else set(), {int} if rows and rows[0] else set())
         self.calls.append((list(keys), rows, sizes.tolist(), types))
+        return _answer(self.behaviour, list(keys))
+
+    def batch_get_into_multi_buffers_ragged(self, keys: Any, addrs: Any, sizes: Any, widths: Any) -> Any:
+        """Rows of different widths, recorded as the one call they stand for (padding cells must be zero)."""
+        assert addrs.dtype == np.int64 and sizes.dtype == np.int64 and addrs.shape == sizes.shape
+        assert widths.shape == (len(keys),) and len(set(widths.tolist())) > 1
+        w = widths[:, None]
+        columns = np.arange(addrs.shape[1])[None, :]
+        assert not addrs[columns >= w].any() and not sizes[columns >= w].any()
+        RAGGED["calls"] += 1
+        rows = [r[:n] for r, n in zip(addrs.tolist(), widths.tolist())]
+        size_rows = [r[:n] for r, n in zip(sizes.tolist(), widths.tolist())]
+        self.calls.append((list(keys), rows, size_rows, (type(keys), list, {list}, {int})))
         return _answer(self.behaviour, list(keys))
 
 
@@ -229,6 +246,7 @@ def test_the_differential_test_exercised_the_fast_path(vllm: tuple[Any, Any]) ->
         pytest.skip("the differential test did not run in this session")
     assert FAST["count"] >= 100
     assert min(OFFLOAD.values()) >= 3, OFFLOAD
+    assert RAGGED["calls"] >= 10, RAGGED  # rows of different widths reached the store as padded matrices
 
 
 def _vllm_split(worker: Any, keys: list[str], addrs: Any, sizes: Any, usable: int, raw: int) -> Any:
@@ -745,3 +763,39 @@ def test_a_changed_layout_body_leaves_vllm_untouched(
         plugin.unpatch()
         monkeypatch.undo()
         plugin.patch(receive=True)
+
+
+def test_ragged_calls_make_one_call_per_width_and_merge_in_order() -> None:
+    """Rows of different widths reach an array store as one call per width (keys in their order, matrices
+    trimmed to the width); the answers come back in the keys' order; a short answer list is an error."""
+    from mooncake_kvaddr.integrations.vllm.native_store import ragged_calls
+
+    widths = np.array([2, 3, 2, 1, 3], dtype=np.int64)
+    addrs = np.array([[10 * i + j if j < w else 0 for j in range(3)] for i, w in enumerate(widths)], np.int64)
+    sizes = np.where(addrs > 0, 64, 0).astype(np.int64)
+    sizes[0, 0] = 64
+    keys = ["a", "b", "c", "d", "e"]
+    calls: list[tuple[list[str], list[list[int]], list[list[int]]]] = []
+
+    def call(k: list[str], a: Any, s: Any) -> list[int]:
+        calls.append((k, a.tolist(), s.tolist()))
+        return [len(row) * 100 + i for i, row in enumerate(a.tolist())]
+
+    result = ragged_calls(call, keys, addrs, sizes, widths)
+    assert [c[0] for c in calls] == [["a", "c"], ["b", "e"], ["d"]]
+    assert calls[0][1] == [[0, 1], [20, 21]] and calls[1][1] == [[10, 11, 12], [40, 41, 42]] and calls[2][1] == [[30]]
+    assert result == [200, 300, 201, 100, 301]
+    with pytest.raises(RuntimeError, match="results for"):
+        ragged_calls(lambda k, a, s: [0], keys, addrs, sizes, widths)
+
+
+def test_hybrid_rows_reach_the_native_wrapper_as_matrices_per_width() -> None:
+    """A NativeMooncakeStore without a native client still takes ragged rows: one bound call per width, rows
+    value-equal to each key's regions."""
+    bound = _RowStore()
+    store = NativeMooncakeStore(bound)
+    store._client = None
+    addrs = np.array([[1, 2, 0], [3, 4, 5]], dtype=np.int64)
+    sizes = np.array([[8, 8, 0], [8, 8, 8]], dtype=np.int64)
+    assert store.batch_get_into_multi_buffers_ragged(["x", "y"], addrs, sizes, np.array([2, 3])) == [1, 1]
+    assert [(k, a, s) for k, a, s in bound.calls] == [(["x"], [[1, 2]], [[8, 8]]), (["y"], [[3, 4, 5]], [[8, 8, 8]])]

@@ -96,6 +96,7 @@ def _run(args: argparse.Namespace) -> int:
             report.add("vllm_threads", external.vllm_threads(quick))
             report.add("vllm_lookup", external.vllm_lookup(quick))
             report.add("vllm_send", external.vllm_send(quick))
+            report.add("vllm_receive_cases", external.vllm_receive_cases(quick))
     if args.multihost:
         report.add("multihost", external.multihost(quick))
     if args.plot:

@@ -113,6 +113,21 @@ def vllm_send(quick: bool) -> dict[str, Any] | None:
                  "vLLM 0.33 alone; x = its value / the variant's", _rows_by(rows, "variant"), cols, label="variant")
 
 
+def vllm_receive_cases(quick: bool) -> dict[str, Any] | None:
+    """vLLM 0.33's receive thread on a disk-offload load and a hybrid-width load: vLLM alone vs the plugin."""
+    from mooncake_kvaddr.bench import vllm_receive_cases as producer
+
+    rows = producer.run(quick)
+    cols = (Col("wall_ms", "wall ms"), Col("cpu_gil_ms", "GIL ms"), Col("cpu_gil_floor_ms", "floor ms"),
+            Col("cpu_gil_x", "GIL x", ".1f", "x"), Col("floor_x", "floor x", ".1f", "x"), Col("stall_ms", "stall ms"),
+            Col("stall_x", "stall x", ".1f", "x"), Col("recv_fallbacks", "to vLLM", ".0f"), Col("bytes_ok", "bytes ok"))
+    return table("vLLM 0.33's KVCacheStoreRecvingThread on a disk-offload load (budget 0.3 x the request) and a "
+                 "hybrid load (two groups, rows of 67 and 33 regions), real Mooncake master; GIL ms = receive-thread "
+                 "CPU with the GIL held; floor = vLLM's with its bound call counted only for converting the rows",
+                 "vLLM 0.33 alone; x = its value / the plugin's", _rows_by(rows, "case", "mode"), cols,
+                 label="case / mode")
+
+
 def multihost(quick: bool) -> dict[str, Any] | None:
     """Cross-namespace TCP: staged vs multi-buffer (split) vs vLLM's single call."""
     from mooncake_kvaddr.bench import netns, netns_tcp

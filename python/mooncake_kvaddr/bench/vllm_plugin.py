@@ -131,6 +131,8 @@ class VllmStoreRig:
         staging_bytes: int = 256 << 20,
         model: str = "rig/model",
         segment: bool = True,
+        groups: int = 1,
+        offload_budget: int | None = None,
     ) -> None:
         import importlib
 
@@ -172,16 +174,25 @@ class VllmStoreRig:
             code = self.store.register_buffer(storage.data_ptr(), storage.nbytes())
             if code != 0:
                 raise RuntimeError(f"register_buffer failed: {code}")
+        # ``groups`` > 1: a hybrid-width model, the regions split between full-attention groups of different
+        # layer counts (:func:`_group_split`): rows of different widths per group.
+        split = _group_split(shape.regions, groups)
         spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=head_size, dtype=torch.float16)
-        group = KVCacheGroupSpec([f"layer.{i}" for i in range(shape.regions)], spec)
-        self.coord = coordinator.MooncakeStoreCoordinator([group], scheduler_block_size=BLOCK, hash_block_size=BLOCK)
-        self.db = data.ChunkedTokenDatabase(data.KeyMetadata(model, 0, 0, 0, 0), BLOCK, hash_block_size=BLOCK)
-        self.db.store_layout.register_kv_caches(self.caches, self.num_blocks)
+        specs = [KVCacheGroupSpec([f"layer.{i}" for i in range(a, b)], spec) for a, b in split]
+        self.coord = coordinator.MooncakeStoreCoordinator(specs, scheduler_block_size=BLOCK, hash_block_size=BLOCK)
+        self.dbs = [
+            data.ChunkedTokenDatabase(data.KeyMetadata(model, 0, 0, 0, 0, group_id=g), BLOCK, hash_block_size=BLOCK)
+            for g in range(groups)
+        ]
+        for db, (a, b) in zip(self.dbs, split, strict=True):
+            db.store_layout.register_kv_caches(self.caches[a:b], self.num_blocks)
+        self.db = self.dbs[0]
+        self.offload_budget = offload_budget
         ready = threading.Event()
         self.sender = worker.KVCacheStoreSendingThread(
-            self.store, self.coord, [self.db], BLOCK, 0, (1,), "kv_both", ready,
+            self.store, self.coord, self.dbs, BLOCK, 0, (1,) * groups, "kv_both", ready,
             enable_kv_event=False, replicate_config=mooncake_store.ReplicateConfig(), enable_group_semantics=False,
-            supports_group_ids=False, record_operation=None, group_participates=[True],
+            supports_group_ids=False, record_operation=None, group_participates=[True] * groups,
         )  # fmt: skip
         self.sender.start()
         ready.wait(10)
@@ -197,9 +208,9 @@ class VllmStoreRig:
         for i in range(count):
             ready = threading.Event()
             receiver = self._worker.KVCacheStoreRecvingThread(
-                self.store, self.coord, [self.db], BLOCK, 0, ready, disk_offload_buffer_budget_bytes=None,
-                record_operation=None, request_queue=self.load_queue, group_participates=[True],
-                is_hma_required=False,
+                self.store, self.coord, self.dbs, BLOCK, 0, ready,
+                disk_offload_buffer_budget_bytes=self.offload_budget, record_operation=None,
+                request_queue=self.load_queue, group_participates=[True] * len(self.dbs), is_hma_required=False,
             )  # fmt: skip
             receiver.name = f"rig-recv-{i}"
             receiver.start()
@@ -246,7 +257,7 @@ class VllmStoreRig:
         self._job += 1
         job = self._job
         meta = self._data.ReqMeta(
-            req_id=req_id, token_len_chunk=len(hashes) * BLOCK, block_ids=(self.block_ids(),),
+            req_id=req_id, token_len_chunk=len(hashes) * BLOCK, block_ids=(self.block_ids(),) * len(self.dbs),
             block_hashes=hashes, can_save=True, store_job_id=job,
         )  # fmt: skip
         self.sender.add_request(meta)
@@ -264,7 +275,7 @@ class VllmStoreRig:
         for req_id in req_ids:
             spec = self._data.LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=n, can_load=True, token_len=n)
             meta = self._data.ReqMeta(
-                req_id=req_id, token_len_chunk=n, block_ids=(self.block_ids(),), block_hashes=hashes,
+                req_id=req_id, token_len_chunk=n, block_ids=(self.block_ids(),) * len(self.dbs), block_hashes=hashes,
                 load_spec=spec,
             )  # fmt: skip
             self.load_queue.put(meta)
@@ -289,6 +300,20 @@ class VllmStoreRig:
                 self.store.unregister_buffer(cache.untyped_storage().data_ptr())
         with contextlib.suppress(Exception):
             self.store.close()
+
+
+def _group_split(regions: int, groups: int) -> list[tuple[int, int]]:
+    """Region ranges of ``groups`` groups: the first takes two thirds, the next two thirds of the rest, ...,
+    the last what is left (so 2 groups of 100 regions are 67 and 33 wide); one group takes them all."""
+    if groups < 1 or groups > regions:
+        raise ValueError(f"groups must be in 1..{regions}, got {groups}")
+    bounds, start = [], 0
+    for g in range(groups):
+        left = regions - start - (groups - 1 - g)  # leave one region for each later group
+        end = regions if g == groups - 1 else start + max(1, min(left, -(-2 * (regions - start) // 3)))
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 # --- GIL accounting ------------------------------------------------------------------------------------------

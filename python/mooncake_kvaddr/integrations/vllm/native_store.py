@@ -221,6 +221,10 @@ class NativeMooncakeStore:
                     return result
             return self.guard.call_arrays(keys, addrs, sizes, self._get_arrays)
 
+    def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
+        """:meth:`batch_get_into_multi_buffers_arrays` for rows of different widths (:func:`ragged_calls`)."""
+        return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
+
     def _get_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         done, result = self._native_call(
             "batch_get_into_multi_buffers", (keys, addrs, sizes), "batch_get_into_multi_buffers arrays"
@@ -305,6 +309,25 @@ class NativeMooncakeStore:
 
     def __repr__(self) -> str:
         return f"NativeMooncakeStore({self._store!r})"
+
+
+def ragged_calls(
+    call: Callable[[list[str], Any, Any], Any], keys: list[str], addrs: Any, sizes: Any, widths: Any
+) -> list[Any]:
+    """One ``call(keys, addrs, sizes)`` per row width, for (keys x max width) matrices whose row ``i`` holds
+    ``widths[i]`` regions (the rest padding): each call gets the keys of one width, in their order, and
+    matrices trimmed to that width; the per-key answers come back in the keys' order (docs/vllm-plugin.md,
+    "The receive handler": hybrid models whose groups have different row widths)."""
+    widths = np.asarray(widths)
+    results: list[Any] = [None] * len(keys)
+    for width in dict.fromkeys(widths.tolist()):
+        picks = np.flatnonzero(widths == width)
+        answers = list(call([keys[i] for i in picks], addrs[picks, :width], sizes[picks, :width]))
+        if len(answers) != len(picks):
+            raise RuntimeError(f"the store returned {len(answers)} results for {len(picks)} keys")
+        for i, answer in zip(picks.tolist(), answers, strict=True):
+            results[i] = answer
+    return results
 
 
 def bound_rows(addrs: Any, sizes: Any) -> tuple[list[Any], list[Any]]:

@@ -66,6 +66,13 @@ class ArrayStore(abc.ABC):
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         """``batch_get_into_multi_buffers`` with (keys x regions) int64 matrices; Mooncake's per-key codes."""
 
+    def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
+        """The array entry for rows of different widths: (keys x max width) matrices, row ``i`` holding
+        ``widths[i]`` regions; this default makes one array call per width and merges the answers."""
+        from mooncake_kvaddr.integrations.vllm.native_store import ragged_calls
+
+        return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
+
     def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
         """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with int64 matrices (the send handler's
         entry); this default hands the rows on as lists to the subclass's ``batch_put_from_multi_buffers``."""
@@ -95,16 +102,20 @@ class RequestPlan:
     """One request's load, after concatenation and rotation: keys, rows and block ids, index-aligned.
 
     ``arrays``: rows are (n, w) int64 matrices and ``block_ids`` an int64 array; otherwise lists of lists of
-    ints and a list of ints (vLLM's own types)."""
+    ints and a list of ints (vLLM's own types). ``widths`` (arrays only): each row's region count when rows
+    differ in width (hybrid groups), the matrices then padded with zero cells to the widest row."""
 
-    __slots__ = ("addrs", "arrays", "block_ids", "keys", "sizes")
+    __slots__ = ("addrs", "arrays", "block_ids", "keys", "sizes", "widths")
 
-    def __init__(self, keys: list[str], addrs: Any, sizes: Any, block_ids: Any, arrays: bool) -> None:
+    def __init__(
+        self, keys: list[str], addrs: Any, sizes: Any, block_ids: Any, arrays: bool, widths: Any = None
+    ) -> None:
         self.keys = keys
         self.addrs = addrs
         self.sizes = sizes
         self.block_ids = block_ids
         self.arrays = arrays
+        self.widths = widths
 
     def total_bytes(self) -> int:
         """The sum of every size (vLLM's ``num_bytes`` of the load), exact."""
@@ -121,7 +132,8 @@ class RequestPlan:
     def part(self, start: int, end: int) -> RequestPlan:
         """Keys ``start:end`` with their rows and block ids (views of the matrices, no copy)."""
         ids = self.block_ids[start:end]
-        return RequestPlan(self.keys[start:end], self.addrs[start:end], self.sizes[start:end], ids, self.arrays)
+        widths = None if self.widths is None else self.widths[start:end]
+        return RequestPlan(self.keys[start:end], self.addrs[start:end], self.sizes[start:end], ids, self.arrays, widths)
 
     def key_bytes(self) -> list[int]:
         """Each key's byte count (the sum of its sizes), exact Python ints."""
@@ -137,9 +149,18 @@ class RequestPlan:
         """The keys at ``indices`` (in that order) with their rows and block ids."""
         keys = [self.keys[i] for i in indices]
         if self.arrays:
-            return RequestPlan(keys, self.addrs[indices], self.sizes[indices], self.block_ids[indices], True)
+            widths = None if self.widths is None else self.widths[indices]
+            return RequestPlan(keys, self.addrs[indices], self.sizes[indices], self.block_ids[indices], True, widths)
         addrs, sizes, ids = ([m[i] for i in indices] for m in (self.addrs, self.sizes, self.block_ids))
         return RequestPlan(keys, addrs, sizes, ids, False)
+
+    def row_lists(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The rows as lists of lists of ints (padding dropped), as vLLM builds them."""
+        addrs, sizes = self.addrs.tolist(), self.sizes.tolist()
+        if self.widths is None:
+            return addrs, sizes
+        widths = self.widths.tolist()
+        return [r[:w] for r, w in zip(addrs, widths)], [r[:w] for r, w in zip(sizes, widths)]
 
     def block_id_list(self, indices: list[int] | None = None) -> list[int]:
         """Block ids (all, or those at ``indices``) as a list of Python ints."""
@@ -264,24 +285,45 @@ def plan_request(
     if n == 0:
         return "no key (vLLM's handler raises ZeroDivisionError)"
     rotation = thread.tp_rank % n
-    if arrays and len({part[1].shape[1] for part in parts if len(part[0])}) > 1:
-        arrays = False  # rows of different widths: no single matrix, lists as vLLM builds them
-        parts = [(p[0], p[1].tolist(), p[2].tolist(), p[3].tolist()) for p in parts]
+    widths = None
     if len(parts) == 1:
         keys, addrs, sizes, ids = parts[0]
     elif arrays:
         kept = [p for p in parts if len(p[0])]
         keys = [key for p in kept for key in p[0]]
-        addrs, sizes, ids = (np.concatenate([p[i] for p in kept]) for i in (1, 2, 3))
+        ids = np.concatenate([p[3] for p in kept])
+        addrs, sizes, widths = concat_rows([p[1] for p in kept], [p[2] for p in kept])
     else:
         keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
     if rotation:
         keys = keys[rotation:] + keys[:rotation]
         if arrays:
             addrs, sizes, ids = (np.concatenate((m[rotation:], m[:rotation])) for m in (addrs, sizes, ids))
+            if widths is not None:
+                widths = np.concatenate((widths[rotation:], widths[:rotation]))
         else:
             addrs, sizes, ids = (m[rotation:] + m[:rotation] for m in (addrs, sizes, ids))
-    return RequestPlan(keys, addrs, sizes, ids, arrays)
+    return RequestPlan(keys, addrs, sizes, ids, arrays, widths)
+
+
+def concat_rows(addr_parts: list[Any], size_parts: list[Any]) -> tuple[Any, Any, Any]:
+    """Groups' (keys x regions) int64 matrices stacked; when their widths differ, padded with zero cells to the
+    widest and returned with each row's width (else widths None)."""
+    widest = max(m.shape[1] for m in addr_parts)
+    if all(m.shape[1] == widest for m in addr_parts):
+        return np.concatenate(addr_parts), np.concatenate(size_parts), None
+    rows = sum(m.shape[0] for m in addr_parts)
+    addrs = np.zeros((rows, widest), dtype=np.int64)
+    sizes = np.zeros((rows, widest), dtype=np.int64)
+    widths = np.empty(rows, dtype=np.int64)
+    at = 0
+    for a, s in zip(addr_parts, size_parts, strict=True):
+        n, w = a.shape
+        addrs[at : at + n, :w] = a
+        sizes[at : at + n, :w] = s
+        widths[at : at + n] = w
+        at += n
+    return addrs, sizes, widths
 
 
 def fast_path_refusal(thread: Any, envs: Any) -> str:
@@ -349,9 +391,15 @@ def _skip_oversized(thread: Any, req_id: Any, plan: RequestPlan, index: int, rul
 
 def _get(store: Any, batch: RequestPlan) -> Any:
     if batch.arrays and isinstance(store, ArrayStore):
-        return store.batch_get_into_multi_buffers_arrays(batch.keys, batch.addrs, batch.sizes)
+        widths = batch.widths
+        if widths is None:
+            return store.batch_get_into_multi_buffers_arrays(batch.keys, batch.addrs, batch.sizes)
+        if widths.size and bool((widths == widths[0]).all()):  # a batch of one width: one matrix
+            width = int(widths[0])
+            return store.batch_get_into_multi_buffers_arrays(batch.keys, batch.addrs[:, :width], batch.sizes[:, :width])
+        return store.batch_get_into_multi_buffers_ragged(batch.keys, batch.addrs, batch.sizes, widths)
     if batch.arrays:
-        return store.batch_get_into_multi_buffers(batch.keys, batch.addrs.tolist(), batch.sizes.tolist())
+        return store.batch_get_into_multi_buffers(batch.keys, *batch.row_lists())
     return store.batch_get_into_multi_buffers(batch.keys, batch.addrs, batch.sizes)
 
 

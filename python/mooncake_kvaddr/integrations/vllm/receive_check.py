@@ -85,6 +85,11 @@ class _ArrayRecordingStore(_RecordingStore, ArrayStore):
     def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
         return self.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
 
+    def batch_get_into_multi_buffers_ragged(self, keys: Any, addrs: Any, sizes: Any, widths: Any) -> Any:
+        # Recorded as the one call the rows stand for (vLLM makes one): each row trimmed to its width.
+        rows = [(a[:w], s[:w]) for a, s, w in zip(addrs.tolist(), sizes.tolist(), widths.tolist())]
+        return self.batch_get_into_multi_buffers(keys, [a for a, _ in rows], [s for _, s in rows])
+
 
 class _Coord:
     def __init__(self, masks: tuple[list[bool], ...]) -> None:

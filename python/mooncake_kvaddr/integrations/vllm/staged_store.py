@@ -49,6 +49,7 @@ from mooncake_kvaddr.integrations.vllm.native_store import (
     CallGate,
     NativeMooncakeStore,
     guarded_method,
+    ragged_calls,
     registration_ok,
     warn_failed_registration,
 )
@@ -273,6 +274,10 @@ class StagedMooncakeStore:
         ):
             return self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
         return None
+
+    def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
+        """:meth:`batch_get_into_multi_buffers_arrays` for rows of different widths (``ragged_calls``)."""
+        return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
 
     def _get_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         staged = self._plan_arrays(keys, addrs, sizes)
