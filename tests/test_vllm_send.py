@@ -52,9 +52,18 @@ def _quiet() -> Iterator[None]:
     worker_module.logger.disabled = was
 
 
-def test_send_matches_vllms_on_ten_thousand_jobs(handler: Any) -> None:
+def test_send_matches_vllms_on_ten_thousand_jobs(handler: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ragged = {"puts": 0}
+    real = send_check.ArrayRecordingStore.batch_put_from_multi_buffers_ragged
+
+    def counted(self: Any, *args: Any) -> Any:
+        ragged["puts"] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(send_check.ArrayRecordingStore, "batch_put_from_multi_buffers_ragged", counted)
     fast = send_check.compare(data_module, worker_module, handler, random.Random(2026), 10_000)
     assert fast >= 8_000, fast  # the rest: dead or skipped jobs and token lengths vLLM's walk refuses
+    assert ragged["puts"] >= 100, ragged  # hybrid rows of different widths reached the store as matrices
 
 
 def _blob_hashes_and_array_ids(case: dict[str, Any]) -> None:

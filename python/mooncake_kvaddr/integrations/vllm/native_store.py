@@ -221,6 +221,13 @@ class NativeMooncakeStore:
                     return result
             return self.guard.call_arrays(keys, addrs, sizes, self._get_arrays)
 
+    def batch_put_from_multi_buffers_ragged(
+        self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
+    ) -> Any:
+        """:meth:`batch_put_from_multi_buffers_arrays` for rows of different widths (one put per width)."""
+        put = self.batch_put_from_multi_buffers_arrays
+        return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
+
     def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
         """:meth:`batch_get_into_multi_buffers_arrays` for rows of different widths (:func:`ragged_calls`)."""
         return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)

@@ -79,6 +79,15 @@ class ArrayStore(abc.ABC):
         rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
         return self.batch_put_from_multi_buffers(keys, *rows, config)  # type: ignore[attr-defined]
 
+    def batch_put_from_multi_buffers_ragged(
+        self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
+    ) -> Any:
+        """The array put for rows of different widths (as :meth:`batch_get_into_multi_buffers_ragged`)."""
+        from mooncake_kvaddr.integrations.vllm.native_store import ragged_calls
+
+        put = self.batch_put_from_multi_buffers_arrays
+        return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
+
 
 def _register_wrappers() -> None:
     from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore

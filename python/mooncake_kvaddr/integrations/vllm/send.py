@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr.core.flags import flag
-from mooncake_kvaddr.integrations.vllm.receive import ArrayStore, RequestPlan, _hash_source, _Kinds, _register_wrappers
+from mooncake_kvaddr.integrations.vllm.receive import (
+    ArrayStore,
+    RequestPlan,
+    _hash_source,
+    _Kinds,
+    _register_wrappers,
+    concat_rows,
+)
 
 __all__ = ["ENV_SEND", "SendStats", "make_handler", "plan_store", "send_enabled"]
 
@@ -153,26 +160,33 @@ def plan_store(
                     chunks.extend([(start, min(start + block_size, token_len))] * len(prefixes))
                 if len(chunks) != len(groups):
                     raise RuntimeError("the plan's keys do not match the walk")
-    if arrays and len({part[1].shape[1] for part in parts}) > 1:
-        arrays = False  # rows of different widths: no single matrix, lists as vLLM builds them
-        parts = [(p[0], p[1].tolist(), p[2].tolist(), p[3].tolist()) for p in parts]
     if not parts:
         return SendPlan(RequestPlan([], [], [], [], False), groups, skipped, chunks)
+    widths = None
     if len(parts) == 1:
         keys, addrs, sizes, ids = parts[0]
-    elif arrays:
+    elif arrays:  # rows of different widths (hybrid groups): padded matrices with each row's width
         keys = [key for p in parts for key in p[0]]
-        addrs, sizes, ids = (np.concatenate([p[i] for p in parts]) for i in (1, 2, 3))
+        ids = np.concatenate([p[3] for p in parts])
+        addrs, sizes, widths = concat_rows([p[1] for p in parts], [p[2] for p in parts])
     else:
         keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
-    return SendPlan(RequestPlan(keys, addrs, sizes, ids, arrays), groups, skipped, chunks)
+    return SendPlan(RequestPlan(keys, addrs, sizes, ids, arrays, widths), groups, skipped, chunks)
 
 
 def _put(store: Any, rows: RequestPlan, config: Any) -> Any:
     if rows.arrays and isinstance(store, ArrayStore):
-        return store.batch_put_from_multi_buffers_arrays(rows.keys, rows.addrs, rows.sizes, config)
+        widths = rows.widths
+        if widths is None:
+            return store.batch_put_from_multi_buffers_arrays(rows.keys, rows.addrs, rows.sizes, config)
+        if widths.size and bool((widths == widths[0]).all()):  # the missing keys are of one width: one matrix
+            width = int(widths[0])
+            return store.batch_put_from_multi_buffers_arrays(
+                rows.keys, rows.addrs[:, :width], rows.sizes[:, :width], config
+            )
+        return store.batch_put_from_multi_buffers_ragged(rows.keys, rows.addrs, rows.sizes, widths, config)
     if rows.arrays:
-        return store.batch_put_from_multi_buffers(rows.keys, rows.addrs.tolist(), rows.sizes.tolist(), config)
+        return store.batch_put_from_multi_buffers(rows.keys, *rows.row_lists(), config)
     return store.batch_put_from_multi_buffers(rows.keys, rows.addrs, rows.sizes, config)
 
 

@@ -70,6 +70,7 @@ class RecordingStore:
     def __init__(self, answer: Callable[[str, list[str]], Any]) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self._answer = answer
+        self.ragged = 0  # puts of rows of different widths (the array store's ragged entry)
 
     def _reply(self, call: str, keys: list[str]) -> Any:
         result = self._answer(call, keys)
@@ -96,6 +97,12 @@ class ArrayRecordingStore(RecordingStore, ArrayStore):
     def batch_put_from_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> Any:
         assert addrs.dtype.kind == "i" and sizes.dtype.kind == "i", "rows must come as integer matrices"
         return self.batch_put_from_multi_buffers(keys, addrs.tolist(), sizes.tolist(), config)
+
+    def batch_put_from_multi_buffers_ragged(self, keys: Any, addrs: Any, sizes: Any, widths: Any, config: Any) -> Any:
+        # Recorded as the one put the rows stand for (vLLM makes one): each row trimmed to its width.
+        self.ragged += 1
+        rows = [(a[:w], s[:w]) for a, s, w in zip(addrs.tolist(), sizes.tolist(), widths.tolist())]
+        return self.batch_put_from_multi_buffers(keys, [a for a, _ in rows], [s for _, s in rows], config)
 
 
 class _Config:

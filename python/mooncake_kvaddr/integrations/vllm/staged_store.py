@@ -275,6 +275,13 @@ class StagedMooncakeStore:
             return self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
         return None
 
+    def batch_put_from_multi_buffers_ragged(
+        self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
+    ) -> Any:
+        """:meth:`batch_put_from_multi_buffers_arrays` for rows of different widths (one put per width)."""
+        put = self.batch_put_from_multi_buffers_arrays
+        return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
+
     def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
         """:meth:`batch_get_into_multi_buffers_arrays` for rows of different widths (``ragged_calls``)."""
         return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
