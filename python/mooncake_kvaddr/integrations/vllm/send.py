@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr.core.flags import flag
-from mooncake_kvaddr.integrations.vllm.receive import (
+from mooncake_kvaddr.integrations.vllm.plans import (
     ArrayStore,
+    Kinds,
     RequestPlan,
-    _hash_source,
-    _Kinds,
-    _register_wrappers,
     concat_rows,
+    hash_source,
+    register_wrappers,
 )
 
 __all__ = ["ENV_SEND", "SendStats", "make_handler", "plan_store", "send_enabled"]
@@ -103,7 +103,7 @@ def plan_store(
     token_len: int,
     save_start: int,
     arrays: bool,
-    kinds: _Kinds,
+    kinds: Kinds,
     engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
     blob_type: type,
     events: bool = False,
@@ -111,7 +111,7 @@ def plan_store(
     """Every key of a store job that vLLM would send to ``batch_is_exist``, with its rows (and, for ``events``,
     its chunk), or why the job is not ours to plan. May raise (the caller then hands the job to vLLM's
     handler). No side effects."""
-    source = _hash_source(req_meta.block_hashes, blob_type)
+    source = hash_source(req_meta.block_hashes, blob_type)
     if source is None:
         return "block hashes of another type"
     hashes, hash_len = source
@@ -382,11 +382,11 @@ def make_handler(
 ) -> Callable[[Any, Any], Any]:
     """The replacement ``_handle_request``; ``original`` is vLLM's (run for everything off the fast path).
     ``ours`` and ``engines`` as for the receive handler's :func:`~.receive.make_handler`."""
-    kinds = _Kinds(data, ours)
+    kinds = Kinds(data, ours)
     blob_type = data.BlobBlockHashes
     stats = SendStats()
     lock = threading.Lock()
-    _register_wrappers()
+    register_wrappers()
 
     def _plan(self: Any, req_meta: Any) -> tuple[SendPlan, int] | str:
         lcm_block_size = self.coord.lcm_block_size

@@ -1,0 +1,229 @@
+"""What both of the plugin's vLLM handlers plan with (docs/vllm-plugin.md, "The receive handler", "The send
+handler"): the plan record (keys, rows, block ids), the array-store contract our store wrappers offer, and which
+token databases, layouts and hash forms are ours to plan.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import threading
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ARRAY_ENTRY", "ArrayStore", "Kinds", "RequestPlan", "concat_rows", "hash_source", "register_wrappers"]
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+#: The array entry point our store wrappers offer (keys, (n, w) int64 addrs, (n, w) int64 sizes).
+ARRAY_ENTRY = "batch_get_into_multi_buffers_arrays"
+
+
+class ArrayStore(abc.ABC):
+    """The store types whose :data:`ARRAY_ENTRY` the receive handler calls: our own wrappers
+    (:class:`NativeMooncakeStore`, :class:`StagedMooncakeStore`, registered by :func:`make_handler`) and
+    whatever a caller registers explicitly (``ArrayStore.register(cls)``: a test's recording store, a
+    benchmark's timing proxy). The choice is by type, never by probing the store for the attribute (a mock
+    store "has" every attribute); any other store gets vLLM's list rows (docs/vllm-plugin.md)."""
+
+    @abc.abstractmethod
+    def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
+        """``batch_get_into_multi_buffers`` with (keys x regions) int64 matrices; Mooncake's per-key codes."""
+
+    def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
+        """The array entry for rows of different widths: (keys x max width) matrices, row ``i`` holding
+        ``widths[i]`` regions; this default makes one array call per width and merges the answers."""
+        from mooncake_kvaddr.integrations.vllm.native_store import ragged_calls
+
+        return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
+
+    def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
+        """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with int64 matrices (the send handler's
+        entry); this default hands the rows on as lists to the subclass's ``batch_put_from_multi_buffers``."""
+        rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
+        return self.batch_put_from_multi_buffers(keys, *rows, config)  # type: ignore[attr-defined]
+
+    def batch_put_from_multi_buffers_ragged(
+        self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
+    ) -> Any:
+        """The array put for rows of different widths (as :meth:`batch_get_into_multi_buffers_ragged`)."""
+        from mooncake_kvaddr.integrations.vllm.native_store import ragged_calls
+
+        put = self.batch_put_from_multi_buffers_arrays
+        return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
+
+
+def register_wrappers() -> None:
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+    from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+
+    ArrayStore.register(NativeMooncakeStore)
+    ArrayStore.register(StagedMooncakeStore)
+
+
+class RequestPlan:
+    """One request's load, after concatenation and rotation: keys, rows and block ids, index-aligned.
+
+    ``arrays``: rows are (n, w) int64 matrices and ``block_ids`` an int64 array; otherwise lists of lists of
+    ints and a list of ints (vLLM's own types). ``widths`` (arrays only): each row's region count when rows
+    differ in width (hybrid groups), the matrices then padded with zero cells to the widest row."""
+
+    __slots__ = ("addrs", "arrays", "block_ids", "keys", "sizes", "widths")
+
+    def __init__(
+        self, keys: list[str], addrs: Any, sizes: Any, block_ids: Any, arrays: bool, widths: Any = None
+    ) -> None:
+        self.keys = keys
+        self.addrs = addrs
+        self.sizes = sizes
+        self.block_ids = block_ids
+        self.arrays = arrays
+        self.widths = widths
+
+    def total_bytes(self) -> int:
+        """The sum of every size (vLLM's ``num_bytes`` of the load), exact."""
+        if not self.arrays:
+            return sum(map(sum, self.sizes))
+        sizes = self.sizes
+        if sizes.size == 0:
+            return 0
+        top = int(sizes.max())
+        if int(sizes.min()) >= 0 and top <= _INT64_MAX // max(1, sizes.size):
+            return int(sizes.sum())
+        return sum(int(v) for v in sizes.ravel().tolist())
+
+    def part(self, start: int, end: int) -> RequestPlan:
+        """Keys ``start:end`` with their rows and block ids (views of the matrices, no copy)."""
+        ids = self.block_ids[start:end]
+        widths = None if self.widths is None else self.widths[start:end]
+        return RequestPlan(self.keys[start:end], self.addrs[start:end], self.sizes[start:end], ids, self.arrays, widths)
+
+    def key_bytes(self) -> list[int]:
+        """Each key's byte count (the sum of its sizes), exact Python ints."""
+        if not self.arrays:
+            return [sum(row) for row in self.sizes]
+        sizes = self.sizes
+        if sizes.size and (int(sizes.min()) < 0 or int(sizes.max()) > _INT64_MAX // max(1, sizes.shape[1])):
+            return [sum(row) for row in sizes.tolist()]
+        result: list[int] = sizes.sum(axis=1).tolist()
+        return result
+
+    def take(self, indices: list[int]) -> RequestPlan:
+        """The keys at ``indices`` (in that order) with their rows and block ids."""
+        keys = [self.keys[i] for i in indices]
+        if self.arrays:
+            widths = None if self.widths is None else self.widths[indices]
+            return RequestPlan(keys, self.addrs[indices], self.sizes[indices], self.block_ids[indices], True, widths)
+        addrs, sizes, ids = ([m[i] for i in indices] for m in (self.addrs, self.sizes, self.block_ids))
+        return RequestPlan(keys, addrs, sizes, ids, False)
+
+    def row_lists(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The rows as lists of lists of ints (padding dropped), as vLLM builds them."""
+        addrs, sizes = self.addrs.tolist(), self.sizes.tolist()
+        if self.widths is None:
+            return addrs, sizes
+        widths = self.widths.tolist()
+        return [r[:w] for r, w in zip(addrs, widths)], [r[:w] for r, w in zip(sizes, widths)]
+
+    def block_id_list(self, indices: list[int] | None = None) -> list[int]:
+        """Block ids (all, or those at ``indices``) as a list of Python ints."""
+        ids = self.block_ids
+        if indices is None:
+            return list(ids.tolist()) if self.arrays else list(ids)
+        if self.arrays:
+            return [int(ids[i]) for i in indices]
+        return [ids[i] for i in indices]
+
+
+class Kinds:
+    """Which token databases and layouts are ours to plan, cached per type (vLLM's classes rarely change)."""
+
+    def __init__(self, data: ModuleType, ours: Mapping[str, Any]) -> None:
+        self._data = data
+        self._ours = ours
+        self._db_types: dict[type, bool] = {}
+        self._layout_types: dict[type, str] = {}
+        self._lock = threading.Lock()
+
+    def db_ok(self, db: Any) -> bool:
+        cls = type(db)
+        known = self._db_types.get(cls)
+        if known is None:
+            base = self._data.ChunkedTokenDatabase
+            known = isinstance(db, base) and inspect.getattr_static(cls, "process_tokens") is inspect.getattr_static(
+                base, "process_tokens"
+            )
+            with self._lock:
+                self._db_types[cls] = known
+        return known
+
+    def layout_kind(self, layout: Any) -> str:
+        """``"rank_local"``, ``"sharded"`` or ``""`` (not ours: vLLM's handler)."""
+        cls = type(layout)
+        kind = self._layout_types.get(cls)
+        if kind is None:
+            kind = self._classify(cls)
+            with self._lock:
+                self._layout_types[cls] = kind
+        if kind and ("prepare_values" in layout.__dict__ or "key_for" in layout.__dict__):
+            return ""  # an instance override: vLLM would call it
+        return kind
+
+    def _classify(self, cls: type) -> str:
+        data = self._data
+        static = inspect.getattr_static
+        for kind, base, prepare, key_for in (
+            ("rank_local", data.RankLocalStoreLayout, "rank_local_prepare_values", "rank_local_key_for"),
+            ("sharded", data.TPShardedStoreLayout, "sharded_prepare_values", "sharded_key_for"),
+        ):
+            if (
+                issubclass(cls, base)
+                and static(cls, "prepare_values") is self._ours[prepare]
+                and static(cls, "key_for") is self._ours[key_for]
+                and static(cls, "local_shard_ids") is static(base, "local_shard_ids")
+            ):
+                return kind
+        return ""
+
+
+def hash_source(hashes: Any, blob_type: type) -> tuple[Any, int | None] | None:
+    """What the engine reads the hashes from: the list itself, or a ``BlobBlockHashes``'s flat byte blob."""
+    if type(hashes) is list or type(hashes) is tuple:
+        return hashes, None
+    if type(hashes) is blob_type:
+        blob = getattr(hashes, "_blob", None)
+        hash_len = getattr(hashes, "_hash_len", None)
+        if (
+            isinstance(blob, memoryview)
+            and blob.ndim == 1
+            and blob.itemsize == 1
+            and type(hash_len) is int
+            and hash_len > 0
+            and len(blob) % hash_len == 0
+        ):
+            return blob, hash_len
+    return None
+
+
+def concat_rows(addr_parts: list[Any], size_parts: list[Any]) -> tuple[Any, Any, Any]:
+    """Groups' (keys x regions) int64 matrices stacked; when their widths differ, padded with zero cells to the
+    widest and returned with each row's width (else widths None)."""
+    widest = max(m.shape[1] for m in addr_parts)
+    if all(m.shape[1] == widest for m in addr_parts):
+        return np.concatenate(addr_parts), np.concatenate(size_parts), None
+    rows = sum(m.shape[0] for m in addr_parts)
+    addrs = np.zeros((rows, widest), dtype=np.int64)
+    sizes = np.zeros((rows, widest), dtype=np.int64)
+    widths = np.empty(rows, dtype=np.int64)
+    at = 0
+    for a, s in zip(addr_parts, size_parts, strict=True):
+        n, w = a.shape
+        addrs[at : at + n, :w] = a
+        sizes[at : at + n, :w] = s
+        widths[at : at + n] = w
+        at += n
+    return addrs, sizes, widths
