@@ -30,6 +30,7 @@ through the wrapper (the replaced ones and every other method reached through it
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
 import threading
@@ -99,7 +100,31 @@ class NativeStats:
     fallback_calls: int = 0
 
 
-class NativeMooncakeStore:
+class RaggedEntries(abc.ABC):
+    """The ragged entries of our store wrappers: rows of different widths (hybrid groups) as one array call per
+    width (:func:`ragged_calls`) through the wrapper's own array entries."""
+
+    @abc.abstractmethod
+    def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
+        """Mooncake's multi-buffer get with (keys x regions) int64 matrices."""
+
+    @abc.abstractmethod
+    def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
+        """Mooncake's multi-buffer put with (keys x regions) int64 matrices."""
+
+    def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
+        """:meth:`batch_get_into_multi_buffers_arrays` for rows of different widths (one get per width)."""
+        return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
+
+    def batch_put_from_multi_buffers_ragged(
+        self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
+    ) -> Any:
+        """:meth:`batch_put_from_multi_buffers_arrays` for rows of different widths (one put per width)."""
+        put = self.batch_put_from_multi_buffers_arrays
+        return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
+
+
+class NativeMooncakeStore(RaggedEntries):
     """A Mooncake store whose batch calls go to the native client when it can (see the module docstring)."""
 
     def __init__(self, store: Any, *, armed: bool = False) -> None:
@@ -220,17 +245,6 @@ class NativeMooncakeStore:
                 if done:
                     return result
             return self.guard.call_arrays(keys, addrs, sizes, self._get_arrays)
-
-    def batch_put_from_multi_buffers_ragged(
-        self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
-    ) -> Any:
-        """:meth:`batch_put_from_multi_buffers_arrays` for rows of different widths (one put per width)."""
-        put = self.batch_put_from_multi_buffers_arrays
-        return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
-
-    def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
-        """:meth:`batch_get_into_multi_buffers_arrays` for rows of different widths (:func:`ragged_calls`)."""
-        return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
 
     def _get_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         done, result = self._native_call(

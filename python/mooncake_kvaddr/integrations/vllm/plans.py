@@ -8,13 +8,24 @@ from __future__ import annotations
 import abc
 import inspect
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ARRAY_ENTRY", "ArrayStore", "Kinds", "RequestPlan", "concat_rows", "hash_source", "register_wrappers"]
+__all__ = [
+    "ARRAY_ENTRY",
+    "ArrayStore",
+    "HandlerStats",
+    "Kinds",
+    "RequestPlan",
+    "concat_rows",
+    "finish_handler",
+    "hash_source",
+    "register_wrappers",
+]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -227,3 +238,25 @@ def concat_rows(addr_parts: list[Any], size_parts: list[Any]) -> tuple[Any, Any,
         widths[at : at + n] = w
         at += n
     return addrs, sizes, widths
+
+
+@dataclass
+class HandlerStats:
+    """Requests a replacement handler planned itself, and those it handed to vLLM's own handler (with the last
+    reason). Counters only: exact enough to see which path runs."""
+
+    fast_requests: int = 0
+    fallback_requests: int = 0
+    last_fallback: str = ""
+
+
+def finish_handler(
+    handler: Callable[[Any, Any], Any], original: Callable[[Any, Any], Any], qualname: str, stats: HandlerStats
+) -> Callable[[Any, Any], Any]:
+    """``handler`` dressed as the vLLM method it replaces: ``__wrapped__`` (vLLM's), its qualified name, and
+    its :class:`HandlerStats` as ``.stats``."""
+    dressed: Any = handler
+    dressed.__wrapped__ = original
+    dressed.__qualname__ = qualname
+    dressed.stats = stats
+    return handler

@@ -36,9 +36,11 @@ from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.integrations.vllm.plans import (
     ARRAY_ENTRY,
     ArrayStore,
+    HandlerStats,
     Kinds,
     RequestPlan,
     concat_rows,
+    finish_handler,
     hash_source,
     register_wrappers,
 )
@@ -257,14 +259,8 @@ def _execute(thread: Any, req_id: Any, plan: RequestPlan, batches: list[tuple[in
     thread.request_queue.task_done()
 
 
-@dataclass
-class ReceiveStats:
-    """Requests the replacement handler planned itself, and those it handed to vLLM's own handler (with the
-    last reason). Counters only: updated without a lock, exact enough to see which path runs."""
-
-    fast_requests: int = 0
-    fallback_requests: int = 0
-    last_fallback: str = ""
+#: The receive handler's counters (updated without a lock).
+ReceiveStats = HandlerStats
 
 
 def make_handler(
@@ -315,9 +311,4 @@ def make_handler(
         _execute(self, req_meta.req_id, plan, split, logger)
         return None
 
-    handler: Any = _handle_request
-    handler.__wrapped__ = original
-    handler.__qualname__ = "KVCacheStoreRecvingThread._handle_request"
-    handler.stats = stats
-    result: Callable[[Any, Any], Any] = handler
-    return result
+    return finish_handler(_handle_request, original, "KVCacheStoreRecvingThread._handle_request", stats)

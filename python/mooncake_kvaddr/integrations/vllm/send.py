@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -25,9 +24,11 @@ import numpy as np
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.integrations.vllm.plans import (
     ArrayStore,
+    HandlerStats,
     Kinds,
     RequestPlan,
     concat_rows,
+    finish_handler,
     hash_source,
     register_wrappers,
 )
@@ -43,14 +44,8 @@ def send_enabled(environ: Mapping[str, str]) -> bool:
     return flag(environ.get(ENV_SEND), True)
 
 
-@dataclass
-class SendStats:
-    """Requests the replacement handler stored itself, and those it handed to vLLM's own handler (with the
-    last reason). Counters only, updated without a lock."""
-
-    fast_requests: int = 0
-    fallback_requests: int = 0
-    last_fallback: str = ""
+#: The send handler's counters (updated under a lock: several send threads may share the handler).
+SendStats = HandlerStats
 
 
 class SendPlan:
@@ -419,9 +414,4 @@ def make_handler(
         _store_job(self, req_meta, planned[0], planned[1], worker)
         return None
 
-    handler: Any = _handle_request
-    handler.__wrapped__ = original
-    handler.__qualname__ = "KVCacheStoreSendingThread._handle_request"
-    handler.stats = stats
-    result: Callable[[Any, Any], Any] = handler
-    return result
+    return finish_handler(_handle_request, original, "KVCacheStoreSendingThread._handle_request", stats)

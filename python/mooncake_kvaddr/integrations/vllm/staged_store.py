@@ -48,8 +48,8 @@ from mooncake_kvaddr.integrations.vllm.native_store import (
     CLOSE_TIMEOUT_S,
     CallGate,
     NativeMooncakeStore,
+    RaggedEntries,
     guarded_method,
-    ragged_calls,
     registration_ok,
     warn_failed_registration,
 )
@@ -88,7 +88,7 @@ class _Staged:
         self.total = self.plan.total_bytes
 
 
-class StagedMooncakeStore:
+class StagedMooncakeStore(RaggedEntries):
     """A Mooncake store whose multi-buffer calls stage host-memory KV caches (see the module docstring).
 
     ``store`` is the wrapped ``MooncakeDistributedStore`` (or anything with its methods); ``staging_bytes`` the
@@ -274,17 +274,6 @@ class StagedMooncakeStore:
         ):
             return self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
         return None
-
-    def batch_put_from_multi_buffers_ragged(
-        self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
-    ) -> Any:
-        """:meth:`batch_put_from_multi_buffers_arrays` for rows of different widths (one put per width)."""
-        put = self.batch_put_from_multi_buffers_arrays
-        return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
-
-    def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
-        """:meth:`batch_get_into_multi_buffers_arrays` for rows of different widths (``ragged_calls``)."""
-        return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
 
     def _get_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         staged = self._plan_arrays(keys, addrs, sizes)
