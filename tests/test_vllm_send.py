@@ -224,10 +224,9 @@ def _matrices(cache: Any, keys: int, regions: int, size: int) -> tuple[np.ndarra
 
 
 def test_staged_array_put_stores_what_the_list_put_stores() -> None:
-    from test_vllm_plugin import FakeMooncake
-
     from mooncake_kvaddr.driver.staging import StagingBuffer
     from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
+    from test_vllm_plugin import FakeMooncake
 
     inner = FakeMooncake()
     store = StagedMooncakeStore(inner, staging_bytes=4096, armed=True)
