@@ -73,22 +73,6 @@ def test_blob_hashes_and_array_block_ids_match(handler: Any) -> None:
     assert fast >= 1_000, fast
 
 
-def test_keys_whose_existence_check_errs_are_stored(handler: Any) -> None:
-    """Only 1 means present: a key ``batch_is_exist`` answers with a negative code (it could not check it) is
-    stored by vLLM like an absent one, and by ours."""
-
-    def answer(call: str, keys: list[str]) -> list[int]:
-        if call == "exist":
-            return [(-1, 1, 0, -704)[i % 4] for i in range(len(keys))]
-        return [0] * len(keys)
-
-    def erring(case: dict[str, Any]) -> None:
-        case["answers"] = lambda seed: answer
-
-    fast = send_check.compare(data_module, worker_module, handler, random.Random(12), 300, transform=erring)
-    assert fast >= 200, fast
-
-
 def test_kv_events_run_vllms_handler(handler: Any) -> None:
     before = handler.stats.fallback_requests
 
@@ -154,6 +138,22 @@ def test_debug_log_lines_match(handler: Any) -> None:
     finally:
         logger.removeHandler(keep)
         logger.setLevel(level)
+
+
+def test_keys_whose_existence_check_errs_are_stored(handler: Any) -> None:
+    """Only 1 means present: a key ``batch_is_exist`` answers with a negative code (it could not check it) is
+    stored by vLLM like an absent one, and by ours."""
+
+    def answer(call: str, keys: list[str]) -> list[int]:
+        if call == "exist":
+            return [(-1, 1, 0, -704)[i % 4] for i in range(len(keys))]
+        return [0] * len(keys)
+
+    def erring(case: dict[str, Any]) -> None:
+        case["answers"] = lambda seed: answer
+
+    fast = send_check.compare(data_module, worker_module, handler, random.Random(12), 300, transform=erring)
+    assert fast >= 200, fast
 
 
 def test_patch_replaces_the_send_handler_and_env_keeps_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
