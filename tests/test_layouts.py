@@ -183,6 +183,17 @@ def test_overflow_raises_instead_of_wrapping(bases: list[int], lens: list[int], 
         layout.prepare_values_array(chunks, ids, [0] * len(chunks))
 
 
+def test_size_overflow_one_block_past_the_unchecked_limit() -> None:
+    """Block length 2, block size 1: 2**62 - 1 blocks is the most whose size fits; 2**62 must raise, not wrap
+    (the first count past the plain loop's limit takes the checked loop)."""
+    layout = rank_local([4096], [2], bs=1, hbs=1)
+    assert layout.prepare_values([(0, 2**62 - 1)], [0], [0])[1] == [[2**63 - 2]]
+    assert layout.prepare_values_array([(0, 2**62 - 1)], [0], [0])[1].tolist() == [[2**63 - 2]]
+    for prepare in (layout.prepare_values, layout.prepare_values_array):
+        with pytest.raises(OverflowError):
+            prepare([(0, 2**62)], [0], [0])
+
+
 def test_uint64_arrays_beyond_int64_overflow() -> None:
     layout = rank_local([0], [64])
     with pytest.raises(OverflowError):

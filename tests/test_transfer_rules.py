@@ -136,6 +136,30 @@ def test_load_splits_by_the_disk_offload_budget(
 
 
 @mooncake
+def test_a_usable_ratio_of_one_uses_the_whole_budget(store: MooncakeStore, model: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ratio's range is (0, 1]: 1 is accepted and a sub-batch then fills the whole budget (three keys
+    exactly); 0 and anything above 1 are refused."""
+    bs, chunks = 16, 7
+    src, dst = Cache(2, chunks + 1, 1024, seed=3), Cache(2, chunks + 1, 1024)
+    h = hashes(model, chunks)
+    ids = list(range(1, chunks + 1))
+    with transfer(store, model, src, bs) as writer:
+        assert writer.store(TransferRequest("r", chunks * bs, h, [ids])).ok
+    for ratio in (0, 1.0001):
+        with pytest.raises(ValueError, match="disk_offload_usable_ratio"):
+            transfer(store, model, dst, bs, disk_offload_usable_ratio=ratio)
+    calls = Calls(store, monkeypatch)
+    budget = 3 * estimate_staging_bytes(2048)
+    with transfer(store, model, dst, bs, transfer_mode="multi_buffer", disk_offload_buffer_budget_bytes=budget,
+                  disk_offload_usable_ratio=1) as reader:
+        loaded = reader.load(TransferRequest("r", chunks * bs, h, [ids]))
+    assert loaded.ok and loaded.bytes == chunks * 2048
+    assert_blocks_equal(src, ids, dst, ids)
+    assert calls.named("batch_get_into_multi_buffers") == [3, 3, 1]
+
+
+@mooncake
 @pytest.mark.parametrize("mode", ["multi_buffer", "staged"])
 def test_one_key_over_the_budget_fails_the_whole_request_untouched(
     store: MooncakeStore, model: str, mode: str, monkeypatch: pytest.MonkeyPatch

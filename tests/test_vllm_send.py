@@ -149,6 +149,22 @@ def test_debug_log_lines_match(handler: Any) -> None:
         logger.setLevel(level)
 
 
+def test_keys_whose_existence_check_errs_are_stored(handler: Any) -> None:
+    """Only 1 means present: a key ``batch_is_exist`` answers with a negative code (it could not check it) is
+    stored by vLLM like an absent one, and by ours."""
+
+    def answer(call: str, keys: list[str]) -> list[int]:
+        if call == "exist":
+            return [(-1, 1, 0, -704)[i % 4] for i in range(len(keys))]
+        return [0] * len(keys)
+
+    def erring(case: dict[str, Any]) -> None:
+        case["answers"] = lambda seed: answer
+
+    fast = send_check.compare(data_module, worker_module, handler, random.Random(12), 300, transform=erring)
+    assert fast >= 200, fast
+
+
 def test_patch_replaces_the_send_handler_and_env_keeps_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
     plugin.unpatch()
     try:
@@ -241,8 +257,19 @@ def test_staged_array_put_stores_what_the_list_put_stores() -> None:
     assert sorted(inner.objects) == sorted(k for k in keys if k != "k4")
     # Rows staging does not take (uint64): the list put of the wrapped store, same bytes.
     inner.objects.clear()
-    assert store.batch_put_from_multi_buffers_arrays(keys[:4], addrs[:4].astype(np.uint64), sizes[:4], None) == [0] * 4
+    configs: list[Any] = []
+    real_put = inner.batch_put_from_multi_buffers
+
+    def put(keys: list[str], addrs: Any, sizes: Any, config: Any = None) -> list[int]:
+        configs.append(config)
+        return real_put(keys, addrs, sizes, config)
+
+    inner.batch_put_from_multi_buffers = put  # type: ignore[method-assign]
+    config = object()
+    codes = store.batch_put_from_multi_buffers_arrays(keys[:4], addrs[:4].astype(np.uint64), sizes[:4], config)
+    assert codes == [0] * 4
     assert inner.objects == {k: by_lists[k] for k in keys[:4]} and store.stats.passthrough_puts == 1
+    assert configs == [config]  # the replicate config goes with the passed-through put
 
 
 class _PutClient:
@@ -297,6 +324,40 @@ def test_native_array_put_dispatch_and_fallback(client: str) -> None:
     addrs[2, 0] = cache.ptr - 4096
     assert armed.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, config) == [0, 0, -600, 0]
     assert armed.wrapped.calls[0][0] == ["a", "b", "d"]
+
+
+class _RangesClient:
+    """A native client that records the ranges each array put gets (None: sent unguarded)."""
+
+    def __init__(self) -> None:
+        self.ranges: list[Any] = []
+
+    def batch_put_from_multi_buffers(
+        self, keys: Any, addrs: Any, sizes: Any, config: Any, ranges: Any = None
+    ) -> list[int]:
+        self.ranges.append(ranges)
+        return [0] * len(keys)
+
+    def last_refused(self) -> int:
+        return 0
+
+
+def test_armed_native_array_put_sends_the_guards_ranges() -> None:
+    """Armed, the array put goes to the native client with the registered ranges: it checks every slice itself
+    (a call without them would let a slice outside the registered buffers reach Mooncake)."""
+    from mooncake_kvaddr.driver.staging import StagingBuffer
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    bound = _PutRecorder()
+    store = NativeMooncakeStore(bound, armed=True)
+    client = _RangesClient()
+    store._client = client
+    cache = StagingBuffer(4 * 3 * 256)
+    assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+    addrs, sizes = _matrices(cache, 4, 3, 256)
+    assert store.batch_put_from_multi_buffers_arrays(["a", "b", "c", "d"], addrs, sizes, None) == [0] * 4
+    assert len(client.ranges) == 1 and client.ranges[0] is not None and not bound.calls
+    assert np.asarray(client.ranges[0]).tolist() == [[cache.ptr, cache.ptr + cache.nbytes]]
 
 
 @pytest.mark.mooncake
