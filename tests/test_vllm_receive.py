@@ -799,3 +799,22 @@ def test_hybrid_rows_reach_the_native_wrapper_as_matrices_per_width() -> None:
     sizes = np.array([[8, 8, 0], [8, 8, 8]], dtype=np.int64)
     assert store.batch_get_into_multi_buffers_ragged(["x", "y"], addrs, sizes, np.array([2, 3])) == [1, 1]
     assert [(k, a, s) for k, a, s in bound.calls] == [(["x"], [[1, 2]], [[8, 8]]), (["y"], [[3, 4, 5]], [[8, 8, 8]])]
+
+
+def test_a_database_whose_block_sizes_are_not_its_layouts_is_left_to_vllm(vllm: tuple[Any, Any]) -> None:
+    """vLLM walks with the token database's block sizes, our engine with its layout's: where they differ the
+    group is not ours to plan (both handlers ask ``Kinds.engine_of``)."""
+    from mooncake_kvaddr.integrations.vllm import plans
+    from mooncake_kvaddr.integrations.vllm.layouts import OURS, PLAN_ENGINES
+
+    data, _ = vllm
+    kinds = plans.Kinds(data, OURS)
+    metadata = data.KeyMetadata("m/sizes", 0, 0, 0, 0)
+    layout = data.RankLocalStoreLayout(metadata, 32, 16)
+    layout.set_kv_caches_base_addr([1 << 30])
+    layout.set_block_len([4096])
+    engine, prefixes = kinds.engine_of(data.ChunkedTokenDatabase(metadata, 32, 16, layout), PLAN_ENGINES)
+    assert len(prefixes) == 1
+    for block_size, hash_block_size in ((64, 16), (32, 32)):
+        db = data.ChunkedTokenDatabase(metadata, block_size, hash_block_size, layout)
+        assert kinds.engine_of(db, PLAN_ENGINES) == "a token database whose block sizes are not its layout's"

@@ -172,6 +172,23 @@ class Kinds:
                 self._db_types[cls] = known
         return known
 
+    def engine_of(
+        self, db: Any, engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]]
+    ) -> tuple[Any, list[str]] | str:
+        """The engine and key prefixes that plan ``db``'s group, or why vLLM's handler must run it: a database or
+        layout not backed by our engine, or a database whose block sizes are not its layout's (vLLM walks with
+        the database's, our engine with the layout's)."""
+        if not self.db_ok(db):
+            return "a token database that is not vLLM's"
+        layout = db.store_layout
+        kind = self.layout_kind(layout)
+        if not kind:
+            return "a layout not backed by our engine"
+        sizes = (db.block_size, db.hash_block_size)
+        if sizes != (layout.block_size, layout.hash_block_size) or type(sizes[0]) is not int:
+            return "a token database whose block sizes are not its layout's"
+        return engines[kind](layout)
+
     def layout_kind(self, layout: Any) -> str:
         """``"rank_local"``, ``"sharded"`` or ``""`` (not ours: vLLM's handler)."""
         cls = type(layout)

@@ -94,13 +94,10 @@ def plan_request(
         mask = masks[g]
         if type(mask) is not list and type(mask) is not tuple:
             return "a load mask that is not a list"
-        if not kinds.db_ok(db):
-            return "a token database that is not vLLM's"
-        layout = db.store_layout
-        kind = kinds.layout_kind(layout)
-        if not kind:
-            return "a layout not backed by our engine"
-        engine, prefixes = engines[kind](layout)
+        planner = kinds.engine_of(db, engines)
+        if isinstance(planner, str):
+            return planner
+        engine, prefixes = planner
         parts.append(
             engine.plan_load(
                 prefixes, hashes, hash_len, token_len, mask_num, mask, tails.get(g), req_meta.block_ids[g], arrays

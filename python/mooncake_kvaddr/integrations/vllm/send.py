@@ -122,15 +122,11 @@ def plan_store(
         put_step = thread.group_put_steps[g]
         if type(put_step) is not int or put_step <= 0 or type(thread.tp_rank) is not int:
             return "a put step or TP rank that is not a positive int"
-        if not kinds.db_ok(db):
-            return "a token database that is not vLLM's"
-        layout = db.store_layout
-        kind = kinds.layout_kind(layout)
-        if not kind:
-            return "a layout not backed by our engine"
+        planner = kinds.engine_of(db, engines)
+        if isinstance(planner, str):
+            return planner
+        engine, prefixes = planner
         block_size, hash_block_size = db.block_size, db.hash_block_size
-        if (block_size, hash_block_size) != (layout.block_size, layout.hash_block_size) or type(block_size) is not int:
-            return "a token database whose block sizes are not its layout's"
         if not n_hashes:
             continue  # vLLM's walk yields nothing without hashes
         if token_len % hash_block_size or token_len // hash_block_size > n_hashes:
@@ -144,7 +140,6 @@ def plan_store(
         rank = (thread.tp_rank + g) % put_step
         mask, unavailable = _group_mask(block_size, token_len, save_start, chunk_mask, put_step, rank, blocks)
         skipped.extend((g, chunk) for chunk in unavailable)
-        engine, prefixes = engines[kind](layout)
         part = engine.plan_load(prefixes, hashes, hash_len, token_len, save_start, mask, None, blocks, arrays)
         if len(part[0]):
             parts.append(part)
