@@ -813,8 +813,8 @@ def test_a_database_whose_block_sizes_are_not_its_layouts_is_left_to_vllm(vllm: 
     layout = data.RankLocalStoreLayout(metadata, 32, 16)
     layout.set_kv_caches_base_addr([1 << 30])
     layout.set_block_len([4096])
-    engine, prefixes = kinds.engine_of(data.ChunkedTokenDatabase(metadata, 32, 16, layout), PLAN_ENGINES)
-    assert len(prefixes) == 1
+    planner = kinds.engine_of(data.ChunkedTokenDatabase(metadata, 32, 16, layout), PLAN_ENGINES)
+    assert not isinstance(planner, str) and len(planner[1]) == 1  # (engine, one key prefix)
     for block_size, hash_block_size in ((64, 16), (32, 32)):
         db = data.ChunkedTokenDatabase(metadata, block_size, hash_block_size, layout)
         assert kinds.engine_of(db, PLAN_ENGINES) == "a token database whose block sizes are not its layout's"
