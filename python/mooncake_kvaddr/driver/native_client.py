@@ -1,20 +1,10 @@
 """Mooncake's C++ client called directly, without its Python binding (:class:`NativeClient`).
 
-Mooncake's bound batch methods convert ``list[list[int]]`` arguments element by element with the GIL held
-(~17 ms for 2,258 keys x 100 regions). :class:`NativeClient` takes int64 address/size arrays (or lists,
-converted once by our C++) and calls ``mooncake::RealClient``'s methods itself, with the GIL released for the
-copy and the call. Results are the bound methods' results, code for code.
-
-The path is checked before it is used and stays off, with one logged reason, unless everything matches:
-x86-64 Linux, a verified Mooncake version, the store's client object being a ``RealClient`` of the very
-store library Python loaded (``mooncake/store.so`` up to 0.3.13, ``mooncake/_store*.so`` behind the
-``mooncake.store`` package from 0.3.14 on), and every method found by its mangled name in that library and in
-the class's vtable (docs/native-client.md). ``MOONCAKE_KVADDR_NATIVE_CLIENT=0`` turns it off.
-
-Safety is shared with the caller: like the bound methods, a call on a closed store would crash inside
-Mooncake. Each call therefore checks that the store still holds the same client (not closed, not set up
-again), but a ``close()`` racing a call in another thread must be excluded by the caller's in-flight
-accounting (as :class:`~mooncake_kvaddr.driver.store.MooncakeStore` does).
+Mooncake's bound batch methods convert ``list[list[int]]`` arguments element by element with the GIL held;
+:class:`NativeClient` takes int64 arrays (or lists, converted once by our C++) and calls the client's methods
+with the GIL released, code for code the bound results. It stays off, with one logged reason, unless the
+platform, the Mooncake version and every symbol check out (docs/native-client.md); a ``close()`` racing a
+call must be excluded by the caller's in-flight accounting (as :class:`MooncakeStore` does).
 """
 
 from __future__ import annotations

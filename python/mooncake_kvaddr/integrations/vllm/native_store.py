@@ -1,31 +1,9 @@
-"""Opt-in native-client transport for vLLM's Mooncake store worker (docs/vllm-plugin.md).
+"""The native-client transport for vLLM's Mooncake store worker, the plugin's default (docs/vllm-plugin.md).
 
-:class:`NativeMooncakeStore` wraps the worker's ``MooncakeDistributedStore`` and sends
-``batch_get_into_multi_buffers``, ``batch_put_from_multi_buffers`` (vLLM's ``ReplicateConfig`` passed
-through), ``batch_is_exist`` and the contiguous ``batch_get_into``/``batch_put_from`` (what the staged
-transport uses) to :class:`~mooncake_kvaddr.driver.native_client.NativeClient`: Mooncake's own C++ client
-method, called with the GIL released, with the ``list[list[int]]`` arguments converted by our C++ instead of
-Mooncake's Python binding (docs/native-client.md). ``batch_get_into_multi_buffers_arrays`` takes the rows as
-int64 matrices (the plugin's receive handler uses it: no Python row at all). Results are Mooncake's per-key
-codes, as Mooncake returns them. Every other attribute is the wrapped store's. Works for device (GPU) and host
-caches alike: nothing is copied, only the call changes.
-
-Fallback: when no native client can be built for the store (``NativeClient.from_store`` returns None: wrong
-platform, unverified Mooncake version, not a real ``MooncakeDistributedStore``, ...) or a call's arguments are
-not what the native client accepts (it raises ``TypeError``/``ValueError``/``OverflowError`` before Mooncake
-is called), the call goes to the wrapped store's bound method unchanged; the reason is logged once.
-
-Guard: every raw-pointer call (the replaced ones, the ``_arrays`` entry, and every raw-pointer Mooncake method
-reached through ``__getattr__``) is checked against the buffers registered through this wrapper's
-``register_buffer`` (:mod:`~mooncake_kvaddr.integrations.vllm.guard`): a key with a slice outside them gets
--600 and never reaches Mooncake. ``armed=True`` (the plugin's wrappers) checks from the start; otherwise the
-first successful registration arms the check. A raw-pointer method the guard does not know passes unchecked
-(as without the plugin) with one warning.
-
-Close: a closed Mooncake store crashes the process (SIGSEGV) on its next call, so after ``close()`` every call
-through the wrapper (the replaced ones and every other method reached through it) raises
-:class:`~mooncake_kvaddr.driver.store.StoreClosedError` instead of reaching Mooncake, and ``close()`` first waits
-(bounded) for the calls in flight (the driver's one :class:`~mooncake_kvaddr.driver.gate.CallGate`).
+:class:`NativeMooncakeStore` wraps vLLM's ``MooncakeDistributedStore`` so that its multi-buffer, existence and
+contiguous calls reach Mooncake's C++ client with the GIL released (our converters instead of Mooncake's
+binding), behind the registered-range guard and a call gate that refuses calls after ``close()``; anything
+the native client cannot take goes to the bound method. ``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=0`` turns it off.
 """
 
 from __future__ import annotations

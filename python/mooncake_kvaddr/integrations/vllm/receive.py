@@ -1,25 +1,10 @@
 """A replacement for vLLM 0.32/0.33's ``KVCacheStoreRecvingThread._handle_request`` (docs/vllm-plugin.md,
 "The receive handler").
 
-vLLM's handler builds every load in Python: per participating KV-cache group it walks ``process_tokens``,
-filters chunks by the group's load mask, keys the tail chunk by its tail-key boundary, calls ``key_for`` once
-per chunk and shard and ``prepare_values`` once, concatenates the groups, rotates every list by ``tp_rank``,
-and hands Mooncake ``list[list[int]]`` rows. Ours does each group in ONE native call (the layout engine's
-``plan_load``, docs/vllm.md "Fused plan"), concatenates and rotates, and makes the one store call:
-
-- with int64 matrices to ``batch_get_into_multi_buffers_arrays`` when the thread's store is one of our own
-  wrappers (:class:`StagedMooncakeStore`, :class:`NativeMooncakeStore`; decided by type, never by probing
-  a foreign store for the attribute: a mock "has" every attribute): no Python row is ever built;
-- with lists of lists of ints, value-equal to vLLM's, for any other store (a plain Mooncake store).
-
-The observable behaviour is vLLM's: the same keys in the same order, value-equal rows, the same
-``_report_load_error``/``_record_operation`` calls, ``set_finished_request`` and ``request_queue.task_done()`` once;
-a disk-offload budget splits the load as vLLM does (:func:`offload_batches`). Anything outside the fast path goes to
-vLLM's own handler unchanged (:func:`fast_path_refusal`): ``VLLM_MOONCAKE_STORE_TIER_LOG`` on, a layout or token
-database not backed by our engine (a subclass overriding a method, an instance override), hashes, masks or block ids
-of a shape we do not take, an empty load (vLLM raises ``ZeroDivisionError`` from its rotation: its own handler
-raises it), and any exception while planning (vLLM's handler then raises its own exception, or succeeds where our
-engine is stricter). Planning has no side effects, so handing over after a refusal is safe.
+vLLM builds every load's keys and rows chunk by chunk in Python; ours plans each KV-cache group in one native
+call (the layout engine's ``plan_load``) and hands our store wrappers int64 matrices (any other store gets
+vLLM's lists), with vLLM's records, errors and completion call for call. Anything off the fast path
+(:func:`fast_path_refusal`) runs vLLM's own handler; planning has no side effects, so handing over is safe.
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
-"""Opt-in staged transport for vLLM's Mooncake store worker with host-memory KV caches (docs/vllm-plugin.md).
+"""Opt-in staged transport for host-memory KV caches (docs/vllm-plugin.md, "Staged transport").
 
-:class:`StagedMooncakeStore` wraps the worker's ``MooncakeDistributedStore``. Everything passes through
-unchanged except the two multi-buffer calls, which move each key through one contiguous staging slot:
-
-- ``batch_put_from_multi_buffers(keys, addrs, sizes[, config])``: native gather of every key's regions into
-  its slot (GIL released), then Mooncake's ``batch_put_from`` with one pointer and one size per key;
-- ``batch_get_into_multi_buffers(keys, addrs, sizes)``: Mooncake's ``batch_get_into`` into the slots, then a
-  native scatter of exactly the keys whose get returned the full object size. A failed key's regions are
-  never written (no stale staging bytes reach a KV cache). A key whose get succeeded with fewer bytes than
-  its regions hold is fetched again with Mooncake's own multi-buffer call, so its result is Mooncake's.
-
-A Mooncake object is the concatenation of its regions either way, so staged and multi-buffer objects are
-byte-identical and interoperate. Results are Mooncake's per-key codes, returned as Mooncake returns them.
-
-Safety: the registered-range guard (:mod:`~mooncake_kvaddr.integrations.vllm.guard`, shared with the native
-wrapper) checks every raw-pointer call first: a key with any slice outside the buffers registered through this
-wrapper's ``register_buffer`` gets -600 and is never handed on. Of what is left, a call with arguments we do not
-understand, duplicate keys, empty objects, or an object larger than the staging buffer goes to Mooncake's own
-multi-buffer call. Staging never reads or writes process memory outside the registered buffers and its own
-staging buffer.
-
-Close: after ``close()`` every call through the wrapper raises
-:class:`~mooncake_kvaddr.driver.store.StoreClosedError` (a closed Mooncake store would crash the process), and
-``close()`` waits (bounded) for the calls in flight before it unregisters the staging buffer
-(:class:`~mooncake_kvaddr.driver.gate.CallGate`).
-
-Extension point: :meth:`StagedMooncakeStore._get_slots` / :meth:`_put_slots` move the staged objects
-(Mooncake's ``batch_get_into``/``batch_put_from`` here); a native Mooncake client can override these two to
-skip Mooncake's Python argument conversion.
+:class:`StagedMooncakeStore` moves each key of vLLM's multi-buffer calls through one contiguous staging slot
+(native gather/scatter, one ``batch_put_from``/``batch_get_into``), which pays when the bytes cross the
+network; the objects are byte-identical to multi-buffer ones. Guarded and gated like the native transport.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,16 +198,6 @@ class StagedMooncakeStore(RaggedEntries):
         largest = int(staged.object_sizes.max())
         return self._pool.acquire(largest, staged.total)
 
-    def _get_slots(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        """Fetch whole objects into staging slots (override point for a native client)."""
-        result: list[int] = self._store.batch_get_into(keys, ptrs, sizes)
-        return result
-
-    def _put_slots(self, keys: list[str], ptrs: list[int], sizes: list[int], config: Sequence[Any]) -> list[int]:
-        """Store whole objects from staging slots (override point for a native client)."""
-        result: list[int] = self._store.batch_put_from(keys, ptrs, sizes, *config)
-        return result
-
     def batch_get_into_multi_buffers(
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
     ) -> Any:
@@ -298,7 +262,7 @@ class StagedMooncakeStore(RaggedEntries):
                 offsets = staged.offsets[start:end] - staged.offsets[start]
                 object_sizes = staged.object_sizes[start:end]
                 batch_keys = keys[start:end]
-                codes = self._get_slots(batch_keys, (offsets + lease.ptr).tolist(), object_sizes.tolist())
+                codes = self._store.batch_get_into(batch_keys, (offsets + lease.ptr).tolist(), object_sizes.tolist())
                 code_array = np.asarray(codes, dtype=np.int64)
                 if code_array.shape != object_sizes.shape:
                     raise RuntimeError(f"Mooncake returned {len(codes)} results for {end - start} keys")
@@ -388,8 +352,11 @@ class StagedMooncakeStore(RaggedEntries):
                     threads=self._copy_threads,
                 )
                 codes = list(
-                    self._put_slots(
-                        keys[start:end], (offsets + lease.ptr).tolist(), staged.object_sizes[start:end].tolist(), config
+                    self._store.batch_put_from(
+                        keys[start:end],
+                        (offsets + lease.ptr).tolist(),
+                        staged.object_sizes[start:end].tolist(),
+                        *config,
                     )
                 )
                 if len(codes) != end - start:
