@@ -89,7 +89,7 @@ class MultiBufferPath(TransferPath):
     @property
     def _arrays(self) -> bool:
         """The store takes int64 matrices straight through (docs/native-client.md, "In the driver")."""
-        return bool(getattr(self.ctx.store, "native_client_active", False))
+        return self.ctx.store.native_client_active
 
     def prepare(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, Any, Any]:
         """List rows: one ``prepare_values`` per run of a group (int64 matrices with the native client)."""

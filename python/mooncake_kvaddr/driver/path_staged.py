@@ -37,7 +37,7 @@ from mooncake_kvaddr.driver.staging import (
     plan_batches,
     plan_slots,
 )
-from mooncake_kvaddr.driver.store import CODE_MASTER_UNREACHABLE, BatchResult, Outcome, RequestDeadline
+from mooncake_kvaddr.driver.store import CODE_MASTER_UNREACHABLE, BatchResult, MooncakeStore, Outcome, RequestDeadline
 from mooncake_kvaddr.driver.workers import CallAbandoned, CallRunner, PendingCall
 
 __all__ = ["STAGING_WAIT_S", "StagedPath"]
@@ -101,9 +101,12 @@ class StagedPath(TransferPath):
         self.pool = pool
         self.copy = copy
         if max_abandoned_calls is None:
-            # The store's config; a stand-in store without one (planning tests) gets the default.
-            config = getattr(ctx.store, "config", None)
-            max_abandoned_calls = getattr(config, "max_abandoned_calls", DEFAULT_MAX_ABANDONED_CALLS)
+            # The store's config; a stand-in store (planning tests) gets the default.
+            store = ctx.store
+            if isinstance(store, MooncakeStore):
+                max_abandoned_calls = store.config.max_abandoned_calls
+            else:
+                max_abandoned_calls = DEFAULT_MAX_ABANDONED_CALLS
         limit = int(max_abandoned_calls)
         #: Runs the staged Mooncake calls; counts the abandoned ones still in flight.
         self.calls = CallRunner(limit, name="KVTransferStagedCall")
