@@ -1,0 +1,384 @@
+"""The staged path: each key through a slot of a staging pool, with native gather and scatter, and Mooncake calls
+that may be abandoned at the request's deadline (they touch only staging memory the driver owns).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Final
+
+import numpy as np
+
+from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.driver.bounds import Screened
+from mooncake_kvaddr.driver.config import DEFAULT_MAX_ABANDONED_CALLS
+from mooncake_kvaddr.driver.path_base import (
+    NOT_TRIED,
+    GetOutcome,
+    GetPlan,
+    Int64Array,
+    PathContext,
+    TransferPath,
+    _read_whole,
+    rows_bounded,
+)
+from mooncake_kvaddr.driver.results import Clock, StoreResult, count
+from mooncake_kvaddr.driver.rules import rotate
+from mooncake_kvaddr.driver.staging import (
+    SLOT_ALIGNMENT,
+    CopyBackend,
+    SlotPlan,
+    StagingLease,
+    StagingPool,
+    check_staging,
+    plan_batches,
+    plan_slots,
+)
+from mooncake_kvaddr.driver.store import CODE_MASTER_UNREACHABLE, BatchResult, MooncakeStore, Outcome, RequestDeadline
+from mooncake_kvaddr.driver.workers import CallAbandoned, CallRunner, PendingCall
+
+__all__ = ["STAGING_WAIT_S", "StagedPath"]
+
+# The logger of mooncake_kvaddr.driver.paths, where the paths are imported from (logging configuration
+# names it).
+logger = logging.getLogger("mooncake_kvaddr.driver.paths")
+
+# How long a staged request waits for room in a shared staging pool before it fails (a transfer in flight
+# holds its lease for at most Mooncake's 60 s timeout per call); never longer than the request's deadline.
+STAGING_WAIT_S: Final = 300.0
+
+
+def _lay_out(object_sizes: Int64Array) -> SlotPlan:
+    """:func:`~mooncake_kvaddr.driver.staging.plan_slots`'s layout from the object sizes alone: each slot at the
+    running end rounded up to :data:`SLOT_ALIGNMENT`; ``total_bytes`` ends at the last slot's object.
+
+    The caller checks that the layout fits in int64 (the sizes come from a native plan: never negative).
+    """
+    padded = (object_sizes + (SLOT_ALIGNMENT - 1)) & -SLOT_ALIGNMENT
+    ends = np.cumsum(padded)
+    offsets = ends - padded
+    total = int(offsets[-1] + object_sizes[-1]) if len(offsets) else 0
+    return SlotPlan(offsets, object_sizes, total)
+
+
+def _sub_plan(slots: SlotPlan, start: int, end: int) -> SlotPlan:
+    """Keys ``[start, end)`` of a layout, shifted to start at 0: equal to ``plan_slots`` of their sizes
+    (every offset is aligned, so the keys keep their slots relative to the first)."""
+    if start == 0 and end == len(slots.offsets):
+        return slots
+    if start >= end:
+        return SlotPlan(slots.offsets[:0], slots.object_sizes[:0], 0)
+    offsets = slots.offsets[start:end] - slots.offsets[start]
+    object_sizes = slots.object_sizes[start:end]
+    return SlotPlan(offsets, object_sizes, int(offsets[-1] + object_sizes[-1]))
+
+
+class StagedPath(TransferPath):
+    """Each key through one slot of a bounded, pre-faulted staging pool registered with Mooncake once.
+
+    Put: native gather (GIL released), then ``batch_put_from``; a batch whose gather fails is never put.
+    Get: ``batch_get_into``, then a native scatter of only the keys read whole (a failed key's slot holds
+    stale bytes of an earlier request). The pool is leased per request: the whole request when it fits,
+    else as much as is free (at least one key), and the request moves in as few batches as the lease allows.
+
+    Each Mooncake call runs on a :class:`~mooncake_kvaddr.driver.workers.CallRunner` thread while the request
+    waits for it until its deadline; a call still running then is abandoned (docs/transfer-modes.md,
+    "Deadlines"): its keys fail, nothing is scattered from its slots, and the lease shrinks to the slots the
+    call uses and stays held until Mooncake returns. Safe here only: a staged call touches staging memory
+    the driver owns, never the KV cache. While ``max_abandoned_calls`` abandoned calls are in flight, staged
+    requests fail at once (:attr:`calls`).
+    """
+
+    name = "staged"
+
+    def __init__(
+        self, ctx: PathContext, pool: StagingPool, copy: CopyBackend, *, max_abandoned_calls: int | None = None
+    ) -> None:
+        super().__init__(ctx)
+        self.pool = pool
+        self.copy = copy
+        if max_abandoned_calls is None:
+            # The store's config; a stand-in store (planning tests) gets the default.
+            store = ctx.store
+            if isinstance(store, MooncakeStore):
+                max_abandoned_calls = store.config.max_abandoned_calls
+            else:
+                max_abandoned_calls = DEFAULT_MAX_ABANDONED_CALLS
+        limit = int(max_abandoned_calls)
+        #: Runs the staged Mooncake calls; counts the abandoned ones still in flight.
+        self.calls = CallRunner(limit, name="KVTransferStagedCall")
+
+    def close(self) -> None:
+        """End the idle call threads (an abandoned call's thread ends when Mooncake returns)."""
+        self.calls.close()
+
+    def _refused(self, deadline: RequestDeadline) -> bool:
+        """Whether too many abandoned calls are in flight to make another (then the request is stopped)."""
+        if not self.calls.saturated:
+            return False
+        deadline.stop(
+            f"{self.calls.abandoned} staged Mooncake call(s) abandoned at their deadline are still in flight "
+            f"(max_abandoned_calls={self.calls.max_abandoned}): a peer hangs; no new staged call until one returns"
+        )
+        return True
+
+    def _call(
+        self,
+        operation: str,
+        call: Callable[[], BatchResult],
+        lease: StagingLease,
+        span: int,
+        num_keys: int,
+        num_bytes: int,
+        deadline: RequestDeadline,
+        made: list[PendingCall[BatchResult]],
+    ) -> BatchResult | None:
+        """Make one staged Mooncake call, waiting for it at most until the deadline; appends it to ``made``.
+
+        Returns its result, or ``None`` when the call was abandoned: the deadline is then stopped with the
+        reason, the lease shrunk to the ``span`` bytes the call uses, and the lease is the call's to release
+        once Mooncake returns. The caller must neither release nor reuse a lease whose call in ``made`` is
+        :attr:`~mooncake_kvaddr.driver.workers.PendingCall.abandoned` (also when this raised: an exception
+        such as ``KeyboardInterrupt`` while waiting abandons the call too).
+        """
+        timeout = deadline.remaining()
+        if deadline.expired():
+            return None  # it passed since the caller's check: no call (nothing was handed over)
+        t0 = time.perf_counter()
+        pending = self.calls.submit(call, timeout, lambda _exc: lease.release())
+        made.append(pending)
+        try:
+            got = pending.wait(timeout)
+        except CallAbandoned:
+            lease.shrink(span)  # the rest of the lease goes back to the pool now; these slots stay the call's
+            self.ctx.metrics.record(operation, t0, num_keys, num_bytes, num_keys)
+            deadline.stop(
+                f"the request deadline of {deadline.timeout_s or 0:g} s passed during a staged Mooncake call: "
+                f"its {num_keys} key(s) failed and the call was abandoned (it still runs; its staging slots "
+                "stay leased until it returns)"
+            )
+            logger.warning("staged %s of %d key(s) abandoned after %.1f s: %s", operation, num_keys,
+                           time.perf_counter() - t0, deadline.reason)  # fmt: skip
+            return None
+        except BaseException:
+            if pending.abandoned:
+                lease.shrink(span)
+            self._record(operation, t0, num_keys, num_bytes, None)
+            raise
+        self._record(operation, t0, num_keys, num_bytes, got)
+        return got
+
+    def describe(self) -> str:
+        return f"{super().describe()}, staging pool {self.pool.capacity / (1 << 20):.1f} MiB"
+
+    def plan_get(
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash],
+        screened: Sequence[Screened],
+        skip: int,
+        tp_rank: int,
+    ) -> GetPlan:
+        """The walk, keys, int64 rows and staging slots in one native call per group (``plan_load_arrays``).
+
+        With the scatter after the get, a one-group load crosses into the native module twice; ``G`` groups
+        take ``G`` planning calls (their arrays are joined with numpy), then one scatter per staging batch
+        (docs/transfer-modes.md, "The staged load's crossings"). The keys, block ids and slots are rotated for
+        the rank, the rows stay in walk order (:attr:`GetPlan.row_shift`); the slot layout is the native one
+        when nothing moved, else laid out again from the object sizes (numpy, the same layout as
+        :func:`~mooncake_kvaddr.driver.staging.plan_slots`). A request with an invalid
+        block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built;
+        so do databases without a fused array plan (vLLM 0.33 layout databases, driver/layout_adapter.py).
+        """
+        if (
+            any(s.bad for s in screened)
+            or not all(hasattr(db, "plan_load_arrays") for db in self.ctx.databases)
+            or not rows_bounded(self.ctx.databases)
+        ):
+            # The fused plan's slot layout decides where Mooncake writes inside the lease: only a database whose
+            # plan is ours is trusted with it; any other gets slots laid out here from its sizes.
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+        parts = [
+            db.plan_load_arrays(token_len, block_hashes, screened[g].ids, skip, slot_alignment=SLOT_ALIGNMENT)
+            for g, db in enumerate(self.ctx.databases)
+        ]
+        if not rows_bounded(self.ctx.databases):  # changed while planning: lay the slots out here after all
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+        parts = [p for p in parts if p.keys]
+        if not parts:
+            return GetPlan([], [], [], [])
+        if len(parts) == 1:
+            only = parts[0]
+            keys, addrs, sizes, ids = only.keys, only.addrs, only.sizes, only.block_ids
+            object_sizes = only.object_sizes
+        else:
+            keys = [k for p in parts for k in p.keys]
+            addrs = np.concatenate([p.addrs for p in parts])  # equal region counts: one registered layout
+            sizes = np.concatenate([p.sizes for p in parts])
+            ids = np.concatenate([p.block_ids for p in parts])
+            object_sizes = np.concatenate([p.object_sizes for p in parts])
+        shift = tp_rank % len(keys)
+        if len(parts) == 1 and shift == 0:
+            slots = SlotPlan(only.offsets, only.object_sizes, only.total_bytes)
+        else:
+            # Each rank starts at a different key so that ranks spread over the pool's segments. The rows stay
+            # in walk order (rotating two (n, R) matrices would cost more than planning them): the get finds
+            # key i's row at (i + shift) % n.
+            keys, ids, object_sizes = rotate(keys, shift), rotate(ids, shift), rotate(object_sizes, shift)
+            bound = sum(p.total_bytes for p in parts) + SLOT_ALIGNMENT * len(keys)
+            if bound >= 1 << 63:
+                plan_slots(sizes)  # raises OverflowError: the layout does not fit in int64
+            slots = _lay_out(object_sizes)
+        return GetPlan(keys, addrs, sizes, ids, slots=slots, row_shift=shift)
+
+    def _lease(self, object_sizes: Int64Array, total_bytes: int, deadline: RequestDeadline) -> StagingLease | None:
+        """A lease for these keys, waiting at most until the deadline (``None`` if it expired meanwhile)."""
+        remaining = deadline.remaining()
+        largest = int(object_sizes.max()) if len(object_sizes) else 0
+        timeout = STAGING_WAIT_S if remaining is None else min(STAGING_WAIT_S, remaining)
+        try:
+            lease = self.pool.acquire(largest, total_bytes, timeout=timeout)
+        except TimeoutError:
+            if deadline.expired():
+                return None
+            raise
+        try:
+            # Mooncake writes (get) and reads (put) the slots at lease.ptr + offset: the lease must lie inside a
+            # live staging buffer this package allocated, whatever pool object handed it out (SECURITY.md).
+            check_staging(lease)
+        except (TypeError, ValueError) as exc:
+            # Not given back: a range outside the pool's buffer is not the pool's to reuse.
+            raise ValueError(f"the staging pool handed out a lease that is not project-owned staging: {exc}") from exc
+        return lease
+
+    def put(
+        self,
+        keys: list[str],
+        chunks: Sequence[tuple[int, int]],
+        groups: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        clock: Clock,
+        result: StoreResult,
+        deadline: RequestDeadline,
+    ) -> tuple[list[bool], list[int]]:
+        addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
+        clock.lap("prepare")
+        plan = plan_slots(sizes)
+        ok = [False] * len(keys)
+        if self._refused(deadline):
+            count(result.outcomes, NOT_TRIED, len(keys))
+            return ok, plan.object_sizes.tolist()
+        lease = self._lease(plan.object_sizes, plan.total_bytes, deadline)
+        clock.lap("staging_wait")
+        if lease is None:
+            count(result.outcomes, NOT_TRIED, len(keys))
+            return ok, plan.object_sizes.tolist()
+        made: list[PendingCall[BatchResult]] = []
+        try:
+            for start, end in plan_batches(plan, lease.nbytes):
+                if deadline.expired() or self._refused(deadline):
+                    count(result.outcomes, NOT_TRIED, len(keys) - start)
+                    break
+                slots = plan.offsets[start:end] - plan.offsets[start]
+                try:
+                    self.copy.gather(addrs[start:end], sizes[start:end], lease.range, slots)
+                except (ValueError, RuntimeError) as exc:
+                    clock.lap("gather")
+                    logger.warning("store %s: gather of keys %d..%d failed: %s", result.req_id, start, end - 1, exc)
+                    count(result.outcomes, "gather_failed", end - start)
+                    continue
+                clock.lap("gather")
+                object_sizes = plan.object_sizes[start:end]
+                batch_keys, ptrs, batch_sizes = keys[start:end], (slots + lease.ptr).tolist(), object_sizes.tolist()
+                put = self._call(
+                    "save_put",
+                    partial(self.ctx.store.batch_put_from, batch_keys, ptrs, batch_sizes, self.ctx.replicate_config,
+                            check_values=False, deadline=deadline),
+                    lease, int(slots[-1] + object_sizes[-1]), end - start, int(object_sizes.sum()), deadline,
+                    made,
+                )  # fmt: skip
+                clock.lap("put")
+                if put is None:
+                    # Abandoned: Mooncake may still read these slots (the lease stays the call's), and whether
+                    # it stores the objects is unknown: they count as failed (a later store finds them, or not).
+                    count(result.outcomes, NOT_TRIED, len(keys) - start)
+                    break
+                ok[start:end] = put.present
+                for outcome, n in put.summary().items():
+                    count(result.outcomes, outcome, n)
+                result.back_pressure = result.back_pressure or put.back_pressure
+                if CODE_MASTER_UNREACHABLE in put.codes and end < len(keys):
+                    # Every further batch would block only to report the same.
+                    count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - end)
+                    break
+        finally:
+            if not any(call.abandoned for call in made):
+                lease.release()
+        return ok, plan.object_sizes.tolist()
+
+    def get(
+        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+    ) -> GetOutcome:
+        if plan.row_shift:
+            addrs, sizes = plan.addrs, plan.sizes  # whole, in walk order: the scatter selects the batch's rows
+        else:
+            addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
+        keys = plan.keys[start:end]
+        loaded = np.zeros(end - start, dtype=bool)
+        slots_plan = plan_slots(sizes) if plan.slots is None else _sub_plan(plan.slots, start, end)
+        if self._refused(deadline):
+            count(outcomes, NOT_TRIED, len(keys))
+            return GetOutcome(loaded, False, 0)
+        lease = self._lease(slots_plan.object_sizes, slots_plan.total_bytes, deadline)
+        clock.lap("staging_wait")
+        if lease is None:
+            count(outcomes, NOT_TRIED, len(keys))
+            return GetOutcome(loaded, False, 0)
+        made: list[PendingCall[BatchResult]] = []
+        try:
+            for lo, hi in plan_batches(slots_plan, lease.nbytes):
+                if deadline.expired() or self._refused(deadline):
+                    # Nothing of these keys reaches the cache: no get, no scatter.
+                    count(outcomes, NOT_TRIED, len(keys) - lo)
+                    break
+                slots = slots_plan.offsets[lo:hi] - slots_plan.offsets[lo]
+                expected = slots_plan.object_sizes[lo:hi]
+                ptrs = (slots + lease.ptr).tolist()
+                got = self._call(
+                    "load_get",
+                    partial(self.ctx.store.batch_get_into, keys[lo:hi], ptrs, expected.tolist(), check_values=False,
+                            deadline=deadline),
+                    lease, int(slots[-1] + expected[-1]), hi - lo, int(expected.sum()), deadline, made,
+                )  # fmt: skip
+                clock.lap("get")
+                if got is None:
+                    # Abandoned: Mooncake may still write these slots, so nothing is scattered from them.
+                    count(outcomes, NOT_TRIED, len(keys) - lo)
+                    break
+                for outcome, n in got.summary().items():
+                    count(outcomes, outcome, n)
+                whole = _read_whole(got, expected)
+                if whole.any():
+                    # Only keys read whole: a failed key's slot holds stale bytes of an earlier request.
+                    if plan.row_shift:
+                        rows = (np.arange(start + lo, start + hi) + plan.row_shift) % len(plan.keys)
+                        row_slots = np.zeros(len(plan.keys), dtype=np.int64)
+                        row_slots[rows] = slots
+                        select = np.zeros(len(plan.keys), dtype=bool)
+                        select[rows] = whole
+                        self.copy.scatter(addrs, sizes, lease.range, row_slots, select=select)
+                    else:
+                        self.copy.scatter(addrs[lo:hi], sizes[lo:hi], lease.range, slots, select=whole)
+                loaded[lo:hi] = whole
+                clock.lap("scatter")
+                if CODE_MASTER_UNREACHABLE in got.codes:
+                    if hi < len(keys):
+                        count(outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - hi)
+                    return GetOutcome(loaded, True, int(slots_plan.object_sizes[loaded].sum()))
+        finally:
+            if not any(call.abandoned for call in made):
+                lease.release()
+        return GetOutcome(loaded, False, int(slots_plan.object_sizes[loaded].sum()))

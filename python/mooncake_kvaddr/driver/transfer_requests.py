@@ -1,0 +1,306 @@
+"""The store and load request logic of :class:`~mooncake_kvaddr.driver.transfer.KVTransfer`: which chunks and
+keys a request names, the screen of its block ids, the existence check, the sub-batches and the per-block report.
+:class:`TransferRequests` is a base of ``KVTransfer``; the bytes themselves move in the transfer paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+
+from mooncake_kvaddr.driver.bounds import Screened
+from mooncake_kvaddr.driver.paths import GetPlan, TransferPath
+from mooncake_kvaddr.driver.results import Clock, LoadResult, StoreResult, TransferRequest, count
+from mooncake_kvaddr.driver.rules import (
+    LOAD_ERRORS,
+    describe,
+    estimate_staging_bytes,
+    floor_to,
+    split_by_staging_budget,
+)
+from mooncake_kvaddr.driver.store import Outcome, RequestDeadline
+from mooncake_kvaddr.driver.transfer_register import TransferRegistration
+
+__all__ = ["TransferRequests"]
+
+# The logger of mooncake_kvaddr.driver.transfer, KVTransfer's module (logging configuration names it).
+logger = logging.getLogger("mooncake_kvaddr.driver.transfer")
+
+
+def _plain_ids(block_ids: Any) -> list[int]:
+    """Every id of every group of a request that reads as an integer without running user code (``int``,
+    numpy integers and integer arrays); anything else is skipped. Never raises."""
+    out: list[int] = []
+    try:
+        groups = list(block_ids) if isinstance(block_ids, (list, tuple)) else []
+        for ids in groups:
+            if isinstance(ids, np.ndarray):
+                if ids.dtype.kind in "iu" and ids.ndim == 1:
+                    out.extend(ids.tolist())
+                continue
+            if isinstance(ids, (list, tuple)):
+                out.extend(int(b) for b in ids if isinstance(b, (int, np.integer)) and not isinstance(b, bool))
+    except Exception:  # a list subclass's own methods may raise: report what was read
+        logger.debug("load: block ids only partly readable for the failure report", exc_info=True)
+    return out
+
+
+class TransferRequests(TransferRegistration):
+    """Runs one store or load request on the registered paths (the attributes are set by
+    ``KVTransfer.__init__``)."""
+
+    tp_rank: int
+    lcm_block_size: int
+    disk_offload_buffer_budget_bytes: int | None
+    disk_offload_usable_ratio: float
+    _back_pressure: threading.Event
+
+    def _store_request(self, request: TransferRequest) -> StoreResult:
+        path = self._registered_path(self._put_path)
+        deadline = self._store.deadline()  # from the moment the request runs (not when it was queued)
+        clock = Clock()
+        result = StoreResult(request.req_id, timings=clock.timings)
+        token_len = floor_to(request.token_len, self.lcm_block_size)
+        if token_len <= 0:
+            return result
+        block_ids, screened = self._screen(path, request)
+        keys: list[str] = []
+        chunks: list[tuple[int, int]] = []
+        groups: list[int] = []
+        invalid: list[str] = []
+        for g, db in enumerate(self.databases):
+            # The walk, the NULL-block and past-the-end filters and the keys, in one native pass.
+            plan = db.plan_store(token_len, request.block_hashes, block_ids[g], request.skip_tokens)
+            if not screened[g].bad:
+                keys.extend(plan.keys)
+                chunks.extend(plan.chunks)
+                groups.extend([g] * len(plan.keys))
+                continue
+            for key, chunk, block_id in zip(plan.keys, plan.chunks, plan.block_ids, strict=True):
+                if block_id < 0:  # a stand-in for an invalid id (see _screen): never put
+                    position = -block_id - 1
+                    result.invalid_block_ids[screened[g].ids[position]] = screened[g].bad[position]
+                    invalid.append(key)
+                else:
+                    keys.append(key)
+                    chunks.append(chunk)
+                    groups.append(g)
+        result.chunks = len(keys) + len(invalid)
+        clock.lap("keys")
+        if invalid:
+            count(result.outcomes, "invalid_block_id", len(invalid))
+            logger.warning("store %s: %d chunk(s) not stored: %s", request.req_id, len(invalid),
+                           next(iter(result.invalid_block_ids.values())))
+        if not keys:
+            result.failed_keys = invalid
+            result.saved_tokens = 0 if invalid else token_len
+            return result
+
+        t0 = time.perf_counter()
+        try:
+            exists = self._store.batch_is_exist(keys)
+        except BaseException:
+            self._metrics.record("save_exists", t0, len(keys), 0, None)
+            raise
+        self._metrics.record("save_exists", t0, len(keys), 0, 0)
+        clock.lap("exist")
+        missing = exists.failed  # absent or errored: put it (a duplicate put is harmless)
+        result.already_present = len(keys) - len(missing)
+        if not missing:
+            result.failed_keys = invalid
+            result.saved_tokens = 0 if invalid else token_len
+            return result
+
+        put_keys = [keys[i] for i in missing]
+        result.mode = path.name
+        ok, key_bytes = path.put(
+            put_keys, [chunks[i] for i in missing], [groups[i] for i in missing], block_ids, clock, result, deadline
+        )
+        result.stopped = deadline.reason
+        result.stored = sum(ok)
+        result.failed_keys = invalid + [k for k, good in zip(put_keys, ok, strict=True) if not good]
+        result.bytes = sum(n for n, good in zip(key_bytes, ok, strict=True) if good)
+        if result.back_pressure:
+            self._back_pressure.set()
+        elif not result.failed_keys:
+            self._back_pressure.clear()
+        if not result.failed_keys:
+            result.saved_tokens = token_len
+        else:
+            logger.warning(
+                "store %s: %d of %d puts failed: %s%s",
+                request.req_id,
+                len(result.failed_keys),
+                len(put_keys),
+                result.outcomes,
+                "" if result.stopped is None else f" (stopped: {result.stopped})",
+            )
+        return result
+
+    def _tail_boundaries(self, boundaries: Sequence[Any]) -> list[tuple[Any, int]]:
+        """``(database, num_tokens)`` per boundary, checked (docs/vllm.md, "Driver")."""
+        databases = self.databases
+        if not all(hasattr(db, "tail_boundary") for db in databases):
+            raise ValueError("tail_key_boundaries: only a transfer built by layout_transfer keys loads by a "
+                             "tail-key boundary")
+        tails: dict[int, int] = {}
+        for boundary in boundaries:
+            if isinstance(boundary, tuple) and len(boundary) == 2:
+                group, tokens = boundary
+            elif hasattr(boundary, "group_id") and hasattr(boundary, "num_tokens"):
+                group, tokens = boundary.group_id, boundary.num_tokens
+            else:
+                raise TypeError(f"tail_key_boundaries: expected (group_id, num_tokens) or a TailKeyBoundary, "
+                                f"got {boundary!r}")
+            if type(group) is not int or not 0 <= group < len(databases):
+                raise ValueError(f"tail boundary: group_id {group!r} is not one of the {len(databases)} "
+                                 f"KV-cache groups")
+            if group in tails:
+                raise ValueError(f"tail boundary: group_id {group} is given twice")
+            tails[group] = tokens
+        return [(databases[group], tokens) for group, tokens in sorted(tails.items())]
+
+    def _load_request(self, request: TransferRequest) -> LoadResult:
+        if not request.tail_key_boundaries:
+            return self._load_keyed(request)
+        with ExitStack() as boundaries:  # this thread's loads key the tails by the request's boundaries
+            for database, tokens in self._tail_boundaries(request.tail_key_boundaries):
+                boundaries.enter_context(database.tail_boundary(tokens))
+            return self._load_keyed(request)
+
+    def _load_keyed(self, request: TransferRequest) -> LoadResult:
+        deadline = self._store.deadline()  # from the moment the request runs (not when it was queued)
+        clock = Clock()
+        result = LoadResult(request.req_id, timings=clock.timings, mode=self.mode)
+        screened: list[Screened] | None = None
+        try:
+            skip = floor_to(request.skip_tokens, self.lcm_block_size)
+            path = self._registered_path(self._get_path)
+            _, screened = self._screen(path, request)
+            plan = path.plan_get(request.token_len, request.block_hashes, screened, skip, self.tp_rank)
+        except LOAD_ERRORS as exc:
+            # Nothing moved; every block the request names is reported failed.
+            self._fail_request(request, result, exc, screened)
+            clock.lap("plan")
+            return result
+        clock.lap("plan")
+        if plan.invalid:
+            result.invalid_block_ids = plan.invalid
+            result.failed_block_ids.update(plan.invalid)
+            count(result.outcomes, "invalid_block_id", plan.dropped)
+            logger.warning("load %s: %d block id(s) not loaded: %s", request.req_id, len(plan.invalid),
+                           next(iter(plan.invalid.values())))
+        result.chunks = len(plan.keys) + plan.dropped
+        if not plan.keys:
+            return result
+        loaded = np.zeros(len(plan.keys), dtype=bool)
+        batches = self._budget_batches(plan, request, result)
+        try:
+            self._get_batches(path, plan, batches, loaded, clock, result, deadline)
+        except LOAD_ERRORS as exc:
+            # Keys not yet scattered stay unloaded; a staged get never writes the cache itself.
+            result.error = describe(exc)
+            logger.warning("load %s: %s", request.req_id, result.error)
+            clock.lap("failed")
+        if deadline.reason is not None:
+            result.stopped = deadline.reason
+            logger.warning("load %s: %d of %d key(s) not loaded, stopped: %s", request.req_id,
+                           int((~loaded).sum()), len(loaded), deadline.reason)
+        ids = np.asarray(plan.block_ids, dtype=np.int64)
+        failed = set(ids[~loaded].tolist())
+        result.failed_block_ids |= failed
+        result.loaded_block_ids = set(ids.tolist()) - result.failed_block_ids
+        return result
+
+    def _budget_batches(self, plan: GetPlan, request: TransferRequest, result: LoadResult) -> list[tuple[int, int]]:
+        """The load's sub-batches: one, or as many as the disk-offload staging budget needs (none at all
+        when one key can never fit: the whole request fails, as nothing later could complete it)."""
+        budget = self.disk_offload_buffer_budget_bytes
+        if budget is None:
+            return [(0, len(plan.keys))]
+        usable = max(1, int(budget * self.disk_offload_usable_ratio))
+        object_sizes = plan.key_bytes()
+        batches = split_by_staging_budget(object_sizes, usable, budget)
+        if isinstance(batches, int):
+            need = estimate_staging_bytes(object_sizes[batches])
+            result.error = (
+                f"key {plan.keys[batches]} needs {need} staging bytes, more than the disk-offload staging budget "
+                f"of {budget}: nothing was loaded"
+            )
+            count(result.outcomes, "staging_budget_exceeded", len(plan.keys))
+            logger.warning("load %s: %s", request.req_id, result.error)
+            return []
+        return batches
+
+    def _get_batches(
+        self,
+        path: TransferPath,
+        plan: GetPlan,
+        batches: list[tuple[int, int]],
+        loaded: np.ndarray[Any, Any],
+        clock: Clock,
+        result: LoadResult,
+        deadline: RequestDeadline,
+    ) -> None:
+        for start, end in batches:
+            if deadline.expired():
+                # Not tried: never loaded (the path counts what it skips itself; these never reach it).
+                count(result.outcomes, Outcome.TRANSFER_FAILED.value, len(plan.keys) - start)
+                return
+            got = path.get(plan, start, end, clock, result.outcomes, deadline)
+            loaded[start:end] = got.loaded
+            result.bytes += got.nbytes
+            if got.unreachable and end < len(plan.keys):
+                # Each further sub-batch would block only to report the same.
+                count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(plan.keys) - end)
+                return
+
+    @staticmethod
+    def _registered_path(path: TransferPath | None) -> TransferPath:
+        if path is None:
+            raise RuntimeError("no KV caches registered: call register_kv_caches() before transferring")
+        return path
+
+    def _screen(self, path: TransferPath, request: TransferRequest) -> tuple[list[list[int]], list[Screened]]:
+        """Snapshot and check each group's block ids before anything is planned (see :mod:`.bounds`).
+
+        Returns the ids to plan with, where each invalid id is replaced by the stand-in ``-(position + 1)``
+        (the store walk passes it through, so the chunk on it is recognised and never put), and the screens.
+        """
+        caches = path.ctx.caches
+        caches.check_databases(self.databases)
+        if len(request.block_ids) < len(self.databases):
+            raise ValueError(
+                f"block_ids: {len(request.block_ids)} group(s) given, {len(self.databases)} KV-cache groups registered"
+            )
+        screened = [caches.screen(request.block_ids[g]) for g in range(len(self.databases))]
+        plan_ids = []
+        for s in screened:
+            ids = s.ids
+            if s.bad:
+                ids = list(ids)
+                for position in s.bad:
+                    ids[position] = -(position + 1)
+            plan_ids.append(ids)
+        return plan_ids, screened
+
+    @staticmethod
+    def _fail_request(
+        request: TransferRequest, result: LoadResult, exc: BaseException, screened: Sequence[Screened] | None
+    ) -> None:
+        """Report a load that moved nothing: the error, and every block id it names as failed (vLLM counts a
+        block not reported failed as loaded). The ids come from the screen's snapshot when the request got that
+        far, else from the request as far as it reads as integers (never raises: this is the error path)."""
+        result.error = describe(exc)
+        if screened is not None:
+            for s in screened:
+                result.failed_block_ids.update(s.ids)
+        else:
+            result.failed_block_ids.update(_plain_ids(request.block_ids))
+        logger.warning("load %s: %s", request.req_id, result.error)
