@@ -5,6 +5,7 @@ Every path module builds on this one; :mod:`mooncake_kvaddr.driver.paths` re-exp
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
@@ -16,7 +17,7 @@ from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.probe import PeerProbe
-from mooncake_kvaddr.driver.results import Clock, StoreResult
+from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
 from mooncake_kvaddr.driver.staging import SlotPlan
 from mooncake_kvaddr.driver.store import BatchResult, MooncakeStore, Outcome, RequestDeadline
@@ -258,6 +259,30 @@ class TransferPath:
     def _record(self, operation: str, start: float, num_keys: int, num_bytes: int, got: BatchResult | None) -> None:
         failed = None if got is None else len(got) - got.count(Outcome.OK)
         self.ctx.metrics.record(operation, start, num_keys, num_bytes, failed)
+
+    def _call_inline(
+        self,
+        operation: str,
+        num_keys: int,
+        num_bytes: int,
+        call: Callable[[], BatchResult],
+        clock: Clock,
+        lap: str,
+        outcomes: dict[str, int],
+    ) -> BatchResult:
+        """One Mooncake call in the caller's thread: recorded (also when it raises), lapped, outcomes counted."""
+        start = time.perf_counter()
+        try:
+            got = call()
+        except BaseException:
+            self._record(operation, start, num_keys, num_bytes, None)
+            raise
+        finally:
+            clock.lap(lap)
+        self._record(operation, start, num_keys, num_bytes, got)
+        for outcome, n in got.summary().items():
+            count(outcomes, outcome, n)
+        return got
 
 
 def _read_whole(got: BatchResult, expected: Int64Array) -> BoolArray:

@@ -5,7 +5,6 @@ responsive first).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -168,19 +167,11 @@ class MultiBufferPath(TransferPath):
         else:
             key_bytes = [sum(row) for row in sizes]
         clock.lap("prepare")
-        start = time.perf_counter()
-        try:
-            # Rows come from prepare_values, so the non-negativity scan would only cost time.
-            put = self.ctx.store.batch_put_from_multi_buffers(
-                keys, addrs, sizes, self.ctx.replicate_config, check_values=False, deadline=deadline
-            )
-        except BaseException:
-            self._record("save_put", start, len(keys), sum(key_bytes), None)
-            raise
-        self._record("save_put", start, len(keys), sum(key_bytes), put)
-        clock.lap("put")
-        for outcome, n in put.summary().items():
-            count(result.outcomes, outcome, n)
+        # Rows come from prepare_values, so the non-negativity scan would only cost time.
+        store = self.ctx.store
+        put = self._call_inline("save_put", len(keys), sum(key_bytes), lambda: store.batch_put_from_multi_buffers(
+            keys, addrs, sizes, self.ctx.replicate_config, check_values=False, deadline=deadline
+        ), clock, "put", result.outcomes)  # fmt: skip
         result.back_pressure = result.back_pressure or put.back_pressure
         return put.present, key_bytes
 
@@ -202,17 +193,9 @@ class MultiBufferPath(TransferPath):
             nbytes = int(sizes.sum())
         else:
             nbytes = sum(map(sum, sizes))
-        t0 = time.perf_counter()
-        try:
-            got = self.ctx.store.batch_get_into_multi_buffers(keys, addrs, sizes, check_values=False, deadline=deadline)
-        except BaseException:
-            self._record("load_get", t0, len(keys), nbytes, None)
-            raise
-        finally:
-            clock.lap("get")
-        self._record("load_get", t0, len(keys), nbytes, got)
-        for outcome, k in got.summary().items():
-            count(outcomes, outcome, k)
+        got = self._call_inline("load_get", len(keys), nbytes, lambda: self.ctx.store.batch_get_into_multi_buffers(
+            keys, addrs, sizes, check_values=False, deadline=deadline
+        ), clock, "get", outcomes)  # fmt: skip
         loaded = _after_peers(self.ctx, screen, picks, n, got)
         return GetOutcome(loaded, CODE_MASTER_UNREACHABLE in got.codes, got.bytes_transferred)
 
@@ -236,19 +219,9 @@ class DirectPath(TransferPath):
         addrs, sizes = check_rows_inside(self.ctx.caches, addrs, sizes)  # Mooncake gets the checked copies
         clock.lap("prepare")
         object_sizes = sizes[:, 0].tolist()
-        t0 = time.perf_counter()
-        try:
-            put = self.ctx.store.batch_put_from(
-                keys, addrs[:, 0].tolist(), object_sizes, self.ctx.replicate_config, check_values=False,
-                deadline=deadline,
-            )
-        except BaseException:
-            self._record("save_put", t0, len(keys), sum(object_sizes), None)
-            raise
-        self._record("save_put", t0, len(keys), sum(object_sizes), put)
-        clock.lap("put")
-        for outcome, n in put.summary().items():
-            count(result.outcomes, outcome, n)
+        put = self._call_inline("save_put", len(keys), sum(object_sizes), lambda: self.ctx.store.batch_put_from(
+            keys, addrs[:, 0].tolist(), object_sizes, self.ctx.replicate_config, check_values=False, deadline=deadline
+        ), clock, "put", result.outcomes)  # fmt: skip
         result.back_pressure = result.back_pressure or put.back_pressure
         return put.present, object_sizes
 
@@ -265,19 +238,9 @@ class DirectPath(TransferPath):
             if len(picks) == 0:
                 return GetOutcome(np.zeros(n, dtype=bool), False, 0)
             keys, ptrs, expected = _take(keys, picks), ptrs[picks], expected[picks]
-        t0 = time.perf_counter()
-        try:
-            got = self.ctx.store.batch_get_into(
-                keys, ptrs.tolist(), expected.tolist(), check_values=False, deadline=deadline
-            )
-        except BaseException:
-            self._record("load_get", t0, len(keys), int(expected.sum()), None)
-            raise
-        finally:
-            clock.lap("get")
-        self._record("load_get", t0, len(keys), int(expected.sum()), got)
-        for outcome, k in got.summary().items():
-            count(outcomes, outcome, k)
+        got = self._call_inline("load_get", len(keys), int(expected.sum()), lambda: self.ctx.store.batch_get_into(
+            keys, ptrs.tolist(), expected.tolist(), check_values=False, deadline=deadline
+        ), clock, "get", outcomes)  # fmt: skip
         whole = _read_whole(got, expected)
         nbytes = int(expected[whole].sum())
         if picks is not None:
