@@ -109,29 +109,31 @@ class LookupPlan:
             shift += len(blob)
         return KeyBlob(b"".join(blob for blob, _ in parts), np.concatenate(cuts))
 
-    def present(self, results: Any) -> set[tuple[int, bytes]]:
-        """The ``(group, hash bytes)`` units whose every prefix answered exactly 1 (vLLM's rule)."""
+    def present(self, results: Any) -> dict[int, set[bytes]]:
+        """Per group, the hash bytes of the units whose every prefix answered exactly 1 (vLLM's rule)."""
         widths = [len(prefixes) for _, hashes, prefixes in self.groups for _ in hashes]
         try:
             flags = _native.reduce_exists(results, widths)
         except (TypeError, ValueError, OverflowError):
             return self._present_by_items(results)  # not a list of ints of the right length: vLLM's loop
-        found: set[tuple[int, bytes]] = set()
+        found: dict[int, set[bytes]] = {}
         start = 0
         for g, hashes, _ in self.groups:
-            found.update((g, bytes(h)) for h in itertools.compress(hashes, flags[start : start + len(hashes)]))
+            units = found.setdefault(g, set())
+            units.update(map(bytes, itertools.compress(hashes, flags[start : start + len(hashes)])))
             start += len(hashes)
         return found
 
-    def _present_by_items(self, results: Any) -> set[tuple[int, bytes]]:
+    def _present_by_items(self, results: Any) -> dict[int, set[bytes]]:
         # Item by item, as vLLM reads them: the same answers and the same exceptions for any result object.
-        found: set[tuple[int, bytes]] = set()
+        found: dict[int, set[bytes]] = {}
         pos = 0
         for g, hashes, prefixes in self.groups:
             count = len(prefixes)
+            units = found.setdefault(g, set())
             for h in hashes:
                 if all(results[pos + j] == 1 for j in range(count)):
-                    found.add((g, bytes(h)))
+                    units.add(bytes(h))
                 pos += count
         return found
 
@@ -182,23 +184,30 @@ def _native_transport(worker: Any) -> Any:
 
 
 def fast_pool_class(pool_cls: type) -> type:
-    """vLLM's ``ExternalCachedBlockPool`` with a ``get_cached_block`` that answers the same without a generator
-    per block: vLLM's coordinator asks it once per block and hash unit, twice per lookup on a full hit (about
-    half of vLLM's lookup time at the headline request, docs/benchmarks.md). The fingerprints of vLLM's
-    ``__init__`` and ``get_cached_block`` (the attributes read here) are checked before it is used."""
+    """vLLM's ``ExternalCachedBlockPool`` over per-group sets of hash bytes instead of one set of
+    ``(group, hash)`` tuples, answering ``get_cached_block`` and ``contains`` as vLLM's do: vLLM's coordinator
+    asks it once per block, twice per lookup on a full hit. The fingerprints of vLLM's ``__init__``,
+    ``get_cached_block`` and ``contains`` (what this class stands in for) are checked before it is used."""
 
     class FastPool(pool_cls):  # type: ignore[misc]
-        __slots__ = ()
+        def __init__(self, hash_block_size: int, units: dict[int, set[bytes]]) -> None:
+            super().__init__(hash_block_size, set())  # vLLM's own set stays empty: nothing of vLLM reads it here
+            self._units = units
 
         def get_cached_block(self, block_hash: Any, group_ids: list[int]) -> Any:
-            exists = self._exists
-            if exists is None:
-                return super().get_cached_block(block_hash, group_ids)
-            key = bytes(block_hash)
+            key = block_hash if type(block_hash) is bytes else bytes(block_hash)
+            if len(group_ids) == 1:  # the common case, without the loop
+                found = self._units.get(group_ids[0])
+                return [self._present_block] if found is not None and key in found else None
             for g in group_ids:
-                if (g, key) not in exists:
+                found = self._units.get(g)
+                if found is None or key not in found:
                     return None
             return [self._present_block] * len(group_ids)
+
+        def contains(self, group_id: int, block_hash: Any) -> bool:
+            found = self._units.get(group_id)
+            return found is not None and bytes(block_hash) in found
 
     FastPool.__qualname__ = FastPool.__name__ = f"Fast{pool_cls.__name__}"
     return FastPool

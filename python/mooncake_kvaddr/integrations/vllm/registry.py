@@ -128,6 +128,7 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
         "MooncakeStoreWorker.lookup",
         "ExternalCachedBlockPool.__init__",
         "ExternalCachedBlockPool.get_cached_block",
+        "ExternalCachedBlockPool.contains",
     ),
 }
 
@@ -150,6 +151,7 @@ KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
         "MooncakeStoreWorker.lookup": "23da6e4e0684a1e0",
         "ExternalCachedBlockPool.__init__": "8812d6d330d5298f",
         "ExternalCachedBlockPool.get_cached_block": "58a17cb93531b829",
+        "ExternalCachedBlockPool.contains": "84d038552e03ec9e",
         "KVCacheStoreSendingThread._handle_request": "9faeb2e256df39de",
         "_sum_batch_bytes": "3e69ccacfd52a5c3",
     }
