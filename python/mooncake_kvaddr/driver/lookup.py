@@ -30,6 +30,9 @@ Cost: O(hashes x namespaces) keys and O(hashes x groups) arithmetic, independent
 
 Supported group types: full attention (MHA/GQA/MLA and uniform mixes of them), sliding-window attention
 and Mamba. Not supported: EAGLE's dropped last block and chunked-local attention.
+
+The value types live in :mod:`mooncake_kvaddr.driver.lookup_types`, the per-group hit arithmetic in
+:mod:`mooncake_kvaddr.driver.lookup_hits`; every name stays importable from here.
 """
 
 from __future__ import annotations
@@ -38,23 +41,30 @@ import logging
 import math
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlobBlockHashes, BlockHash, chunk_hashes_for_block_size
-from mooncake_kvaddr.core.keys import (
-    SpecKind,
-    build_lookup_keys,
-    lookup_namespaces,
-    lookup_prefixes,
-    reduce_exists,
-    replication_factor,
-)
+from mooncake_kvaddr.core.keys import build_lookup_keys, lookup_namespaces, lookup_prefixes, replication_factor
 from mooncake_kvaddr.core.metadata import TailKeyBoundary
+from mooncake_kvaddr.driver.lookup_hits import loadable_steps, step_finder, window_blocks
+from mooncake_kvaddr.driver.lookup_types import MAMBA_CACHE_MODES as MAMBA_CACHE_MODES
+from mooncake_kvaddr.driver.lookup_types import MAX_NAMESPACES as MAX_NAMESPACES
+from mooncake_kvaddr.driver.lookup_types import BoolArray as BoolArray
+from mooncake_kvaddr.driver.lookup_types import (
+    ExistenceStore,
+    GroupSpec,
+    GroupSpecLike,
+    LookupPlan,
+    LookupPrefixSource,
+    LookupResult,
+    ParallelLayout,
+)
+from mooncake_kvaddr.driver.lookup_types import IntArray as IntArray
+from mooncake_kvaddr.driver.lookup_types import KindLike as KindLike
+from mooncake_kvaddr.driver.lookup_types import Presence as Presence
 from mooncake_kvaddr.driver.store import BatchResult
 
 __all__ = [
@@ -70,193 +80,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Mamba state caching modes (vLLM's ``mamba_cache_mode``); only "align" can enable partial-hash hits.
-MAMBA_CACHE_MODES = ("align", "all", "none")
-
-#: Most rank namespaces one group may expand to (pcp x tp x pp): every lookup probes each of them per unit.
-MAX_NAMESPACES = 1 << 16
-
-BoolArray = npt.NDArray[np.bool_]
-#: Per group, per unit presence: any sequence of bools (lists, numpy arrays).
-Presence = Sequence[Sequence[bool] | BoolArray]
-IntArray = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """The deployment's parallel sizes, as far as key namespaces go (docs/lookup.md, "Rank namespaces").
-
-    ``num_kv_heads`` is the model's total number of KV heads: with ``tp_size`` above it, TP ranks hold
-    identical attention bytes and share one namespace (the replication factor). Checked at construction:
-    every size is an int >= 1; ``tp_size`` and ``num_kv_heads`` divide one another (KV heads are split
-    evenly over TP ranks, or each head is replicated on the same number of ranks); ``dcp_size`` divides
-    ``tp_size`` (DCP subdivides the TP group); at most :data:`MAX_NAMESPACES` namespaces per group.
-    """
-
-    tp_size: int = 1
-    pcp_size: int = 1
-    dcp_size: int = 1
-    pp_size: int = 1
-    num_kv_heads: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("tp_size", "pcp_size", "dcp_size", "pp_size", "num_kv_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelLayout.{name}: must be an int >= 1, got {value!r}")
-        tp, heads = self.tp_size, self.num_kv_heads
-        if max(tp, heads) % min(tp, heads):
-            raise ValueError(
-                f"ParallelLayout: tp_size {tp} and num_kv_heads {heads} must divide one another (KV heads are "
-                "split evenly over TP ranks, or replicated on an equal number of ranks each)"
-            )
-        if tp % self.dcp_size:
-            raise ValueError(
-                f"ParallelLayout: dcp_size {self.dcp_size} must divide tp_size {tp} (decode context parallelism "
-                "subdivides the tensor-parallel group)"
-            )
-        namespaces = self.pcp_size * tp * self.pp_size
-        if namespaces > MAX_NAMESPACES:
-            raise ValueError(
-                f"ParallelLayout: pcp_size x tp_size x pp_size = {namespaces} rank namespaces exceeds "
-                f"{MAX_NAMESPACES}; every lookup would probe each of them"
-            )
-
-
-KindLike = SpecKind | str | Sequence[SpecKind | str]
-
-
-@dataclass(frozen=True, init=False)
-class GroupSpec:
-    """What one KV-cache group caches, as far as lookup goes.
-
-    Args:
-        kind: ``"attention"`` (MHA/GQA), ``"mla"`` or ``"mamba"``; a sequence of kinds for a uniform-type
-            group (e.g. MLA and GQA layers sharing one group).
-        sliding_window: tokens of a sliding-window attention group (``None``: full attention), at least 2.
-            A hit needs only the blocks inside the window before its end. (A 1-token window attends to
-            nothing cached: no stored block could ever decide a hit, so it is refused.)
-        mamba_cache_mode: for Mamba groups, vLLM's ``mamba_cache_mode``; ``"align"`` with
-            ``block_size > hash_block_size`` switches the whole lookup to fine-grained units.
-    """
-
-    kinds: tuple[SpecKind, ...]
-    sliding_window: int | None
-    mamba_cache_mode: str
-
-    def __init__(
-        self, kind: KindLike = SpecKind.ATTENTION, *, sliding_window: int | None = None, mamba_cache_mode: str = "align"
-    ) -> None:
-        raw = [kind] if isinstance(kind, (str, SpecKind)) else list(kind)
-        if not raw:
-            raise ValueError("GroupSpec: a KV-cache group needs at least one spec kind")
-        try:
-            kinds = tuple(SpecKind(k) for k in raw)
-        except ValueError:
-            known = ", ".join(k.value for k in SpecKind)
-            raise ValueError(f"GroupSpec: unknown spec kind in {kind!r} (known: {known})") from None
-        mamba = SpecKind.MAMBA in kinds
-        if mamba and len(set(kinds)) > 1:
-            raise ValueError(f"GroupSpec: a group is either Mamba or attention, got {kind!r}")
-        if sliding_window is not None:
-            if mamba:
-                raise ValueError("GroupSpec: sliding_window applies to attention groups, not Mamba")
-            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 2:
-                raise ValueError(
-                    f"GroupSpec: sliding_window must be an int >= 2, got {sliding_window!r} (a 1-token window "
-                    "needs no cached block, so no stored chunk could ever decide a hit)"
-                )
-        if not isinstance(mamba_cache_mode, str) or mamba_cache_mode not in MAMBA_CACHE_MODES:
-            raise ValueError(
-                f"GroupSpec: mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, got {mamba_cache_mode!r}"
-            )
-        object.__setattr__(self, "kinds", kinds)
-        object.__setattr__(self, "sliding_window", sliding_window)
-        object.__setattr__(self, "mamba_cache_mode", mamba_cache_mode)
-
-    @classmethod
-    def of(cls, spec: GroupSpecLike) -> GroupSpec:
-        """``spec`` itself, or a default spec of the given kind(s)."""
-        return spec if isinstance(spec, GroupSpec) else cls(spec)
-
-    @property
-    def is_mamba(self) -> bool:
-        """A Mamba (recurrent state) group: a hit needs only the state at its end."""
-        return self.kinds[0] is SpecKind.MAMBA
-
-    @property
-    def is_full_attention(self) -> bool:
-        """A full-attention group: a hit needs every block before its end."""
-        return not self.is_mamba and self.sliding_window is None
-
-
-GroupSpecLike = GroupSpec | KindLike
-
-
-class ExistenceStore(Protocol):
-    """The one store call a lookup makes: :meth:`MooncakeStore.batch_is_exist`, or Mooncake's raw binding."""
-
-    def batch_is_exist(self, keys: list[str]) -> BatchResult | Sequence[int]: ...
-
-
-class LookupPrefixSource(Protocol):
-    """What vLLM 0.33 calls a store layout, as far as lookup goes: the key prefixes of one group under the
-    given ``(tp, pcp, dcp, pp)`` rank namespaces (in probe order)."""
-
-    def lookup_key_prefixes(self, rank_namespaces: Sequence[tuple[int, int, int, int]]) -> Sequence[str]: ...
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """vLLM 0.33's lookup answer: the hit length and, for a non-zero hit, one tail boundary per group."""
-
-    hit_length: int
-    tail_key_boundaries: tuple[TailKeyBoundary, ...] = ()
-
-
-@dataclass
-class LookupPlan:
-    """One lookup's candidate keys and how their answers fold back into per-group units.
-
-    ``units[g]`` lists the probed unit ids of group ``g`` (ascending); ``unit_counts[g]`` is how many units
-    the group could have probed (masked units count, and read as absent). Group ``g`` owns
-    ``key_counts[g] == len(units[g]) * widths[g]`` consecutive keys, group-major; :meth:`presence` checks
-    every count, so an answer is never read for the wrong group.
-    """
-
-    keys: list[str] = field(default_factory=list)
-    units: list[Sequence[int]] = field(default_factory=list)
-    unit_counts: list[int] = field(default_factory=list)
-    widths: list[int] = field(default_factory=list)
-    key_counts: list[int] = field(default_factory=list)
-
-    def presence(self, results: Sequence[int]) -> list[BoolArray]:
-        """Per group, per unit: stored under every namespace (each result exactly 1).
-
-        Raises ``ValueError`` when the answers do not match the keys one for one.
-        """
-        if len(results) != len(self.keys) or sum(self.key_counts) != len(self.keys):
-            raise ValueError(f"{len(results)} exist results for {len(self.keys)} keys")
-        present: list[BoolArray] = []
-        pos = 0
-        for units, count, width, n_keys in zip(
-            self.units, self.unit_counts, self.widths, self.key_counts, strict=True
-        ):
-            if n_keys != len(units) * width:
-                raise ValueError(f"{n_keys} keys for {len(units)} units x {width} namespaces")
-            row = np.zeros(count, dtype=np.bool_)
-            if n_keys:
-                flags = reduce_exists(results[pos : pos + n_keys], width)
-                if len(flags) != len(units):
-                    raise ValueError(f"{len(flags)} unit answers for {len(units)} units")
-                if isinstance(units, range):
-                    row[units.start : units.stop] = flags
-                else:
-                    row[np.asarray(units, dtype=np.int64)] = flags
-            present.append(row)
-            pos += n_keys
-        return present
 
 
 @dataclass(frozen=True)
@@ -424,7 +247,7 @@ class StoreLookup:
             return 0
         ok = np.ones(top, dtype=np.bool_)
         for g, table in enumerate(tables):
-            ok &= self._loadable(g, table, top)
+            ok &= loadable_steps(self.specs[g], self.block_sizes[g], self._unit(g), self.alignment, table, top)
             if not ok.any():
                 return 0
         hits = np.flatnonzero(ok)
@@ -506,7 +329,7 @@ class StoreLookup:
         per_boundary = self.alignment // bs
         if self.partial_hash_hits or spec.is_full_attention or per_boundary <= 1:
             return None
-        needed = 1 if spec.is_mamba else _window_blocks(spec, bs)
+        needed = 1 if spec.is_mamba else window_blocks(spec, bs)
         return None if needed >= per_boundary else (per_boundary, needed)
 
     def _probe(
@@ -562,7 +385,8 @@ class StoreLookup:
     #
     # Hits are counted in alignment steps j (H = j * alignment). A group's probed units are ``unit`` tokens
     # long (hash_block_size with partial-hash hits, else its block size); ``k = alignment // unit`` units
-    # make one step and ``s = block_size // unit`` units one block. Everything below is O(units).
+    # make one step and ``s = block_size // unit`` units one block. Everything below is O(units); the per-group
+    # arithmetic itself is in driver/lookup_hits.py.
 
     def _unit(self, g: int) -> int:
         return self._require_hash_block_size() if self.partial_hash_hits else self.block_sizes[g]
@@ -579,32 +403,6 @@ class StoreLookup:
         for g, table in enumerate(tables):
             top = min(top, table.size // (self.alignment // self._unit(g)))
         return top
-
-    def _loadable(self, g: int, present: BoolArray, top: int) -> BoolArray:
-        """``ok[j - 1]``: group ``g`` can load ``j`` steps with the keys a loader derives from that length
-        (``top`` steps at most, all within the probed units)."""
-        spec, unit = self.specs[g], self._unit(g)
-        k, s = self.alignment // unit, self.block_sizes[g] // unit
-        at_end: BoolArray = present[k - 1 : top * k : k]  # the key at each candidate end: unit j * k - 1
-        if spec.is_mamba:
-            return at_end  # the state stored at the end
-        blocks = present[s - 1 :: s]  # a block's own key is the unit that ends it
-        if spec.sliding_window is None:
-            # The key at the end (a partial tail when the end cuts a block) and every whole block before it:
-            # (j * k) // s <= run, i.e. j <= ((run + 1) * s - 1) // k.
-            ok: BoolArray = at_end.copy()
-            ok[((_leading_run(blocks) + 1) * s - 1) // k :] = False
-            return ok
-        # The window's blocks before an end on a block boundary (or every block back to the start). The end
-        # j * k is a whole number of blocks when j is a multiple of q.
-        q = s // math.gcd(s, k)
-        steps = np.arange(q, top + 1, q, dtype=np.int64)
-        last = steps * k // s  # blocks before the end
-        first = np.maximum(last - _window_blocks(spec, self.block_sizes[g]), 0)
-        absent = np.concatenate(([0], np.cumsum(~blocks, dtype=np.int64)))
-        ok = np.zeros(top, dtype=np.bool_)
-        ok[steps - 1] = absent[last] == absent[first]
-        return ok
 
     # vLLM 0.33's coordinator, for lookup_with_boundaries: each spec group's finder returns its longest
     # hit <= a bound; full-attention finders run once (full attention first), the others until the hit
@@ -632,43 +430,10 @@ class StoreLookup:
 
     def _finder(self, group: _SpecGroup, tables: Sequence[BoolArray], top: int) -> Callable[[int], int]:
         g = group.members[0]
-        unit = self._unit(g)
-        k, s = self.alignment // unit, group.block_size // unit
         present = tables[g].copy()
         for member in group.members[1:]:
             present &= tables[member]
-        n = present.size
-        if group.spec.is_full_attention:
-            run = _leading_run(present[s - 1 :: s])
-            last_present = _last_true_at_or_before(present)
-
-            def full_attention(step: int) -> int:
-                units = step * k
-                whole = min(run, units // s)  # leading whole blocks inside the bound
-                hit = whole * s
-                stop = min(whole * s + s - 1, units, n)  # interior units of the next block, <= the bound
-                if stop > whole * s and (p := int(last_present[stop - 1])) >= whole * s:
-                    hit = p + 1
-                return hit // k
-
-            return full_attention
-        if group.spec.is_mamba:
-            on_step = present & ((np.arange(n, dtype=np.int64) + 1) % k == 0)
-            last_state = _last_true_at_or_before(on_step)
-
-            def mamba(step: int) -> int:
-                units = min(step * k, n)
-                return 0 if units <= 0 else (int(last_state[units - 1]) + 1) // k
-
-            return mamba
-        steps = min(top, n // k)
-        ok = np.concatenate(([True], self._loadable(g, present, steps)))
-        last_ok = _last_true_at_or_before(ok)
-
-        def sliding_window(step: int) -> int:
-            return int(last_ok[min(step, steps)])
-
-        return sliding_window
+        return step_finder(group.spec, group.block_size, self._unit(g), self.alignment, present, top)
 
     def _tail_boundaries(self, tables: Sequence[BoolArray], hit: int) -> tuple[TailKeyBoundary, ...]:
         hbs = self._require_hash_block_size()
@@ -696,24 +461,6 @@ def _as_int(name: str, value: int) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
-
-
-def _window_blocks(spec: GroupSpec, block_size: int) -> int:
-    """Blocks a sliding-window hit needs before its end: ``ceil((window - 1) / block_size)``."""
-    assert spec.sliding_window is not None
-    return -(-(spec.sliding_window - 1) // block_size)
-
-
-def _leading_run(flags: BoolArray) -> int:
-    """How many leading entries are True."""
-    misses = np.flatnonzero(~flags)
-    return int(misses[0]) if misses.size else int(flags.size)
-
-
-def _last_true_at_or_before(flags: BoolArray) -> IntArray:
-    """``out[i]``: the highest index ``<= i`` whose flag is True, or -1."""
-    marks = np.where(flags, np.arange(flags.size, dtype=np.int64), -1)
-    return np.maximum.accumulate(marks) if marks.size else marks
 
 
 def _leading_bytes(hashes: BlobBlockHashes, count: int) -> memoryview:

@@ -13,24 +13,38 @@ handed to Mooncake; the other keys go to Mooncake in one call, their results put
 Nothing is ever dereferenced: ranges and slices are integers (device memory is checked the same way). The
 check is vectorised (numpy, no Python loop per slice) for well-formed calls; only malformed rows take a
 per-key path.
+
+The method tables live in :mod:`~mooncake_kvaddr.integrations.vllm.guard_methods`, the range table and the
+slice checks in :mod:`~mooncake_kvaddr.integrations.vllm.guard_ranges`; every name stays importable from here.
 """
 
 from __future__ import annotations
 
 import logging
-import operator
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from mooncake_kvaddr import _native
-from mooncake_kvaddr.driver.outcomes import CODE_INVALID_PARAMS
+from mooncake_kvaddr.integrations.vllm.guard_methods import (
+    _RANGES_NAMES,
+    FLAT_METHODS,
+    INVALID_PARAMS,
+    MULTI_METHODS,
+    SINGLE_METHODS,
+    _positional,
+)
+from mooncake_kvaddr.integrations.vllm.guard_methods import RANGES_METHOD as RANGES_METHOD
+from mooncake_kvaddr.integrations.vllm.guard_methods import RANGES_METHODS as RANGES_METHODS
+from mooncake_kvaddr.integrations.vllm.guard_methods import REGISTRATION_METHODS as REGISTRATION_METHODS
+from mooncake_kvaddr.integrations.vllm.guard_methods import guarded_names as guarded_names
+from mooncake_kvaddr.integrations.vllm.guard_methods import takes_pointers as takes_pointers
+from mooncake_kvaddr.integrations.vllm.guard_ranges import BoolArray as BoolArray
+from mooncake_kvaddr.integrations.vllm.guard_ranges import Int64Array, Ranges, RangeTable, _int, _slice_ok
+from mooncake_kvaddr.integrations.vllm.guard_ranges import RowCheck as RowCheck
 
 __all__ = [
     "FLAT_METHODS",
@@ -45,191 +59,12 @@ __all__ = [
 
 logger = logging.getLogger("vllm.mooncake_kvaddr")
 
-#: Mooncake's INVALID_PARAMS result code (docs/configuration.md): the code a refused key gets.
-INVALID_PARAMS = CODE_INVALID_PARAMS
-
-Int64Array = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
-_INT64_MAX = int(np.iinfo(np.int64).max)
 #: Seconds between two refusal warnings of one wrapper (the refused-key count is summed in between).
 WARN_INTERVAL_S = 10.0
 
 
 class GuardRefused(TypeError):
     """A Mooncake method that takes raw pointers but that the guard does not know how to check."""
-
-
-# --- the methods that take raw pointers (Mooncake 0.3.13's MooncakeDistributedStore) -------------------------
-# name -> (parameter names of keys, pointers, sizes; per-key extra parameters (sub-set with the keys); the value
-# a refused key gets).
-
-#: ``(keys, rows of addresses, rows of sizes, ...)``.
-MULTI_METHODS: dict[str, tuple[tuple[str, str, str], tuple[str, ...], Any]] = {
-    "batch_get_into_multi_buffers": (("keys", "all_buffer_ptrs", "all_sizes"), (), INVALID_PARAMS),
-    "batch_put_from_multi_buffers": (("keys", "all_buffer_ptrs", "all_sizes"), (), INVALID_PARAMS),
-    "batch_get_into_multi_buffer_ranges": (
-        ("keys", "all_buffer_ptrs", "all_sizes"), ("all_src_offsets",), INVALID_PARAMS,
-    ),
-    "batch_put_from_multi_buffer_ranges": (
-        ("keys", "all_buffer_ptrs", "all_sizes"), ("all_dst_offsets",), INVALID_PARAMS,
-    ),
-}  # fmt: skip
-
-_FLAT = ("keys", "buffer_ptrs", "sizes")
-_FLAT_TP = ("base_keys", "buffer_ptrs", "sizes")
-_PARALLEL_PUT = ("parallelisms", "writer_partitions")
-#: ``(keys, one address per key, one size per key, ...)``.
-FLAT_METHODS: dict[str, tuple[tuple[str, str, str], tuple[str, ...], Any]] = {
-    "batch_get_into": (_FLAT, (), INVALID_PARAMS),
-    "batch_put_from": (_FLAT, (), INVALID_PARAMS),
-    "batch_upsert_from": (_FLAT, (), INVALID_PARAMS),
-    "batch_get_tensor_into": (_FLAT, (), None),
-    "batch_get_tensor_with_parallelism_into": (_FLAT, ("targets",), None),
-    "batch_get_tensor_with_tp_into": (_FLAT_TP, (), None),
-    "batch_put_tensor_from": (_FLAT, (), INVALID_PARAMS),
-    "batch_upsert_tensor_from": (_FLAT, (), INVALID_PARAMS),
-    "batch_put_tensor_with_parallelism_from": (_FLAT, _PARALLEL_PUT, INVALID_PARAMS),
-    "batch_upsert_tensor_with_parallelism_from": (_FLAT, _PARALLEL_PUT, INVALID_PARAMS),
-    "batch_put_tensor_with_tp_from": (_FLAT_TP, (), INVALID_PARAMS),
-}
-
-_SINGLE = ("key", "buffer_ptr", "size")
-#: ``(key, address, size, ...)``: one slice; ``put_from_with_metadata`` has two (see :meth:`StoreGuard.call`).
-SINGLE_METHODS: dict[str, tuple[tuple[str, ...], Any]] = {
-    "get_into": (_SINGLE, INVALID_PARAMS),
-    "put_from": (_SINGLE, INVALID_PARAMS),
-    "upsert_from": (_SINGLE, INVALID_PARAMS),
-    "get_tensor_into": (_SINGLE, None),
-    "get_tensor_with_parallelism_into": (_SINGLE, None),
-    "get_tensor_with_tp_into": (_SINGLE, None),
-    "put_tensor_from": (_SINGLE, INVALID_PARAMS),
-    "put_tensor_with_parallelism_from": (_SINGLE, INVALID_PARAMS),
-    "put_tensor_with_tp_from": (_SINGLE, INVALID_PARAMS),
-    "upsert_tensor_from": (_SINGLE, INVALID_PARAMS),
-    "upsert_tensor_with_parallelism_from": (_SINGLE, INVALID_PARAMS),
-    "put_from_with_metadata": (("key", "buffer_ptr", "metadata_buffer_ptr", "size", "metadata_size"), INVALID_PARAMS),
-}
-#: Raw-pointer methods with their own shape: ``get_into_ranges(buffer_ptrs, all_keys, all_dst_offsets,
-#: all_src_offsets, all_sizes)``, and Mooncake 0.3.14's ``get_into_ranges_from_snapshot(snapshot, ...the
-#: same...)``: name -> the parameters before ``buffer_ptrs``.
-RANGES_METHODS: dict[str, tuple[str, ...]] = {
-    "get_into_ranges": (),
-    "get_into_ranges_from_snapshot": ("snapshot",),
-}
-RANGES_METHOD = "get_into_ranges"
-_RANGES_NAMES = ("buffer_ptrs", "all_keys", "all_dst_offsets", "all_src_offsets", "all_sizes")
-#: Methods whose pointer arguments are the registration itself (handled by the wrappers).
-REGISTRATION_METHODS = frozenset({"register_buffer", "unregister_buffer"})
-
-
-def guarded_names() -> frozenset[str]:
-    """Every method name the guard checks (or handles) itself."""
-    return frozenset(MULTI_METHODS) | frozenset(FLAT_METHODS) | frozenset(SINGLE_METHODS) | frozenset(RANGES_METHODS)
-
-
-_POINTER_PARAM = re.compile(r"\w*(ptr|ptrs|pointer|pointers)\s*:")
-
-
-def takes_pointers(value: Any) -> bool:
-    """True when a method's (pybind11) signature names a pointer parameter (``..._ptr``, ``..._ptrs``)."""
-    doc = getattr(value, "__doc__", None) or ""
-    first = doc.strip().split("\n", 1)[0].lower()
-    return _POINTER_PARAM.search(first) is not None
-
-
-# --- the range table -------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Ranges:
-    """One immutable snapshot of the registered ranges, sorted by start (``reach[i]``: the largest end among
-    ranges ``0..i``). Slices are checked by the native module's one range set (``csrc/kvaddr/ranges.hpp``),
-    exact for overlapping registrations."""
-
-    starts: Int64Array
-    ends: Int64Array
-    reach: Int64Array
-    items: tuple[tuple[int, int], ...]
-    #: ``(n, 2)`` int64 ``[start, end)`` pairs: what the native client takes as its ``ranges`` argument.
-    pairs: Int64Array
-
-    @classmethod
-    def of(cls, buffers: dict[int, int]) -> Ranges:
-        items = tuple(sorted(buffers.items()))
-        starts = np.array([p for p, _ in items], dtype=np.int64)
-        ends = np.array([p + n for p, n in items], dtype=np.int64)
-        reach = np.maximum.accumulate(ends) if ends.size else ends
-        pairs = np.ascontiguousarray(np.stack([starts, ends], axis=1) if items else np.empty((0, 2), np.int64))
-        return cls(starts, ends, reach, items, pairs)
-
-    def cells_inside(self, addrs: Int64Array, sizes: Int64Array) -> BoolArray:
-        """Per slice (a 1-D or 2-D int64 array): inside one registered range, size >= 0, no wrap - the one range
-        set of the native module (``csrc/kvaddr/ranges.hpp``)."""
-        inside: BoolArray = _native.slices_inside(
-            np.ascontiguousarray(addrs, dtype=np.int64), np.ascontiguousarray(sizes, dtype=np.int64), self.items
-        )
-        return inside
-
-    def all_inside(self, addrs: Int64Array, sizes: Int64Array) -> bool:
-        """True when every slice of the (keys x regions) matrices is inside."""
-        return addrs.size == 0 or bool(self.cells_inside(addrs, sizes).all())
-
-
-class RangeTable:
-    """The ranges registered through one store wrapper (thread-safe; snapshots are immutable).
-
-    ``armed``: the guard is on (every slice must be inside a registered range); set by the first successful
-    registration, or at construction (``armed=True``: the plugin's wrappers, docs/vllm-plugin.md).
-    """
-
-    def __init__(self, *, armed: bool = False) -> None:
-        self._lock = threading.Lock()
-        self._buffers: dict[int, int] = {}
-        self._armed = armed
-        self._ranges = Ranges.of({})
-
-    @property
-    def armed(self) -> bool:
-        """True once slices are checked."""
-        return self._armed
-
-    @property
-    def ranges(self) -> Ranges:
-        """The current snapshot (replaced as a whole on every change)."""
-        return self._ranges
-
-    @staticmethod
-    def as_range(buffer_ptr: Any, size: Any) -> tuple[int, int] | None:
-        """``(ptr, size)`` as ints when they describe a non-empty range inside ``[1, 2**63)``, else None."""
-        try:
-            ptr, nbytes = operator.index(buffer_ptr), operator.index(size)
-        except TypeError:
-            return None
-        if ptr <= 0 or nbytes <= 0 or ptr + nbytes > _INT64_MAX:
-            return None
-        return ptr, nbytes
-
-    def add(self, buffer_ptr: Any, size: Any) -> bool:
-        """Record a buffer Mooncake accepted (arms the table); False when it cannot be a range (then nothing
-        inside it is allowed)."""
-        span = self.as_range(buffer_ptr, size)
-        with self._lock:
-            self._armed = True
-            if span is None:
-                return False
-            self._buffers[span[0]] = span[1]
-            self._ranges = Ranges.of(self._buffers)
-        return True
-
-    def remove(self, buffer_ptr: Any) -> None:
-        """Forget the buffer starting at ``buffer_ptr`` (whatever Mooncake answers to its unregistration)."""
-        try:
-            ptr = operator.index(buffer_ptr)
-        except TypeError:
-            return
-        with self._lock:
-            if self._buffers.pop(ptr, None) is not None:
-                self._ranges = Ranges.of(self._buffers)
 
 
 # --- the guard ---------------------------------------------------------------------------------------------------
@@ -263,38 +98,6 @@ def _rebind(
         elif name in new_kwargs:
             new_kwargs[name] = values[name]
     return tuple(new_args), new_kwargs
-
-
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _slice_ok(ranges: Ranges, address: Any, size: Any) -> bool:
-    """One slice (Python ints or anything else) inside one registered range."""
-    a, s = _int(address), _int(size)
-    if a is None or s is None or not (0 < a <= _INT64_MAX and 0 <= s <= _INT64_MAX):
-        return False  # not an int64 slice at all (the native check takes int64 values)
-    return bool(ranges.cells_inside(np.array([a], np.int64), np.array([s], np.int64))[0])
-
-
-@dataclass
-class RowCheck:
-    """The verdict on a multi-buffer or flat call: ``good`` (indices of the keys that may go to Mooncake) or
-    None when all may; the rows as int64 matrices (or vectors) when they are rectangular and converted."""
-
-    good: list[int] | None
-    count: int
-    addrs: Int64Array | None = None
-    sizes: Int64Array | None = None
-
-    @property
-    def refused(self) -> int:
-        return 0 if self.good is None else self.count - len(self.good)
 
 
 class StoreGuard:
@@ -584,17 +387,6 @@ class StoreGuard:
             for i, value in zip(good, answers, strict=True):
                 results[i] = value
         return results
-
-
-def _positional(name: str, names: Sequence[str], extras: Sequence[str]) -> list[str]:
-    """Parameter names in positional order (after self) for the methods with per-key extras."""
-    if name in ("batch_get_into_multi_buffer_ranges", "batch_put_from_multi_buffer_ranges"):
-        return [*names, *extras]
-    if name == "batch_get_tensor_with_parallelism_into":
-        return [*names, "targets"]
-    if name in ("batch_put_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism_from"):
-        return [*names, "parallelisms", "config", "writer_partitions"]
-    return list(names)
 
 
 def _sized(value: Any, n: int) -> bool:
