@@ -111,7 +111,9 @@ class LookupPlan:
 
     def present(self, results: Any) -> dict[int, set[bytes]]:
         """Per group, the hash bytes of the units whose every prefix answered exactly 1 (vLLM's rule)."""
-        widths = [len(prefixes) for _, hashes, prefixes in self.groups for _ in hashes]
+        widths: list[int] = []
+        for _, hashes, prefixes in self.groups:
+            widths += [len(prefixes)] * len(hashes)
         try:
             flags = _native.reduce_exists(results, widths)
         except (TypeError, ValueError, OverflowError):
@@ -153,17 +155,22 @@ def plan_lookup(
         prefixes = tuple(worker._lookup_key_prefixes[g])
         if fine_grained:
             limit = min(len(block_hashes), token_len // worker.hash_block_size)
-            hashes = [block_hashes[i] for i in range(limit)]
+            hashes = _first(block_hashes, limit)
         else:
             mask = masks[g]  # type: ignore[index]
             group_hashes = coord.block_hashes_for_spec(block_hashes, spec)
             limit = min(len(group_hashes), cdiv(token_len, db.block_size))
             if mask is None:
-                hashes = [group_hashes[i] for i in range(limit)]
+                hashes = _first(group_hashes, limit)
             else:
                 hashes = [group_hashes[i] for i in range(min(limit, len(mask))) if mask[i]]
         groups.append((g, hashes, prefixes))
     return LookupPlan(groups)
+
+
+def _first(hashes: Sequence[Any], limit: int) -> list[Any]:
+    """``hashes[0:limit]`` read as vLLM reads it, item by item, except from a plain list (one slice)."""
+    return hashes[:limit] if type(hashes) is list else [hashes[i] for i in range(limit)]
 
 
 def _native_transport(worker: Any) -> Any:
