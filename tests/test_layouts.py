@@ -210,6 +210,23 @@ def tp_layout(cls: type[M.TPShardedStoreLayout] = M.LBHNCStoreLayout, local_tp: 
     return layout
 
 
+def test_cached_rows_belong_to_their_shard() -> None:
+    """The row cache is keyed by (shard, block id): the same block id of another shard is another row, cached
+    or not, in both row forms (one engine serves every shard; docs/address-rows.md)."""
+    layout = tp_layout()
+    expected = {(s, b): [base + b * 4096 for base in bases]
+                for s, bases in ((0, [1 << 40, 1 << 41]), (1, [1 << 42, 1 << 43])) for b in (3, 7)}
+    chunks = [(0, BS), (BS, 2 * BS)]
+    for immutable in (False, True, False):
+        layout._engine.immutable_rows = immutable
+        for _ in range(3):  # first sighting, second (cached), then from the cache
+            for shards in ([0, 1], [1, 0], [1, 1], [0, 0]):
+                addrs, sizes, ids = layout.prepare_values(chunks, [3, 7], shards)
+                assert [list(r) for r in addrs] == [expected[(s, b)] for s, b in zip(shards, (3, 7))]
+                assert [list(r) for r in sizes] == [[512, 512]] * 2 and ids == [3, 7]
+    assert layout.row_cache_info()["entries"] == 4
+
+
 def test_tp_shared_values_errors_and_overflow() -> None:
     layout = tp_layout()
     assert layout.prepare_values([(BS, 2 * BS), (0, BS)], [5, 6], [1, 0]) == (
@@ -314,13 +331,13 @@ def test_array_output_with_the_gil_released_matches_and_never_aliases() -> None:
     chunks = [(b * BS, (b + 1) * BS) for b in range(4) for _ in (0, 1)]
     shards, ids = [0, 1] * 4, [9, 8, 7, 6]
     expected = layout.prepare_values(chunks, ids, shards)
-    before = _native.layout_gil_release_min_cells()
-    _native.set_layout_gil_release_min_cells(0)
+    before = _native.gil_release_min_work_ns()
+    _native.set_gil_release_min_work_ns(0)
     try:
         first = layout.prepare_values_array(chunks, ids, shards)
         second = layout.prepare_values_array(chunks, ids, shards)
     finally:
-        _native.set_layout_gil_release_min_cells(before)
+        _native.set_gil_release_min_work_ns(before)
     assert [a.tolist() for a in first] == [list(map(list, expected[0])), list(map(list, expected[1])), expected[2]]
     first[0][0, 0] = -1
     assert second[0][0, 0] == expected[0][0][0] and not np.shares_memory(first[0], second[0])

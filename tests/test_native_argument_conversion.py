@@ -229,7 +229,7 @@ def test_negative_sizes_raise_value_error(value: int) -> None:
     with pytest.raises(ValueError, match=">= 0"):
         table.cache_capacity = value
     with pytest.raises(ValueError, match=">= 0"):
-        _native.set_layout_gil_release_min_cells(value)
+        _native.set_gil_release_min_work_ns(value)
 
 
 def test_integer_like_ints_still_work() -> None:

@@ -42,7 +42,8 @@ def main() -> int:
     if args.only:
         mutants = [m for m in mutants if m["id"] in args.only]
     if args.check:
-        stale = [m["id"] for m in mutants if (ROOT / m["file"]).read_text().count(m["old"]) != 1]
+        stale = [m["id"] for m in mutants
+                 if not (ROOT / m["file"]).exists() or (ROOT / m["file"]).read_text().count(m["old"]) != 1]
         print(f"{len(mutants)} mutants, {len(stale)} no longer apply" + (f": {stale}" if stale else ""))
         return 1 if stale else 0
     tree, venv = args.work / "tree", args.work / "venv"

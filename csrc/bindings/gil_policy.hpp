@@ -11,12 +11,20 @@
 // references taken beforehand.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 namespace kvaddr::py_bindings {
 
-// 1 ms: a fifth of the default switch interval.
+// 1 ms: a fifth of the default switch interval (the default of the one process-wide threshold below).
 constexpr int64_t kGilReleaseMinWorkNs = 1'000'000;
+
+// The threshold every native loop asks (_native.set_gil_release_min_work_ns sets it; the tests set 0 to run
+// the released paths on small inputs).
+inline std::atomic<int64_t>& gil_release_min_work_ns() noexcept {
+    static std::atomic<int64_t> threshold{kGilReleaseMinWorkNs};
+    return threshold;
+}
 
 // Measured costs (ns per item, rounded up).
 constexpr int64_t kNsPerMatrixCell = 1;      // one address + one size cell of the array output
@@ -29,6 +37,8 @@ constexpr int64_t work_ns(uint64_t items, int64_t ns_per_item) noexcept {
                                                                   : static_cast<int64_t>(items) * ns_per_item;
 }
 
-constexpr bool release_gil_for(int64_t estimated_ns) noexcept { return estimated_ns >= kGilReleaseMinWorkNs; }
+inline bool release_gil_for(int64_t estimated_ns) noexcept {
+    return estimated_ns >= gil_release_min_work_ns().load(std::memory_order_relaxed);
+}
 
 }  // namespace kvaddr::py_bindings

@@ -38,19 +38,19 @@ std::pair<int64_t, int64_t> chunk_bounds(PyObject* chunk, Py_ssize_t index) {
 void add_span(Py_ssize_t c, int64_t start, int64_t end, int64_t block_size, int64_t hash_block_size,
               ChunkSpans* out) {
     int64_t count = 0;
-    switch (check_span(start, end, hash_block_size, block_size, &count)) {
-        case ChunkError::misaligned:
+    switch (layout::check_span(start, end, hash_block_size, block_size, &count)) {
+        case layout::SpanError::misaligned:
             raise(errors().chunk_alignment,
                   "chunk " + std::to_string(c) + " (" + std::to_string(start) + ", " + std::to_string(end) +
                       "): span " + std::to_string(end - start) + " is not a multiple of hash_block_size " +
                       std::to_string(hash_block_size));
-        case ChunkError::overflow:
+        case layout::SpanError::overflow:
             raise(PyExc_OverflowError, "chunk " + std::to_string(c) + ": end - start overflows int64");
-        case ChunkError::none:
+        case layout::SpanError::none:
             break;
     }
     out->starts.push_back(start);
-    out->plans.push_back(ChunkPlan{0, count});
+    out->plans.push_back(layout::KeyPlan{0, count, 0});
 }
 
 bool refused_container(PyObject* obj) {
@@ -216,7 +216,7 @@ int64_t BlockIdSource::at(Py_ssize_t index, py::object* object) const {
 }
 
 void resolve_block_ids(const BlockIdSource& ids, const std::vector<int64_t>& starts, int64_t block_size,
-                       std::vector<ChunkPlan>* plans, std::vector<py::object>* id_objects) {
+                       std::vector<layout::KeyPlan>* plans, std::vector<py::object>* id_objects) {
     id_objects->resize(starts.size());
     for (std::size_t c = 0; c < starts.size(); ++c) {
         const Py_ssize_t available = ids.size();
@@ -229,6 +229,118 @@ void resolve_block_ids(const BlockIdSource& ids, const std::vector<int64_t>& sta
         }
         (*plans)[c].block_id = ids.at(static_cast<Py_ssize_t>(index), &(*id_objects)[c]);
     }
+}
+
+// vLLM 0.33's store layouts (LayoutEngine): lists, tuples and integer arrays.
+
+// Only lists, tuples and integer arrays (an ndarray subclass is read through its own methods, see
+// is_exact_ndarray): a dict, set or str is a caller bug, not a sequence of ids.
+void require_id_container(PyObject* obj, const char* what) {
+    if (PyList_Check(obj) || PyTuple_Check(obj) || py::isinstance<py::array>(obj)) return;
+    raise(PyExc_TypeError, std::string(what) + " must be a list, tuple or 1-D integer array, not " + type_name(obj));
+}
+
+// An integer ndarray of 1 dimension as int64 values (uint64 beyond int64 → OverflowError); empty optional
+// when `obj` is not an ndarray. TypeError for other dtypes or shapes.
+bool int64_array_values(py::handle obj, const char* what, std::vector<int64_t>* out) {
+    if (!is_exact_ndarray(obj)) return false;
+    py::array arr = py::reinterpret_borrow<py::array>(obj);
+    const char kind = arr.dtype().kind();
+    if (arr.ndim() != 1 || (kind != 'i' && kind != 'u')) {
+        raise(PyExc_TypeError, std::string(what) + " must be a 1-D integer array");
+    }
+    const auto n = static_cast<std::size_t>(arr.shape(0));
+    out->resize(n);
+    if (kind == 'u' && arr.itemsize() == 8) {
+        auto view = py::array_t<uint64_t, py::array::forcecast>::ensure(arr);
+        if (!view) throw py::error_already_set();
+        auto cells = view.unchecked<1>();
+        for (std::size_t i = 0; i < n; ++i) {
+            const uint64_t v = cells(static_cast<py::ssize_t>(i));
+            if (v > static_cast<uint64_t>(INT64_MAX)) {
+                raise(PyExc_OverflowError, std::string(what) + " item does not fit in a signed 64-bit integer");
+            }
+            (*out)[i] = static_cast<int64_t>(v);
+        }
+        return true;
+    }
+    auto view = py::array_t<int64_t, py::array::forcecast>::ensure(arr);
+    if (!view) throw py::error_already_set();
+    auto cells = view.unchecked<1>();
+    for (std::size_t i = 0; i < n; ++i) (*out)[i] = cells(static_cast<py::ssize_t>(i));
+    return true;
+}
+
+// All items of a list/tuple/integer array as int64 (TypeError for other containers and non-int items).
+std::vector<int64_t> int64_values(py::handle obj, const char* what) {
+    std::vector<int64_t> values;
+    if (int64_array_values(obj, what, &values)) return values;
+    require_id_container(obj.ptr(), what);
+    FastSequence seq(obj.ptr(), what);
+    // The length is read once: a callback (__index__) that grows the list is not followed, one that shrinks it
+    // makes seq.at raise (the same rule everywhere below).
+    const Py_ssize_t n = seq.size();
+    values.reserve(static_cast<std::size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) values.push_back(as_int64(seq.at(i).ptr(), what));
+    return values;
+}
+
+// (start, end) of every chunk: a list/tuple of tuples/lists (only items 0 and 1 are read, as vLLM does), or
+// an (n, 2) integer array.
+void chunk_pairs(py::handle chunks, std::vector<int64_t>* starts, std::vector<int64_t>* ends) {
+    if (is_exact_ndarray(chunks)) {
+        py::array arr = py::reinterpret_borrow<py::array>(chunks);
+        const char kind = arr.dtype().kind();
+        if (arr.ndim() != 2 || arr.shape(1) < 2 || !(kind == 'i' || (kind == 'u' && arr.itemsize() < 8))) {
+            raise(PyExc_TypeError, "chunks must be an (n, 2) signed integer array");
+        }
+        auto view = py::array_t<int64_t, py::array::forcecast>::ensure(arr);
+        if (!view) throw py::error_already_set();
+        auto cells = view.unchecked<2>();
+        for (py::ssize_t c = 0; c < cells.shape(0); ++c) {
+            starts->push_back(cells(c, 0));
+            ends->push_back(cells(c, 1));
+        }
+        return;
+    }
+    require_id_container(chunks.ptr(), "chunks");
+    FastSequence seq(chunks.ptr(), "chunks");
+    const Py_ssize_t n = seq.size();  // as vLLM's np.fromiter(count=len(chunks)): growth is not followed
+    for (Py_ssize_t c = 0; c < n; ++c) {
+        py::object chunk = seq.at(c);
+        PyObject* p = chunk.ptr();
+        if (!(PyTuple_Check(p) || PyList_Check(p))) {
+            raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple, not " + type_name(p));
+        }
+        // Hold both items: converting the first can run __index__, which may shrink a list chunk. A subclass
+        // (say a named tuple with its own __getitem__) is read through c[0] and c[1], as vLLM reads it.
+        py::object start, end;
+        if (PyTuple_CheckExact(p) || PyList_CheckExact(p)) {
+            if (PySequence_Fast_GET_SIZE(p) < 2) {
+                raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple");
+            }
+            start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 0));
+            end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 1));
+        } else {
+            start = py::reinterpret_steal<py::object>(PySequence_GetItem(p, 0));
+            if (!start) throw py::error_already_set();
+            end = py::reinterpret_steal<py::object>(PySequence_GetItem(p, 1));
+            if (!end) throw py::error_already_set();
+        }
+        starts->push_back(as_int64(start.ptr(), "chunk start"));
+        ends->push_back(as_int64(end.ptr(), "chunk end"));
+    }
+}
+
+// Python list indexing of `ids` at `index` (negative wraps; IndexError outside).
+int64_t python_index(int64_t index, std::size_t available, std::size_t key) {
+    const auto n = static_cast<int64_t>(available);
+    const int64_t at = index < 0 ? index + n : index;
+    if (at < 0 || at >= n) {
+        raise(PyExc_IndexError, "key " + std::to_string(key) + ": block index " + std::to_string(index) +
+                                    " is out of range for " + std::to_string(available) + " block ids");
+    }
+    return at;
 }
 
 void refuse_non_sequence(py::handle obj, const char* what) {

@@ -4,13 +4,14 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "bindings/common.hpp"
-#include "kvaddr/address.hpp"
+#include "kvaddr/layout.hpp"
 
 namespace kvaddr::py_bindings {
 
@@ -19,7 +20,7 @@ namespace kvaddr::py_bindings {
 // items, or (array output) an (n, >=2) integer ndarray.
 struct ChunkSpans {
     std::vector<int64_t> starts;
-    std::vector<ChunkPlan> plans;  // block_id filled later by resolve_block_ids
+    std::vector<layout::KeyPlan> plans;  // block_id filled later by resolve_block_ids
 };
 ChunkSpans parse_chunks(py::handle chunks, int64_t block_size, int64_t hash_block_size, bool allow_array);
 // The same over an already materialised sequence of chunk items.
@@ -55,12 +56,26 @@ private:
 // plans[c].block_id = block_ids[floor(starts[c] / block_size)] with Python list indexing (negative wraps,
 // out of range → IndexError). `id_objects[c]` receives the item when it can be returned as is.
 void resolve_block_ids(const BlockIdSource& ids, const std::vector<int64_t>& starts, int64_t block_size,
-                       std::vector<ChunkPlan>* plans, std::vector<py::object>* id_objects);
+                       std::vector<layout::KeyPlan>* plans, std::vector<py::object>* id_objects);
 
 // True for a numpy.ndarray itself, false for a subclass: only the exact type's memory is read directly. A
 // subclass (np.memmap, a masked array, a user class overriding __getitem__/__len__/astype) is read through
 // its own methods, as the reference's block_ids[i] reads it, and no method of it is ever called to convert it.
 bool is_exact_ndarray(py::handle obj);
+
+// The forms vLLM 0.33's store layouts take (LayoutEngine), read in vLLM's order:
+// TypeError unless `obj` is a list, tuple or integer ndarray (a dict, set or str is a caller bug).
+void require_id_container(PyObject* obj, const char* what);
+// A 1-D integer ndarray as int64 values (uint64 beyond int64 → OverflowError); false when `obj` is not an
+// exact ndarray. TypeError for other dtypes or shapes.
+bool int64_array_values(py::handle obj, const char* what, std::vector<int64_t>* out);
+// Every item of a list, tuple or integer array as int64.
+std::vector<int64_t> int64_values(py::handle obj, const char* what);
+// (start, end) of every chunk: a list/tuple of tuples/lists (items 0 and 1, as vLLM reads them) or an (n, 2)
+// signed integer array.
+void chunk_pairs(py::handle chunks, std::vector<int64_t>* starts, std::vector<int64_t>* ends);
+// Python list indexing of `available` items at `index` (negative wraps; IndexError naming key `key` outside).
+int64_t python_index(int64_t index, std::size_t available, std::size_t key);
 
 // TypeError unless `obj` may be read as a sequence of flags or ints (dict, set, str, bytes are refused).
 void refuse_non_sequence(py::handle obj, const char* what);

@@ -33,7 +33,7 @@ LoadChunks walk_load(const AddressTable& table, py::handle prefix, py::handle ha
     hash_indices.reserve(chunks.size());
     for (const WalkedChunk& c : chunks) {
         out.spans.starts.push_back(c.start);
-        out.spans.plans.push_back(ChunkPlan{0, ceil_div(c.end - c.start, table.block_size())});
+        out.spans.plans.push_back(KeyPlan{0, ceil_div(c.end - c.start, table.block_size()), 0});
         hash_indices.push_back(c.hash_index);
     }
     out.keys = build_key_list(writer, source, hash_indices);
@@ -48,11 +48,11 @@ py::tuple plan_load(AddressTable& table, py::handle prefix, py::handle hashes, p
     const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
     LoadChunks load = walk_load(table, prefix, hashes, hash_len, token_len, mask_num, load_mask);
     if (load.spans.plans.empty()) return py::make_tuple(std::move(load.keys), py::list(), py::list(), py::list());
-    const Snapshot snapshot = table.sync_regions();
+    const Snapshot snapshot = table.engine().snapshot();
     BlockIdSource ids(block_ids);
     std::vector<py::object> id_objects;
     resolve_block_ids(ids, load.spans.starts, table.block_size(), &load.spans.plans, &id_objects);
-    py::tuple rows = table.rows_as_lists(snapshot, load.spans.plans, id_objects);
+    py::tuple rows = table.engine().rows_as_lists(snapshot, load.spans.plans, id_objects);
     return py::make_tuple(std::move(load.keys), rows[0], rows[1], rows[2]);
 }
 
@@ -66,14 +66,14 @@ py::tuple plan_load_arrays(AddressTable& table, py::handle prefix, py::handle ha
         raise(PyExc_ValueError, "slot_alignment must be a positive power of two, got " + std::to_string(slot_alignment));
     }
     LoadChunks load = walk_load(table, prefix, hashes, hash_len, token_len, mask_num, load_mask);
-    Snapshot snapshot{std::make_shared<const Regions>(), 0};
+    Snapshot snapshot{std::make_shared<const Templates>(), 0};
     if (!load.spans.plans.empty()) {
-        snapshot = table.sync_regions();
+        snapshot = table.engine().snapshot();
         BlockIdSource ids(block_ids);
         std::vector<py::object> unused;
         resolve_block_ids(ids, load.spans.starts, table.block_size(), &load.spans.plans, &unused);
     }
-    py::tuple rows = table.rows_as_arrays(snapshot, load.spans.plans);
+    py::tuple rows = table.engine().rows_as_arrays(snapshot, load.spans.plans);
     // Slot layout of the staging buffer, from the sizes just computed (microseconds: the GIL stays held).
     auto sizes = rows[1].cast<py::array_t<int64_t>>();
     const auto keys = static_cast<std::size_t>(sizes.shape(0));

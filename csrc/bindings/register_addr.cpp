@@ -1,10 +1,11 @@
-// Registration of the address paths: AddressTable (address_table.hpp), the fused plans (plans.hpp). Nothing
-// else lives here.
+// Registration of the address paths: AddressTable (address_table.hpp), the fused plans (plans.hpp) and the
+// one GIL-release threshold (gil_policy.hpp). Nothing else lives here.
 #include <pybind11/pybind11.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "bindings/address_table.hpp"
 #include "bindings/common.hpp"
@@ -16,21 +17,31 @@ namespace kvaddr::py_bindings {
 
 void register_addr(py::module_& m) {
     m.attr("GIL_RELEASE_MIN_WORK_NS") = kGilReleaseMinWorkNs;
+    m.def("gil_release_min_work_ns", []() { return gil_release_min_work_ns().load(); },
+          "Estimated nanoseconds of work from which a native loop releases the GIL (docs/gil-policy.md).");
+    m.def(
+        "set_gil_release_min_work_ns",
+        [](py::handle ns) { gil_release_min_work_ns().store(static_cast<int64_t>(as_size(ns.ptr(), "ns"))); },
+        py::arg("ns"), "Sets that threshold for every native loop in the process (the tests set 0).");
     // Every method goes through checked()/constructed() (common.hpp): an instance made by __new__ without
     // __init__ raises TypeError instead of running on uninitialised memory. Int arguments are handles
     // converted with as_int64/as_size (TypeError for floats and other non-ints, OverflowError outside int64, a
     // caller's __index__ exception unchanged), never pybind11's int casters, which truncate floats through
     // __int__ and replace a raising __index__ with "incompatible function arguments".
-    py::class_<AddressTable>(m, "AddressTable",
-                             "Address/size matrix of one KV-cache group over the registered regions.")
-        .def(py::init([](py::handle block_size, py::handle hash_block_size, py::handle cache_bytes) {
+    py::class_<AddressTable> table(m, "AddressTable",
+                                   "Address/size matrix of one KV-cache group over the registered regions.");
+    table.def(py::init([](py::handle block_size, py::handle hash_block_size, py::handle cache_bytes) {
                  const int64_t bs = as_int64(block_size.ptr(), "block_size");
                  const int64_t hbs = as_int64(hash_block_size.ptr(), "hash_block_size");
                  const std::size_t cache = as_size(cache_bytes.ptr(), "cache_bytes");
                  return std::make_unique<AddressTable>(bs, hbs, cache);
              }),
              py::arg("block_size"), py::arg("hash_block_size"), py::arg("cache_bytes"))
-        .def("set_regions", checked(&AddressTable::set_regions), py::arg("kv_caches_base_addr"), py::arg("block_len"))
+        .def("set_regions",
+             [](py::handle self, py::object base, py::object block_len) {
+                 constructed<AddressTable>(self).engine().set_region_sources(std::move(base), std::move(block_len));
+             },
+             py::arg("kv_caches_base_addr"), py::arg("block_len"))
         .def("prepare_values", checked(&AddressTable::prepare_values), py::arg("chunks"), py::arg("block_ids"))
         .def("prepare_values_array", checked(&AddressTable::prepare_values_array), py::arg("chunks"),
              py::arg("block_ids"))
@@ -61,21 +72,9 @@ void register_addr(py::module_& m) {
              py::arg("prefix"), py::arg("hashes"), py::arg("hash_len"), py::arg("token_len"), py::arg("mask_num"),
              py::arg("chunk_mask"), py::arg("put_step"), py::arg("put_step_rank"), py::arg("block_ids"),
              py::arg("skip_null"))
-        .def_property(
-            "cache_capacity", checked(&AddressTable::cache_capacity),
-            [](py::handle self, py::handle bytes) {
-                constructed<AddressTable>(self).set_cache_capacity(as_size(bytes.ptr(), "cache_capacity"));
-            })
-        .def_property("immutable_rows", checked(&AddressTable::immutable_rows),
-                      checked(&AddressTable::set_immutable_rows),
-                      "Rows as tuples shared with the row cache (no per-call copy) instead of fresh lists.")
-        .def("cache_info", checked(&AddressTable::cache_info))
-        .def("clear_cache", checked(&AddressTable::clear_cache))
-        .def("pin_regions", checked(&AddressTable::pin_regions), py::arg("kv_caches_base_addr"), py::arg("block_len"))
-        .def("unpin_regions", checked(&AddressTable::unpin_regions))
-        .def_property_readonly("region_pins", checked(&AddressTable::region_pins))
         .def_property_readonly("block_size", checked(&AddressTable::block_size))
         .def_property_readonly("hash_block_size", checked(&AddressTable::hash_block_size));
+    bind_engine_methods(table);
 }
 
 }  // namespace kvaddr::py_bindings

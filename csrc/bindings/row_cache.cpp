@@ -93,9 +93,9 @@ void RowCache::clear(std::vector<RowRef>* graveyard) {
     bytes_ = 0;
 }
 
-RowRef RowCache::find_address(int64_t block_id, uint64_t generation) {
+RowRef RowCache::find_address(RowKey key, uint64_t generation) {
     if (generation != generation_) return nullptr;
-    auto hit = rows_.find(block_id);
+    auto hit = rows_.find(key);
     if (hit == rows_.end()) {
         ++misses_;
         return nullptr;
@@ -104,7 +104,7 @@ RowRef RowCache::find_address(int64_t block_id, uint64_t generation) {
     return hit->second;
 }
 
-bool RowCache::admit(int64_t block_id, uint64_t generation) {
+bool RowCache::admit(RowKey key, uint64_t generation) {
     if (generation != generation_ || row_cost_ > capacity_) return false;
     if (sightings_.empty()) {
         std::size_t bits = kMinSightingBits;
@@ -113,8 +113,9 @@ bool RowCache::admit(int64_t block_id, uint64_t generation) {
         sightings_.assign(bits / 64, 0);
         sightings_set_ = 0;
     }
-    // Fibonacci hashing: consecutive block ids spread over the bitmap.
-    const uint64_t mixed = static_cast<uint64_t>(block_id) * UINT64_C(0x9E3779B97F4A7C15);
+    // Fibonacci hashing: consecutive block ids (of every shard) spread over the bitmap.
+    const uint64_t mixed = (static_cast<uint64_t>(key.value) ^ (static_cast<uint64_t>(key.shard) << 48)) *
+                           UINT64_C(0x9E3779B97F4A7C15);
     const std::size_t bit = static_cast<std::size_t>(mixed >> 32) & (sightings_.size() * 64 - 1);
     uint64_t& word = sightings_[bit / 64];
     const uint64_t mask = uint64_t{1} << (bit % 64);
@@ -128,23 +129,23 @@ bool RowCache::admit(int64_t block_id, uint64_t generation) {
     return false;
 }
 
-void RowCache::insert_address(int64_t block_id, RowRef row, uint64_t generation, std::vector<RowRef>* graveyard) {
-    if (generation != generation_ || row_cost_ > capacity_ || rows_.count(block_id) != 0) return;
+void RowCache::insert_address(RowKey key, RowRef row, uint64_t generation, std::vector<RowRef>* graveyard) {
+    if (generation != generation_ || row_cost_ > capacity_ || rows_.count(key) != 0) return;
     while (bytes_ + row_cost_ > capacity_) evict_oldest(graveyard);
-    rows_.emplace(block_id, std::move(row));
-    order_.push_back(block_id);
+    rows_.emplace(key, std::move(row));
+    order_.push_back(key);
     bytes_ += row_cost_;
 }
 
-RowRef RowCache::find_size(int64_t block_count, uint64_t generation) const {
+RowRef RowCache::find_size(RowKey shard_and_count, uint64_t generation) const {
     if (generation != generation_) return nullptr;
-    auto hit = size_rows_.find(block_count);
+    auto hit = size_rows_.find(shard_and_count);
     return hit == size_rows_.end() ? nullptr : hit->second;
 }
 
-void RowCache::insert_size(int64_t block_count, RowRef row, uint64_t generation) {
+void RowCache::insert_size(RowKey shard_and_count, RowRef row, uint64_t generation) {
     if (generation != generation_ || size_rows_.size() >= kMaxSizeRows) return;
-    size_rows_.emplace(block_count, std::move(row));
+    size_rows_.emplace(shard_and_count, std::move(row));
 }
 
 void RowCache::set_capacity(std::size_t bytes, std::vector<RowRef>* graveyard) {
@@ -154,9 +155,9 @@ void RowCache::set_capacity(std::size_t bytes, std::vector<RowRef>* graveyard) {
 }
 
 void RowCache::evict_oldest(std::vector<RowRef>* graveyard) {
-    const int64_t block_id = order_.front();
+    const RowKey key = order_.front();
     order_.pop_front();
-    auto it = rows_.find(block_id);
+    auto it = rows_.find(key);
     graveyard->push_back(std::move(it->second));
     rows_.erase(it);
     bytes_ -= row_cost_;

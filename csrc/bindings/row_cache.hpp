@@ -1,4 +1,4 @@
-// The per-block-id cache of address rows behind the list output (docs/address-rows.md has the rules).
+// The per-(shard, block id) cache of address rows behind the list output (docs/address-rows.md has the rules).
 //
 // A cached row is an array of Python ints that the cache created itself: every list result gets a fresh list
 // built from it (the items, immutable ints, are shared), and the immutable-rows output hands out one tuple of
@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -53,6 +54,19 @@ PyObject* new_int_list(const int64_t* values, std::size_t count);
 // A fresh tuple of new ints, untracked by the cyclic GC.
 PyObject* new_int_tuple(const int64_t* values, std::size_t count);
 
+// A cached row's key: the layout's local shard (0 for rank-local) and the block id (or, for size rows, the
+// block count).
+struct RowKey {
+    std::size_t shard;
+    int64_t value;
+    bool operator==(const RowKey& other) const noexcept { return shard == other.shard && value == other.value; }
+};
+struct RowKeyHash {
+    std::size_t operator()(const RowKey& k) const noexcept {
+        return std::hash<int64_t>()(k.value) ^ (k.shard * std::size_t{0x9E3779B97F4A7C15ULL});
+    }
+};
+
 class RowCache {
 public:
     explicit RowCache(std::size_t capacity_bytes) : capacity_(capacity_bytes) {}
@@ -69,16 +83,16 @@ public:
         sightings_.clear();
     }
 
-    RowRef find_address(int64_t block_id, uint64_t generation);
+    RowRef find_address(RowKey key, uint64_t generation);
     // After a miss: whether the row should be cached now (its block id's second sighting). Sightings are
     // bits in a hashed bitmap of 16 bits per row the cache can hold (1 Ki to 16 Mi bits), cleared once a
     // sixteenth of it is set: a block id is cached on its second sighting at the latest (one clearing in
     // between delays that by a sighting), and a colliding never-seen id is cached early (at most ~1 in 16).
     // Either way only when a row gets cached changes, never a result.
-    bool admit(int64_t block_id, uint64_t generation);
-    void insert_address(int64_t block_id, RowRef row, uint64_t generation, std::vector<RowRef>* graveyard);
-    RowRef find_size(int64_t block_count, uint64_t generation) const;
-    void insert_size(int64_t block_count, RowRef row, uint64_t generation);
+    bool admit(RowKey key, uint64_t generation);
+    void insert_address(RowKey key, RowRef row, uint64_t generation, std::vector<RowRef>* graveyard);
+    RowRef find_size(RowKey shard_and_count, uint64_t generation) const;
+    void insert_size(RowKey shard_and_count, RowRef row, uint64_t generation);
 
     std::size_t capacity() const noexcept { return capacity_; }
     void set_capacity(std::size_t bytes, std::vector<RowRef>* graveyard);
@@ -101,11 +115,11 @@ private:
     std::size_t bytes_ = 0;
     uint64_t hits_ = 0;
     uint64_t misses_ = 0;
-    std::unordered_map<int64_t, RowRef> rows_;
+    std::unordered_map<RowKey, RowRef, RowKeyHash> rows_;
     std::vector<uint64_t> sightings_;  // the sighting bitmap; sized lazily by admit
     std::size_t sightings_set_ = 0;    // bits set since it was last cleared
-    std::deque<int64_t> order_;  // insertion order of rows_ (FIFO eviction)
-    std::unordered_map<int64_t, RowRef> size_rows_;
+    std::deque<RowKey> order_;  // insertion order of rows_ (FIFO eviction)
+    std::unordered_map<RowKey, RowRef, RowKeyHash> size_rows_;
 };
 
 }  // namespace kvaddr::py_bindings

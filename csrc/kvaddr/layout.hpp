@@ -1,10 +1,12 @@
-// Store layouts as segment templates (docs/vllm.md, "One engine for every layout"). Pure C++.
+// The address arithmetic of every layout (docs/address-rows.md, docs/vllm.md "One engine for every layout").
+// Pure C++ (no Python headers) so it can run with the GIL released.
 //
-// Every layout of vLLM's Mooncake store connector reduces to the same arithmetic: one key's value is a list of
-// segments, and segment s of a chunk whose first block is `block_id` covering `count` blocks lives at
+// One key's value is a list of segments; segment s of a chunk whose first block is `block_id` covering
+// `count` blocks lives at
 //   addr[s] = base[s] + block_id * stride[s]        size[s] = size0[s] * (scales ? count : 1)
-// The rank-local layout has one template (stride = size0 = the region's block length, sizes scale with the
-// block count); a TP-shared layout has one template per store shard it owns (fixed sizes, one block per key).
+// The rank-local layout (and the seed-era database, which is one) has one template: the regions, with
+// stride = size0 = block_len[r % L] and sizes scaling with the block count. A TP-shared layout has one
+// template per store shard it owns (fixed sizes, one block per key).
 #pragma once
 
 #include <algorithm>
@@ -83,11 +85,11 @@ inline bool size_row(const Segments& t, int64_t block_count, int64_t* out) noexc
     return ok;
 }
 
-// One key's value after validation: which local shard, the chunk's first block id, its block count.
+// One key's value after validation: the chunk's first block id, its block count, which local shard.
 struct KeyPlan {
-    std::size_t shard;
-    int64_t block_id;
-    int64_t block_count;
+    int64_t block_id = 0;
+    int64_t block_count = 1;
+    std::size_t shard = 0;
 };
 
 // The whole matrix into caller-owned row-major buffers (keys × segments; every template has `width`
@@ -107,6 +109,21 @@ inline std::size_t fill_rows(const std::vector<Segments>& templates, const std::
 // The first chunk of a walk under vLLM 0.32+'s rule: ceil(mask_num / block_size), at least 0.
 inline int64_t first_chunk_ceil(int64_t mask_num, int64_t block_size) noexcept {
     return std::max<int64_t>(0, ceil_div(mask_num, block_size));
+}
+
+// Why a seed-era chunk span was rejected by check_span.
+enum class SpanError { none, misaligned, overflow };
+
+// A seed-era (start, end) span, validated with Python's floor semantics: (end - start) must be a multiple of
+// hash_block_size; the block count is ceil(span / block_size). Both sizes are > 0 (checked at construction).
+inline SpanError check_span(int64_t start, int64_t end, int64_t hash_block_size, int64_t block_size,
+                            int64_t* block_count) noexcept {
+    int64_t span = 0;
+    if (__builtin_sub_overflow(end, start, &span)) return SpanError::overflow;
+    // A remainder is zero under floor and truncating division alike, so C++'s % decides alignment.
+    if (span % hash_block_size != 0) return SpanError::misaligned;
+    *block_count = ceil_div(span, block_size);
+    return SpanError::none;
 }
 
 }  // namespace kvaddr::layout

@@ -2,7 +2,7 @@
 // a put (gather), and a slot back out to the slices after a get (scatter). A Mooncake object is the
 // concatenation of its regions in order, so a staged object is byte-identical to a multi-buffer one.
 //
-// Inputs are the address/size matrix of address.hpp (keys × regions, row-major int64), one slot offset per
+// Inputs are the address/size matrix of layout.hpp (keys × regions, row-major int64), one slot offset per
 // key into the staging buffer, and the memory ranges slices may touch (the registered KV-cache buffers).
 // validate() checks every slice and slot before a byte moves (all-or-nothing); copy() then moves the bytes,
 // optionally on several threads, with streaming stores. Pure C++ (no Python headers): both run with the GIL

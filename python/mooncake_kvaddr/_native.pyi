@@ -94,6 +94,9 @@ def chunk_walk(
 ) -> tuple[list[int], list[int], list[int]]: ...
 GIL_RELEASE_MIN_WORK_NS: int
 
+def gil_release_min_work_ns() -> int: ...
+def set_gil_release_min_work_ns(ns: int) -> None: ...
+
 STAGING_SLOT_ALIGNMENT: int
 STAGING_STREAMING_STORES: bool
 
@@ -193,8 +196,6 @@ class MooncakeClient:
 
 # --- layout engine (csrc/bindings/register_layout.cpp; docs/vllm.md) ---------------------------------------
 
-def layout_gil_release_min_cells() -> int: ...
-def set_layout_gil_release_min_cells(cells: int) -> None: ...
 
 class LayoutEngine:
     """Segment templates of one store layout → Mooncake descriptors."""

@@ -1,0 +1,135 @@
+// The one address engine behind every layout (docs/address-rows.md; docs/vllm.md, "One engine for every
+// layout"): the segment templates (kvaddr/layout.hpp) — read from the caller's region lists for a rank-local
+// layout, installed per owned shard for a TP-shared one — with the row cache, the region pin and the two
+// outputs (fresh lists, fresh int64 arrays). AddressTable (the seed-era database) and LayoutEngine (vLLM's
+// store layouts) are faces over it that only convert their inputs.
+//
+// Thread safety: one engine may be used by any number of Python threads at once (vLLM shares one database
+// between its send thread and every receive thread). Each call first converts all of its inputs to C++
+// values, then takes a template snapshot and the cache generation together (Snapshot), computes on that
+// snapshot only, and touches the cache only in steps that run no Python code. Results never alias the cache
+// or each other. Needs the GIL except inside the documented release (gil_policy.hpp).
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "bindings/common.hpp"
+#include "bindings/region_pin.hpp"
+#include "bindings/row_cache.hpp"
+#include "kvaddr/layout.hpp"
+
+namespace kvaddr::py_bindings {
+
+using Templates = std::vector<layout::Segments>;
+using layout::KeyPlan;
+
+// Templates and the cache generation they were installed under, taken together.
+struct Snapshot {
+    std::shared_ptr<const Templates> templates;
+    uint64_t generation = 0;
+};
+
+// How a face reads and names things: the order in which its reference reads the region lists (the seed-era
+// database reads block_len first; vLLM 0.33 reads the bases first, block_len only when there are regions),
+// and the word its errors use for one row ("chunk" or "key").
+struct EngineWords {
+    bool lens_first;
+    const char* row;
+};
+
+class RowEngine {
+public:
+    // Rank-local: one template, from the caller's region lists. TP-shared: n_shards templates, all empty
+    // until set_templates.
+    RowEngine(bool tp_shared, std::size_t n_shards, std::size_t cache_bytes, EngineWords words);
+    RowEngine(const RowEngine&) = delete;
+    RowEngine& operator=(const RowEngine&) = delete;
+
+    bool tp_shared() const noexcept { return tp_shared_; }
+    std::size_t shards() const noexcept { return shards_; }
+
+    // Rank-local: keeps references to the caller's lists (the reference stores them by reference too); their
+    // contents are re-read by every call, so in-place edits are seen.
+    void set_region_sources(py::object base, py::object block_len);
+    // TP-shared: installs new templates (one per owned shard, one width) and drops the cache.
+    void set_templates(std::shared_ptr<const Templates> templates);
+
+    // The templates to compute on. Rank-local: reads the caller's lists (may run Python code), then — with no
+    // Python code in between — compares them with the current snapshot and installs a new one (dropping the
+    // cache) if they changed.
+    Snapshot snapshot();
+
+    // A transfer's registered regions (region_pin.hpp): while pinned, a call whose lists hold other values
+    // raises ValueError inside the call instead of computing addresses from them.
+    void pin_regions(py::handle bases, py::handle block_len) { pin_.pin(bases, block_len); }
+    void unpin_regions() { pin_.unpin(); }
+    std::size_t region_pins() const { return pin_.count(); }
+
+    // Rows of validated keys whose block ids are resolved: (addr_rows, size_rows, ids), each row a fresh list,
+    // or with immutable_rows a tuple (a cached row's own: shared between results, never changed).
+    // `id_objects[k]`, when set, is returned as key k's id (an exact int of the caller's).
+    py::tuple rows_as_lists(const Snapshot& snapshot, const std::vector<KeyPlan>& plans,
+                            std::vector<py::object>& id_objects);
+    // The same as fresh int64 arrays (addrs (n, S), sizes (n, S), ids (n,)); the GIL is released for big ones.
+    py::tuple rows_as_arrays(const Snapshot& snapshot, const std::vector<KeyPlan>& plans);
+    // Rank-local: (addresses, sizes) of one block in every region, as fresh lists.
+    py::tuple value_for_block(int64_t block_id);
+
+    std::size_t cache_capacity() const { return cache_.capacity(); }
+    void set_cache_capacity(std::size_t bytes);
+    py::dict cache_info() const { return cache_.info(); }
+    void clear_cache();
+
+    bool immutable_rows() const { return immutable_rows_; }
+    void set_immutable_rows(bool value) { immutable_rows_ = value; }
+
+private:
+    void install(std::shared_ptr<const Templates> templates);
+    [[noreturn]] void raise_address_overflow(std::size_t row, int64_t block_id) const;
+    [[noreturn]] void raise_size_overflow(std::size_t row, int64_t block_count) const;
+
+    bool tp_shared_;
+    std::size_t shards_;
+    EngineWords words_;
+    py::object base_source_;
+    py::object block_len_source_;
+    std::shared_ptr<const Templates> templates_;
+    std::vector<int64_t> seen_bases_, seen_lens_;
+    bool synced_ = false;          // rank-local: templates_ reflects a successful read of the caller's lists
+    bool immutable_rows_ = false;  // rows as tuples (no per-call copy) instead of fresh lists
+    RowCache cache_;
+    RegionPin pin_;
+};
+
+// The engine's methods on a face's Python class (every face has an engine() accessor): the row cache, the
+// row form and the region pin, each through constructed() (common.hpp).
+template <class Face>
+void bind_engine_methods(py::class_<Face>& cls) {
+    const auto engine = [](py::handle self) -> RowEngine& { return constructed<Face>(self).engine(); };
+    cls.def_property(
+           "cache_capacity", [engine](py::handle self) { return engine(self).cache_capacity(); },
+           [engine](py::handle self, py::handle bytes) {
+               engine(self).set_cache_capacity(as_size(bytes.ptr(), "cache_capacity"));
+           })
+        .def_property(
+            "immutable_rows", [engine](py::handle self) { return engine(self).immutable_rows(); },
+            [engine](py::handle self, bool value) { engine(self).set_immutable_rows(value); },
+            "Rows as tuples shared with the row cache (no per-call copy) instead of fresh lists.")
+        .def("cache_info", [engine](py::handle self) { return engine(self).cache_info(); })
+        .def("clear_cache", [engine](py::handle self) { engine(self).clear_cache(); })
+        .def("pin_regions",
+             [engine](py::handle self, py::handle bases, py::handle block_len) {
+                 engine(self).pin_regions(bases, block_len);
+             },
+             py::arg("kv_caches_base_addr"), py::arg("block_len"))
+        .def("unpin_regions", [engine](py::handle self) { engine(self).unpin_regions(); })
+        .def_property_readonly("region_pins", [engine](py::handle self) { return engine(self).region_pins(); });
+}
+
+}  // namespace kvaddr::py_bindings
