@@ -405,6 +405,44 @@ def test_staged_round_trip_codes_and_no_stale_bytes() -> None:
     assert type(codes) is list and all(type(c) is int for c in codes)
 
 
+def test_staged_call_passes_through_when_no_staging_span_frees_in_time() -> None:
+    """A staging pool held by other calls never makes a call wait forever: after ``staging_wait_s`` it goes to
+    Mooncake's own multi-buffer method with the same rows (list and array entries), and the same bytes move."""
+    import time
+
+    inner = FakeMooncake()
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16, staging_wait_s=0.05)
+    cache = StagingBuffer(4 * 2 * 256)
+    assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+    cache.array[:] = np.arange(cache.nbytes, dtype=np.uint64).astype(np.uint8)
+    want = cache.array.copy()
+    addrs, sizes = _rows(cache, 4, 2, 256)
+    keys = [f"k{i}" for i in range(4)]
+    held = store._pool.acquire(1 << 16)  # another call holds every byte of staging
+    try:
+        began = time.monotonic()
+        assert store.batch_put_from_multi_buffers(keys, addrs, sizes, "config") == [0] * 4
+        cache.array[:] = 0
+        assert store.batch_get_into_multi_buffers(keys, addrs, sizes) == [512] * 4
+        assert (cache.array == want).all()
+        cache.array[:] = 0
+        matrices = np.array(addrs, dtype=np.int64), np.array(sizes, dtype=np.int64)
+        assert store.batch_get_into_multi_buffers_arrays(keys, *matrices) == [512] * 4
+        assert store.batch_put_from_multi_buffers_arrays(keys, *matrices, "config") == [0] * 4
+        assert time.monotonic() - began < 5
+    finally:
+        held.release()
+    assert (cache.array == want).all()
+    assert inner.calls == ["put_multi", "get_multi", "get_multi", "put_multi"]
+    assert store.stats.lease_timeouts == 4 and store.stats.staged_puts == store.stats.staged_gets == 0
+    assert store.stats.passthrough_puts == store.stats.passthrough_gets == 2
+    # Once staging is free again, calls stage as before.
+    assert store.batch_put_from_multi_buffers(keys, addrs, sizes, "config") == [0] * 4
+    assert inner.calls[-1] == "put_from" and store.stats.staged_puts == 1
+    with pytest.raises(ValueError, match="staging_wait_s"):
+        StagedMooncakeStore(inner, staging_wait_s=float("nan"))
+
+
 def test_staged_passes_unregistered_memory_and_odd_calls_through() -> None:
     inner = FakeMooncake()
     inner.record_only()

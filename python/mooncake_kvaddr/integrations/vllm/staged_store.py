@@ -38,13 +38,15 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 @dataclass
 class StagedStats:
-    """Counters of a :class:`StagedMooncakeStore` (calls staged, calls passed through, keys re-fetched)."""
+    """Counters of a :class:`StagedMooncakeStore` (calls staged, calls passed through, keys re-fetched, calls
+    passed through because no staging span came free in time)."""
 
     staged_gets: int = 0
     staged_puts: int = 0
     passthrough_gets: int = 0
     passthrough_puts: int = 0
     refetched_keys: int = 0
+    lease_timeouts: int = 0
 
 
 class _Staged:
@@ -66,15 +68,26 @@ class StagedMooncakeStore(RaggedEntries):
     """A Mooncake store whose multi-buffer calls stage host-memory KV caches (see the module docstring).
 
     ``store`` is the wrapped ``MooncakeDistributedStore`` (or anything with its methods); ``staging_bytes`` the
-    staging buffer, shared by the threads using this store (each call leases one span, waiting while none
-    is free); ``copy_threads`` native copy threads per gather/scatter (0: by job size).
+    staging buffer, shared by the threads using this store (each call leases one span, waiting at most
+    ``staging_wait_s`` seconds while none is free, then passing the call through to Mooncake's own
+    multi-buffer method: never an endless wait); ``copy_threads`` native copy threads per gather/scatter
+    (0: by job size).
     """
 
     def __init__(
-        self, store: Any, *, staging_bytes: int = 256 << 20, copy_threads: int = 0, armed: bool = False
+        self,
+        store: Any,
+        *,
+        staging_bytes: int = 256 << 20,
+        copy_threads: int = 0,
+        armed: bool = False,
+        staging_wait_s: float = 10.0,
     ) -> None:
         if copy_threads < 0:
             raise ValueError(f"copy_threads must be >= 0, got {copy_threads}")
+        if not staging_wait_s >= 0:  # also refuses NaN
+            raise ValueError(f"staging_wait_s must be >= 0, got {staging_wait_s}")
+        self._staging_wait_s = float(staging_wait_s)
         self._store = store
         self._pool = StagingPool(staging_bytes)
         self._copy_threads = copy_threads
@@ -194,9 +207,14 @@ class StagedMooncakeStore(RaggedEntries):
             return None
         return staged
 
-    def _lease(self, staged: _Staged) -> StagingLease:
+    def _lease(self, staged: _Staged) -> StagingLease | None:
+        """A staging span for the call, or None when none came free within ``staging_wait_s``."""
         largest = int(staged.object_sizes.max())
-        return self._pool.acquire(largest, staged.total)
+        try:
+            return self._pool.acquire(largest, staged.total, timeout=self._staging_wait_s)
+        except TimeoutError:
+            self.stats.lease_timeouts += 1
+            return None
 
     def batch_get_into_multi_buffers(
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
@@ -212,10 +230,7 @@ class StagedMooncakeStore(RaggedEntries):
         if staged is None:
             self.stats.passthrough_gets += 1
             return self._store.batch_get_into_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
-        self.stats.staged_gets += 1
-        return self._staged_get(
-            keys, staged, lambda picks: ([all_buffer_ptrs[i] for i in picks], [all_sizes[i] for i in picks])
-        )
+        return self._staged_get(keys, staged, _list_rows(all_buffer_ptrs, all_sizes))
 
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
@@ -247,16 +262,18 @@ class StagedMooncakeStore(RaggedEntries):
                 return self._store.batch_get_into_multi_buffers_arrays(keys, addrs, sizes)
             rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
             return self._store.batch_get_into_multi_buffers(keys, *rows)
-        self.stats.staged_gets += 1
-        return self._staged_get(
-            keys, staged, lambda picks: (staged.addrs[picks].tolist(), staged.sizes[picks].tolist())
-        )
+        return self._staged_get(keys, staged, _matrix_rows(staged))
 
     def _staged_get(self, keys: list[str], staged: _Staged, rows_of: Any) -> list[int]:
         """Fetch ``keys`` through staging slots and scatter the complete ones; ``rows_of(picks)`` gives the
-        rows of the keys at ``picks`` for Mooncake's own call (keys whose get came back short)."""
+        rows of the keys at ``picks`` for Mooncake's own call (keys whose get came back short, or every key when
+        no staging span came free in time)."""
         results: list[int] = []
         lease = self._lease(staged)
+        if lease is None:
+            self.stats.passthrough_gets += 1
+            return list(self._store.batch_get_into_multi_buffers(keys, *rows_of(list(range(len(keys))))))
+        self.stats.staged_gets += 1
         try:
             for start, end in plan_batches(staged.plan, lease.nbytes):
                 offsets = staged.offsets[start:end] - staged.offsets[start]
@@ -316,7 +333,7 @@ class StagedMooncakeStore(RaggedEntries):
         if staged is None:
             self.stats.passthrough_puts += 1
             return self._store.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
-        return self._staged_put(keys, staged, config)
+        return self._staged_put(keys, staged, config, _list_rows(all_buffer_ptrs, all_sizes))
 
     def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
         """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with the rows as two (keys x regions) int64
@@ -334,12 +351,18 @@ class StagedMooncakeStore(RaggedEntries):
                 return self._store.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, config)
             rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
             return self._store.batch_put_from_multi_buffers(keys, *rows, config)
-        return self._staged_put(keys, staged, (config,))
+        return self._staged_put(keys, staged, (config,), _matrix_rows(staged))
 
-    def _staged_put(self, keys: list[str], staged: _Staged, config: tuple[Any, ...]) -> list[int]:
-        self.stats.staged_puts += 1
+    def _staged_put(self, keys: list[str], staged: _Staged, config: tuple[Any, ...], rows_of: Any) -> list[int]:
+        """Gather ``keys`` into staging slots and put them; ``rows_of`` as for :meth:`_staged_get` (used when no
+        staging span came free in time)."""
         results: list[int] = []
         lease = self._lease(staged)
+        if lease is None:
+            self.stats.passthrough_puts += 1
+            rows = rows_of(list(range(len(keys))))
+            return list(self._store.batch_put_from_multi_buffers(keys, *rows, *config))
+        self.stats.staged_puts += 1
         try:
             for start, end in plan_batches(staged.plan, lease.nbytes):
                 offsets = staged.offsets[start:end] - staged.offsets[start]
@@ -369,3 +392,13 @@ class StagedMooncakeStore(RaggedEntries):
 
     def __repr__(self) -> str:
         return f"StagedMooncakeStore({self._store!r}, staging={self._pool.capacity} bytes)"
+
+
+def _list_rows(all_buffer_ptrs: Any, all_sizes: Any) -> Any:
+    """``rows_of`` over vLLM's row lists: the rows of the keys at ``picks``."""
+    return lambda picks: ([all_buffer_ptrs[i] for i in picks], [all_sizes[i] for i in picks])
+
+
+def _matrix_rows(staged: _Staged) -> Any:
+    """``rows_of`` over a staging plan's int64 matrices, as lists for Mooncake's own call."""
+    return lambda picks: (staged.addrs[picks].tolist(), staged.sizes[picks].tolist())
