@@ -82,7 +82,12 @@ class LayoutDatabase:
     """
 
     def __init__(self, database: LayoutTokenDatabase) -> None:
-        layout = getattr(database, "store_layout", None)
+        if not isinstance(database, LayoutTokenDatabase):
+            raise TypeError(
+                "database: expected a layout ChunkedTokenDatabase (integrations.vllm.data), "
+                f"got {type(database).__name__}"
+            )
+        layout = database.store_layout
         if not isinstance(layout, (RankLocalStoreLayout, TPShardedStoreLayout)):
             raise TypeError(
                 "database: expected a layout ChunkedTokenDatabase (integrations.vllm.data) whose store_layout is "
