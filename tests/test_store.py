@@ -275,6 +275,31 @@ class BlockingClient:
         return 0
 
 
+class ShortAnswerClient:
+    """Stand-in for MooncakeDistributedStore that answers one code fewer than the keys it was asked about."""
+
+    def setup(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        return [1] * (len(keys) - 1)
+
+    def close(self) -> int:
+        return 0
+
+
+def test_short_answer_from_mooncake_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fewer codes than keys: which key each code belongs to is unknown, so nothing may count as present.
+    fake = SimpleNamespace(MooncakeDistributedStore=ShortAnswerClient)
+    monkeypatch.setattr(store_module, "load_mooncake", lambda: fake)
+    store = MooncakeStore(master_server_address="127.0.0.1:1").setup()
+    try:
+        with pytest.raises(StoreError, match="1 results for 2 keys"):
+            store.batch_is_exist(["a", "b"])
+    finally:
+        store.close()
+
+
 def test_close_waits_for_calls_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     client = BlockingClient()
     fake = SimpleNamespace(MooncakeDistributedStore=lambda: client)

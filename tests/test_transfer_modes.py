@@ -638,6 +638,7 @@ def test_a_short_read_is_a_failed_chunk_in_the_contiguous_paths(
             before = dst.snapshot()
             loaded = reader.load(TransferRequest("r", 48, h, [[1, 4, 3]]))
     assert loaded.loaded_block_ids == {1, 3} and loaded.failed_block_ids == {4}
+    assert loaded.bytes == 2 * regions * 256  # the bytes of the keys read whole only
     assert_blocks_equal(src, [1, 3], dst, [1, 3])
     if mode == "staged":  # nothing scattered into the block of the short key
         for region, old in zip(dst.regions, before, strict=True):
