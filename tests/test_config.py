@@ -156,6 +156,22 @@ def test_invalid_fields_are_rejected_by_name(kwargs: dict[str, object], error: t
         StoreConfig(**kwargs)  # type: ignore[arg-type]
 
 
+def test_int_fields_accept_their_bounds() -> None:
+    from mooncake_kvaddr.driver import config as config_module
+
+    top = StoreConfig(
+        setup_retries=config_module._MAX_SETUP_RETRIES, max_abandoned_calls=config_module._MAX_ABANDONED_CALLS_LIMIT
+    )
+    assert top.setup_retries == config_module._MAX_SETUP_RETRIES
+    assert top.max_abandoned_calls == config_module._MAX_ABANDONED_CALLS_LIMIT
+    low = StoreConfig(setup_retries=1, max_abandoned_calls=0, max_regions_per_batch=1)
+    assert (low.setup_retries, low.max_abandoned_calls, low.region_budget) == (1, 0, 1)
+    with pytest.raises(ValueError, match="setup_retries"):
+        StoreConfig(setup_retries=config_module._MAX_SETUP_RETRIES + 1)
+    with pytest.raises(ValueError, match="max_abandoned_calls"):
+        StoreConfig(max_abandoned_calls=config_module._MAX_ABANDONED_CALLS_LIMIT + 1)
+
+
 def test_config_is_frozen_and_normalised() -> None:
     config = StoreConfig(master_server_address=" 127.0.0.1:1234 ", master_args=["-a=1"])  # type: ignore[arg-type]
     assert config.master_server_address == "127.0.0.1:1234" and not config.embedded_master

@@ -19,6 +19,7 @@ from mooncake_kvaddr.driver.staging import (
     CopyBackend,
     HostCopyBackend,
     StagingBuffer,
+    StagingPool,
     gather,
     plan_slots,
     scatter,
@@ -575,6 +576,20 @@ def test_staging_buffer_is_aligned_and_bounded() -> None:
             StagingBuffer(10, alignment=alignment)
     with pytest.raises(ValueError, match="nbytes"):
         StagingBuffer(-1)
+
+
+def test_pool_spans_freed_in_order_merge_with_the_first_free_span() -> None:
+    pool = StagingPool(4 * SLOT_ALIGNMENT, prefault=False)
+    a, b = pool.acquire(SLOT_ALIGNMENT, SLOT_ALIGNMENT), pool.acquire(SLOT_ALIGNMENT, SLOT_ALIGNMENT)
+    rest = pool.acquire(1, 4 * SLOT_ALIGNMENT)
+    assert (a.offset, b.offset, rest.offset) == (0, SLOT_ALIGNMENT, 2 * SLOT_ALIGNMENT)
+    a.release()
+    b.release()  # the span before it is the first free span: they merge into one
+    both = pool.acquire(2 * SLOT_ALIGNMENT, timeout=0.2)
+    assert (both.offset, both.nbytes) == (0, 2 * SLOT_ALIGNMENT)
+    both.release()
+    rest.release()
+    assert pool.acquire(4 * SLOT_ALIGNMENT, timeout=0.2).nbytes == 4 * SLOT_ALIGNMENT
 
 
 def test_host_backend_is_a_copy_backend_and_round_trips() -> None:
