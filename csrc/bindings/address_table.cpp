@@ -45,8 +45,8 @@ py::tuple AddressTable::prepare_values_array(py::handle chunks, py::handle block
 
 py::tuple AddressTable::prepare_value_for_block(py::handle block_id) {
     py::object id_object = py::reinterpret_borrow<py::object>(block_id);
-    const int64_t id = as_int64(id_object.ptr(), "block_id");
-    return engine_.value_for_block(id);
+    const int64_t id = as_int64(id_object.ptr(), "block_id");  // the reference converts the id first
+    return engine_.value_for_block(engine_.snapshot(), id);
 }
 
 }  // namespace kvaddr::py_bindings

@@ -196,10 +196,9 @@ py::tuple RowEngine::rows_as_arrays(const Snapshot& snapshot, const std::vector<
     return py::make_tuple(std::move(addrs), std::move(sizes), std::move(ids));
 }
 
-py::tuple RowEngine::value_for_block(int64_t block_id) {
+py::tuple RowEngine::value_for_block(const Snapshot& snapshot, int64_t block_id) {
     if (tp_shared_) raise(PyExc_RuntimeError, "prepare_value_for_block is for the rank-local layout");
-    const Snapshot snap = snapshot();
-    const layout::Segments& t = snap.templates->front();
+    const layout::Segments& t = snapshot.templates->front();
     std::vector<int64_t> values(t.count());
     if (!layout::address_row(t, block_id, values.data())) raise_address_overflow(0, block_id);
     py::object addrs = py::reinterpret_steal<py::object>(new_int_list(values.data(), values.size()));

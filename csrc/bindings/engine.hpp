@@ -78,8 +78,8 @@ public:
                             std::vector<py::object>& id_objects);
     // The same as fresh int64 arrays (addrs (n, S), sizes (n, S), ids (n,)); the GIL is released for big ones.
     py::tuple rows_as_arrays(const Snapshot& snapshot, const std::vector<KeyPlan>& plans);
-    // Rank-local: (addresses, sizes) of one block in every region, as fresh lists.
-    py::tuple value_for_block(int64_t block_id);
+    // Rank-local: (addresses, sizes) of one block in every region of `snapshot`, as fresh lists.
+    py::tuple value_for_block(const Snapshot& snapshot, int64_t block_id);
 
     std::size_t cache_capacity() const { return cache_.capacity(); }
     void set_cache_capacity(std::size_t bytes);

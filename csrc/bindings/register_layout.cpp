@@ -111,8 +111,7 @@ public:
     py::tuple prepare_value_for_block(py::handle block_id) {
         require_rank_local("prepare_value_for_block");
         const Snapshot snapshot = engine_.snapshot();  // vLLM reads the regions before the id
-        (void)snapshot;
-        return engine_.value_for_block(as_int64(block_id.ptr(), "block_id"));
+        return engine_.value_for_block(snapshot, as_int64(block_id.ptr(), "block_id"));
     }
 
     // The receive thread's per-group work in one call (docs/vllm.md, "Fused plan"): walk
