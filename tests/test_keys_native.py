@@ -117,6 +117,21 @@ def test_key_errors() -> None:
         ChunkedTokenDatabase(KeyMetadata("t", 0, 0, 0, 0), 16).key_for("ab")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("odd", [b"a", b"abc", b""], ids=["shorter", "longer", "empty"])
+def test_a_hash_of_another_length_than_hash_len_is_refused(odd: bytes) -> None:
+    """With ``hash_len`` given, every hash of a sequence must have exactly that many bytes: a shorter one too."""
+    hashes = [b"ab", odd, b"cd"]
+    match = rf"hash 1 has {len(odd)} bytes, expected hash_len 2"
+    for build in (
+        lambda: build_keys("p", hashes, 2),
+        lambda: build_lookup_keys(["p", "q"], hashes, 2),
+        lambda: _native.lookup_key_blob(["p"], hashes, 2),
+        lambda: ChunkedTokenDatabase(KeyMetadata("t", 0, 0, 0, 0), 16).keys_for(hashes, hash_len=2),
+    ):
+        with pytest.raises(ValueError, match=match):
+            build()
+
+
 # Lookup namespaces (docs/keys.md).
 def prefixes_for(md: KeyMetadata, tp: int, pcp: int, dcp: int, pp: int, factor: int) -> list[str]:
     return lookup_prefixes(md, lookup_namespaces(tp, pcp, dcp, pp, factor))

@@ -108,6 +108,17 @@ def test_full_hit_is_re_derived_without_a_second_rpc() -> None:
     assert len(store.calls) == 1
 
 
+def test_the_vllm_033_shape_re_derives_a_full_hit_too() -> None:
+    """lookup_with_boundaries cuts a hit covering the whole prompt below its last token as lookup does (vLLM
+    computes that token again), with the boundaries of the shorter hit and without a second RPC."""
+    store = FakeStore([1, 1])
+    lookup = worker(store).store_lookup
+    assert lookup.lookup_with_boundaries(store, 32, [b"h0", b"h1"]) == LookupResult(16, (TailKeyBoundary(0, 16),))
+    assert len(store.calls) == 1
+    assert lookup.lookup_with_boundaries(FakeStore([1]), 16, [b"h0"]) == LookupResult(0)  # nothing below the last token
+    assert lookup.lookup_with_boundaries(FakeStore([1, 1]), 33, [b"h0", b"h1"]).hit_length == 32  # not a full hit
+
+
 def test_nothing_to_probe_makes_no_rpc() -> None:
     store = FakeStore([1])
     xfer = worker(store)
