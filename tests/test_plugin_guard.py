@@ -571,3 +571,25 @@ def test_rows_that_cannot_be_paired_with_the_keys_refuse_every_key() -> None:
     assert store.register_buffer(4096, 4096) == 0
     assert store.batch_put_from_multi_buffers(["a", "b"], [[4096]], [[64], [64]]) == [INVALID_PARAMS] * 2
     assert sent == []
+
+
+def test_put_from_with_metadata_checks_each_buffer_with_its_own_size() -> None:
+    """``put_from_with_metadata(key, buffer_ptr, metadata_buffer_ptr, size, metadata_size)`` has two slices,
+    ``(buffer_ptr, size)`` and ``(metadata_buffer_ptr, metadata_size)``: each is checked with its own size."""
+    sent: list[tuple[Any, ...]] = []
+
+    class Fake:
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 0
+
+        def put_from_with_metadata(self, *args: Any) -> int:
+            sent.append(args)
+            return 0
+
+    store = NativeMooncakeStore(Fake(), armed=True)
+    assert store.register_buffer(4096, 4096) == 0
+    tail = 8192 - 64  # the buffer's last 64 bytes
+    assert store.put_from_with_metadata("a", tail, 4096, 64, 1024) == 0  # both inside
+    assert store.put_from_with_metadata("b", tail, 4096, 1024, 64) == INVALID_PARAMS  # the data runs past the end
+    assert store.put_from_with_metadata("c", 4096, tail, 64, 1024) == INVALID_PARAMS  # the metadata does
+    assert [args[0] for args in sent] == ["a"]

@@ -410,6 +410,26 @@ def test_gather_accepts_adjacent_slots_out_of_order() -> None:
     assert got == f.layout.objects()
 
 
+@pytest.mark.parametrize("fn", [gather, scatter])
+@pytest.mark.parametrize("side", ["ends_at_staging", "starts_at_staging_end"])
+def test_a_slice_touching_the_staging_buffer_is_not_an_overlap(fn: CopyFn, side: str) -> None:
+    """A slice that ends exactly where the staging buffer begins, or begins exactly where it ends, shares no byte
+    with it: copied like any other (one allocation, its halves the KV range and the staging span)."""
+    half, size = 4096, 256
+    buf = StagingBuffer(2 * half)
+    buf.array[:] = np.random.default_rng(3).integers(0, 256, buf.nbytes, dtype=np.uint8)
+    kv_at, staging_at = (0, half) if side == "ends_at_staging" else (half, 0)
+    at = half - size if side == "ends_at_staging" else half  # the slice's offset in the allocation
+    before = buf.array.copy()
+    addrs = np.array([[buf.ptr + at]], dtype=np.int64)
+    sizes = np.array([[size]], dtype=np.int64)
+    copied = fn(addrs, sizes, buf.span(staging_at, half), np.zeros(1, np.int64), [(buf.ptr + kv_at, half)])
+    assert copied == size
+    slot, kv = slice(staging_at, staging_at + size), slice(at, at + size)
+    dst, src = (slot, kv) if fn is gather else (kv, slot)
+    np.testing.assert_array_equal(buf.array[dst], before[src])
+
+
 def test_scatter_accepts_overlapping_slots() -> None:
     """Scatter only reads slots: one slot may feed two keys' slices."""
     f = Fixture()
