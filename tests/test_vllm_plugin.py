@@ -383,15 +383,20 @@ def test_staged_round_trip_codes_and_no_stale_bytes() -> None:
     reference.batch_put_from_multi_buffers(keys, addrs, sizes)
     assert inner.objects == reference.objects  # staged objects are byte-identical to multi-buffer ones
 
-    # k3 missing, k5 shorter than its regions: k3 is never written, k5 gets Mooncake's own answer (-800).
+    # k3 missing, k5 shorter than its regions: neither is written; k5 is a failure (the driver's staged rule)
+    # answered as Mooncake's multi-buffer get answers it (-800), without a second Mooncake call.
     del inner.objects["k3"]
     del reference.objects["k3"]
     inner.objects["k5"] = inner.objects["k5"][:512]
+    reference.objects["k5"] = reference.objects["k5"][:512]
     cache.array[:] = 0
+    inner.calls.clear()
     codes = store.batch_get_into_multi_buffers(keys, addrs, sizes)
-    expected = reference.batch_get_into_multi_buffers(["k3"], addrs[3:4], sizes[3:4])
+    assert inner.calls == ["get_into"]
+    expected = reference.batch_get_into_multi_buffers(["k3", "k5"], [addrs[3], addrs[5]], [sizes[3], sizes[5]])
     assert codes[3] == expected[0] == -704
-    assert codes[5] == -800 and store.stats.refetched_keys == 1
+    assert codes[5] == expected[1] == -800
+    assert store.stats.short_reads == store.stats.refetched_keys == 1
     assert all(c == 1024 for i, c in enumerate(codes) if i not in (3, 5))
     # The regions of the missing key stay zero even though a slot was staged for it.
     written = np.zeros(cache.nbytes, dtype=bool)

@@ -283,10 +283,3 @@ class TransferPath:
         for outcome, n in got.summary().items():
             count(outcomes, outcome, n)
         return got
-
-
-def _read_whole(got: BatchResult, expected: Int64Array) -> BoolArray:
-    """Per key: the get succeeded and read exactly the object size asked for."""
-    codes = np.asarray(got.codes, dtype=np.int64)
-    whole: BoolArray = (codes == expected) & (codes > 0)
-    return whole

@@ -20,13 +20,13 @@ from mooncake_kvaddr.driver.path_base import (
     GetPlan,
     PathContext,
     TransferPath,
-    _read_whole,
     check_rows_inside,
     rows_bounded,
 )
 from mooncake_kvaddr.driver.probe import PeerScreen
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import group_runs, rotate
+from mooncake_kvaddr.driver.staging import read_whole
 from mooncake_kvaddr.driver.store import CODE_MASTER_UNREACHABLE, BatchResult, Outcome, RequestDeadline
 
 __all__ = ["DirectPath", "MultiBufferPath"]
@@ -241,7 +241,7 @@ class DirectPath(TransferPath):
         got = self._call_inline("load_get", len(keys), int(expected.sum()), lambda: self.ctx.store.batch_get_into(
             keys, ptrs.tolist(), expected.tolist(), check_values=False, deadline=deadline
         ), clock, "get", outcomes)  # fmt: skip
-        whole = _read_whole(got, expected)
+        whole = read_whole(got.codes, expected)
         nbytes = int(expected[whole].sum())
         if picks is not None:
             whole = _spread(whole, picks, n)

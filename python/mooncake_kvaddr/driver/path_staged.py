@@ -22,20 +22,20 @@ from mooncake_kvaddr.driver.path_base import (
     Int64Array,
     PathContext,
     TransferPath,
-    _read_whole,
     rows_bounded,
 )
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import rotate
 from mooncake_kvaddr.driver.staging import (
     SLOT_ALIGNMENT,
+    BoolArray,
     CopyBackend,
     SlotPlan,
     StagingLease,
     StagingPool,
     check_staging,
-    plan_batches,
     plan_slots,
+    run_staged,
 )
 from mooncake_kvaddr.driver.store import CODE_MASTER_UNREACHABLE, BatchResult, MooncakeStore, Outcome, RequestDeadline
 from mooncake_kvaddr.driver.workers import CallAbandoned, CallRunner, PendingCall
@@ -234,13 +234,22 @@ class StagedPath(TransferPath):
             slots = _lay_out(object_sizes)
         return GetPlan(keys, addrs, sizes, ids, slots=slots, row_shift=shift)
 
-    def _lease(self, object_sizes: Int64Array, total_bytes: int, deadline: RequestDeadline) -> StagingLease | None:
-        """A lease for these keys, waiting at most until the deadline (``None`` if it expired meanwhile)."""
+    def _lease_unless_refused(self, plan: SlotPlan, deadline: RequestDeadline, clock: Clock) -> StagingLease | None:
+        """A lease for the plan's keys, waiting at most until the deadline; ``None`` when too many abandoned calls
+        are in flight or the deadline expired meanwhile."""
+        if self._refused(deadline):
+            return None
+        lease = self._lease(plan, deadline)
+        clock.lap("staging_wait")
+        return lease
+
+    def _lease(self, plan: SlotPlan, deadline: RequestDeadline) -> StagingLease | None:
+        """A lease for the plan's keys, waiting at most until the deadline (``None`` if it expired meanwhile)."""
         remaining = deadline.remaining()
-        largest = int(object_sizes.max()) if len(object_sizes) else 0
+        largest = int(plan.object_sizes.max()) if len(plan.object_sizes) else 0
         timeout = STAGING_WAIT_S if remaining is None else min(STAGING_WAIT_S, remaining)
         try:
-            lease = self.pool.acquire(largest, total_bytes, timeout=timeout)
+            lease = self.pool.acquire(largest, plan.total_bytes, timeout=timeout)
         except TimeoutError:
             if deadline.expired():
                 return None
@@ -267,57 +276,42 @@ class StagedPath(TransferPath):
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
         clock.lap("prepare")
         plan = plan_slots(sizes)
-        ok = [False] * len(keys)
-        if self._refused(deadline):
-            count(result.outcomes, NOT_TRIED, len(keys))
-            return ok, plan.object_sizes.tolist()
-        lease = self._lease(plan.object_sizes, plan.total_bytes, deadline)
-        clock.lap("staging_wait")
+        lease = self._lease_unless_refused(plan, deadline, clock)
         if lease is None:
             count(result.outcomes, NOT_TRIED, len(keys))
-            return ok, plan.object_sizes.tolist()
+            return [False] * len(keys), plan.object_sizes.tolist()
         made: list[PendingCall[BatchResult]] = []
-        try:
-            for start, end in plan_batches(plan, lease.nbytes):
-                if deadline.expired() or self._refused(deadline):
-                    count(result.outcomes, NOT_TRIED, len(keys) - start)
-                    break
-                slots = plan.offsets[start:end] - plan.offsets[start]
-                try:
-                    self.copy.gather(addrs[start:end], sizes[start:end], lease.range, slots)
-                except (ValueError, RuntimeError) as exc:
-                    clock.lap("gather")
-                    logger.warning("store %s: gather of keys %d..%d failed: %s", result.req_id, start, end - 1, exc)
-                    count(result.outcomes, "gather_failed", end - start)
-                    continue
+        stop = _Stop(len(keys), result.outcomes, deadline, self._refused)
+
+        def fill(start: int, end: int, slots: Int64Array, _select: object) -> bool:
+            try:
+                self.copy.gather(addrs[start:end], sizes[start:end], lease.range, slots)
+            except (ValueError, RuntimeError) as exc:
+                logger.warning("store %s: gather of keys %d..%d failed: %s", result.req_id, start, end - 1, exc)
+                count(result.outcomes, "gather_failed", end - start)
+                return False
+            finally:
                 clock.lap("gather")
-                object_sizes = plan.object_sizes[start:end]
-                batch_keys, ptrs, batch_sizes = keys[start:end], (slots + lease.ptr).tolist(), object_sizes.tolist()
-                put = self._call(
-                    "save_put",
-                    partial(self.ctx.store.batch_put_from, batch_keys, ptrs, batch_sizes, self.ctx.replicate_config,
-                            check_values=False, deadline=deadline),
-                    lease, int(slots[-1] + object_sizes[-1]), end - start, int(object_sizes.sum()), deadline,
-                    made,
-                )  # fmt: skip
-                clock.lap("put")
-                if put is None:
-                    # Abandoned: Mooncake may still read these slots (the lease stays the call's), and whether
-                    # it stores the objects is unknown: they count as failed (a later store finds them, or not).
-                    count(result.outcomes, NOT_TRIED, len(keys) - start)
-                    break
-                ok[start:end] = put.present
-                for outcome, n in put.summary().items():
-                    count(result.outcomes, outcome, n)
-                result.back_pressure = result.back_pressure or put.back_pressure
-                if CODE_MASTER_UNREACHABLE in put.codes and end < len(keys):
-                    # Every further batch would block only to report the same.
-                    count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - end)
-                    break
+            return True
+
+        def put(start: int, end: int, ptrs: list[int], object_sizes: list[int]) -> tuple[int, ...] | None:
+            call = partial(self.ctx.store.batch_put_from, keys[start:end], ptrs, object_sizes,
+                           self.ctx.replicate_config, check_values=False, deadline=deadline)  # fmt: skip
+            got = self._call("save_put", call, lease, ptrs[-1] - lease.ptr + object_sizes[-1], end - start,
+                             sum(object_sizes), deadline, made)  # fmt: skip
+            clock.lap("put")
+            if got is not None:
+                result.back_pressure = result.back_pressure or got.back_pressure
+            # Abandoned (None): Mooncake may still read these slots (the lease stays the call's), and whether it
+            # stores the objects is unknown: they count as failed (a later store finds them, or not).
+            return stop.answer(start, got)
+
+        try:
+            run = run_staged(False, plan, lease, put, fill, stop.proceed)
         finally:
             if not any(call.abandoned for call in made):
                 lease.release()
-        return ok, plan.object_sizes.tolist()
+        return run.done.tolist(), plan.object_sizes.tolist()
 
     def get(
         self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
@@ -327,58 +321,76 @@ class StagedPath(TransferPath):
         else:
             addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
         keys = plan.keys[start:end]
-        loaded = np.zeros(end - start, dtype=bool)
         slots_plan = plan_slots(sizes) if plan.slots is None else _sub_plan(plan.slots, start, end)
-        if self._refused(deadline):
-            count(outcomes, NOT_TRIED, len(keys))
-            return GetOutcome(loaded, False, 0)
-        lease = self._lease(slots_plan.object_sizes, slots_plan.total_bytes, deadline)
-        clock.lap("staging_wait")
+        lease = self._lease_unless_refused(slots_plan, deadline, clock)
         if lease is None:
             count(outcomes, NOT_TRIED, len(keys))
-            return GetOutcome(loaded, False, 0)
+            return GetOutcome(np.zeros(len(keys), dtype=bool), False, 0)
         made: list[PendingCall[BatchResult]] = []
+        stop = _Stop(len(keys), outcomes, deadline, self._refused)
+
+        def get(lo: int, hi: int, ptrs: list[int], expected: list[int]) -> tuple[int, ...] | None:
+            call = partial(self.ctx.store.batch_get_into, keys[lo:hi], ptrs, expected, check_values=False,
+                           deadline=deadline)  # fmt: skip
+            got = self._call("load_get", call, lease, ptrs[-1] - lease.ptr + expected[-1], hi - lo, sum(expected),
+                             deadline, made)  # fmt: skip
+            clock.lap("get")
+            # Abandoned (None): Mooncake may still write these slots, so nothing is scattered from them.
+            return stop.answer(lo, got)
+
+        def put_back(lo: int, hi: int, slots: Int64Array, whole: BoolArray | None) -> bool:
+            # Only keys read whole: a failed key's slot holds stale bytes of an earlier request.
+            if whole is not None and whole.any():
+                if plan.row_shift:
+                    rows = (np.arange(start + lo, start + hi) + plan.row_shift) % len(plan.keys)
+                    row_slots = np.zeros(len(plan.keys), dtype=np.int64)
+                    row_slots[rows] = slots
+                    select = np.zeros(len(plan.keys), dtype=bool)
+                    select[rows] = whole
+                    self.copy.scatter(addrs, sizes, lease.range, row_slots, select=select)
+                else:
+                    self.copy.scatter(addrs[lo:hi], sizes[lo:hi], lease.range, slots, select=whole)
+            clock.lap("scatter")
+            return True
+
         try:
-            for lo, hi in plan_batches(slots_plan, lease.nbytes):
-                if deadline.expired() or self._refused(deadline):
-                    # Nothing of these keys reaches the cache: no get, no scatter.
-                    count(outcomes, NOT_TRIED, len(keys) - lo)
-                    break
-                slots = slots_plan.offsets[lo:hi] - slots_plan.offsets[lo]
-                expected = slots_plan.object_sizes[lo:hi]
-                ptrs = (slots + lease.ptr).tolist()
-                got = self._call(
-                    "load_get",
-                    partial(self.ctx.store.batch_get_into, keys[lo:hi], ptrs, expected.tolist(), check_values=False,
-                            deadline=deadline),
-                    lease, int(slots[-1] + expected[-1]), hi - lo, int(expected.sum()), deadline, made,
-                )  # fmt: skip
-                clock.lap("get")
-                if got is None:
-                    # Abandoned: Mooncake may still write these slots, so nothing is scattered from them.
-                    count(outcomes, NOT_TRIED, len(keys) - lo)
-                    break
-                for outcome, n in got.summary().items():
-                    count(outcomes, outcome, n)
-                whole = _read_whole(got, expected)
-                if whole.any():
-                    # Only keys read whole: a failed key's slot holds stale bytes of an earlier request.
-                    if plan.row_shift:
-                        rows = (np.arange(start + lo, start + hi) + plan.row_shift) % len(plan.keys)
-                        row_slots = np.zeros(len(plan.keys), dtype=np.int64)
-                        row_slots[rows] = slots
-                        select = np.zeros(len(plan.keys), dtype=bool)
-                        select[rows] = whole
-                        self.copy.scatter(addrs, sizes, lease.range, row_slots, select=select)
-                    else:
-                        self.copy.scatter(addrs[lo:hi], sizes[lo:hi], lease.range, slots, select=whole)
-                loaded[lo:hi] = whole
-                clock.lap("scatter")
-                if CODE_MASTER_UNREACHABLE in got.codes:
-                    if hi < len(keys):
-                        count(outcomes, Outcome.MASTER_UNREACHABLE.value, len(keys) - hi)
-                    return GetOutcome(loaded, True, int(slots_plan.object_sizes[loaded].sum()))
+            run = run_staged(True, slots_plan, lease, get, put_back, stop.proceed)
         finally:
             if not any(call.abandoned for call in made):
                 lease.release()
-        return GetOutcome(loaded, False, int(slots_plan.object_sizes[loaded].sum()))
+        return GetOutcome(run.done, stop.unreachable, int(slots_plan.object_sizes[run.done].sum()))
+
+
+class _Stop:
+    """When a staged request stops between batches, and how its untried keys are counted: after an answer with
+    ``CODE_MASTER_UNREACHABLE`` (every further batch would block only to report the same), at the deadline, or
+    while too many abandoned calls are in flight; an abandoned call's keys and all after them are not tried."""
+
+    def __init__(
+        self, num_keys: int, outcomes: dict[str, int], deadline: RequestDeadline, refused: Callable[..., bool]
+    ) -> None:
+        self.num_keys = num_keys
+        self.outcomes = outcomes
+        self.deadline = deadline
+        self.refused = refused
+        self.unreachable = False
+
+    def proceed(self, start: int) -> bool:
+        if self.unreachable:
+            count(self.outcomes, Outcome.MASTER_UNREACHABLE.value, self.num_keys - start)
+            return False
+        if self.deadline.expired() or self.refused(self.deadline):
+            count(self.outcomes, NOT_TRIED, self.num_keys - start)
+            return False
+        return True
+
+    def answer(self, start: int, got: BatchResult | None) -> tuple[int, ...] | None:
+        """The codes of a batch's answer, its outcomes counted; ``None`` (the keys from ``start`` on counted as
+        not tried) for an abandoned call."""
+        if got is None:
+            count(self.outcomes, NOT_TRIED, self.num_keys - start)
+            return None
+        for outcome, n in got.summary().items():
+            count(self.outcomes, outcome, n)
+        self.unreachable = self.unreachable or CODE_MASTER_UNREACHABLE in got.codes
+        return got.codes

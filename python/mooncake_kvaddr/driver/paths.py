@@ -38,7 +38,6 @@ from mooncake_kvaddr.driver.path_base import (
 )
 from mooncake_kvaddr.driver.path_base import Int64Array as Int64Array
 from mooncake_kvaddr.driver.path_base import _no_instance_overrides as _no_instance_overrides
-from mooncake_kvaddr.driver.path_base import _read_whole as _read_whole
 from mooncake_kvaddr.driver.path_direct import DirectPath, MultiBufferPath
 from mooncake_kvaddr.driver.path_direct import _after_peers as _after_peers
 from mooncake_kvaddr.driver.path_direct import _screen_peers as _screen_peers

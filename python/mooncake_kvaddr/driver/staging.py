@@ -23,46 +23,20 @@ Typical use (``addrs``/``sizes`` from ``ChunkedTokenDatabase.prepare_values_arra
     backend.gather(addrs, sizes, staging.range, plan.offsets)
     # store.batch_put_from(keys, staging.ptr + plan.offsets, plan.object_sizes)
 
-:class:`~mooncake_kvaddr.driver.transfer.KVTransfer` does this per request in its ``"staged"`` mode, with a
-:class:`StagingPool` shared by its threads: each request leases one span (the whole request when it fits),
-and :func:`plan_batches` cuts the request into as few batches as the span allows.
-
-Design for GPU KV caches (not built here; the host path is the one implemented)
--------------------------------------------------------------------------------
-
-The driver only talks to a :class:`CopyBackend` and a :class:`StagingPool`; a device backend plugs in by
-providing both for device memory:
-
-* **Staging in device memory** (or pinned host memory next to the GPU). :class:`StagingPool` needs nothing of
-  its buffer but ``(ptr, nbytes)`` and a one-time touch: a device pool is the same span allocator over one
-  ``cudaMalloc`` range, registered with Mooncake once as one range (with its device location, so that RDMA
-  reads and writes it directly, GPUDirect). Leases, batch planning and slot alignment are unchanged; align
-  slots to 256 B for coalesced device copies.
-* **A device** :class:`CopyBackend` (``memory_kind == "device"``): one gather/scatter kernel launch per
-  batch (a thread block per key walking its slices in region order) or one copy-engine batch
-  (``cudaMemcpyBatchAsync``-style, one descriptor per slice); never one Python-level call per key or slice.
-  The ``(keys, regions)`` address/size matrices, the slot offsets and the ``select`` mask go to the device
-  once per batch through a small pinned buffer.
-* **The same contract as the host backend**: all-or-nothing validation on the host before the launch (a
-  kernel cannot raise), bytes returned, ``select`` honoured so a failed key's blocks are never written.
-* **Stream ordering**: ``gather`` runs on a stream ordered after the model's writes to the blocks (vLLM
-  records one event per step) and returns once the copy is complete, because Mooncake reads the staging
-  next; ``scatter`` is ordered after the get and completes before the blocks are handed back to the engine.
-  Waiting for the device happens with the GIL released.
-* **Mode choice**: ``"auto"`` stages only host memory today; with a device backend registered for device
-  regions, ``register_kv_caches`` would pick the backend by the regions' memory kind (until then device
-  regions use the multi-buffer calls, which Mooncake's CUDA build can read from device memory).
+:func:`run_staged` is the one staged routine: the driver's staged path and the vLLM store wrapper move their
+keys through a leased staging span with it (batches that fit the span, a short read counted as a failure).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr import _native
+from mooncake_kvaddr.driver.outcomes import CODE_TRANSFER_FAILED
 
 # Buffers, pool and leases live in staging_buffers; every name this module offered is re-exported here.
 from mooncake_kvaddr.driver.staging_buffers import _LIVE_STAGING as _LIVE_STAGING
@@ -91,6 +65,7 @@ __all__ = [
     "HostCopyBackend",
     "MemoryRange",
     "SlotPlan",
+    "StagedRun",
     "StagingBuffer",
     "StagingLease",
     "StagingPool",
@@ -98,10 +73,13 @@ __all__ = [
     "gather",
     "plan_batches",
     "plan_slots",
+    "read_whole",
+    "run_staged",
     "scatter",
 ]
 
 Int64Array = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 #: A selection of keys: one flag per key (nonzero / True = copy the key).
 KeySelection = npt.NDArray[np.bool_] | npt.NDArray[np.uint8]
 
@@ -169,6 +147,77 @@ def plan_batches(plan: SlotPlan, span_bytes: int, max_keys: int | None = None) -
         batches.append((start, end))
         start = end
     return batches
+
+
+def read_whole(codes: Sequence[int] | Int64Array, expected: Int64Array) -> BoolArray:
+    """Per key: the get succeeded and read exactly the ``expected`` object size (a short read is a failure).
+    ``RuntimeError`` when Mooncake answered another number of codes than keys."""
+    got = np.asarray(codes, dtype=np.int64)
+    if got.shape != expected.shape:
+        raise RuntimeError(f"Mooncake returned {got.size} results for {expected.size} keys")
+    whole: BoolArray = (got == expected) & (got > 0)
+    return whole
+
+
+class StagedRun(NamedTuple):
+    """What :func:`run_staged` did, per key of the plan.
+
+    ``codes``: Mooncake's answer, a get's short read replaced by ``CODE_TRANSFER_FAILED`` (what Mooncake's
+    multi-buffer get answers when the regions hold more than the object); keys without an answer (never
+    reached, a failed gather, an abandoned call) also read ``CODE_TRANSFER_FAILED``. ``done``: stored (put:
+    code 0) or read whole and scattered (get). ``short``: how many gets read fewer bytes than the object.
+    """
+
+    codes: Int64Array
+    done: BoolArray
+    short: int
+
+
+def run_staged(
+    get: bool,
+    plan: SlotPlan,
+    lease: StagingLease,
+    call: Callable[[int, int, list[int], list[int]], Sequence[int] | None],
+    copy: Callable[[int, int, Int64Array, BoolArray | None], bool],
+    proceed: Callable[[int], bool] | None = None,
+) -> StagedRun:
+    """Move ``plan``'s keys through ``lease`` in as few batches as its span allows (:func:`plan_batches`).
+
+    Per batch ``[start, end)`` with slot offsets ``slots`` relative to the lease: ``proceed(start)`` (when
+    given) may stop the run before the batch; a put calls ``copy(start, end, slots, None)`` (the gather: False
+    skips the batch's call) then ``call(start, end, slot pointers, object sizes)``; a get makes the call, then
+    ``copy(start, end, slots, whole)`` with the keys read whole (the scatter, which copies only those). A call
+    returning ``None`` stops the run (an abandoned call); an answer of another length raises ``RuntimeError``.
+    The lease stays the caller's to release.
+    """
+    n = len(plan.offsets)
+    codes = np.full(n, CODE_TRANSFER_FAILED, dtype=np.int64)
+    done = np.zeros(n, dtype=bool)
+    short = 0
+    for start, end in plan_batches(plan, lease.nbytes):
+        if proceed is not None and not proceed(start):
+            break
+        slots = plan.offsets[start:end] - plan.offsets[start]
+        sizes = plan.object_sizes[start:end]
+        if not get and not copy(start, end, slots, None):
+            continue  # nothing gathered: the batch is never put
+        answer = call(start, end, (slots + lease.ptr).tolist(), sizes.tolist())
+        if answer is None:
+            break
+        if get:
+            ok = read_whole(answer, sizes)
+            got = np.asarray(answer, dtype=np.int64)
+            short += int(np.count_nonzero((got >= 0) & ~ok))
+            codes[start:end] = np.where(ok | (got < 0), got, CODE_TRANSFER_FAILED)
+            copy(start, end, slots, ok)
+        else:
+            got = np.asarray(answer, dtype=np.int64)
+            if got.shape != sizes.shape:
+                raise RuntimeError(f"Mooncake returned {got.size} results for {end - start} keys")
+            ok = got == 0
+            codes[start:end] = got
+        done[start:end] = ok
+    return StagedRun(codes, done, short)
 
 
 def gather(

@@ -10,13 +10,21 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr import _native
-from mooncake_kvaddr.driver.staging import StagingLease, StagingPool, gather, plan_batches, plan_slots, scatter
+from mooncake_kvaddr.driver.staging import (
+    SlotPlan,
+    StagingLease,
+    StagingPool,
+    gather,
+    plan_slots,
+    run_staged,
+    scatter,
+)
 from mooncake_kvaddr.integrations.vllm.guard import RangeTable, StoreGuard
 from mooncake_kvaddr.integrations.vllm.native_store import (
     CLOSE_TIMEOUT_S,
@@ -33,35 +41,34 @@ __all__ = ["StagedMooncakeStore", "StagedStats"]
 logger = logging.getLogger("vllm.mooncake_kvaddr")
 
 Int64Array = npt.NDArray[np.int64]
-_INT64_MAX = np.iinfo(np.int64).max
 
 
 @dataclass
 class StagedStats:
-    """Counters of a :class:`StagedMooncakeStore` (calls staged, calls passed through, keys re-fetched, calls
-    passed through because no staging span came free in time)."""
+    """Counters of a :class:`StagedMooncakeStore` (calls staged, calls passed through, staged gets that read
+    fewer bytes than the object (answered -800), calls passed through because no staging span came free in
+    time)."""
 
     staged_gets: int = 0
     staged_puts: int = 0
     passthrough_gets: int = 0
     passthrough_puts: int = 0
-    refetched_keys: int = 0
+    short_reads: int = 0
     lease_timeouts: int = 0
 
+    @property
+    def refetched_keys(self) -> int:
+        """Deprecated name of :attr:`short_reads` (short keys are no longer fetched a second time)."""
+        return self.short_reads
 
-class _Staged:
-    """One call's staging plan: matrices, slot offsets and object sizes."""
 
-    __slots__ = ("addrs", "allowed", "object_sizes", "offsets", "plan", "sizes", "total")
+class _Staged(NamedTuple):
+    """One call's staging plan: the int64 row matrices, the allowed ranges they were checked against, the slots."""
 
-    def __init__(self, addrs: Int64Array, sizes: Int64Array, allowed: tuple[tuple[int, int], ...]) -> None:
-        self.allowed = allowed
-        self.addrs = addrs
-        self.sizes = sizes
-        self.plan = plan_slots(sizes)
-        self.offsets = self.plan.offsets
-        self.object_sizes = self.plan.object_sizes
-        self.total = self.plan.total_bytes
+    addrs: Int64Array
+    sizes: Int64Array
+    allowed: tuple[tuple[int, int], ...]
+    plan: SlotPlan
 
 
 class StagedMooncakeStore(RaggedEntries):
@@ -196,10 +203,11 @@ class StagedMooncakeStore(RaggedEntries):
             return None
         ranges = self.ranges.ranges
         try:
-            staged = _Staged(addrs, sizes, ranges.items)
+            staged = _Staged(addrs, sizes, ranges.items, plan_slots(sizes))
         except (ValueError, OverflowError):
             return None
-        if bool(np.any(staged.object_sizes <= 0)) or int(staged.object_sizes.max()) > self._pool.capacity:
+        object_sizes = staged.plan.object_sizes
+        if bool(np.any(object_sizes <= 0)) or int(object_sizes.max()) > self._pool.capacity:
             return None
         if not ranges.all_inside(addrs, sizes):
             return None
@@ -209,9 +217,9 @@ class StagedMooncakeStore(RaggedEntries):
 
     def _lease(self, staged: _Staged) -> StagingLease | None:
         """A staging span for the call, or None when none came free within ``staging_wait_s``."""
-        largest = int(staged.object_sizes.max())
+        largest = int(staged.plan.object_sizes.max())
         try:
-            return self._pool.acquire(largest, staged.total, timeout=self._staging_wait_s)
+            return self._pool.acquire(largest, staged.plan.total_bytes, timeout=self._staging_wait_s)
         except TimeoutError:
             self.stats.lease_timeouts += 1
             return None
@@ -265,53 +273,29 @@ class StagedMooncakeStore(RaggedEntries):
         return self._staged_get(keys, staged, _matrix_rows(staged))
 
     def _staged_get(self, keys: list[str], staged: _Staged, rows_of: Any) -> list[int]:
-        """Fetch ``keys`` through staging slots and scatter the complete ones; ``rows_of(picks)`` gives the
-        rows of the keys at ``picks`` for Mooncake's own call (keys whose get came back short, or every key when
-        no staging span came free in time)."""
-        results: list[int] = []
+        """Fetch ``keys`` through staging slots and scatter the ones read whole (:func:`run_staged`: a key whose
+        object is shorter than its regions answers -800, as Mooncake's multi-buffer get does); ``rows_of(picks)``
+        gives the rows of the keys at ``picks`` for Mooncake's own call when no staging span came free in time."""
         lease = self._lease(staged)
         if lease is None:
             self.stats.passthrough_gets += 1
             return list(self._store.batch_get_into_multi_buffers(keys, *rows_of(list(range(len(keys))))))
         self.stats.staged_gets += 1
+
+        def get(start: int, end: int, ptrs: list[int], sizes: list[int]) -> Any:
+            return self._store.batch_get_into(keys[start:end], ptrs, sizes)
+
+        def put_back(start: int, end: int, slots: Any, whole: Any) -> bool:
+            scatter(staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, staged.allowed,
+                    select=whole, threads=self._copy_threads)  # fmt: skip
+            return True
+
         try:
-            for start, end in plan_batches(staged.plan, lease.nbytes):
-                offsets = staged.offsets[start:end] - staged.offsets[start]
-                object_sizes = staged.object_sizes[start:end]
-                batch_keys = keys[start:end]
-                codes = self._store.batch_get_into(batch_keys, (offsets + lease.ptr).tolist(), object_sizes.tolist())
-                code_array = np.asarray(codes, dtype=np.int64)
-                if code_array.shape != object_sizes.shape:
-                    raise RuntimeError(f"Mooncake returned {len(codes)} results for {end - start} keys")
-                complete = code_array == object_sizes
-                scatter(
-                    staged.addrs[start:end],
-                    staged.sizes[start:end],
-                    lease.range,
-                    offsets,
-                    staged.allowed,
-                    select=complete,
-                    threads=self._copy_threads,
-                )
-                batch_results = list(codes)
-                short = np.flatnonzero((code_array >= 0) & ~complete)
-                if short.size:
-                    # Success with fewer bytes than the regions hold: let Mooncake fill the regions itself.
-                    self.stats.refetched_keys += int(short.size)
-                    picks = [start + int(i) for i in short]
-                    pick_addrs, pick_sizes = rows_of(picks)
-                    again = list(
-                        self._store.batch_get_into_multi_buffers([keys[i] for i in picks], pick_addrs, pick_sizes)
-                    )
-                    if len(again) != len(picks):
-                        # A key must never keep its short (successful-looking) code without being read whole.
-                        raise RuntimeError(f"Mooncake returned {len(again)} results for {len(picks)} keys")
-                    for i, code in zip(short, again, strict=True):
-                        batch_results[int(i)] = code
-                results.extend(batch_results)
+            run = run_staged(True, staged.plan, lease, get, put_back)
         finally:
             lease.release()
-        return results
+        self.stats.short_reads += run.short
+        return [int(c) for c in run.codes.tolist()]
 
     def batch_put_from_multi_buffers(
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
@@ -354,41 +338,28 @@ class StagedMooncakeStore(RaggedEntries):
         return self._staged_put(keys, staged, (config,), _matrix_rows(staged))
 
     def _staged_put(self, keys: list[str], staged: _Staged, config: tuple[Any, ...], rows_of: Any) -> list[int]:
-        """Gather ``keys`` into staging slots and put them; ``rows_of`` as for :meth:`_staged_get` (used when no
-        staging span came free in time)."""
-        results: list[int] = []
+        """Gather ``keys`` into staging slots and put them (:func:`run_staged`); ``rows_of`` as for
+        :meth:`_staged_get` (used when no staging span came free in time)."""
         lease = self._lease(staged)
         if lease is None:
             self.stats.passthrough_puts += 1
             rows = rows_of(list(range(len(keys))))
             return list(self._store.batch_put_from_multi_buffers(keys, *rows, *config))
         self.stats.staged_puts += 1
+
+        def fill(start: int, end: int, slots: Any, _select: Any) -> bool:
+            gather(staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, staged.allowed,
+                   threads=self._copy_threads)  # fmt: skip
+            return True
+
+        def put(start: int, end: int, ptrs: list[int], sizes: list[int]) -> Any:
+            return self._store.batch_put_from(keys[start:end], ptrs, sizes, *config)
+
         try:
-            for start, end in plan_batches(staged.plan, lease.nbytes):
-                offsets = staged.offsets[start:end] - staged.offsets[start]
-                gather(
-                    staged.addrs[start:end],
-                    staged.sizes[start:end],
-                    lease.range,
-                    offsets,
-                    staged.allowed,
-                    threads=self._copy_threads,
-                )
-                codes = list(
-                    self._store.batch_put_from(
-                        keys[start:end],
-                        (offsets + lease.ptr).tolist(),
-                        staged.object_sizes[start:end].tolist(),
-                        *config,
-                    )
-                )
-                if len(codes) != end - start:
-                    # Misaligned codes would report other keys stored.
-                    raise RuntimeError(f"Mooncake returned {len(codes)} results for {end - start} keys")
-                results.extend(codes)
+            run = run_staged(False, staged.plan, lease, put, fill)
         finally:
             lease.release()
-        return results
+        return [int(c) for c in run.codes.tolist()]
 
     def __repr__(self) -> str:
         return f"StagedMooncakeStore({self._store!r}, staging={self._pool.capacity} bytes)"
