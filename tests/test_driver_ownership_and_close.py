@@ -576,10 +576,12 @@ def test_a_user_index_error_propagates_unchanged(monkeypatch: pytest.MonkeyPatch
 
 
 class _ShortAnswers(_RecordingStore):
-    """A store whose contiguous calls answer one result too few (or a short read) - never trusted blindly."""
+    """A store whose contiguous calls answer one result too few (or short reads) - never trusted blindly."""
+
+    short_reads = True  # batch_get_into: success with fewer bytes (a failure); else one result too few
 
     def batch_get_into(self, keys: Any, ptrs: Any, sizes: Any) -> Any:
-        return self._call("batch_get_into", [1] * len(keys))  # success with fewer bytes: re-fetched
+        return self._call("batch_get_into", [1] * (len(keys) if self.short_reads else len(keys) - 1))
 
     def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any, *args: Any) -> Any:
         return self._call("batch_get_into_multi_buffers", [512] * (len(keys) - 1))
@@ -598,9 +600,15 @@ def test_the_staged_wrapper_never_reports_results_it_did_not_get() -> None:
     sizes = [[256, 256], [256, 256]]
     with pytest.raises(RuntimeError, match="results for 2 keys"):
         store.batch_put_from_multi_buffers(["a", "b"], addrs, sizes)
+    kv[:] = 7
+    # Short reads are failures (Mooncake's multi-buffer answer, -800), nothing scattered, no second call.
+    assert store.batch_get_into_multi_buffers(["a", "b"], addrs, sizes) == [-800, -800]
+    assert (kv == 7).all() and raw.calls.count("batch_get_into_multi_buffers") == 0
+    raw.short_reads = False
     with pytest.raises(RuntimeError, match="results for 2 keys"):
         store.batch_get_into_multi_buffers(["a", "b"], addrs, sizes)
-    assert store.stats.staged_puts == 1 and store.stats.staged_gets == 1
+    assert (kv == 7).all()
+    assert store.stats.staged_puts == 1 and store.stats.staged_gets == 2 and store.stats.short_reads == 2
     store.close()
 
 

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.staging import StagingBuffer
 from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
 from mooncake_kvaddr.integrations.vllm import plugin, receive, receive_check
@@ -290,10 +291,11 @@ def test_offload_split_matches_vllms_at_every_edge(vllm: tuple[Any, Any]) -> Non
         edges = sorted({e + d for e in edges for d in (-1, 0, 1)})
         usable, raw = rng.choice(edges), rng.choice(edges)
         arrays = case % 2 == 1
-        plan = receive.RequestPlan(
+        plan = KeyPlan(
             keys, np.asarray(addrs, np.int64) if arrays else addrs, np.asarray(sizes, np.int64) if arrays else sizes,
-            np.arange(n, dtype=np.int64) if arrays else list(range(n)), arrays,
+            np.arange(n, dtype=np.int64) if arrays else list(range(n)),
         )  # fmt: skip
+        assert plan.arrays == arrays
         ours = receive.offload_batches(plan, usable, raw, rule)
         theirs, oversized = _vllm_split(worker, keys, addrs, sizes, usable, raw)
         if oversized is not None:

@@ -30,6 +30,7 @@ from mooncake_kvaddr._native import AddressTable, build_key, chunk_walk
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.keys import Hashes, _unwrap, build_keys
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.core.plan import KeyPlan, SlotPlan
 from mooncake_kvaddr.core.walk import walk_windows
 
 #: Default memory cap of the per-block-id address-row cache, per database: 64 MiB. A cached row costs about
@@ -41,34 +42,12 @@ Chunk = Sequence[int]
 Int64Array = npt.NDArray[np.int64]
 
 
-class LoadPlan(NamedTuple):
-    """One group's load: index-aligned keys, address rows, size rows and first block ids."""
-
-    keys: list[str]
-    addrs: list[list[int]]
-    sizes: list[list[int]]
-    block_ids: list[int]
-
-
 class LoadWalk(NamedTuple):
     """One group's load chunks without rows: index-aligned keys and an ``(n, 2)`` int64 ``(start, end)`` array
     (the input of :meth:`ChunkedTokenDatabase.prepare_values_array`)."""
 
     keys: list[str]
     chunks: Int64Array
-
-
-class LoadArrays(NamedTuple):
-    """One group's staged load in one native call: keys, the address/size matrix as int64 arrays, the block
-    ids, and the staging slot layout (as :func:`mooncake_kvaddr.driver.staging.plan_slots` lays it out)."""
-
-    keys: list[str]
-    addrs: Int64Array
-    sizes: Int64Array
-    block_ids: Int64Array
-    offsets: Int64Array
-    object_sizes: Int64Array
-    total_bytes: int
 
 
 class StorePlan(NamedTuple):
@@ -216,7 +195,7 @@ class ChunkedTokenDatabase:
         load_mask: Sequence[bool] | None = None,
         *,
         hash_len: int | None = None,
-    ) -> LoadPlan:
+    ) -> KeyPlan:
         """Everything a receive thread needs for this group before Mooncake (docs/address-rows.md), in one call.
 
         Equals walking ``process_tokens(token_len, block_hashes, mask_num)``, keeping chunks whose absolute
@@ -227,7 +206,7 @@ class ChunkedTokenDatabase:
         keys, addrs, sizes, ids = self._table.plan_load(
             self._key_prefix, data, length, token_len, mask_num, load_mask, block_ids
         )
-        return LoadPlan(keys, addrs, sizes, ids)
+        return KeyPlan(keys, addrs, sizes, ids)
 
     def plan_load_arrays(
         self,
@@ -239,7 +218,7 @@ class ChunkedTokenDatabase:
         *,
         hash_len: int | None = None,
         slot_alignment: int = 64,
-    ) -> LoadArrays:
+    ) -> KeyPlan:
         """:meth:`plan_load` with array output and the staging slot layout, in one native call.
 
         The staged transfer path's whole preparation of one group: the same walk, keys and order as
@@ -249,11 +228,10 @@ class ChunkedTokenDatabase:
         a staged load crosses from Python to C++ twice.
         """
         data, length = _unwrap(block_hashes, hash_len)
-        return LoadArrays(
-            *self._table.plan_load_arrays(
-                self._key_prefix, data, length, token_len, mask_num, load_mask, block_ids, slot_alignment
-            )
+        keys, addrs, sizes, ids, offsets, object_sizes, total = self._table.plan_load_arrays(
+            self._key_prefix, data, length, token_len, mask_num, load_mask, block_ids, slot_alignment
         )
+        return KeyPlan(keys, addrs, sizes, ids, slots=SlotPlan(offsets, object_sizes, total))
 
     def walk_load(
         self,

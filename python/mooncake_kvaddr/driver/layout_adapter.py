@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase as SeedDatabase
-from mooncake_kvaddr.core.database import LoadPlan, LoadWalk, StorePlan
+from mooncake_kvaddr.core.database import LoadWalk, StorePlan
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.layouts import (
     LayoutTokenDatabase,
@@ -40,6 +40,7 @@ from mooncake_kvaddr.core.layouts import (
     TPShardedStoreLayout,
 )
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
 from mooncake_kvaddr.driver.lookup import GroupSpecLike, LookupResult, ParallelLayout, StoreLookup
 from mooncake_kvaddr.driver.paths import register_bounded_rows
@@ -268,7 +269,7 @@ class LayoutDatabase:
 
     def plan_load(
         self, token_len: int, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], mask_num: int = 0
-    ) -> LoadPlan:
+    ) -> KeyPlan:
         """The layout's fused load plan (keys, rows, block ids), with this thread's tail boundary if any."""
         version = self._segments_version()
         keys, addrs, sizes, ids = self.layout.plan_load(
@@ -276,7 +277,7 @@ class LayoutDatabase:
         )
         self._same_segments(version)
         self._check_rows(sizes)
-        return LoadPlan(keys, addrs, sizes, ids)
+        return KeyPlan(keys, addrs, sizes, ids)
 
     def _check_rows(self, sizes: Any) -> None:
         """Refuse rows without a segment: a TP-shared layout whose caches were never registered would put

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 import numpy as np
@@ -15,17 +15,16 @@ import numpy.typing as npt
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.probe import PeerProbe
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
-from mooncake_kvaddr.driver.staging import SlotPlan
 from mooncake_kvaddr.driver.store import BatchResult, MooncakeStore, Outcome, RequestDeadline
 
 __all__ = [
     "NOT_TRIED",
     "GetOutcome",
-    "GetPlan",
     "PathContext",
     "TransferPath",
     "check_rows_inside",
@@ -110,37 +109,6 @@ class PathContext:
 
 
 @dataclass
-class GetPlan:
-    """A load's keys in transfer order with their rows (lists or int64 matrices, by path) and block ids."""
-
-    keys: list[str]
-    addrs: Any
-    sizes: Any
-    block_ids: Sequence[int] | Int64Array
-    #: Block ids outside the registered blocks (id -> reason): their chunks were dropped from the plan.
-    invalid: dict[int, str] = field(default_factory=dict)
-    dropped: int = 0  # chunks dropped for an invalid block id
-    #: The staging slot layout of every key in plan order, when the path planned it with the rows
-    #: (:class:`StagedPath`'s fused plan); ``None``: lay slots out from ``sizes`` when needed.
-    slots: SlotPlan | None = None
-    #: 0: ``addrs``/``sizes`` rows are in transfer order. Else they are in walk order (the rank's rotation
-    #: was applied to the keys, block ids and slots only, not to the large matrices): key ``i`` has row
-    #: ``(i + row_shift) % len(keys)``. Only :class:`StagedPath` makes and reads such plans.
-    row_shift: int = 0
-    #: The databases' rows were bounded by construction when this plan was made (:func:`rows_bounded`);
-    #: ``False`` (the default): the rows are checked against the registered caches before Mooncake sees them.
-    bounded: bool = False
-
-    def key_bytes(self) -> list[int]:
-        """Each key's object size (the sum of its region sizes)."""
-        if self.slots is not None:
-            return [int(x) for x in self.slots.object_sizes.tolist()]
-        if isinstance(self.sizes, np.ndarray):
-            return [int(x) for x in self.sizes.sum(axis=1)] if len(self.keys) else []
-        return [sum(row) for row in self.sizes]
-
-
-@dataclass
 class GetOutcome:
     """Per key of a sub-batch: read whole (``loaded``); ``unreachable``: later sub-batches are pointless."""
 
@@ -180,11 +148,11 @@ class TransferPath:
         screened: Sequence[Screened],
         skip: int,
         tp_rank: int,
-    ) -> GetPlan:
+    ) -> KeyPlan:
         """Keys and rows of a load in the rank's rotated order: the walk per group, then :meth:`prepare`.
 
         ``screened`` holds each group's block ids (a snapshot) and the positions of invalid ones: chunks on
-        those are dropped before any row is computed and reported in :attr:`GetPlan.invalid`.
+        those are dropped before any row is computed and reported in :attr:`KeyPlan.invalid`.
         """
         bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         keys: list[str] = []
@@ -196,7 +164,7 @@ class TransferPath:
             parts.append(walk.chunks)
             groups.extend([g] * len(walk.keys))
         if not keys:
-            return GetPlan([], [], [], [])
+            return KeyPlan([], [], [], [])
         chunks = parts[0] if len(parts) == 1 else np.concatenate(parts)
         # Rotate the chunks (two ints each), not the rows: the rows are then computed in the rotated order.
         keys, chunks, groups = rotate(keys, tp_rank), rotate(chunks, tp_rank), rotate(groups, tp_rank)
@@ -214,11 +182,11 @@ class TransferPath:
             chunks = chunks[keep]
             dropped = len(keep) - len(keys)
             if not keys:
-                return GetPlan([], [], [], [], invalid, dropped)
+                return KeyPlan([], [], [], [], invalid=invalid, dropped=dropped)
         else:
             dropped = 0
         addrs, sizes, ids = self.prepare(chunks, groups, [s.ids for s in screened])
-        return GetPlan(keys, addrs, sizes, ids, invalid, dropped, bounded=bounded)
+        return KeyPlan(keys, addrs, sizes, ids, invalid=invalid, dropped=dropped, bounded=bounded)
 
     # ------------------------------------------------------------------ moving bytes
 
@@ -239,7 +207,7 @@ class TransferPath:
         raise NotImplementedError
 
     def get(
-        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+        self, plan: KeyPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
         """Get keys ``[start, end)`` of ``plan`` into the cache; counts their outcomes into ``outcomes``.
 

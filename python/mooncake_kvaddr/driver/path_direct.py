@@ -12,12 +12,12 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import Screened
 from mooncake_kvaddr.driver.path_base import (
     NOT_TRIED,
     BoolArray,
     GetOutcome,
-    GetPlan,
     PathContext,
     TransferPath,
     check_rows_inside,
@@ -125,7 +125,7 @@ class MultiBufferPath(TransferPath):
         screened: Sequence[Screened],
         skip: int,
         tp_rank: int,
-    ) -> GetPlan:
+    ) -> KeyPlan:
         """The walk, the keys and the rows in one native pass per group (``plan_load``), then rotated.
 
         A request with an invalid block id takes the shared walk-then-prepare plan instead, which drops the
@@ -145,7 +145,7 @@ class MultiBufferPath(TransferPath):
             sizes.extend(plan.sizes)
             ids.extend(plan.block_ids)
         # Each rank starts at a different key so that ranks spread over the pool's segments.
-        return GetPlan(
+        return KeyPlan(
             rotate(keys, tp_rank), rotate(addrs, tp_rank), rotate(sizes, tp_rank), rotate(ids, tp_rank), bounded=bounded
         )
 
@@ -176,7 +176,7 @@ class MultiBufferPath(TransferPath):
         return put.present, key_bytes
 
     def get(
-        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+        self, plan: KeyPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
         keys = plan.keys[start:end]
         addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
@@ -226,7 +226,7 @@ class DirectPath(TransferPath):
         return put.present, object_sizes
 
     def get(
-        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+        self, plan: KeyPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
         # Mooncake's contiguous calls write these ranges with no check of their own: it gets the checked copies.
         addrs, sizes = check_rows_inside(self.ctx.caches, plan.addrs[start:end], plan.sizes[start:end])

@@ -13,12 +13,12 @@ from typing import Final
 import numpy as np
 
 from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import Screened
 from mooncake_kvaddr.driver.config import DEFAULT_MAX_ABANDONED_CALLS
 from mooncake_kvaddr.driver.path_base import (
     NOT_TRIED,
     GetOutcome,
-    GetPlan,
     Int64Array,
     PathContext,
     TransferPath,
@@ -181,13 +181,13 @@ class StagedPath(TransferPath):
         screened: Sequence[Screened],
         skip: int,
         tp_rank: int,
-    ) -> GetPlan:
+    ) -> KeyPlan:
         """The walk, keys, int64 rows and staging slots in one native call per group (``plan_load_arrays``).
 
         With the scatter after the get, a one-group load crosses into the native module twice; ``G`` groups
         take ``G`` planning calls (their arrays are joined with numpy), then one scatter per staging batch
         (docs/transfer-modes.md, "The staged load's crossings"). The keys, block ids and slots are rotated for
-        the rank, the rows stay in walk order (:attr:`GetPlan.row_shift`); the slot layout is the native one
+        the rank, the rows stay in walk order (:attr:`KeyPlan.row_shift`); the slot layout is the native one
         when nothing moved, else laid out again from the object sizes (numpy, the same layout as
         :func:`~mooncake_kvaddr.driver.staging.plan_slots`). A request with an invalid
         block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built;
@@ -209,7 +209,7 @@ class StagedPath(TransferPath):
             return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
         parts = [p for p in parts if p.keys]
         if not parts:
-            return GetPlan([], [], [], [])
+            return KeyPlan([], [], [], [])
         if len(parts) == 1:
             only = parts[0]
             keys, addrs, sizes, ids = only.keys, only.addrs, only.sizes, only.block_ids
@@ -222,7 +222,7 @@ class StagedPath(TransferPath):
             object_sizes = np.concatenate([p.object_sizes for p in parts])
         shift = tp_rank % len(keys)
         if len(parts) == 1 and shift == 0:
-            slots = SlotPlan(only.offsets, only.object_sizes, only.total_bytes)
+            slots = only.slots
         else:
             # Each rank starts at a different key so that ranks spread over the pool's segments. The rows stay
             # in walk order (rotating two (n, R) matrices would cost more than planning them): the get finds
@@ -232,7 +232,7 @@ class StagedPath(TransferPath):
             if bound >= 1 << 63:
                 plan_slots(sizes)  # raises OverflowError: the layout does not fit in int64
             slots = _lay_out(object_sizes)
-        return GetPlan(keys, addrs, sizes, ids, slots=slots, row_shift=shift)
+        return KeyPlan(keys, addrs, sizes, ids, slots=slots, row_shift=shift)
 
     def _lease_unless_refused(self, plan: SlotPlan, deadline: RequestDeadline, clock: Clock) -> StagingLease | None:
         """A lease for the plan's keys, waiting at most until the deadline; ``None`` when too many abandoned calls
@@ -314,7 +314,7 @@ class StagedPath(TransferPath):
         return run.done.tolist(), plan.object_sizes.tolist()
 
     def get(
-        self, plan: GetPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
+        self, plan: KeyPlan, start: int, end: int, clock: Clock, outcomes: dict[str, int], deadline: RequestDeadline
     ) -> GetOutcome:
         if plan.row_shift:
             addrs, sizes = plan.addrs, plan.sizes  # whole, in walk order: the scatter selects the batch's rows

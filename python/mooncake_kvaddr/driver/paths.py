@@ -28,15 +28,14 @@ from mooncake_kvaddr.driver.path_base import _ROW_METHODS as _ROW_METHODS
 from mooncake_kvaddr.driver.path_base import NOT_TRIED as NOT_TRIED
 from mooncake_kvaddr.driver.path_base import BoolArray as BoolArray
 from mooncake_kvaddr.driver.path_base import GetOutcome as GetOutcome
+from mooncake_kvaddr.driver.path_base import Int64Array as Int64Array
 from mooncake_kvaddr.driver.path_base import (
-    GetPlan,
     PathContext,
     TransferPath,
     check_rows_inside,
     register_bounded_rows,
     rows_bounded,
 )
-from mooncake_kvaddr.driver.path_base import Int64Array as Int64Array
 from mooncake_kvaddr.driver.path_base import _no_instance_overrides as _no_instance_overrides
 from mooncake_kvaddr.driver.path_direct import DirectPath, MultiBufferPath
 from mooncake_kvaddr.driver.path_direct import _after_peers as _after_peers
@@ -50,7 +49,6 @@ from mooncake_kvaddr.driver.path_staged import _sub_plan as _sub_plan
 
 __all__ = [
     "DirectPath",
-    "GetPlan",
     "MultiBufferPath",
     "PathContext",
     "StagedPath",

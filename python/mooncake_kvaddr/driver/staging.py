@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr import _native
+from mooncake_kvaddr.core.plan import SlotPlan
 from mooncake_kvaddr.driver.outcomes import CODE_TRANSFER_FAILED
 
 # Buffers, pool and leases live in staging_buffers; every name this module offered is re-exported here.
@@ -85,18 +86,6 @@ KeySelection = npt.NDArray[np.bool_] | npt.NDArray[np.uint8]
 
 #: Whether this build copies with streaming stores (x86 SSE2); elsewhere the copy is plain ``memcpy``.
 STREAMING_STORES: Final[bool] = _native.STAGING_STREAMING_STORES
-
-
-class SlotPlan(NamedTuple):
-    """Where each key's object lives in a staging buffer.
-
-    ``offsets[k]`` is the byte offset of key ``k``'s slot (aligned), ``object_sizes[k]`` the exact object size
-    to give Mooncake (the sum of the key's region sizes), ``total_bytes`` the staging bytes the plan needs.
-    """
-
-    offsets: Int64Array
-    object_sizes: Int64Array
-    total_bytes: int
 
 
 def plan_slots(sizes: Int64Array, alignment: int = SLOT_ALIGNMENT) -> SlotPlan:

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import Screened
-from mooncake_kvaddr.driver.paths import GetPlan, TransferPath
+from mooncake_kvaddr.driver.paths import TransferPath
 from mooncake_kvaddr.driver.results import Clock, LoadResult, StoreResult, TransferRequest, count
 from mooncake_kvaddr.driver.rules import (
     LOAD_ERRORS,
@@ -218,7 +219,7 @@ class TransferRequests(TransferRegistration):
         result.loaded_block_ids = set(ids.tolist()) - result.failed_block_ids
         return result
 
-    def _budget_batches(self, plan: GetPlan, request: TransferRequest, result: LoadResult) -> list[tuple[int, int]]:
+    def _budget_batches(self, plan: KeyPlan, request: TransferRequest, result: LoadResult) -> list[tuple[int, int]]:
         """The load's sub-batches: one, or as many as the disk-offload staging budget needs (none at all
         when one key can never fit: the whole request fails, as nothing later could complete it)."""
         budget = self.disk_offload_buffer_budget_bytes
@@ -241,7 +242,7 @@ class TransferRequests(TransferRegistration):
     def _get_batches(
         self,
         path: TransferPath,
-        plan: GetPlan,
+        plan: KeyPlan,
         batches: list[tuple[int, int]],
         loaded: np.ndarray[Any, Any],
         clock: Clock,

@@ -1,5 +1,5 @@
 """What both of the plugin's vLLM handlers plan with (docs/vllm-plugin.md, "The receive handler", "The send
-handler"): the plan record (keys, rows, block ids), the array-store contract our store wrappers offer, and which
+handler"): the array-store contract our store wrappers offer, and which
 token databases, layouts and hash forms are ours to plan.
 """
 
@@ -20,15 +20,11 @@ __all__ = [
     "ArrayStore",
     "HandlerStats",
     "Kinds",
-    "RequestPlan",
     "concat_rows",
     "finish_handler",
     "hash_source",
     "register_wrappers",
 ]
-
-_INT64_MAX = int(np.iinfo(np.int64).max)
-
 
 #: The array entry point our store wrappers offer (keys, (n, w) int64 addrs, (n, w) int64 sizes).
 ARRAY_ENTRY = "batch_get_into_multi_buffers_arrays"
@@ -74,80 +70,6 @@ def register_wrappers() -> None:
 
     ArrayStore.register(NativeMooncakeStore)
     ArrayStore.register(StagedMooncakeStore)
-
-
-class RequestPlan:
-    """One request's load, after concatenation and rotation: keys, rows and block ids, index-aligned.
-
-    ``arrays``: rows are (n, w) int64 matrices and ``block_ids`` an int64 array; otherwise lists of lists of
-    ints and a list of ints (vLLM's own types). ``widths`` (arrays only): each row's region count when rows
-    differ in width (hybrid groups), the matrices then padded with zero cells to the widest row."""
-
-    __slots__ = ("addrs", "arrays", "block_ids", "keys", "sizes", "widths")
-
-    def __init__(
-        self, keys: list[str], addrs: Any, sizes: Any, block_ids: Any, arrays: bool, widths: Any = None
-    ) -> None:
-        self.keys = keys
-        self.addrs = addrs
-        self.sizes = sizes
-        self.block_ids = block_ids
-        self.arrays = arrays
-        self.widths = widths
-
-    def total_bytes(self) -> int:
-        """The sum of every size (vLLM's ``num_bytes`` of the load), exact."""
-        if not self.arrays:
-            return sum(map(sum, self.sizes))
-        sizes = self.sizes
-        if sizes.size == 0:
-            return 0
-        top = int(sizes.max())
-        if int(sizes.min()) >= 0 and top <= _INT64_MAX // max(1, sizes.size):
-            return int(sizes.sum())
-        return sum(int(v) for v in sizes.ravel().tolist())
-
-    def part(self, start: int, end: int) -> RequestPlan:
-        """Keys ``start:end`` with their rows and block ids (views of the matrices, no copy)."""
-        ids = self.block_ids[start:end]
-        widths = None if self.widths is None else self.widths[start:end]
-        return RequestPlan(self.keys[start:end], self.addrs[start:end], self.sizes[start:end], ids, self.arrays, widths)
-
-    def key_bytes(self) -> list[int]:
-        """Each key's byte count (the sum of its sizes), exact Python ints."""
-        if not self.arrays:
-            return [sum(row) for row in self.sizes]
-        sizes = self.sizes
-        if sizes.size and (int(sizes.min()) < 0 or int(sizes.max()) > _INT64_MAX // max(1, sizes.shape[1])):
-            return [sum(row) for row in sizes.tolist()]
-        result: list[int] = sizes.sum(axis=1).tolist()
-        return result
-
-    def take(self, indices: list[int]) -> RequestPlan:
-        """The keys at ``indices`` (in that order) with their rows and block ids."""
-        keys = [self.keys[i] for i in indices]
-        if self.arrays:
-            widths = None if self.widths is None else self.widths[indices]
-            return RequestPlan(keys, self.addrs[indices], self.sizes[indices], self.block_ids[indices], True, widths)
-        addrs, sizes, ids = ([m[i] for i in indices] for m in (self.addrs, self.sizes, self.block_ids))
-        return RequestPlan(keys, addrs, sizes, ids, False)
-
-    def row_lists(self) -> tuple[list[list[int]], list[list[int]]]:
-        """The rows as lists of lists of ints (padding dropped), as vLLM builds them."""
-        addrs, sizes = self.addrs.tolist(), self.sizes.tolist()
-        if self.widths is None:
-            return addrs, sizes
-        widths = self.widths.tolist()
-        return [r[:w] for r, w in zip(addrs, widths)], [r[:w] for r, w in zip(sizes, widths)]
-
-    def block_id_list(self, indices: list[int] | None = None) -> list[int]:
-        """Block ids (all, or those at ``indices``) as a list of Python ints."""
-        ids = self.block_ids
-        if indices is None:
-            return list(ids.tolist()) if self.arrays else list(ids)
-        if self.arrays:
-            return [int(ids[i]) for i in indices]
-        return [ids[i] for i in indices]
 
 
 class Kinds:

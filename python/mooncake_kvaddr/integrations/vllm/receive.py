@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr.core.flags import flag
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.integrations.vllm.plans import (
     ARRAY_ENTRY,
     ArrayStore,
     HandlerStats,
     Kinds,
-    RequestPlan,
     concat_rows,
     finish_handler,
     hash_source,
@@ -36,7 +36,6 @@ __all__ = [
     "ENV_RECV",
     "ArrayStore",
     "ReceiveStats",
-    "RequestPlan",
     "fast_path_refusal",
     "make_handler",
     "plan_request",
@@ -59,7 +58,7 @@ def plan_request(
     kinds: Kinds,
     engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
     blob_type: type,
-) -> RequestPlan | str:
+) -> KeyPlan | str:
     """The whole load of ``req_meta`` (vLLM's receive rules, docs/vllm-plugin.md), or why it is not ours to
     plan. May raise: the caller then hands the request to vLLM's own handler. No side effects."""
     load_spec = req_meta.load_spec
@@ -110,7 +109,7 @@ def plan_request(
                 widths = np.concatenate((widths[rotation:], widths[:rotation]))
         else:
             addrs, sizes, ids = (m[rotation:] + m[:rotation] for m in (addrs, sizes, ids))
-    return RequestPlan(keys, addrs, sizes, ids, arrays, widths)
+    return KeyPlan(keys, addrs, sizes, ids, widths=widths)
 
 
 def fast_path_refusal(thread: Any, envs: Any) -> str:
@@ -135,7 +134,7 @@ class OffloadRule:
         return -(-key_bytes // self.alignment) * self.alignment + self.padding
 
 
-def offload_batches(plan: RequestPlan, usable: int, raw: int, rule: OffloadRule) -> list[tuple[int, int]] | int:
+def offload_batches(plan: KeyPlan, usable: int, raw: int, rule: OffloadRule) -> list[tuple[int, int]] | int:
     """vLLM's disk-offload split of a load (docs/vllm-plugin.md, "The receive handler"): key ranges of at most
     ``usable`` staging bytes each (a key over ``usable`` alone), or the index of the first key over ``raw``
     (vLLM then skips the whole request). One range when the whole load fits."""
@@ -162,7 +161,7 @@ def offload_batches(plan: RequestPlan, usable: int, raw: int, rule: OffloadRule)
     return batches
 
 
-def _skip_oversized(thread: Any, req_id: Any, plan: RequestPlan, index: int, rule: OffloadRule, logger: Any) -> None:
+def _skip_oversized(thread: Any, req_id: Any, plan: KeyPlan, index: int, rule: OffloadRule, logger: Any) -> None:
     """vLLM's answer to a key over the raw staging budget: every block of the request fails, nothing is read."""
     thread._report_load_error(req_id, plan.block_id_list())
     logger.warning(
@@ -176,7 +175,7 @@ def _skip_oversized(thread: Any, req_id: Any, plan: RequestPlan, index: int, rul
     thread.request_queue.task_done()
 
 
-def _get(store: Any, batch: RequestPlan) -> Any:
+def _get(store: Any, batch: KeyPlan) -> Any:
     if batch.arrays and isinstance(store, ArrayStore):
         widths = batch.widths
         if widths is None:
@@ -190,7 +189,7 @@ def _get(store: Any, batch: RequestPlan) -> Any:
     return store.batch_get_into_multi_buffers(batch.keys, batch.addrs, batch.sizes)
 
 
-def _execute(thread: Any, req_id: Any, plan: RequestPlan, batches: list[tuple[int, int]], logger: Any) -> None:
+def _execute(thread: Any, req_id: Any, plan: KeyPlan, batches: list[tuple[int, int]], logger: Any) -> None:
     """One store call per batch and vLLM's bookkeeping around each; the first batch with a failed key ends
     the load, and an exception fails the batch in flight (vLLM's rules)."""
     batch = plan
@@ -200,7 +199,7 @@ def _execute(thread: Any, req_id: Any, plan: RequestPlan, batches: list[tuple[in
         for start, end in batches:
             batch = plan if (start, end) == (0, len(plan.keys)) else plan.part(start, end)
             keys = batch.keys
-            batch_bytes = batch.total_bytes()
+            batch_bytes = batch.num_bytes()
             store = thread.store
             load_get_start = time.perf_counter()
             res = _get(store, batch)
@@ -269,7 +268,7 @@ def make_handler(
     def _handle_request(self: Any, req_meta: Any) -> Any:
         """mooncake_kvaddr's receive handler (docs/vllm-plugin.md, "The receive handler")."""
         why = fast_path_refusal(self, envs)
-        plan: RequestPlan | str = why
+        plan: KeyPlan | str = why
         if not why:
             # The store is read again inside the call's try (as vLLM reads it there): no error escapes here.
             arrays = isinstance(getattr(self, "store", None), ArrayStore)

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr.core.flags import flag
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.integrations.vllm.plans import (
     ArrayStore,
     HandlerStats,
     Kinds,
-    RequestPlan,
     concat_rows,
     finish_handler,
     hash_source,
@@ -49,12 +49,12 @@ SendStats = HandlerStats
 
 
 class SendPlan:
-    """One store job's keys and rows (a :class:`RequestPlan`) with each key's group index."""
+    """One store job's keys and rows (a :class:`KeyPlan`) with each key's group index."""
 
     __slots__ = ("chunks", "groups", "rows", "skipped")
 
     def __init__(
-        self, rows: RequestPlan, groups: list[int], skipped: list[tuple[int, int]], chunks: list[tuple[int, int]]
+        self, rows: KeyPlan, groups: list[int], skipped: list[tuple[int, int]], chunks: list[tuple[int, int]]
     ) -> None:
         self.rows = rows
         self.groups = groups
@@ -151,7 +151,7 @@ def plan_store(
                 if len(chunks) != len(groups):
                     raise RuntimeError("the plan's keys do not match the walk")
     if not parts:
-        return SendPlan(RequestPlan([], [], [], [], False), groups, skipped, chunks)
+        return SendPlan(KeyPlan([], [], [], []), groups, skipped, chunks)
     widths = None
     if len(parts) == 1:
         keys, addrs, sizes, ids = parts[0]
@@ -161,10 +161,10 @@ def plan_store(
         addrs, sizes, widths = concat_rows([p[1] for p in parts], [p[2] for p in parts])
     else:
         keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
-    return SendPlan(RequestPlan(keys, addrs, sizes, ids, arrays, widths), groups, skipped, chunks)
+    return SendPlan(KeyPlan(keys, addrs, sizes, ids, widths=widths), groups, skipped, chunks)
 
 
-def _put(store: Any, rows: RequestPlan, config: Any) -> Any:
+def _put(store: Any, rows: KeyPlan, config: Any) -> Any:
     if rows.arrays and isinstance(store, ArrayStore):
         widths = rows.widths
         if widths is None:
@@ -310,7 +310,7 @@ def _stored_events(
 
 
 def _put_and_record(
-    thread: Any, req_meta: Any, rows: RequestPlan, token_len: int, worker: ModuleType
+    thread: Any, req_meta: Any, rows: KeyPlan, token_len: int, worker: ModuleType
 ) -> set[int] | None:
     """The put and vLLM's bookkeeping of its outcome (records, pressure, saved offset); the indices of the
     failed keys, or None when the put raised."""
@@ -318,7 +318,7 @@ def _put_and_record(
     keys = rows.keys
     failed_indices: set[int] = set()
     put_had_exception = False
-    batch_bytes = rows.total_bytes()
+    batch_bytes = rows.num_bytes()
     put_start = time.perf_counter()
     try:
         res = _put(thread.store, rows, thread.replicate_config)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr import _native
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.staging import (
-    SlotPlan,
     StagingLease,
     StagingPool,
     gather,
@@ -60,15 +60,6 @@ class StagedStats:
     def refetched_keys(self) -> int:
         """Deprecated name of :attr:`short_reads` (short keys are no longer fetched a second time)."""
         return self.short_reads
-
-
-class _Staged(NamedTuple):
-    """One call's staging plan: the int64 row matrices, the allowed ranges they were checked against, the slots."""
-
-    addrs: Int64Array
-    sizes: Int64Array
-    allowed: tuple[tuple[int, int], ...]
-    plan: SlotPlan
 
 
 class StagedMooncakeStore(RaggedEntries):
@@ -187,7 +178,7 @@ class StagedMooncakeStore(RaggedEntries):
             return False
         return len(set(keys)) == len(keys)
 
-    def _plan(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any) -> _Staged | None:
+    def _plan(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any) -> KeyPlan | None:
         """The staging plan of a call, or None when the call must go to Mooncake unchanged."""
         if not self._keys_stageable(keys):
             return None
@@ -197,16 +188,16 @@ class StagedMooncakeStore(RaggedEntries):
             return None  # Mooncake raises (or answers) for these itself
         return self._plan_matrices(keys, addrs, sizes)
 
-    def _plan_matrices(self, keys: list[str], addrs: Int64Array, sizes: Int64Array) -> _Staged | None:
+    def _plan_matrices(self, keys: list[str], addrs: Int64Array, sizes: Int64Array) -> KeyPlan | None:
         """The staging plan of a call whose rows are already int64 matrices (see :meth:`_plan`)."""
         if addrs.shape[0] != len(keys):
             return None
         ranges = self.ranges.ranges
         try:
-            staged = _Staged(addrs, sizes, ranges.items, plan_slots(sizes))
+            staged = KeyPlan(keys, addrs, sizes, None, slots=plan_slots(sizes))
         except (ValueError, OverflowError):
             return None
-        object_sizes = staged.plan.object_sizes
+        object_sizes = staged.object_sizes
         if bool(np.any(object_sizes <= 0)) or int(object_sizes.max()) > self._pool.capacity:
             return None
         if not ranges.all_inside(addrs, sizes):
@@ -215,11 +206,11 @@ class StagedMooncakeStore(RaggedEntries):
             return None
         return staged
 
-    def _lease(self, staged: _Staged) -> StagingLease | None:
+    def _lease(self, staged: KeyPlan) -> StagingLease | None:
         """A staging span for the call, or None when none came free within ``staging_wait_s``."""
-        largest = int(staged.plan.object_sizes.max())
+        largest = int(staged.object_sizes.max())
         try:
-            return self._pool.acquire(largest, staged.plan.total_bytes, timeout=self._staging_wait_s)
+            return self._pool.acquire(largest, staged.total_bytes, timeout=self._staging_wait_s)
         except TimeoutError:
             self.stats.lease_timeouts += 1
             return None
@@ -248,7 +239,7 @@ class StagedMooncakeStore(RaggedEntries):
         with self._gate.admitted():
             return self.guard.call_arrays(keys, addrs, sizes, self._get_multi_arrays)
 
-    def _plan_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> _Staged | None:
+    def _plan_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> KeyPlan | None:
         """The staging plan of an ``..._arrays`` call (int64 matrices, distinct keys), or None."""
         if (
             isinstance(addrs, np.ndarray)
@@ -272,7 +263,7 @@ class StagedMooncakeStore(RaggedEntries):
             return self._store.batch_get_into_multi_buffers(keys, *rows)
         return self._staged_get(keys, staged, _matrix_rows(staged))
 
-    def _staged_get(self, keys: list[str], staged: _Staged, rows_of: Any) -> list[int]:
+    def _staged_get(self, keys: list[str], staged: KeyPlan, rows_of: Any) -> list[int]:
         """Fetch ``keys`` through staging slots and scatter the ones read whole (:func:`run_staged`: a key whose
         object is shorter than its regions answers -800, as Mooncake's multi-buffer get does); ``rows_of(picks)``
         gives the rows of the keys at ``picks`` for Mooncake's own call when no staging span came free in time."""
@@ -281,17 +272,18 @@ class StagedMooncakeStore(RaggedEntries):
             self.stats.passthrough_gets += 1
             return list(self._store.batch_get_into_multi_buffers(keys, *rows_of(list(range(len(keys))))))
         self.stats.staged_gets += 1
+        allowed = self.ranges.ranges.items  # the buffers registered now: the copy checks every slice again
 
         def get(start: int, end: int, ptrs: list[int], sizes: list[int]) -> Any:
             return self._store.batch_get_into(keys[start:end], ptrs, sizes)
 
         def put_back(start: int, end: int, slots: Any, whole: Any) -> bool:
-            scatter(staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, staged.allowed,
+            scatter(staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, allowed,
                     select=whole, threads=self._copy_threads)  # fmt: skip
             return True
 
         try:
-            run = run_staged(True, staged.plan, lease, get, put_back)
+            run = run_staged(True, staged.slot_plan(), lease, get, put_back)
         finally:
             lease.release()
         self.stats.short_reads += run.short
@@ -337,7 +329,7 @@ class StagedMooncakeStore(RaggedEntries):
             return self._store.batch_put_from_multi_buffers(keys, *rows, config)
         return self._staged_put(keys, staged, (config,), _matrix_rows(staged))
 
-    def _staged_put(self, keys: list[str], staged: _Staged, config: tuple[Any, ...], rows_of: Any) -> list[int]:
+    def _staged_put(self, keys: list[str], staged: KeyPlan, config: tuple[Any, ...], rows_of: Any) -> list[int]:
         """Gather ``keys`` into staging slots and put them (:func:`run_staged`); ``rows_of`` as for
         :meth:`_staged_get` (used when no staging span came free in time)."""
         lease = self._lease(staged)
@@ -346,9 +338,10 @@ class StagedMooncakeStore(RaggedEntries):
             rows = rows_of(list(range(len(keys))))
             return list(self._store.batch_put_from_multi_buffers(keys, *rows, *config))
         self.stats.staged_puts += 1
+        allowed = self.ranges.ranges.items
 
         def fill(start: int, end: int, slots: Any, _select: Any) -> bool:
-            gather(staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, staged.allowed,
+            gather(staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, allowed,
                    threads=self._copy_threads)  # fmt: skip
             return True
 
@@ -356,7 +349,7 @@ class StagedMooncakeStore(RaggedEntries):
             return self._store.batch_put_from(keys[start:end], ptrs, sizes, *config)
 
         try:
-            run = run_staged(False, staged.plan, lease, put, fill)
+            run = run_staged(False, staged.slot_plan(), lease, put, fill)
         finally:
             lease.release()
         return [int(c) for c in run.codes.tolist()]
@@ -370,6 +363,6 @@ def _list_rows(all_buffer_ptrs: Any, all_sizes: Any) -> Any:
     return lambda picks: ([all_buffer_ptrs[i] for i in picks], [all_sizes[i] for i in picks])
 
 
-def _matrix_rows(staged: _Staged) -> Any:
+def _matrix_rows(staged: KeyPlan) -> Any:
     """``rows_of`` over a staging plan's int64 matrices, as lists for Mooncake's own call."""
     return lambda picks: (staged.addrs[picks].tolist(), staged.sizes[picks].tolist())
