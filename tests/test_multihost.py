@@ -274,22 +274,23 @@ def test_verify_catches_every_lie_a_load_could_tell() -> None:
 
 
 def test_unavailable_reason_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mooncake_kvaddr.bench.netns as netns
+    # The probe lives in netns_ip (netns re-exports it): patch _ip_binary where the probe looks it up.
+    import mooncake_kvaddr.bench.netns_ip as netns_ip
 
     try:
-        netns.unavailable_reason.cache_clear()
-        monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
-        assert (netns.unavailable_reason() or "").startswith("not root")
-        netns.unavailable_reason.cache_clear()
-        monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
-        monkeypatch.setattr(netns, "_ip_binary", lambda: None)
-        assert "iproute2" in (netns.unavailable_reason() or "")
-        monkeypatch.setattr(netns.sys, "platform", "darwin")
-        netns.unavailable_reason.cache_clear()
-        assert "Linux" in (netns.unavailable_reason() or "")
+        netns_ip.unavailable_reason.cache_clear()
+        monkeypatch.setattr(netns_ip.os, "geteuid", lambda: 1000)
+        assert (netns_ip.unavailable_reason() or "").startswith("not root")
+        netns_ip.unavailable_reason.cache_clear()
+        monkeypatch.setattr(netns_ip.os, "geteuid", lambda: 0)
+        monkeypatch.setattr(netns_ip, "_ip_binary", lambda: None)
+        assert "iproute2" in (netns_ip.unavailable_reason() or "")
+        monkeypatch.setattr(netns_ip.sys, "platform", "darwin")
+        netns_ip.unavailable_reason.cache_clear()
+        assert "Linux" in (netns_ip.unavailable_reason() or "")
     finally:
         monkeypatch.undo()
-        netns.unavailable_reason.cache_clear()
+        netns_ip.unavailable_reason.cache_clear()
 
 
 def test_worker_waits_are_bounded(cluster: NetnsCluster) -> None:

@@ -165,7 +165,7 @@ def test_offload_and_hybrid_loads_take_the_fast_path(bench: Any) -> None:
 
 
 def test_rig_group_split() -> None:
-    from mooncake_kvaddr.bench.vllm_plugin import _group_split
+    from mooncake_kvaddr.bench.vllm_rig import _group_split
 
     assert _group_split(100, 1) == [(0, 100)]
     assert _group_split(100, 2) == [(0, 67), (67, 100)]

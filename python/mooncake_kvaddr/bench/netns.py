@@ -22,23 +22,18 @@ cluster left behind by a process that was SIGKILLed is removed by :func:`sweep_s
 Root (CAP_SYS_ADMIN + CAP_NET_ADMIN), ``ip`` from iproute2 and the Mooncake wheel are needed;
 :func:`unavailable_reason` says which one is missing (tests skip with it).
 
-Size: namespaces, processes and teardown live together (~800 lines) because teardown must know every
-resource the harness creates, on every failure path.
+Modules: :mod:`~mooncake_kvaddr.bench.netns_ip` (``setns``, ``ip``, the sweep and the availability probe) and
+:mod:`~mooncake_kvaddr.bench.netns_worker` (:class:`Worker`, the line protocol); this module keeps the cluster
+and its teardown state, which must know every resource the harness creates on every failure path, and
+re-exports their public names.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import http.client
-import json
 import os
-import queue
-import re
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -47,13 +42,28 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Final, TypeVar
+from typing import IO, Any, Final
 
-from mooncake_kvaddr.driver.master import MasterError, find_master_binary, process_is_running
+from mooncake_kvaddr.bench.netns_ip import (
+    _KILL_WAIT_S,
+    NAME_PREFIX,
+    NetnsError,
+    _delete_netns,
+    _ip,
+    _netns_pids,
+    _netns_preexec,
+    _open_netns,
+    list_namespaces,
+    run_in_netns,
+    sweep_stale,
+    unavailable_reason,
+)
+from mooncake_kvaddr.bench.netns_worker import _LOG_TAIL_BYTES, Worker, WorkerError, WorkerTimeout, _tail
+from mooncake_kvaddr.driver.master import find_master_binary
 
 __all__ = [
     "NAME_PREFIX",
@@ -70,377 +80,16 @@ __all__ = [
     "unavailable_reason",
 ]
 
-_T = TypeVar("_T")
-
-#: Every namespace this module creates is named ``mkvmh-<creator pid>-<token>-<role>``.
-NAME_PREFIX: Final = "mkvmh"
-_NAME_RE: Final = re.compile(rf"^{NAME_PREFIX}-(\d+)-([0-9a-f]+)-([a-z]+)$")
 #: The three hosts, in start order; ``"sw"`` is the switch namespace that holds the bridge.
 ROLES: Final = ("master", "writer", "reader")
 _SHORT: Final = {"master": "m", "writer": "w", "reader": "r", "switch": "sw"}
 _HOST_NUMBER: Final = {"master": 1, "writer": 2, "reader": 3}
 
-_CLONE_NEWNET: Final = 0x40000000
-_PR_SET_PDEATHSIG: Final = 1
-_NETNS_DIR: Final = Path("/run/netns")
-_IP_TIMEOUT_S: Final = 15.0
 _TERM_GRACE_S: Final = 3.0
-_KILL_WAIT_S: Final = 5.0
-_LOG_TAIL_BYTES: Final = 4000
 
 #: Ports of the master inside its namespace: fixed, because the namespace is fresh and private.
 MASTER_RPC_PORT: Final = 50051
 MASTER_METRICS_PORT: Final = 9003
-
-
-class NetnsError(RuntimeError):
-    """Creating, using or removing the namespaces failed (the message carries ``ip``'s stderr)."""
-
-
-class WorkerError(RuntimeError):
-    """A worker process died, refused a command, or broke the line protocol."""
-
-
-class WorkerTimeout(WorkerError):
-    """A worker did not answer within the bound given to :meth:`Worker.receive`."""
-
-
-# ------------------------------------------------------------------------------------------- system calls
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
-    libc.setns.restype = ctypes.c_int
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    libc.prctl.restype = ctypes.c_int
-    return libc
-
-
-def _setns(fd: int) -> None:
-    if _libc().setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns(CLONE_NEWNET): {os.strerror(err)}")
-
-
-def _open_netns(name: str) -> int:
-    try:
-        return os.open(_NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise NetnsError(f"network namespace {name!r} cannot be opened: {exc}") from exc
-
-
-def run_in_netns(netns: str, fn: Callable[[], _T], timeout: float = 30.0) -> _T:
-    """Call ``fn()`` in a fresh thread that has joined network namespace ``netns``; return its result.
-
-    Only that thread changes namespace (``setns`` with ``CLONE_NEWNET`` is per thread), so sockets ``fn``
-    creates live in ``netns`` while the rest of the process stays where it was. Raises what ``fn`` raised,
-    or :class:`TimeoutError` if it did not finish within ``timeout`` seconds.
-    """
-    fd = _open_netns(netns)
-    box: list[Any] = []
-
-    def target() -> None:
-        try:
-            _setns(fd)
-            box.append((True, fn()))
-        except BaseException as exc:  # handed back to the caller, which re-raises it
-            box.append((False, exc))
-
-    try:
-        thread = threading.Thread(target=target, name=f"netns-{netns}", daemon=True)
-        thread.start()
-        thread.join(timeout)
-    finally:
-        os.close(fd)
-    if not box:
-        raise TimeoutError(f"run_in_netns({netns!r}): no result within {timeout} s")
-    ok, value = box[0]
-    if not ok:
-        raise value
-    result: _T = value
-    return result
-
-
-def _netns_preexec(fd: int) -> Callable[[], None]:
-    """A ``preexec_fn`` that moves the child into the namespace behind ``fd`` and ties it to its parent."""
-    libc = _libc()
-    setns = libc.setns
-    prctl = libc.prctl
-    parent = os.getpid()
-
-    def preexec() -> None:
-        if setns(fd, _CLONE_NEWNET) != 0:
-            os._exit(126)
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl: the signal will never come
-            os._exit(1)
-
-    return preexec
-
-
-# ------------------------------------------------------------------------------------------- ip(8)
-
-
-@functools.cache
-def _ip_binary() -> str | None:
-    found = shutil.which("ip")
-    if found:
-        return found
-    for candidate in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"):
-        if os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    binary = _ip_binary()
-    if binary is None:
-        raise NetnsError("the `ip` command (iproute2) is not installed")
-    try:
-        done = subprocess.run(
-            [binary, *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise NetnsError(f"`ip {' '.join(args)}` did not finish within {_IP_TIMEOUT_S} s") from exc
-    if check and done.returncode != 0:
-        raise NetnsError(f"`ip {' '.join(args)}` failed ({done.returncode}): {done.stderr.strip()}")
-    return done
-
-
-def list_namespaces(prefix: str = NAME_PREFIX) -> list[str]:
-    """Names of the existing network namespaces that start with ``prefix + "-"``."""
-    done = _ip("netns", "list", check=False)
-    if done.returncode != 0:
-        return []
-    names = [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
-    return [name for name in names if name.startswith(prefix + "-")]
-
-
-def _netns_pids(name: str) -> list[int]:
-    done = _ip("netns", "pids", name, check=False)
-    return [int(tok) for tok in done.stdout.split() if tok.isdigit()] if done.returncode == 0 else []
-
-
-def _kill_netns_processes(name: str) -> None:
-    """SIGKILL every process inside namespace ``name`` (continued first, so a stopped one dies too)."""
-    for _ in range(3):
-        pids = _netns_pids(name)
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + _KILL_WAIT_S
-        while time.monotonic() < deadline and any(process_is_running(p) for p in pids):
-            time.sleep(0.02)
-
-
-def _delete_netns(name: str) -> None:
-    _kill_netns_processes(name)
-    done = _ip("netns", "delete", name, check=False)
-    if done.returncode != 0 and (_NETNS_DIR / name).exists():
-        raise NetnsError(f"cannot delete network namespace {name!r}: {done.stderr.strip()}")
-
-
-def sweep_stale(prefix: str = NAME_PREFIX) -> list[str]:
-    """Delete namespaces named ``<prefix>-<pid>-…`` whose creating process is gone; returns their names.
-
-    Only names with this module's pattern are considered, and a namespace whose creator still runs is left
-    alone (another cluster in use). Processes still inside a stale namespace are killed first.
-    """
-    removed: list[str] = []
-    for name in list_namespaces(prefix):
-        match = _NAME_RE.match(name)
-        if match is None or not name.startswith(prefix + "-"):
-            continue
-        if process_is_running(int(match.group(1))):
-            continue
-        with contextlib.suppress(NetnsError):
-            _delete_netns(name)
-            removed.append(name)
-    return removed
-
-
-@functools.cache
-def unavailable_reason() -> str | None:
-    """Why a :class:`NetnsCluster` cannot run here (``None`` if it can); checked once per process.
-
-    Checks: Linux, effective root, ``ip`` installed, the Mooncake wheel's master binary, and a trial
-    namespace with a bridge and a veth pair (created and deleted again).
-    """
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces need Linux (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return "not root: creating network namespaces needs CAP_SYS_ADMIN and CAP_NET_ADMIN"
-    if _ip_binary() is None:
-        return "the `ip` command (iproute2) is not installed"
-    try:
-        find_master_binary()
-    except MasterError as exc:
-        return str(exc)
-    token = secrets.token_hex(3)
-    a, b = f"{NAME_PREFIX}-{os.getpid()}-{token}-probea", f"{NAME_PREFIX}-{os.getpid()}-{token}-probeb"
-    try:
-        _ip("netns", "add", a)
-        _ip("netns", "add", b)
-        _ip("-n", a, "link", "add", "br0", "type", "bridge")
-        _ip("link", "add", "eth0", "netns", a, "type", "veth", "peer", "name", "eth0", "netns", b)
-        _ip("-n", b, "link", "set", "lo", "up")
-    except NetnsError as exc:
-        return f"cannot build network namespaces here: {exc}"
-    finally:
-        for name in (a, b):
-            with contextlib.suppress(NetnsError):
-                _delete_netns(name)
-    return None
-
-
-# ------------------------------------------------------------------------------------------- workers
-
-
-class Worker:
-    """A process inside one namespace that speaks JSON lines (commands on stdin, messages on stdout).
-
-    Messages are ``{"event": …}`` (progress, e.g. ``"load_started"``) or ``{"reply": op, "ok": …}``. Every
-    wait is bounded: :meth:`receive` raises :class:`WorkerTimeout`, and :class:`WorkerError` (with the
-    tail of the worker's stderr) when the worker has died.
-    """
-
-    def __init__(self, name: str, popen: subprocess.Popen[bytes], log: IO[bytes]) -> None:
-        self.name = name
-        self._popen = popen
-        self._log = log
-        self._lines: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.events: list[dict[str, Any]] = []  # every event seen so far, in order
-        self._reader = threading.Thread(target=self._read, name=f"worker-{name}-stdout", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        stream = self._popen.stdout
-        assert stream is not None
-        with contextlib.suppress(OSError, ValueError):
-            for line in stream:
-                self._lines.put(line)
-        self._lines.put(None)
-
-    @property
-    def pid(self) -> int:
-        """The worker's PID (the process itself, not a wrapper)."""
-        return self._popen.pid
-
-    @property
-    def alive(self) -> bool:
-        """True while the process has not exited (a stopped process is alive)."""
-        return self._popen.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        """Exit status, ``None`` while running (negative: killed by that signal)."""
-        return self._popen.poll()
-
-    def stderr_tail(self, limit: int = _LOG_TAIL_BYTES) -> str:
-        """The last ``limit`` bytes the worker (and Mooncake inside it) wrote to stderr."""
-        return _tail(self._log, limit)
-
-    def send(self, op: str, **args: Any) -> None:
-        """Send one command without waiting for its reply."""
-        stdin = self._popen.stdin
-        if stdin is None or not self.alive:
-            raise WorkerError(f"{self.name}: worker is not running (rc={self.returncode}); {self._where()}")
-        try:
-            stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
-            stdin.flush()
-        except (BrokenPipeError, OSError, ValueError) as exc:
-            raise WorkerError(f"{self.name}: cannot send {op!r}: {exc}; {self._where()}") from exc
-
-    def receive(self, timeout: float) -> dict[str, Any]:
-        """The next message (event or reply), waiting at most ``timeout`` seconds."""
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise WorkerTimeout(f"{self.name}: no message within {timeout:.1f} s; {self._where()}") from None
-        if line is None:
-            self._lines.put(None)  # keep reporting EOF
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._popen.wait(timeout=2.0)
-            raise WorkerError(f"{self.name}: worker exited (rc={self.returncode}); {self._where()}")
-        try:
-            message: dict[str, Any] = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise WorkerError(f"{self.name}: not a protocol line: {line[:200]!r}") from exc
-        if "event" in message:
-            self.events.append(message)
-        return message
-
-    def reply(self, op: str, timeout: float) -> dict[str, Any]:
-        """Wait (at most ``timeout`` s overall) for the reply to ``op``; events seen meanwhile are kept."""
-        deadline = time.monotonic() + timeout
-        while True:
-            message = self.receive(max(0.0, deadline - time.monotonic()))
-            if message.get("reply") != op:
-                continue
-            if not message.get("ok", False):
-                raise WorkerError(f"{self.name}: {op} failed: {message.get('error')}; {self._where()}")
-            return message
-
-    def event(self, name: str, timeout: float) -> dict[str, Any]:
-        """Wait (at most ``timeout`` s) for the next event called ``name``; a reply meanwhile is an error."""
-        deadline = time.monotonic() + timeout
-        while True:
-            message = self.receive(max(0.0, deadline - time.monotonic()))
-            if message.get("event") == name:
-                return message
-            if "reply" in message:
-                raise WorkerError(f"{self.name}: got reply {message} while waiting for event {name!r}")
-
-    def call(self, op: str, timeout: float, **args: Any) -> dict[str, Any]:
-        """Send ``op`` and wait (at most ``timeout`` s) for its reply."""
-        self.send(op, **args)
-        return self.reply(op, timeout)
-
-    def signal(self, sig: int) -> None:
-        """Send signal ``sig`` to the worker (no-op once it has exited)."""
-        if self.alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def kill(self) -> int | None:
-        """SIGKILL and reap the worker; returns its exit status."""
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._popen.wait(timeout=_KILL_WAIT_S)
-        return self.returncode
-
-    def close(self, timeout: float = 30.0) -> int | None:
-        """Ask the worker to exit cleanly (it closes its stores), SIGKILL it after ``timeout`` s."""
-        if self.alive:
-            with contextlib.suppress(WorkerError):
-                self.send("exit")
-            try:
-                self._popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.returncode
-
-    def _where(self) -> str:
-        tail = self.stderr_tail(1500)
-        return f"stderr tail:\n{tail}" if tail else "stderr empty"
-
-
-def _tail(log: IO[bytes] | None, limit: int) -> str:
-    if log is None:
-        return ""
-    try:
-        log.flush()
-        size = log.seek(0, os.SEEK_END)
-        log.seek(max(0, size - limit))
-        data = log.read()
-    except (OSError, ValueError):
-        return ""
-    return data.decode("utf-8", "replace").strip()
 
 
 # ------------------------------------------------------------------------------------------- cluster

@@ -11,16 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from mooncake_kvaddr.bench.vllm_plugin import (
-    HEADLINE,
-    QUICK,
-    RigShape,
-    VllmStoreRig,
-    _conversion_ms,
-    _single_requests,
-    mode_flags,
-    plugin_mode,
-)
+from mooncake_kvaddr.bench.vllm_plugin import _conversion_ms, _single_requests
+from mooncake_kvaddr.bench.vllm_rig import HEADLINE, QUICK, RigShape, VllmStoreRig, mode_flags, plugin_mode
 
 __all__ = ["CASES", "MODES", "run"]
 

@@ -15,19 +15,9 @@ import statistics
 import time
 from typing import Any
 
-from mooncake_kvaddr.bench.vllm_plugin import (
-    HEADLINE,
-    QUICK,
-    RigShape,
-    VllmStoreRig,
-    _NativeTimer,
-    _Phases,
-    _restore_env,
-    _Spinner,
-    mode_flags,
-    native_off,
-    plugin_mode,
-)
+from mooncake_kvaddr.bench.vllm_instrument import _NativeTimer, _Phases, _Spinner
+from mooncake_kvaddr.bench.vllm_plugin import _restore_env
+from mooncake_kvaddr.bench.vllm_rig import HEADLINE, QUICK, RigShape, VllmStoreRig, mode_flags, native_off, plugin_mode
 
 __all__ = ["VARIANTS", "run"]
 
