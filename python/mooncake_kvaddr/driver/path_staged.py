@@ -29,7 +29,7 @@ from mooncake_kvaddr.driver.rules import rotate
 from mooncake_kvaddr.driver.staging import (
     SLOT_ALIGNMENT,
     BoolArray,
-    CopyBackend,
+    HostCopyBackend,
     SlotPlan,
     StagingLease,
     StagingPool,
@@ -95,7 +95,7 @@ class StagedPath(TransferPath):
     name = "staged"
 
     def __init__(
-        self, ctx: PathContext, pool: StagingPool, copy: CopyBackend, *, max_abandoned_calls: int | None = None
+        self, ctx: PathContext, pool: StagingPool, copy: HostCopyBackend, *, max_abandoned_calls: int | None = None
     ) -> None:
         super().__init__(ctx)
         self.pool = pool

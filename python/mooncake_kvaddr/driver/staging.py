@@ -30,7 +30,7 @@ keys through a leased staging span with it (batches that fit the span, a short r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import Final, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -264,68 +264,12 @@ def scatter(
         del owner  # held until the native copy returned
 
 
-@runtime_checkable
-class CopyBackend(Protocol):
-    """Moves region slices to and from staging slots for one kind of memory.
-
-    The transfer driver stages a request as: :func:`plan_slots` → ``gather`` → Mooncake ``batch_put_from``
-    (put), or Mooncake ``batch_get_into`` → ``scatter`` with the per-key results as ``select`` (get). A
-    backend owns the knowledge of where the KV caches live (its allowed ranges) and how to copy there.
-    ``gather``/``scatter`` must validate everything before copying (all or nothing), return the bytes
-    moved, and return only once the destination is complete and visible to the caller's next step.
-    """
-
-    @property
-    def memory_kind(self) -> Literal["host", "device"]:
-        """Where the KV caches and the staging buffer this backend copies between live."""
-        ...
-
-    def gather(
-        self,
-        addrs: Int64Array,
-        sizes: Int64Array,
-        staging: StagingArg,
-        offsets: Int64Array,
-        *,
-        select: KeySelection | None = None,
-    ) -> int:
-        """Copy each selected key's slices into its slot; return the bytes copied."""
-        ...
-
-    def scatter(
-        self,
-        addrs: Int64Array,
-        sizes: Int64Array,
-        staging: StagingArg,
-        offsets: Int64Array,
-        *,
-        select: KeySelection | None = None,
-    ) -> int:
-        """Copy each selected key's slot back to its slices; return the bytes copied."""
-        ...
-
-
 class HostCopyBackend:
-    """The host-memory :class:`CopyBackend`: native streaming-store copies with the GIL released.
+    """The copy backend of the staged transports: native streaming-store copies with the GIL released.
 
     ``allowed_ranges`` are the registered KV-cache buffers as ``(ptr, nbytes)``; update them with
     :meth:`set_allowed_ranges` when the caches are re-registered. ``threads`` and ``streaming`` are passed to
     :func:`gather`/:func:`scatter`. Safe to share between threads (it holds no per-call state).
-
-    A device (GPU) backend would implement the same protocol with ``memory_kind == "device"`` (see the module
-    docstring for how it fits the driver) and needs:
-
-    * staging in device memory (or pinned host memory), registered with Mooncake once, so that RDMA reads
-      and writes it directly (GPUDirect); allowed ranges are the device KV-cache allocations;
-    * one gather/scatter kernel launch per request (one thread block per key, slices walked in region
-      order; the ``(keys, regions)`` address/size matrices and the ``select`` mask uploaded once per request
-      into a small pinned/device buffer), or one copy-engine batch (``cudaMemcpyBatchAsync``-style) with
-      one descriptor per slice, never one Python-level call per slice or per key;
-    * the same all-or-nothing validation on the host before the launch (the kernel cannot raise);
-    * stream ordering: ``gather`` returns after the copy is complete (event synchronise) because Mooncake
-      reads the staging buffer next; ``scatter`` is ordered after the get completes and before the blocks
-      are handed back to the inference engine (an event the caller can wait on, or a synchronise);
-    * the GIL released while waiting for the device.
     """
 
     def __init__(self, allowed_ranges: Sequence[MemoryRange], *, threads: int = 0, streaming: bool = True) -> None:
@@ -396,3 +340,8 @@ class HostCopyBackend:
         return (
             f"HostCopyBackend({len(self._allowed)} allowed ranges, threads={self.threads}, streaming={self.streaming})"
         )
+
+
+#: Deprecated name of :class:`HostCopyBackend`, the one copy backend (it was a protocol with that one
+#: implementation).
+CopyBackend = HostCopyBackend

@@ -20,7 +20,7 @@ from mooncake_kvaddr.driver.bounds import RegisteredCaches
 from mooncake_kvaddr.driver.paths import DirectPath, MultiBufferPath, PathContext, StagedPath, TransferPath
 from mooncake_kvaddr.driver.probe import PeerProbe
 from mooncake_kvaddr.driver.rules import OperationRecorder, choose_auto_mode, copies_in_memory
-from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, CopyBackend, HostCopyBackend, StagingPool
+from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, HostCopyBackend, StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore, StoreError
 
 __all__ = ["TransferRegistration"]
@@ -119,7 +119,7 @@ class TransferRegistration:
         return None if staged is None else staged.pool
 
     @property
-    def copy_backend(self) -> CopyBackend | None:
+    def copy_backend(self) -> HostCopyBackend | None:
         """The backend that gathers and scatters staged keys (``None`` unless a direction is ``"staged"``); a
         :class:`~mooncake_kvaddr.driver.staging.HostCopyBackend` whose ``threads``/``streaming`` may be tuned."""
         staged = self._staged()
