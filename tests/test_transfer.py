@@ -285,3 +285,15 @@ def test_the_replicate_config_reaches_every_put(monkeypatch: pytest.MonkeyPatch,
             stored = xfer.store(TransferRequest("r", 64, h, [[1, 2, 3, 4]]))
         assert stored.ok and stored.stored == 4
     assert seen and all(config is mine for config in seen)
+
+
+def test_a_call_runner_of_zero_abandoned_calls_is_allowed_and_never_saturated() -> None:
+    """``max_abandoned`` 0 means no limit (calls run inline, never abandoned): accepted, never saturated;
+    only a negative count is refused."""
+    from mooncake_kvaddr.driver.workers import CallRunner
+
+    runner = CallRunner(0)
+    assert runner.max_abandoned == 0 and not runner.saturated
+    assert runner.submit(lambda: 7, 1.0, lambda exc: None).wait(1.0) == 7
+    with pytest.raises(ValueError, match="max_abandoned"):
+        CallRunner(-1)
