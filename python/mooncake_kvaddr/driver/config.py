@@ -1,15 +1,8 @@
-"""Configuration of the Mooncake store client (:class:`StoreConfig`).
+"""Configuration of the Mooncake store client (:class:`StoreConfig`; docs/configuration.md).
 
-A vLLM Mooncake config file (the JSON named by ``MOONCAKE_CONFIG_PATH``) loads unchanged: its keys
-(``metadata_server``, ``master_server_address``, ``protocol``, ``device_name``, ``mode``,
-``global_segment_size``, ``local_buffer_size``, ``enable_offload``, ``tenant_id``) mean what they mean to
-vLLM, and the keys vLLM reads from ``kv_connector_extra_config`` are accepted and ignored. The other fields
-are the knobs this package needs to drive the store safely (batch splitting, bounded waits, the embedded
-master). Every value is checked when the object is built, with an error that names the field.
-See ``docs/configuration.md``.
-
-Sizes accept ints or strings such as ``"4GB"``, ``"512MiB"``, ``"1.5 GB"``. As in Mooncake's and vLLM's own
-parsers, ``KB/MB/GB/TB`` are binary units (``"1GB" == 2**30``), identical to ``KiB/MiB/GiB/TiB``.
+A vLLM Mooncake config file (``MOONCAKE_CONFIG_PATH``) loads unchanged; the other fields are the knobs this
+package needs to drive the store safely (batch splitting, bounded waits, the embedded master). Every value is
+checked when the object is built, with an error that names the field.
 """
 
 from __future__ import annotations

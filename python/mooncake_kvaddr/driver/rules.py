@@ -1,14 +1,7 @@
-"""The transfer rules that every path shares, each written once (see ``docs/transfer-modes.md``).
+"""The transfer rules that every path shares, each written once (docs/transfer-modes.md).
 
-* :func:`rotate` - a load starts at key ``tp_rank % n`` so that ranks spread over the pool's segments;
-* :func:`floor_to` - stores, lookups and a load's skipped prefix use whole scheduler blocks (the lcm of the
-  groups' block sizes);
-* :func:`group_runs` - keys are group-major; one database call per run of a group;
-* :data:`LOAD_ERRORS` and :func:`describe` - the one error policy: a load never raises for these, it
-  reports every block it could not prove loaded as failed, with the reason;
-* :func:`split_by_staging_budget` - a load's sub-batches when the store offloads to disk and its staging
-  buffer is bounded;
-* :class:`OperationRecorder` - the optional metrics callback in vLLM's ``record_operation`` shape.
+Rotation, flooring to scheduler blocks, group runs, the load error policy, the disk-offload staging-budget split,
+the ``auto`` mode rule and the metrics recorder.
 """
 
 from __future__ import annotations
