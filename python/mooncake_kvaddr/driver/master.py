@@ -269,7 +269,7 @@ class EmbeddedMaster:
     def close(self, *, kill: bool = False) -> None:
         """Stop the master for good and release its log file. Idempotent; waits for a concurrent start().
 
-        ``kill=True`` skips the graceful shutdown (SIGTERM takes the master ~0.9 s): for owners that know
+        ``kill=True`` skips the graceful shutdown (docs/configuration.md, "Close time"): for owners that know
         nothing needs it any more, e.g. a store whose client is already closed. The master keeps its
         objects in memory only, so they are lost either way.
         """

@@ -79,7 +79,7 @@ logger = logging.getLogger(__name__)
 #: still counts it alive (docs/multihost.md). A sub-batch that fails ``TRANSFER_FAILED`` after at least this
 #: many seconds is taken to have waited out that timeout: every further call of the request would wait it out
 #: too, so none is made (docs/transfer-modes.md, "Deadlines"). Below 60 s to absorb timer slack; far above
-#: any healthy call (the slowest measured, a whole headline request over TCP, takes ~12 s).
+#: any healthy call (a whole headline request over TCP; docs/transfer-modes.md, "Deadlines").
 HUNG_CALL_THRESHOLD_S: Final = 55.0
 
 
@@ -293,7 +293,7 @@ class MooncakeStore(StoreCalls):
                 self._gate.release()
                 if master is not None:
                     # The client is gone and the master keeps objects in memory only: no need to wait
-                    # ~0.9 s for its graceful shutdown (docs/configuration.md, "Close time").
+                    # for its graceful shutdown (docs/configuration.md, "Close time").
                     master.close(kill=True)
         finally:
             self._lifecycle.release()
@@ -380,7 +380,7 @@ class MooncakeStore(StoreCalls):
             elapsed = _now() - t0
             codes.extend(part)
             if end < n and CODE_MASTER_UNREACHABLE in part:
-                # Each further sub-batch would block ~4 s only to report the same; fail the rest now.
+                # Each further sub-batch would block only to report the same; fail the rest now.
                 codes.extend([CODE_MASTER_UNREACHABLE] * (n - end))
                 break
             if elapsed >= HUNG_CALL_THRESHOLD_S and CODE_TRANSFER_FAILED in part:
