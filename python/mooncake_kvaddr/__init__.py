@@ -1,17 +1,8 @@
 """mooncake_kvaddr: native KV-chunk keys and transfer addresses for Mooncake-backed KV-cache offload.
 
-Drop-in for vLLM's Mooncake store connector data classes (``KeyMetadata``, ``PoolKey``,
-``ChunkedTokenDatabase``), with the per-request address matrix and key strings computed in C++.
-
-Layers (see ``docs/architecture.md``):
-
-- :mod:`mooncake_kvaddr.core` — keys, hashes, the chunk database and the oracle; never imports the driver.
-- :mod:`mooncake_kvaddr.driver` — the Mooncake driver: config, embedded master, store client, staging,
-  transfer paths, lookup.
-- :mod:`mooncake_kvaddr.integrations` — adapters for serving engines (vLLM).
-
-The core names are imported eagerly; the driver's names load on first use, so ``import mooncake_kvaddr`` for
-the drop-in does not pay for the driver.
+Drop-in for vLLM's Mooncake store connector data classes, with the per-request address matrix and key strings
+computed in C++. Layers ``core``, ``driver`` and ``integrations`` (docs/architecture.md); the core names are
+imported eagerly, the driver's on first use.
 """
 
 from __future__ import annotations

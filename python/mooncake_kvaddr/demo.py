@@ -1,20 +1,7 @@
 """End-to-end demo: store one request's KV cache in Mooncake, look it up, load it elsewhere, verify.
 
-``python -m mooncake_kvaddr demo [--tokens N] [--regions R] [--block-size B] [--mode M] [--json PATH] [--verbose]``
-
-A synthetic KV cache lives in host memory: ``R`` regions (K and V of ``R/2`` layers), each an array of
-blocks. One request's chunks go from cache A to the store (the demo asks for an embedded master on loopback
-unless ``--config`` / ``$MOONCAKE_CONFIG_PATH`` names one),
-``lookup`` reports the hit, and the chunks come back into cache B at other block ids; every byte is
-compared. The timing breakdown separates our work (keys, address rows; fused into one native "plan" pass
-on the load path and also timed apart) from Mooncake's. ``--mode`` picks the transfer mode (see
-:mod:`mooncake_kvaddr.driver.transfer`): staged runs report the native copy (``store_gather``, ``load_scatter``)
-apart from Mooncake's transfer (``store_put``, ``load_get``); multi-buffer runs report the binding's argument
-conversion (GIL held, measured on its own with an empty key list) apart from the rest of the get.
-
-Quiet by default: Mooncake's own log lines are kept out of the terminal (and shown if the demo fails);
-``--verbose`` or ``MOONCAKE_KVADDR_VERBOSE=1`` lets them through. ``close`` in the timings is Mooncake's
-client shutdown, ~1 s per mounted segment plus ~1 s (``docs/configuration.md``, "Close time").
+``python -m mooncake_kvaddr demo [--tokens N] [--regions R] [--block-size B] [--mode M] [--json PATH] [--verbose]``;
+what it runs and what its timings separate: docs/python-api.md, "The demo".
 """
 
 from __future__ import annotations

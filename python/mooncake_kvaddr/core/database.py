@@ -1,19 +1,8 @@
 """The chunk database: drop-in for vLLM's ``ChunkedTokenDatabase`` with a native address/size matrix.
 
-Semantics are those of docs/address-rows.md exactly (results equal, value for value and type for type, to
-:mod:`mooncake_kvaddr.core.oracle`); the differences are speed and strictness: errors where the reference would
-wrap silently or crash (docs/errors.md).
-
-Results are the caller's own: every call returns fresh lists (or fresh arrays), so editing a returned row
-never changes another result, earlier or later. The address-row cache keeps its own immutable copies. With
-``immutable_rows`` on, rows come as tuples (shared with the cache, which is safe because a tuple never
-changes): the warm path's floor, for callers that only read rows (docs/address-rows.md).
-
-Thread safety: one database may be shared by any number of threads (as vLLM shares it between its send
-thread and every receive thread); every method may be called concurrently with every other. Each call
-converts its inputs first, then computes on one consistent snapshot of the registered regions; results equal
-those of some serial order of the calls. Registering regions while loads run is safe; a call that started
-before the change may still use the old regions.
+Results equal :mod:`mooncake_kvaddr.core.oracle`'s value for value and type for type (docs/address-rows.md); what
+differs is speed and strictness (docs/errors.md). Results are fresh, and one database may be shared by any number
+of threads (docs/address-rows.md, "Results and the row cache", "Thread safety").
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Store layouts of vLLM 0.32+'s Mooncake store connector, on one native engine (docs/vllm.md).
 
-A store layout decides, for one KV-cache group on one local TP rank, which store objects (shards) the rank
-writes and reads, how they are keyed, and where each object's bytes live. Every layout here is a set of
-*segment templates* — one per local shard: segment ``s`` of a key whose chunk starts in block ``b`` lives at
-``base[s] + b * stride[s]`` and spans ``size[s]`` bytes (times the chunk's block count for the rank-local
-layout) — computed by the native ``LayoutEngine``:
-
-- :class:`RankLocalStoreLayout`: the historical format, one shard (``0``), regions from
-  ``kv_caches_base_addr``/``block_len``.
-- :class:`LBHNCStoreLayout` / :class:`LBNHCStoreLayout`: TP-shared formats (``TPShardedStoreLayout``) whose
-  objects are readable by any TP size dividing the store's.
-
-The interface and the engine-backed base live in :mod:`mooncake_kvaddr.core.layout_base`, the TP-shared
-layouts in :mod:`mooncake_kvaddr.core.layouts_tp`; every name stays importable from here.
-
-Names, signatures, strings and exception types follow vLLM 0.33.0 (checked against it by
-``tests/test_vllm_conformance.py``); where vLLM's numpy code would silently wrap a 64-bit value, these raise
-``OverflowError``. The package never imports torch: ``register_kv_caches`` reads tensors through their
-methods (``shape``, ``stride()``, ``element_size()``, ``data_ptr()``, ``untyped_storage()``).
+Each layout is a set of segment templates computed by the native ``LayoutEngine``: :class:`RankLocalStoreLayout`
+(the historical format) here, the TP-shared :class:`LBHNCStoreLayout` / :class:`LBNHCStoreLayout` in
+:mod:`~mooncake_kvaddr.core.layouts_tp`, the base in :mod:`~mooncake_kvaddr.core.layout_base`.
 """
 
 from __future__ import annotations

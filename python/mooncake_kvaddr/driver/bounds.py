@@ -1,16 +1,8 @@
 """What ``KVTransfer.register_kv_caches`` registered, and the checks that keep every address inside it.
 
-A block id past ``num_blocks`` (or negative) would hand Mooncake an address outside the KV cache: a load
-then writes wild memory and a store puts unrelated process memory into the shared pool. So, before any
-Mooncake call and in every transfer mode (see ``docs/transfer-modes.md``, "Safety"):
-
-* :meth:`RegisteredCaches.screen` snapshots a request's block ids and finds the out-of-range ones; the
-  chunks on them are reported failed (load) or not stored (store), with the reason, and never planned;
-* :meth:`RegisteredCaches.check_databases` verifies that every database still holds exactly the regions
-  that were registered (a caller may edit a database's lists; then nothing moves).
-
-Together these bound every slice: a chunk covers one block, so its slice of region ``r`` is
-``[base_r + id * len_r, base_r + (id + 1) * len_r)``, inside the ``num_blocks * len_r`` bytes registered.
+A block id outside ``[0, num_blocks)`` would hand Mooncake an address outside the KV cache; these checks screen
+each request's block ids and the databases' regions before any Mooncake call, in every transfer mode
+(docs/transfer-modes.md, "Safety").
 """
 
 from __future__ import annotations

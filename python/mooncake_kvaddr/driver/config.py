@@ -1,15 +1,8 @@
-"""Configuration of the Mooncake store client (:class:`StoreConfig`).
+"""Configuration of the Mooncake store client (:class:`StoreConfig`; docs/configuration.md).
 
-A vLLM Mooncake config file (the JSON named by ``MOONCAKE_CONFIG_PATH``) loads unchanged: its keys
-(``metadata_server``, ``master_server_address``, ``protocol``, ``device_name``, ``mode``,
-``global_segment_size``, ``local_buffer_size``, ``enable_offload``, ``tenant_id``) mean what they mean to
-vLLM, and the keys vLLM reads from ``kv_connector_extra_config`` are accepted and ignored. The other fields
-are the knobs this package needs to drive the store safely (batch splitting, bounded waits, the embedded
-master). Every value is checked when the object is built, with an error that names the field.
-See ``docs/configuration.md``.
-
-Sizes accept ints or strings such as ``"4GB"``, ``"512MiB"``, ``"1.5 GB"``. As in Mooncake's and vLLM's own
-parsers, ``KB/MB/GB/TB`` are binary units (``"1GB" == 2**30``), identical to ``KiB/MiB/GiB/TiB``.
+A vLLM Mooncake config file (``MOONCAKE_CONFIG_PATH``) loads unchanged; the other fields are the knobs this
+package needs to drive the store safely (batch splitting, bounded waits, the embedded master). Every value is
+checked when the object is built, with an error that names the field.
 """
 
 from __future__ import annotations
@@ -86,10 +79,10 @@ _DEFAULT_REGION_BUDGET: Final = {"tcp": 1000, "rdma": 1 << 20}
 #: slot per key, ``"auto"`` stages host-memory layouts with more than one region per key.
 TRANSFER_MODES: Final = ("auto", "staged", "multi_buffer")
 
-#: Default of :attr:`StoreConfig.request_timeout_s`. Generous: the longest healthy request measured over TCP
-#: (the headline load in multi-buffer mode across namespaces, ~10 s) fits ten times over, so a loaded host
-#: does not hit it; a hung peer is cut short by the transfer-timeout rule first (docs/transfer-modes.md,
-#: "Deadlines").
+#: Default of :attr:`StoreConfig.request_timeout_s`. Generous: the longest healthy request over TCP (the
+#: headline load in multi-buffer mode across namespaces, docs/multihost.md, "Benchmark") fits ten times over,
+#: so a loaded host does not hit it; a hung peer is cut short by the transfer-timeout rule first
+#: (docs/transfer-modes.md, "Deadlines").
 DEFAULT_REQUEST_TIMEOUT_S: Final = 120.0
 
 #: Default of :attr:`StoreConfig.max_abandoned_calls`: a few hung staged calls, each holding one thread and
@@ -146,9 +139,8 @@ class StoreConfig:
     setup_retries: int | None = None
     """How many client setup attempts, each on a newly picked local port, this package makes itself (no
     environment variable is touched). ``None``: 3 with the embedded master, else one Mooncake setup call
-    with Mooncake's own retry policy. An attempt against a master that refuses the connection fails in
-    ~4.4 s; against an address that accepts but never answers it can take much longer (see
-    ``docs/configuration.md``)."""
+    with Mooncake's own retry policy. How long a failed attempt takes: ``docs/configuration.md``, "Setup
+    attempts, and how long a failure takes"."""
     close_timeout_s: float = 120.0
     """How long ``close()`` waits for calls in flight (a TCP transfer may take 60 s to time out)."""
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S

@@ -1,21 +1,8 @@
 """Drive layout-based (vLLM 0.33-style) token databases through :class:`KVTransfer` (docs/vllm.md, "Driver").
 
-vLLM 0.33's ``ChunkedTokenDatabase`` (``mooncake_kvaddr.integrations.vllm.data``) only walks chunks; keys and
-address rows belong to its ``store_layout``, and one chunk is one store object *per local shard id*. The
-transfer paths of :mod:`mooncake_kvaddr.driver.paths` speak the seed-era database interface (one key per
-chunk). :class:`LayoutDatabase` presents a layout database through that interface:
-
-* every chunk expands to one entry per local shard id, chunk-major (vLLM's receive-thread order); an entry's
-  chunk is the triple ``(start, end, shard_id)``, which the paths carry through untouched;
-* keys are ``layout.key_for(shard_id, chunk_hash)``; rows are ``layout.prepare_values(chunks, block_ids,
-  shard_ids)`` (or its int64-array form);
-* a load may key the chunk that ends at ``token_len`` by a tail-key boundary hash (see
-  :func:`load_with_boundaries`);
-* lookups probe ``layout.lookup_key_prefixes(rank_namespaces)`` (see :func:`layout_transfer`).
-
-Use :func:`layout_transfer` to build the transfer, :func:`register_layout_caches` to register the caches, and
-:func:`load_with_boundaries` / :func:`lookup_with_boundaries` for vLLM 0.33's tail-key boundaries (or set
-``TransferRequest.tail_key_boundaries`` and use ``load``/``submit_load``).
+The transfer paths speak the seed-era database interface (one key per chunk); :class:`LayoutDatabase` presents a
+layout database through it, one entry per chunk and local shard id. Entry points: :func:`layout_transfer`,
+:func:`register_layout_caches`, :func:`load_with_boundaries`, :func:`lookup_with_boundaries`.
 """
 
 from __future__ import annotations

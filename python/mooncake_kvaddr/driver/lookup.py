@@ -1,38 +1,8 @@
 """Store lookup: how many leading prompt tokens every KV-cache group can load (docs/lookup.md).
 
-Lookup runs on one rank for the whole deployment, so a chunk counts as stored only when every rank
-namespace that will load it holds it. Per group, the namespaces come from the parallel layout and the
-group's replication factor (:func:`~mooncake_kvaddr.core.keys.lookup_namespaces`); their key prefixes are
-built once, at construction. A lookup then
-
-1. floors the prompt to the lookup alignment (the scheduler block size, or ``hash_block_size`` when
-   partial-hash hits are on),
-2. builds every candidate key - groups in order, probed units ascending, all namespaces of a unit
-   next to each other - and asks the store about all of them in one ``batch_is_exist``,
-3. reduces the answers to per-unit presence (present only if every namespace answered exactly 1; the
-   answers are consumed exactly: a count mismatch is a miss, never a shifted read), and
-4. returns the longest aligned length ``H`` below the prompt's last token that **every** group can load
-   with the keys a loader derives from ``H`` (docs/lookup.md, "What a group needs to load H").
-
-Two probing modes, fixed by the group layout:
-
-* coarse (the usual one): group ``g`` probes its chunks of ``block_size`` tokens, named by the compact
-  chunk hash, only where its lookup mask allows it (the mask is read before the hash);
-* fine-grained: when an align-mode Mamba group has ``block_size > hash_block_size`` (or ``>=`` with DCP),
-  every group probes every ``hash_block_size`` unit under its raw hash, and hits land on those units.
-
-Cost: O(hashes x namespaces) keys and O(hashes x groups) arithmetic, independent of ``num_tokens``
-(docs/lookup.md, "Cost").
-
-:meth:`StoreLookup.lookup_with_boundaries` is the vLLM 0.33 shape of the answer: the hit length as vLLM
-0.33's hybrid coordinator derives it, plus per group the token boundary whose key stores the tail block
-(a loader that honours these boundaries may load a partial tail from a longer stored key).
-
-Supported group types: full attention (MHA/GQA/MLA and uniform mixes of them), sliding-window attention
-and Mamba. Not supported: EAGLE's dropped last block and chunked-local attention.
-
-The value types live in :mod:`mooncake_kvaddr.driver.lookup_types`, the per-group hit arithmetic in
-:mod:`mooncake_kvaddr.driver.lookup_hits`; every name stays importable from here.
+Lookup runs on one rank for the whole deployment, so a chunk counts only when every rank namespace that will
+load it holds it; all candidate keys go to the store in one ``batch_is_exist``. The value types live in
+:mod:`~mooncake_kvaddr.driver.lookup_types`, the hit arithmetic in :mod:`~mooncake_kvaddr.driver.lookup_hits`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """An embedded ``mooncake_master`` on loopback (:class:`EmbeddedMaster`).
 
-The master binary ships inside the Mooncake wheel. It is started on 127.0.0.1 with free ports, in
-P2P-handshake mode (no HTTP metadata server: that one binds 0.0.0.0 whatever it is told), and is always
-stopped again: on :meth:`EmbeddedMaster.close`, when the object is garbage-collected, at interpreter exit,
-and - through ``PR_SET_PDEATHSIG`` - when the process that started it dies, even by SIGKILL or a segfault.
-Start, stop and close are serialized per master; readiness means our child answers ``/health`` and owns
-both of its listening ports. Nothing here touches the process environment. See ``docs/configuration.md``.
+Started on 127.0.0.1 with free ports in P2P-handshake mode, and always stopped again, even when the process that
+started it dies; nothing here touches the process environment (docs/configuration.md, "The embedded master").
 """
 
 from __future__ import annotations
@@ -273,7 +269,7 @@ class EmbeddedMaster:
     def close(self, *, kill: bool = False) -> None:
         """Stop the master for good and release its log file. Idempotent; waits for a concurrent start().
 
-        ``kill=True`` skips the graceful shutdown (SIGTERM takes the master ~0.9 s): for owners that know
+        ``kill=True`` skips the graceful shutdown (docs/configuration.md, "Close time"): for owners that know
         nothing needs it any more, e.g. a store whose client is already closed. The master keeps its
         objects in memory only, so they are lost either way.
         """

@@ -1,22 +1,8 @@
-"""One object per transfer mode behind one put/get interface (see ``docs/transfer-modes.md``).
+"""One object per transfer mode behind one put/get interface (docs/transfer-modes.md, "The three paths").
 
-:class:`KVTransfer <mooncake_kvaddr.driver.transfer.KVTransfer>` owns the request logic (which chunks,
-which keys, existence checks, results); a :class:`TransferPath` owns how the bytes of those keys move:
-
-* :class:`MultiBufferPath` - every key's regions to Mooncake's ``batch_*_multi_buffers`` calls;
-* :class:`DirectPath` - one region per key: ``batch_put_from`` / ``batch_get_into`` on the cache itself;
-* :class:`StagedPath` - each key through one contiguous slot of a staging pool (native gather/scatter).
-
-Adding a path is one subclass: :meth:`TransferPath.prepare` (rows for chunks), :meth:`TransferPath.put` and
-:meth:`TransferPath.get`; planning a load is shared (:meth:`TransferPath.plan_get`) and may be overridden
-by a path with a fused plan (:class:`MultiBufferPath` does). Every put and get receives the request's
-:class:`~mooncake_kvaddr.driver.store.RequestDeadline`: it passes it to each store call and checks it before
-each batch of its own; keys it no longer tries are counted ``transfer_failed`` (``docs/transfer-modes.md``,
-"Deadlines").
-
-This module is where the paths are imported from: the shared base lives in :mod:`.path_base`, the
-multi-buffer and direct paths (Mooncake on the KV cache itself) in :mod:`.path_direct`, the staged path in
-:mod:`.path_staged`; a new path belongs in a module of its own.
+:class:`~mooncake_kvaddr.driver.transfer.KVTransfer` owns the request logic; a :class:`TransferPath` owns how the
+bytes of its keys move. The paths are imported from here: the base in ``path_base``, multi-buffer and direct in
+``path_direct``, staged in ``path_staged``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """Prove a peer responsive before a load lets Mooncake write into the KV cache itself.
 
-A multi-buffer or direct get writes the KV cache from inside Mooncake, so a request cannot stop waiting for
-one: the call would go on writing blocks the engine may already have reused. Against a peer that hangs and
-that this client never talked to, Mooncake opens the peer's segment once per key, each attempt timing out
-after ~61 s, so one call of k keys blocks about k x 61 s (docs/multihost.md, "Hung peer").
-
-:class:`PeerProbe` closes that gap. Before such a get it asks the master where the keys' replicas live
-(:meth:`~mooncake_kvaddr.driver.store.MooncakeStore.replica_locations`: no peer is contacted) and, for each
-peer this client has not read from yet, reads one of its objects into a buffer the probe owns, on a
-:class:`~mooncake_kvaddr.driver.workers.CallRunner` thread, waiting at most until the request's deadline:
-
-* the probe read the whole object: the peer answers; it is remembered and the get goes ahead (a peer that
-  hangs later fails a call within Mooncake's 60 s transfer timeout: the connection exists by then);
-* it failed with ``transfer_failed`` or ``master_unreachable``: the keys held only by that peer fail
-  without being handed to Mooncake (the get would fail them too, after a wait);
-* it failed otherwise (the object vanished meanwhile): nothing is learned; the get goes ahead;
-* it was still running at the deadline: abandoned (it writes only the probe's own buffer, kept alive and
-  registered until Mooncake returns); the request stops there and none of its keys is handed to Mooncake.
-
-A peer is forgotten again when a get of one of its keys fails, so it is probed before the next get. The
-query and the probes cost one master round trip per get call plus one small read per new peer; the driver
-uses them only when Mooncake moves the bytes over the network (``KVTransfer(probe_peers=...)``).
+A multi-buffer or direct get cannot be abandoned, and against a hung peer it never talked to it blocks per key.
+:class:`PeerProbe` first asks the master where the keys live and reads one object from each new peer on an
+abandonable thread (docs/transfer-modes.md, "Deadlines"; docs/multihost.md, "Hung peer").
 """
 
 from __future__ import annotations

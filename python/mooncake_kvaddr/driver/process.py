@@ -36,7 +36,8 @@ __all__ = [
 
 LOOPBACK: Final = "127.0.0.1"
 _PR_SET_PDEATHSIG: Final = 1
-# Mooncake shuts down in ~0.9 s on SIGTERM; beyond this we stop asking politely.
+# Mooncake shuts down within about a second on SIGTERM (docs/configuration.md, "Close time"); beyond this
+# we stop asking politely.
 _TERM_GRACE_S: Final = 10.0
 _KILL_WAIT_S: Final = 5.0
 STDERR_TAIL_BYTES: Final = 4000

@@ -1,14 +1,7 @@
-"""The transfer rules that every path shares, each written once (see ``docs/transfer-modes.md``).
+"""The transfer rules that every path shares, each written once (docs/transfer-modes.md).
 
-* :func:`rotate` - a load starts at key ``tp_rank % n`` so that ranks spread over the pool's segments;
-* :func:`floor_to` - stores, lookups and a load's skipped prefix use whole scheduler blocks (the lcm of the
-  groups' block sizes);
-* :func:`group_runs` - keys are group-major; one database call per run of a group;
-* :data:`LOAD_ERRORS` and :func:`describe` - the one error policy: a load never raises for these, it
-  reports every block it could not prove loaded as failed, with the reason;
-* :func:`split_by_staging_budget` - a load's sub-batches when the store offloads to disk and its staging
-  buffer is bounded;
-* :class:`OperationRecorder` - the optional metrics callback in vLLM's ``record_operation`` shape.
+Rotation, flooring to scheduler blocks, group runs, the load error policy, the disk-offload staging-budget split,
+the ``auto`` mode rule and the metrics recorder.
 """
 
 from __future__ import annotations
@@ -182,16 +175,16 @@ class OperationRecorder:
 
 
 #: Over the network ``auto`` stages keys whose regions are smaller than this many bytes, or whose whole
-#: object is at most :data:`AUTO_NETWORK_STAGED_OBJECT_MAX`. Mooncake pays per region there (~25-45 us on
-#: TCP), so one contiguous object per key wins by 2-10x at 2-8 KiB regions; from ~32 KiB regions a large
-#: staged object (1 MiB and up) moves slower than its regions do in parallel, a small one still does not
-#: (measured with ``bench/transfer_crossover.py``; the table is in ``docs/transfer-modes.md``).
+#: object is at most :data:`AUTO_NETWORK_STAGED_OBJECT_MAX`. Mooncake pays per region there, so one contiguous
+#: object per key wins at small regions; from ~32 KiB regions a large staged object (1 MiB and up) moves slower
+#: than its regions do in parallel, a small one still does not (docs/transfer-modes.md, "The measurements
+#: behind the rule").
 AUTO_NETWORK_STAGED_BELOW: Final = 32 << 10
 AUTO_NETWORK_STAGED_OBJECT_MAX: Final = 512 << 10
 #: In memory ``auto`` stages *loads* of keys with at most this many regions, each smaller than
-#: :data:`AUTO_MEMORY_LOAD_STAGED_BELOW` (many keys of a few 2 KiB regions: the staged get measured 1-9 %
-#: faster; at 4 and 8 KiB regions multi-buffer was 6-30 % faster); every other in-memory load, and every
-#: in-memory store, is multi-buffer.
+#: :data:`AUTO_MEMORY_LOAD_STAGED_BELOW` (many keys of a few 2 KiB regions: there the staged get was the faster,
+#: at 4 and 8 KiB regions multi-buffer; docs/transfer-modes.md, "How auto chooses"); every other in-memory
+#: load, and every in-memory store, is multi-buffer.
 AUTO_MEMORY_LOAD_STAGED_MAX_REGIONS: Final = 8
 AUTO_MEMORY_LOAD_STAGED_BELOW: Final = 4 << 10
 

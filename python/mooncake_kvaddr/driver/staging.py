@@ -1,30 +1,8 @@
 """Staged transfers: one contiguous staging slot per key, filled and drained natively with the GIL released.
 
-Mooncake's multi-buffer calls convert every ``(address, size)`` pair with the GIL held and pay per slice on
-TCP (docs/gil-policy.md). Staging moves each key through one contiguous slot instead:
-:func:`gather` copies a chunk's region slices, in region order, into its slot before a put, and
-:func:`scatter` copies a slot back out to the slices after a get. A Mooncake object is the concatenation of
-its regions, so staged objects are byte-identical to multi-buffer ones and the two modes interoperate.
-
-The copy is C++ with streaming (non-temporal) stores, optionally on several native threads. Every slice is
-checked against the allowed memory ranges (the registered KV-cache buffers) and every slot against the
-staging buffer before any byte moves: a bad layout raises ``ValueError`` naming the key and region, and
-nothing is copied.
-
-Staging is project-owned memory only (SECURITY.md): ``staging`` is a :class:`StagingBuffer`, a
-:class:`StagingLease`, or a ``(ptr, nbytes)`` range that lies inside a :class:`StagingBuffer` that is still
-alive; anything else raises ``ValueError`` before the native copy runs. The buffer is held for the whole copy.
-
-Typical use (``addrs``/``sizes`` from ``ChunkedTokenDatabase.prepare_values_array``)::
-
-    plan = plan_slots(sizes)
-    staging = StagingBuffer(plan.total_bytes)
-    backend = HostCopyBackend(kv_buffers)            # [(ptr, nbytes), ...] of the KV caches
-    backend.gather(addrs, sizes, staging.range, plan.offsets)
-    # store.batch_put_from(keys, staging.ptr + plan.offsets, plan.object_sizes)
-
-:func:`run_staged` is the one staged routine: the driver's staged path and the vLLM store wrapper move their
-keys through a leased staging span with it (batches that fit the span, a short read counted as a failure).
+Mooncake's multi-buffer calls convert every region with the GIL held and pay per region on TCP; a staged object
+is the same bytes in one slot (docs/transfer-modes.md, "The three paths"; docs/gil-policy.md). Slot planning,
+the checked native copies and :func:`run_staged` live here; buffers, the pool and leases in ``staging_buffers``.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ _PAGE: Final = 4096
 class StagingBuffer:
     """A pre-faulted, aligned host buffer that holds staging slots.
 
-    Allocate it once at start-up and reuse it: the first write to fresh memory page-faults (a fresh 441 MiB
-    Mooncake segment took 0.45-1.7 s instead of 0.12 s), so the buffer is touched page by page up front.
+    Allocate it once at start-up and reuse it: the first write to fresh memory page-faults
+    (docs/transfer-modes.md, "The three paths"), so the buffer is touched page by page up front.
     Register ``range`` with Mooncake once, as one range. The memory lives as long as this object.
     """
 

@@ -1,26 +1,8 @@
 """The safe client over Mooncake's ``MooncakeDistributedStore`` (:class:`MooncakeStore`).
 
-Mooncake's binding dereferences a null client when it is called before ``setup()`` or after ``close()``
-and kills the process with SIGSEGV; it indexes past the end of a size row that is shorter than its
-pointer row; and over TCP it fails batches of more than ~1000 regions. This wrapper makes all of that a
-Python exception or a non-event:
-
-* a lock-guarded state machine (new -> ready -> closing -> closed): a call reaches Mooncake only while the
-  store is ready, and ``close()`` waits (bounded) until no call is in flight;
-* arguments are validated before Mooncake sees them;
-* batches are split by a region budget, results re-concatenated in key order; once the master is found
-  unreachable the remaining sub-batches are not attempted (each would block ~4 s to learn the same);
-* every batch call belongs to a request with a deadline (:class:`RequestDeadline`): past it, or once a
-  sub-batch failed on Mooncake's fixed 60 s transfer timeout (a hung peer), the remaining keys fail
-  ``TRANSFER_FAILED`` without another call (``docs/transfer-modes.md``, "Deadlines");
-* per-key result codes become :class:`Outcome` values inside a :class:`BatchResult` (defined in
-  :mod:`mooncake_kvaddr.driver.outcomes`, re-exported here).
-
-This module holds the state machine, set-up and close (described in ``docs/configuration.md``), request
-deadlines and the sub-batch loop. The guarded wrapper of each binding call is in
-:mod:`~mooncake_kvaddr.driver.store_calls`, argument checks and splitting in
-:mod:`~mooncake_kvaddr.driver.store_args`, the client's connection attempts in
-:mod:`~mooncake_kvaddr.driver.store_setup`; every name they held here is still importable from here.
+Mooncake's binding crashes on a call before ``setup()`` or after ``close()``, misreads short size rows and fails
+large TCP batches; this wrapper makes each a Python exception or a non-event (docs/configuration.md, section 10).
+Here: the state machine, set-up, close, request deadlines and the sub-batch loop; the rest in ``store_*``.
 """
 
 from __future__ import annotations
@@ -97,7 +79,7 @@ logger = logging.getLogger(__name__)
 #: still counts it alive (docs/multihost.md). A sub-batch that fails ``TRANSFER_FAILED`` after at least this
 #: many seconds is taken to have waited out that timeout: every further call of the request would wait it out
 #: too, so none is made (docs/transfer-modes.md, "Deadlines"). Below 60 s to absorb timer slack; far above
-#: any healthy call (the slowest measured, a whole headline request over TCP, takes ~12 s).
+#: any healthy call (a whole headline request over TCP; docs/transfer-modes.md, "Deadlines").
 HUNG_CALL_THRESHOLD_S: Final = 55.0
 
 
@@ -311,7 +293,7 @@ class MooncakeStore(StoreCalls):
                 self._gate.release()
                 if master is not None:
                     # The client is gone and the master keeps objects in memory only: no need to wait
-                    # ~0.9 s for its graceful shutdown (docs/configuration.md, "Close time").
+                    # for its graceful shutdown (docs/configuration.md, "Close time").
                     master.close(kill=True)
         finally:
             self._lifecycle.release()
@@ -398,7 +380,7 @@ class MooncakeStore(StoreCalls):
             elapsed = _now() - t0
             codes.extend(part)
             if end < n and CODE_MASTER_UNREACHABLE in part:
-                # Each further sub-batch would block ~4 s only to report the same; fail the rest now.
+                # Each further sub-batch would block only to report the same; fail the rest now.
                 codes.extend([CODE_MASTER_UNREACHABLE] * (n - end))
                 break
             if elapsed >= HUNG_CALL_THRESHOLD_S and CODE_TRANSFER_FAILED in part:

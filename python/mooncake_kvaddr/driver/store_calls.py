@@ -56,7 +56,7 @@ class StoreCalls:
         """Store each key as the concatenation of its regions ``(addrs[i][j], sizes[i][j])``.
 
         An existing key is left unchanged (first write wins) and reported ``OK``. ``check_values=False``
-        skips the non-negativity scan (~3 ms per 225,800 regions) for rows known to be valid. ``deadline``:
+        skips the non-negativity scan (docs/configuration.md, section 10) for rows known to be valid. ``deadline``:
         the request this call belongs to (default: a new one of ``config.request_timeout_s``); every batch
         call takes it.
         """

@@ -24,7 +24,8 @@ from mooncake_kvaddr.driver.native_client import NativeClient
 logger = logging.getLogger("mooncake_kvaddr.driver.store")
 
 # Setup attempts with the embedded master (known to be ready): a failure is a local port clash, and a few
-# attempts suffice; Mooncake's default (20 x ~4.4 s) would hide a dead master for 90 s.
+# attempts suffice; Mooncake's default (20 attempts) would hide a dead master for about 90 s
+# (docs/configuration.md, section 4).
 _EMBEDDED_SETUP_RETRIES: Final = 3
 # Where Mooncake picks its client port when it picks one itself (read, never written, by this package).
 _CLIENT_PORT_RANGE_ENV: Final = ("MC_STORE_CLIENT_MIN_PORT", "MC_STORE_CLIENT_MAX_PORT")

@@ -1,31 +1,8 @@
-"""KV-cache transfer between a worker's KV cache and the Mooncake store (see ``docs/transfer-modes.md``).
+"""KV-cache transfer between a worker's KV cache and the Mooncake store (docs/transfer-modes.md).
 
-:class:`KVTransfer` is the worker side of vLLM's Mooncake store connector, reduced to what moves bytes:
-
-* :meth:`KVTransfer.register_kv_caches` registers the KV-cache regions (shared by every group) and picks
-  the transfer path (:mod:`mooncake_kvaddr.driver.paths`: multi-buffer, direct or staged);
-* :meth:`KVTransfer.store` - the send thread's per-request work: walk chunks, build keys, ask which exist,
-  and put only the missing ones;
-* :meth:`KVTransfer.load` - the receive thread's per-request work: keys and regions per group, tp-rank
-  rotation, the gets, and the block ids of every chunk that failed (a load never raises for store trouble);
-* :meth:`KVTransfer.lookup` - how many leading tokens every group can load from the store, probing every rank
-  namespace of the parallel layout (see :mod:`mooncake_kvaddr.driver.lookup`);
-* :meth:`KVTransfer.submit_store` / :meth:`KVTransfer.submit_load` hand requests to one send thread and
-  ``num_recv_threads`` receive threads that share one queue; each returns a ``Future``.
-
-The caches here are host buffers (numpy arrays); on a GPU host they would be device tensors registered the
-same way (a base address and a per-block length per region).
-
-Transfer modes (``transfer_mode``, default ``StoreConfig.transfer_mode`` = ``"auto"``), resolved once by
-:meth:`KVTransfer.register_kv_caches` and logged once: ``"multi_buffer"``, ``"staged"``, ``"auto"`` (staged
-for host-memory caches with more than one region per key); with one region per key ``"staged"`` and
-``"auto"`` use ``"direct"``. Objects are the concatenation of their regions in every mode, so the modes
-interoperate.
-
-This module holds the class's public interface, threads and lifecycle; what registration sets up and
-``close`` releases is in :mod:`~mooncake_kvaddr.driver.transfer_register`, the store and load request logic in
-:mod:`~mooncake_kvaddr.driver.transfer_requests` (the bases of :class:`KVTransfer`); everything else it uses
-has its own module (paths, bounds, rules, results, workers).
+:class:`KVTransfer` is the worker side of vLLM's Mooncake store connector, reduced to what moves bytes: register,
+store, load, lookup and the transfer threads. Registration and release are in ``transfer_register``, the request
+logic in ``transfer_requests``; each transfer mode is a path of :mod:`~mooncake_kvaddr.driver.paths`.
 """
 
 from __future__ import annotations

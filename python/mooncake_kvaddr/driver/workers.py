@@ -1,13 +1,8 @@
 """The transfer threads, and the threads that run a staged Mooncake call a request may stop waiting for.
 
-* :class:`TransferThreads` - one send thread and ``num_recv_threads`` receive threads sharing one load queue.
-  vLLM's Mooncake connector runs stores and loads on such threads (the same names), relying on Mooncake to
-  release the GIL while bytes move. Each submitted request gets a ``Future`` with its result (or exception).
-* :class:`CallRunner` - runs one blocking call on a reusable daemon thread while the request's thread waits
-  for it with a timeout (its deadline). A call still running at the timeout is *abandoned*: the request goes
-  on without it, and what the call still uses is handed over to a callback that runs on the call's thread
-  once the call returns. Only calls whose memory the driver owns may be abandoned (a staged get writes only
-  into a staging slot, a staged put only reads one; docs/transfer-modes.md, "Deadlines").
+:class:`TransferThreads`: one send thread and ``num_recv_threads`` receive threads, a ``Future`` per request.
+:class:`CallRunner`: one blocking call on a reusable daemon thread, abandoned at the request's deadline; only calls
+whose memory the driver owns may be (docs/transfer-modes.md, "Requests and threads", "Deadlines").
 """
 
 from __future__ import annotations

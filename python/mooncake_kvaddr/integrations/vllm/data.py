@@ -1,14 +1,8 @@
 """Stand-in for vLLM 0.32/0.33's ``vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data``.
 
-Same names, signatures, key strings and exception types for the connector's data model (docs/vllm.md):
-``KeyMetadata`` (with ``store_namespace``), ``PoolKey``, ``StoreLayout``, ``RankLocalStoreLayout``,
-``TPShardedStoreLayout``, ``LBHNCStoreLayout``, ``LBNHCStoreLayout``, ``ChunkedTokenDatabase``,
-``TailKeyBoundary``, ``MooncakeLookupResult``, ``LoadSpec``, ``BlobBlockHashes``,
-``chunk_hashes_for_block_size``; plus ``make_mooncake_group_id`` (vLLM keeps it in ``worker.py``). The
-scheduler-side classes (``RequestTracker``, ``ReqMeta``, connector metadata) depend on vLLM itself and are not
-mirrored. Differences, all deliberate: 64-bit overflow raises ``OverflowError`` instead of wrapping, and
-``block_ids``/``shard_ids``/``chunks`` must be lists, tuples or integer arrays of ints (``TypeError``
-otherwise).
+Same names, signatures, key strings and exception types for the connector's data model (docs/vllm.md, "The
+mirror module"); the scheduler-side classes are not mirrored. Deliberate differences: 64-bit overflow raises
+``OverflowError``, and ids and chunks must be ints in lists, tuples or integer arrays (``TypeError`` otherwise).
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """The registered-range guard of the plugin's store wrappers (docs/vllm-plugin.md, "Registered-range guard").
 
-Every wrapper the plugin installs (:class:`~mooncake_kvaddr.integrations.vllm.native_store.NativeMooncakeStore`,
-:class:`~mooncake_kvaddr.integrations.vllm.staged_store.StagedMooncakeStore`, and the two stacked) records the
-buffers registered through its ``register_buffer`` in a :class:`RangeTable`. Once the table is *armed* (the
-first successful registration, or at construction for the wrappers the plugin installs) every ``(address,
-size)`` slice of every Mooncake call that takes raw pointers must lie inside one registered buffer. A key with
-any other slice (outside every buffer, straddling two, negative, wrapping past 2**63, a row whose address and
-size counts differ, a value that is not an int) gets Mooncake's invalid-params code
-(:data:`INVALID_PARAMS`, -600; ``None`` for the calls that answer tensors) in its result slot and is never
-handed to Mooncake; the other keys go to Mooncake in one call, their results put back in order.
-
-Nothing is ever dereferenced: ranges and slices are integers (device memory is checked the same way). The
-check is vectorised (numpy, no Python loop per slice) for well-formed calls; only malformed rows take a
-per-key path.
-
-The method tables live in :mod:`~mooncake_kvaddr.integrations.vllm.guard_methods`, the range table and the
-slice checks in :mod:`~mooncake_kvaddr.integrations.vllm.guard_ranges`; every name stays importable from here.
+Every raw-pointer slice a wrapper hands Mooncake must lie inside one buffer registered through it; a key with any
+other slice gets Mooncake's invalid-params code and is never handed to Mooncake. The method tables live in
+``guard_methods``, the range table and the slice checks in ``guard_ranges``.
 """
 
 from __future__ import annotations

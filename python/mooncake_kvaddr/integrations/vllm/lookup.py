@@ -1,11 +1,8 @@
 """A replacement for vLLM 0.32/0.33's ``MooncakeStoreWorker.lookup`` (docs/vllm-plugin.md, "The lookup").
 
-vLLM builds one Python str per (unit, lookup prefix) - 18,064 at TP 8 for the headline request - and hands the
-list to Mooncake's ``batch_is_exist``, whose binding converts every str with the GIL held. Ours builds the keys
-in one native call per KV-cache group: as one UTF-8 blob for the native client (no str per key; Mooncake is
-called with the GIL released) or, for any other store, as the same list of str vLLM builds. The all-prefixes
-reduction is native too. Which units are asked for, the hit (vLLM's coordinator) and the tail boundaries stay
-vLLM's code; anything unusual goes to vLLM's own method before the store is called.
+The candidate keys are built natively per KV-cache group (one UTF-8 blob for the native client, else the list of
+str vLLM builds) instead of one Python str per key; which units are asked for, the hit and the tail boundaries
+stay vLLM's code.
 """
 
 from __future__ import annotations

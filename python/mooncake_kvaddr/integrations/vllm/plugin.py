@@ -1,12 +1,8 @@
 """vLLM general plugin: makes the installed vLLM's Mooncake store connector use mooncake_kvaddr's native
 kernels, with no change to vLLM or to the user's code (docs/vllm-plugin.md).
 
-vLLM runs the ``vllm.general_plugins`` entry point (:func:`register`) in every process. It patches nothing
-until vLLM's Mooncake store modules are imported, then checks (release series, shapes, fingerprints,
-self-checks against vLLM's own methods) before it replaces anything; a failed check leaves that part
-vLLM's, with one warning. What is replaced lives beside this module: the layout methods (``layouts``), the
-receive handler (``receive``), the lookup (``lookup``), the worker's transports (``transports``); vLLM's
-originals and their fingerprints are kept in ``registry``.
+:func:`register` (the ``vllm.general_plugins`` entry point) checks before it replaces anything; a failed check
+leaves that part vLLM's, with one warning. The replacements live beside this module, vLLM's originals in ``registry``.
 """
 
 from __future__ import annotations

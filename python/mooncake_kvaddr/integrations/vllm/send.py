@@ -1,13 +1,8 @@
 """A replacement for vLLM 0.32/0.33's ``KVCacheStoreSendingThread._handle_request`` (docs/vllm-plugin.md,
 "The send handler").
 
-vLLM's handler walks every group's chunks in Python, keys each chunk and shard, asks Mooncake which keys exist
-and builds the missing keys' rows with ``prepare_values``. Ours plans each group in one native call (the
-layout engine's fused walk, keys and rows) and hands the rows as int64 matrices to our store wrappers' array
-put (lists, value-equal to vLLM's, for any other store). Everything around it is vLLM's, call for call:
-liveness, the pressure skip, the boundary-state puts (vLLM's own method), the existence filter, records,
-group ids, saved offsets, completion. Anything else runs vLLM's own handler (:func:`plan_store` says why);
-planning has no side effect, so handing over is safe.
+Each group is planned in one native call and its rows go to our store wrappers as int64 matrices; everything
+around it stays vLLM's, call for call, and any other job runs vLLM's own handler (:func:`plan_store` says why).
 """
 
 from __future__ import annotations
