@@ -186,6 +186,9 @@ def test_fa_plus_mamba_prefixes() -> None:
 
 def test_reduce_exists_variable_widths_and_values() -> None:
     assert reduce_exists([1, 1, 1, -900, 1, 2, 1 << 70], [2, 2, 1, 0, 2]) == [True, False, True, True, False]
+    # An answer outside int64 is never "present", alone or beside present ones (fresh mutant M8-03).
+    assert reduce_exists([1 << 70, 1, 1 << 64, 1, -(1 << 70)], [1, 2, 2]) == [False, False, False]
+    assert reduce_exists([1 << 63, 1], 1) == [False, True]
     with pytest.raises(ValueError):
         reduce_exists([1, 1, 1], 2)
     with pytest.raises(ValueError):

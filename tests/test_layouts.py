@@ -341,3 +341,20 @@ def test_array_output_with_the_gil_released_matches_and_never_aliases() -> None:
     assert [a.tolist() for a in first] == [list(map(list, expected[0])), list(map(list, expected[1])), expected[2]]
     first[0][0, 0] = -1
     assert second[0][0, 0] == expected[0][0][0] and not np.shares_memory(first[0], second[0])
+
+
+class _IdList(list):  # type: ignore[type-arg]
+    """A list subclass: read through its own len() and [i], as vLLM's block_ids[i]."""
+
+
+@pytest.mark.parametrize("form", [list, tuple, _IdList, lambda v: np.asarray(v, np.int64)])
+def test_a_block_index_equal_to_the_id_count_is_an_index_error(form: Any) -> None:
+    """Python indexing: ``block_ids[len(block_ids)]`` raises IndexError; never a read past the ids (fresh
+    mutant M8-05)."""
+    layout = rank_local([1 << 40], [64])
+    chunks = [(0, BS), (BS, 2 * BS), (2 * BS, 3 * BS)]
+    assert layout.prepare_values(chunks, form([4, 5, 6]), [0, 0, 0])[0] == [[(1 << 40) + 64 * i] for i in (4, 5, 6)]
+    with pytest.raises(IndexError, match="out of range for 2 block ids"):
+        layout.prepare_values(chunks, form([4, 5]), [0, 0, 0])
+    with pytest.raises(IndexError, match="out of range for 0 block ids"):
+        layout.prepare_values(chunks[:1], form([]), [0])

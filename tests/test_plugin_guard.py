@@ -657,3 +657,15 @@ def test_a_flat_call_with_sizes_not_paired_with_the_keys_refuses_every_key() -> 
     for ptrs, sizes in (([4096, 4160], [64, 64, 64]), ([4096, 4160], [64]), ([4096], [64, 64])):
         verdict = guard.check_flat(["a", "b"], ptrs, sizes)
         assert verdict is not None and verdict.good == [] and verdict.refused == 2, (ptrs, sizes)
+
+
+def test_a_zero_byte_registration_is_no_range_and_keeps_the_real_one() -> None:
+    """Mooncake may accept ``register_buffer(ptr, 0)``; it allows nothing and never replaces a real buffer that
+    starts at the same address (fresh mutant M8-17)."""
+    table = RangeTable()
+    assert table.add(1 << 20, 4096)
+    assert not table.add(1 << 20, 0) and not table.add(2 << 20, 0)
+    assert table.ranges.items == ((1 << 20, 4096),)
+    rows = np.array([[(1 << 20) + 100], [2 << 20]], np.int64)
+    assert table.ranges.cells_inside(rows, np.array([[8], [1]], np.int64)).tolist() == [[True], [False]]
+    assert RangeTable.as_range(1 << 20, 0) is None and RangeTable.as_range(1 << 20, 1) == (1 << 20, 1)

@@ -131,13 +131,18 @@ def test_two_groups_hit_only_where_both_have_the_chunk(store: MooncakeStore, mod
 
 @mooncake
 @pytest.mark.parametrize("tp_rank", [0, 1, 5])
-def test_missing_keys_report_failed_block_ids(store: MooncakeStore, model: str, tp_rank: int) -> None:
+@pytest.mark.parametrize("mode", ["auto", "multi_buffer", "staged"])
+def test_missing_keys_report_failed_block_ids(store: MooncakeStore, model: str, tp_rank: int, mode: str) -> None:
+    """Every mode rotates the block ids with the keys (fresh mutant M8-13: the list plan's ids left unrotated)."""
     bs, chunks = 16, 8
     src, dst = Cache(3, chunks + 1, 256, seed=5), Cache(3, chunks + 1, 256)
-    h = hashes(f"{model}/{tp_rank}", chunks)
+    h = hashes(f"{model}/{tp_rank}/{mode}", chunks)
     ids_src = list(range(1, chunks + 1))
     ids_dst = [8, 1, 7, 2, 6, 3, 5, 4]
-    with transfer(store, model, src, bs) as writer, transfer(store, model, dst, bs, tp_rank=tp_rank) as reader:
+    with (
+        transfer(store, model, src, bs) as writer,
+        transfer(store, model, dst, bs, tp_rank=tp_rank, transfer_mode=mode) as reader,
+    ):
         writer.store(TransferRequest("r", 5 * bs, h, [ids_src]))  # chunks 0..4 only
         loaded = reader.load(TransferRequest("r", chunks * bs, h, [ids_dst]))
         assert loaded.failed_block_ids == set(ids_dst[5:])
