@@ -710,3 +710,18 @@ def test_the_033_walk_is_linear_when_groups_keep_undercutting_each_other() -> No
         [i.to_bytes(4, "little") for i in range(units)]).hit_length))
     assert answer["hit"] == 0 and lookup.hit_length(present, units) == 0
     assert elapsed < 5.0
+
+
+def test_exactly_max_namespaces_is_accepted() -> None:
+    """The namespace limit is inclusive: a layout of exactly ``MAX_NAMESPACES`` rank namespaces, and a group
+    of exactly that many key prefixes, construct; one more is refused."""
+    from mooncake_kvaddr.driver.lookup_types import MAX_NAMESPACES
+
+    assert MAX_NAMESPACES == 1 << 16
+    ParallelLayout(tp_size=256, pp_size=16, pcp_size=16)
+    with pytest.raises(ValueError, match="rank namespaces"):
+        ParallelLayout(tp_size=256, pp_size=16, pcp_size=17)
+    db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
+    StoreLookup([db], key_prefixes=[tuple(f"p{i}" for i in range(MAX_NAMESPACES))])
+    with pytest.raises(ValueError, match="key_prefixes"):
+        StoreLookup([db], key_prefixes=[tuple(f"p{i}" for i in range(MAX_NAMESPACES + 1))])

@@ -568,3 +568,14 @@ def test_refused_keys_leave_every_other_key_its_own_result(client: NativeClient)
     flat = client.batch_get_into(keys, [8, int(layout.dst_addrs[1, 0]), 8, int(layout.dst_addrs[3, 0])],
                                  [1024] * 4, ranges=ranges)
     assert flat == [CODE_INVALID_PARAMS, 1024, CODE_INVALID_PARAMS, CODE_NOT_FOUND]
+
+
+def test_the_native_client_makes_the_checks_the_python_side_makes_first(client: NativeClient) -> None:
+    """Checks the driver (rows per key) and the guard's table (ranges inside [1, 2**63)) make before the
+    native client is reached, made by the native client too: an address matrix with more rows than keys, a
+    guard range starting at address 0 or empty."""
+    with pytest.raises(ValueError, match="2 rows for 1 keys"):
+        client.batch_get_into_multi_buffers(["a"], np.full((2, 1), 4096, np.int64), np.ones((2, 1), np.int64))
+    for bad in ([[0, 4096]], [[4096, 4096]]):
+        with pytest.raises(ValueError, match="0 < start < end"):
+            client.batch_get_into_multi_buffers(["a"], [[4096]], [[1]], ranges=np.array(bad, np.int64))

@@ -593,3 +593,67 @@ def test_put_from_with_metadata_checks_each_buffer_with_its_own_size() -> None:
     assert store.put_from_with_metadata("b", tail, 4096, 1024, 64) == INVALID_PARAMS  # the data runs past the end
     assert store.put_from_with_metadata("c", 4096, tail, 64, 1024) == INVALID_PARAMS  # the metadata does
     assert [args[0] for args in sent] == ["a"]
+
+
+def _armed_guard() -> guard_module.StoreGuard:
+    """A guard whose one registered range is [4096, 8192)."""
+    table = RangeTable(armed=True)
+    assert table.add(4096, 4096)
+    return guard_module.StoreGuard("test", table)
+
+
+def test_a_range_ending_exactly_at_the_int64_maximum_is_recorded() -> None:
+    """Registered buffers are ranges inside [1, 2**63): one ending exactly at 2**63 - 1 counts, one byte more
+    does not."""
+    top = (1 << 63) - 1
+    assert RangeTable.as_range(8, top - 8) == (8, top - 8)
+    assert RangeTable.as_range(8, top - 7) is None
+    table = RangeTable()
+    assert table.add(top - 4096, 4096) and table.ranges.items == ((top - 4096, 4096),)
+
+
+def test_ranged_reads_refuse_key_counts_unlike_their_rows_and_negative_offsets() -> None:
+    """``get_into_ranges``: a buffer whose key list and dst rows differ in length, or whose dst offset is
+    negative (even when ``ptr + offset`` lands inside a registered range), gets -600 and is not sent; the
+    other buffers are."""
+    sent: list[tuple[Any, ...]] = []
+
+    def get_into_ranges(*args: Any) -> list[Any]:
+        sent.append(args)
+        return [[[7] * len(row) for row in sizes] for sizes in args[4]]
+
+    guard = _armed_guard()
+    good = ([4096], [["a"]], [[[0]]], [[[0]]], [[[64]]])
+    assert guard.call("get_into_ranges", get_into_ranges, good, {}) == [[[7]]]
+    for bad in (
+        (4096, ["b", "c"], [[0]], [[0]], [[64]]),  # two keys, one dst row
+        (4160, ["b"], [[-64]], [[0]], [[64]]),  # 4160 - 64 = 4096 is inside, but the offset is negative
+    ):
+        sent.clear()
+        args = tuple([*g, b] for g, b in zip(good, bad, strict=True))
+        assert guard.call("get_into_ranges", get_into_ranges, args, {}) == [[[7]], [[INVALID_PARAMS]]], bad
+        assert len(sent) == 1 and sent[0][0] == [4096] and sent[0][1] == [["a"]]
+
+
+def test_a_split_ranged_put_cuts_its_per_key_offsets_to_the_keys_sent() -> None:
+    """``batch_put_from_multi_buffer_ranges(keys, ptrs, sizes, all_dst_offsets)`` with one key refused: the
+    per-key offsets go to Mooncake for the remaining keys only, in step with the keys."""
+    sent: list[tuple[Any, ...]] = []
+
+    def put(*args: Any) -> list[int]:
+        sent.append(args)
+        return [0] * len(args[0])
+
+    guard = _armed_guard()
+    args = (["bad", "good"], [[1 << 40], [4096]], [[64], [64]], [[11], [22]])
+    assert guard.call("batch_put_from_multi_buffer_ranges", put, args, {}) == [INVALID_PARAMS, 0]
+    assert len(sent) == 1 and list(sent[0][0]) == ["good"] and [list(r) for r in sent[0][3]] == [[22]]
+
+
+def test_a_flat_call_with_sizes_not_paired_with_the_keys_refuses_every_key() -> None:
+    """A flat call (one pointer and size per key) with more or fewer sizes (or pointers) than keys: every key
+    refused, as for multi-buffer rows."""
+    guard = _armed_guard()
+    for ptrs, sizes in (([4096, 4160], [64, 64, 64]), ([4096, 4160], [64]), ([4096], [64, 64])):
+        verdict = guard.check_flat(["a", "b"], ptrs, sizes)
+        assert verdict is not None and verdict.good == [] and verdict.refused == 2, (ptrs, sizes)

@@ -757,6 +757,84 @@ def test_an_address_matrix_without_regions_is_refused_before_mooncake(monkeypatc
         assert client.calls == []
 
 
+def test_puts_pass_the_callers_replicate_config_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put's ``replicate_config`` reaches Mooncake as given (the store's default only when it is None), for
+    the contiguous and the multi-buffer put alike."""
+    buf = np.arange(64, dtype=np.uint8)
+    p = int(buf.ctypes.data)
+    mine, default = SimpleNamespace(name="mine"), SimpleNamespace(name="default")
+    seen: list[tuple[str, Any]] = []
+    with fake_store(monkeypatch) as (store, client):
+        monkeypatch.setattr(store, "_default_replicate", default)
+
+        def recorder(name: str) -> Callable[..., Any]:
+            original = getattr(client, name)
+
+            def recording(*args: Any) -> Any:
+                seen.append((name, args[-1]))
+                return original(*args)
+
+            return recording
+
+        for name in ("batch_put_from", "batch_put_from_multi_buffers"):
+            monkeypatch.setattr(client, name, recorder(name))
+        assert store.batch_put_from(["a"], [p], [64], mine).ok
+        assert store.batch_put_from_multi_buffers(["b"], [[p]], [[64]], mine).ok
+        assert store.batch_put_from(["c"], [p], [64]).ok
+        assert store.batch_put_from_multi_buffers(["d"], [[p]], [[64]]).ok
+    assert seen == [
+        ("batch_put_from", mine),
+        ("batch_put_from_multi_buffers", mine),
+        ("batch_put_from", default),
+        ("batch_put_from_multi_buffers", default),
+    ]
+
+
+def test_register_buffer_codes_other_than_zero_are_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake's register/unregister answer 0 on success; any other code, a positive one too, raises."""
+    with fake_store(monkeypatch) as (store, client):
+        for rc in (1, -600):
+            monkeypatch.setattr(client, "register_buffer", lambda ptr, size, _rc=rc: _rc)
+            monkeypatch.setattr(client, "unregister_buffer", lambda ptr, _rc=rc: _rc)
+            with pytest.raises(StoreError, match="register_buffer") as info:
+                store.register_buffer(4096, 4096)
+            assert info.value.code == rc
+            with pytest.raises(StoreError, match="unregister_buffer"):
+                store.unregister_buffer(4096)
+
+
+def test_an_existence_code_other_than_one_is_not_present() -> None:
+    """batch_is_exist answers 1 (present) or 0 (absent); any other non-negative code is not read as present,
+    on the all-ones fast path's edge too."""
+    for codes in ([1, 2], [2, 1], [2, 2]):
+        result = BatchResult._build(_Op.EXIST, codes)
+        assert result.present == [c == 1 for c in codes], codes
+        assert not result.ok
+    assert BatchResult._build(_Op.EXIST, [1, 1]).ok
+
+
+def test_the_int64_maximum_is_an_accepted_value_in_every_row_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values are checked to lie in [0, 2**63): 2**63 - 1 itself passes (arrays, rows and flat lists alike) and
+    reaches Mooncake (here: a missing key, so no byte moves); 2**63 does not."""
+    top = (1 << 63) - 1
+    with fake_store(monkeypatch) as (store, client):
+        forms = [
+            (np.array([[top]], np.int64), np.array([[8]], np.int64)),
+            (np.array([[4096]], np.int64), np.array([[top]], np.int64)),
+            (np.array([[top]], np.uint64), np.array([[8]], np.uint64)),
+            ([[top]], [[8]]),
+            ([[4096]], [[top]]),
+        ]
+        for addrs, sizes in forms:
+            assert list(store.batch_get_into_multi_buffers(["missing"], addrs, sizes)) == [Outcome.NOT_FOUND]
+        for ptrs, flat_sizes in (([top], [8]), ([4096], [top]), (np.array([top], np.int64), np.array([8]))):
+            assert list(store.batch_get_into(["missing"], ptrs, flat_sizes)) == [Outcome.NOT_FOUND]
+        assert len(client.calls) == len(forms) + 3
+        with pytest.raises(ValueError, match="not below 2"):
+            too_big = np.array([[top + 1]], np.uint64)
+            store.batch_get_into_multi_buffers(["missing"], too_big, np.array([[8]], np.uint64))
+
+
 @mooncake
 def test_register_unregister_remove(store: MooncakeStore, key_prefix: str) -> None:
     buf = np.zeros(64 * KiB, dtype=np.uint8)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from fake_mooncake import fake_store
 from kvaddr_testing import Cache, hashes
 from kvaddr_testing import make_transfer as transfer
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
@@ -248,3 +250,50 @@ def test_full_pool_sets_back_pressure_until_a_store_succeeds(small_pool: Mooncak
         assert small_pool.remove_all(force=True) > 0
         small = xfer.store(TransferRequest("small", 2 * bs, hashes("small", 2), [[1, 2]]))
         assert small.ok and not small.back_pressure and not xfer.back_pressure
+
+
+def test_tp_rank_and_offload_budget_bounds() -> None:
+    """``tp_rank`` is >= 0 and a disk-offload budget > 0 bytes: -1 and 0 are refused, 0 and 1 accepted."""
+    store = MooncakeStore(master_server_address="127.0.0.1:1")
+    db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
+    with pytest.raises(ValueError, match="tp_rank"):
+        KVTransfer(store, [db], tp_rank=-1, start_threads=False)
+    with pytest.raises(ValueError, match="disk_offload_buffer_budget_bytes"):
+        KVTransfer(store, [db], disk_offload_buffer_budget_bytes=0, start_threads=False)
+    ok = KVTransfer(store, [db], tp_rank=0, disk_offload_buffer_budget_bytes=1, start_threads=False)
+    assert ok.tp_rank == 0 and ok.disk_offload_buffer_budget_bytes == 1
+    ok.close()
+
+
+@pytest.mark.parametrize(("mode", "regions"), [("multi_buffer", 2), ("auto", 1), ("staged", 2)])
+def test_the_replicate_config_reaches_every_put(monkeypatch: pytest.MonkeyPatch, mode: str, regions: int) -> None:
+    """``KVTransfer(replicate_config=...)`` is handed to every put Mooncake sees, whatever the mode (auto with
+    one region per key: the direct path)."""
+    mine = object()
+    seen: list[Any] = []
+    with fake_store(monkeypatch) as (store, client):
+        for name in ("batch_put_from", "batch_put_from_multi_buffers"):
+
+            def recording(*args: Any, _original: Any = getattr(client, name)) -> Any:  # noqa: B008
+                seen.append(args[-1])
+                return _original(*args)
+
+            monkeypatch.setattr(client, name, recording)
+        cache = Cache(regions, 5, 256, seed=2)
+        h = hashes(f"replicate-{mode}", 4)
+        with transfer(store, "m", cache, 16, transfer_mode=mode, replicate_config=mine) as xfer:
+            stored = xfer.store(TransferRequest("r", 64, h, [[1, 2, 3, 4]]))
+        assert stored.ok and stored.stored == 4
+    assert seen and all(config is mine for config in seen)
+
+
+def test_a_call_runner_of_zero_abandoned_calls_is_allowed_and_never_saturated() -> None:
+    """``max_abandoned`` 0 means no limit (calls run inline, never abandoned): accepted, never saturated;
+    only a negative count is refused."""
+    from mooncake_kvaddr.driver.workers import CallRunner
+
+    runner = CallRunner(0)
+    assert runner.max_abandoned == 0 and not runner.saturated
+    assert runner.submit(lambda: 7, 1.0, lambda exc: None).wait(1.0) == 7
+    with pytest.raises(ValueError, match="max_abandoned"):
+        CallRunner(-1)

@@ -336,3 +336,15 @@ def test_auto_resolves_by_the_rule_and_round_trips(
         loaded = reader.load(TransferRequest("r", 48, h, [[3, 2, 1]]))
         assert loaded.ok and loaded.mode == expected
     assert_blocks_equal(src, [1, 2, 3], dst, [3, 2, 1])
+
+
+def test_each_in_memory_condition_alone_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a configuration that copies in memory (own master, a segment, TCP), each condition alone makes it
+    network: ``MC_STORE_MEMCPY=0``, another protocol, no segment."""
+    own = {"global_segment_size": "64MiB", "embedded_master": True}
+    monkeypatch.setenv("MC_STORE_MEMCPY", "1")
+    assert copies_in_memory(StoreConfig(**own))
+    assert not copies_in_memory(StoreConfig(**{**own, "protocol": "rdma"}))
+    assert not copies_in_memory(StoreConfig(**{**own, "global_segment_size": 0}))
+    monkeypatch.setenv("MC_STORE_MEMCPY", "0")
+    assert not copies_in_memory(StoreConfig(**own))
