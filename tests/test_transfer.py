@@ -154,6 +154,26 @@ def test_missing_keys_report_failed_block_ids(store: MooncakeStore, model: str, 
         assert not any(region[ids_dst[5:]].any() for region in dst.regions)
 
 
+@pytest.mark.parametrize("tp_rank", [1, 5])
+def test_the_list_plan_rotates_block_ids_with_the_keys(monkeypatch: pytest.MonkeyPatch, tp_rank: int) -> None:
+    """Without a native client the multi-buffer load plans Python lists (one fused plan per group, then rotated
+    for the rank): a missing key reports its own block id (fresh mutant M8-13: the ids left unrotated)."""
+    bs, chunks = 16, 8
+    src, dst = Cache(3, chunks + 1, 256, seed=5), Cache(3, chunks + 1, 256)
+    h = hashes("list-plan", chunks)
+    ids_dst = [8, 1, 7, 2, 6, 3, 5, 4]
+    with fake_store(monkeypatch) as (store, _fake):
+        assert not store.native_client_active
+        with (
+            transfer(store, "l", src, bs, transfer_mode="multi_buffer", start_threads=False) as writer,
+            transfer(store, "l", dst, bs, tp_rank=tp_rank, transfer_mode="multi_buffer", start_threads=False) as reader,
+        ):
+            writer.store(TransferRequest("r", 5 * bs, h, [list(range(1, chunks + 1))]))  # chunks 0..4 only
+            loaded = reader.load(TransferRequest("r", chunks * bs, h, [ids_dst]))
+    assert loaded.failed_block_ids == set(ids_dst[5:]) and loaded.loaded_block_ids == set(ids_dst[:5])
+    assert not any(region[ids_dst[5:]].any() for region in dst.regions)
+
+
 @mooncake
 def test_concurrent_loads_on_several_receive_threads(store: MooncakeStore, model: str) -> None:
     bs, chunks, requests = 16, 10, 6
