@@ -1,7 +1,7 @@
 """The staged transports alone, for old/new build checks (docs/benchmarks.md, "Old and new build"): the driver's
 staged store and load (KVTransfer over an embedded master, 256 keys x 16 regions x 2 KiB) and the vLLM wrapper's
-staged multi-buffer put and get over an in-memory stand-in store (its own Python cost), median of 40 calls
-each. Run it with each build's interpreter in turn:
+staged multi-buffer put and get over an in-memory stand-in store, and the same with the stand-in answering
+without copying (the wrapper's own cost); medians of 40 (200) calls each. Run it with each build's interpreter in turn:
 
     for i in 1 2 3 4; do OLD/bin/python bench/staged_ab.py; NEW/bin/python bench/staged_ab.py; done
 """
@@ -66,6 +66,12 @@ def main() -> None:
     keys = [f"k{i}" for i in range(KEYS)]
     out["wrapper put"] = median_ms(lambda: wrapper.batch_put_from_multi_buffers(keys, addrs, sizes))
     out["wrapper get"] = median_ms(lambda: wrapper.batch_get_into_multi_buffers(keys, addrs, sizes))
+    # The wrapper's own cost (plan, lease, gather/scatter, answers): the stand-in's calls answer without copying.
+    memory = wrapper.wrapped
+    memory.batch_put_from = lambda k, p, s, *c: [0] * len(k)
+    memory.batch_get_into = lambda k, p, s: list(s)
+    out["wrapper put own"] = median_ms(lambda: wrapper.batch_put_from_multi_buffers(keys, addrs, sizes), reps=200)
+    out["wrapper get own"] = median_ms(lambda: wrapper.batch_get_into_multi_buffers(keys, addrs, sizes), reps=200)
     data = KEYS * REGIONS * REGION
     config = StoreConfig(embedded_master=True, global_segment_size=24 * data + (64 << 20), local_buffer_size=0)
     with MooncakeStore(config) as store:
