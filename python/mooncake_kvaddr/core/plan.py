@@ -6,7 +6,8 @@ int64 matrices, Python lists only where a vLLM-compatible signature must return 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -16,6 +17,7 @@ __all__ = ["KeyPlan", "SlotPlan"]
 
 Int64Array = npt.NDArray[np.int64]
 _INT64_MAX = int(np.iinfo(np.int64).max)
+_NO_INVALID: Mapping[int, str] = MappingProxyType({})
 
 
 class SlotPlan(NamedTuple):
@@ -30,7 +32,22 @@ class SlotPlan(NamedTuple):
     total_bytes: int
 
 
-class KeyPlan:
+class _PlanFields(NamedTuple):
+    """The fields of :class:`KeyPlan` (a named tuple cannot redefine its own ``_replace``)."""
+
+    keys: list[str]
+    addrs: Any
+    sizes: Any
+    block_ids: Any
+    slots: SlotPlan | None = None
+    widths: Any = None
+    row_shift: int = 0
+    bounded: bool = False
+    invalid: Mapping[int, str] = _NO_INVALID
+    dropped: int = 0
+
+
+class KeyPlan(_PlanFields):
     """Keys in transfer order with their rows and block ids, index-aligned.
 
     ``addrs``/``sizes``: ``(n, R)`` int64 matrices (:attr:`arrays`), or lists of lists of ints where a
@@ -41,48 +58,55 @@ class KeyPlan:
     ``(i + row_shift) % n``. ``bounded``: the rows were bounded by construction when planned (else they are
     checked against the registered caches). ``invalid``/``dropped``: block ids refused while planning
     (id -> reason) and the chunks dropped for them.
+
+    A named tuple (as the seed era's four-field record was: creating and freeing one costs what that did) that
+    iterates, indexes, measures and compares as ``(keys, addrs, sizes, block_ids)``; the other fields are read
+    by name.
     """
 
-    __slots__ = ("addrs", "block_ids", "bounded", "dropped", "invalid", "keys", "row_shift", "sizes", "slots", "widths")
-
-    def __init__(
-        self,
-        keys: list[str],
-        addrs: Any,
-        sizes: Any,
-        block_ids: Any,
-        *,
-        slots: SlotPlan | None = None,
-        widths: Any = None,
-        row_shift: int = 0,
-        bounded: bool = False,
-        invalid: dict[int, str] | None = None,
-        dropped: int = 0,
-    ) -> None:
-        self.keys = keys
-        self.addrs = addrs
-        self.sizes = sizes
-        self.block_ids = block_ids
-        self.slots = slots
-        self.widths = widths
-        self.row_shift = row_shift
-        self.bounded = bounded
-        self.invalid: dict[int, str] = {} if invalid is None else invalid
-        self.dropped = dropped
+    __slots__ = ()
 
     def __iter__(self) -> Iterator[Any]:
         """``keys, addrs, sizes, block_ids``: a plan unpacks and indexes like the seed era's four-field record."""
         return iter((self.keys, self.addrs, self.sizes, self.block_ids))
 
+    def __len__(self) -> int:
+        return 4
+
     def __getitem__(self, index: Any) -> Any:
-        return tuple(self)[index]
+        return (self.keys, self.addrs, self.sizes, self.block_ids)[index]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, KeyPlan):
             return NotImplemented
-        return self._fields() == other._fields()
+        return self._compared() == other._compared()
 
-    __hash__ = None  # type: ignore[assignment]  # mutable
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # type: ignore[assignment]  # holds lists and arrays
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return tuple(tuple.__iter__(self))
+
+    def _asdict(self) -> dict[str, Any]:
+        return dict(zip(self._fields, tuple.__iter__(self)))
+
+    def _replace(self, **changes: Any) -> KeyPlan:
+        """A copy with some fields changed (``offsets``, ``object_sizes`` and ``total_bytes`` change
+        :attr:`slots`)."""
+        slot_changes = {k: changes.pop(k) for k in SlotPlan._fields if k in changes}
+        unknown = set(changes) - set(self._fields)
+        if unknown:
+            raise ValueError(f"KeyPlan has no field(s) {sorted(unknown)}")
+        if slot_changes:
+            changes["slots"] = self.slot_plan()._replace(**slot_changes)
+        return KeyPlan(*[changes.get(name, value) for name, value in zip(self._fields, tuple.__iter__(self))])
+
+    def _compared(self) -> tuple[Any, ...]:
+        slots = None if self.slots is None else tuple(_plain(v) for v in self.slots)
+        return (self.keys, _plain(self.addrs), _plain(self.sizes), _plain(self.block_ids), slots)
 
     @property
     def offsets(self) -> Int64Array:
@@ -98,24 +122,6 @@ class KeyPlan:
     def total_bytes(self) -> int:
         """The staging bytes :attr:`slots` needs (not the sum of the sizes: :meth:`num_bytes`)."""
         return self.slot_plan().total_bytes
-
-    def _replace(self, **changes: Any) -> KeyPlan:
-        """A copy with some fields changed, as the seed era's record offered (``offsets``, ``object_sizes`` and
-        ``total_bytes`` change :attr:`slots`)."""
-        slot_changes = {k: changes.pop(k) for k in SlotPlan._fields if k in changes}
-        fields = {name: getattr(self, name) for name in self.__slots__}
-        unknown = set(changes) - set(fields)
-        if unknown:
-            raise ValueError(f"KeyPlan has no field(s) {sorted(unknown)}")
-        fields.update(changes)
-        if slot_changes:
-            fields["slots"] = self.slot_plan()._replace(**slot_changes)
-        keys, addrs, sizes, ids = (fields.pop(name) for name in ("keys", "addrs", "sizes", "block_ids"))
-        return KeyPlan(keys, addrs, sizes, ids, **fields)
-
-    def _fields(self) -> tuple[Any, ...]:
-        slots = None if self.slots is None else tuple(_plain(v) for v in self.slots)
-        return (self.keys, _plain(self.addrs), _plain(self.sizes), _plain(self.block_ids), slots)
 
     def slot_plan(self) -> SlotPlan:
         """:attr:`slots`, which this plan must have (``AttributeError`` otherwise)."""

@@ -192,7 +192,7 @@ class TransferRequests(TransferRegistration):
             return result
         clock.lap("plan")
         if plan.invalid:
-            result.invalid_block_ids = plan.invalid
+            result.invalid_block_ids = dict(plan.invalid)
             result.failed_block_ids.update(plan.invalid)
             count(result.outcomes, "invalid_block_id", plan.dropped)
             logger.warning("load %s: %d block id(s) not loaded: %s", request.req_id, len(plan.invalid),
