@@ -7,21 +7,16 @@ regions), three interleaved medians of 80 calls each. Run it with each build's i
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
+
+import ab_timing
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.core.keys import _unwrap
 
 
 def median_ms(call: Any, reps: int = 80) -> float:
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
+    return ab_timing.median_ms(call, reps, warmup=0)
 
 
 def main() -> None:

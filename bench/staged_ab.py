@@ -9,10 +9,9 @@ without copying (the wrapper's own cost); medians of 40 (200) calls each. Run it
 from __future__ import annotations
 
 import ctypes
-import statistics
-import time
 from typing import Any
 
+import ab_timing
 import numpy as np
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, KVTransfer, StoreConfig
@@ -24,14 +23,7 @@ KEYS, REGIONS, REGION = 256, 16, 2048
 
 
 def median_ms(call: Any, reps: int = 40) -> float:
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
+    return ab_timing.median_ms(call, reps, warmup=3)
 
 
 class _Memory:

@@ -7,21 +7,15 @@ regions, median of 60 calls each. Run it with each build's interpreter in turn:
 
 from __future__ import annotations
 
-import statistics
-import time
+from typing import Any
+
+import ab_timing
 
 from mooncake_kvaddr import _native
 
 
-def median_ms(call: object, reps: int = 60) -> float:
-    for _ in range(3):
-        call()  # type: ignore[operator]
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        call()  # type: ignore[operator]
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
+def median_ms(call: Any, reps: int = 60) -> float:
+    return ab_timing.median_ms(call, reps, warmup=3)
 
 
 def main() -> None:
