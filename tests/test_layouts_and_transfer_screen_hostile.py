@@ -481,9 +481,9 @@ def test_staged_wrapper_survives_registrations_its_range_table_cannot_hold() -> 
     for ptr, size in ((2**63 - 10, 100), (-4096, 100), (1.5, 10), (4096, 2**70), (0, 64)):
         assert staged.register_buffer(ptr, size) == 0
     assert staged.register_buffer(8192, 100) == 0
-    assert staged._ranges[2] == ((8192, 100),)  # only the range staging may touch
+    assert staged.ranges.ranges.items == ((8192, 100),)  # only the range staging may touch
     assert staged.unregister_buffer(1.5) == 0 and staged.unregister_buffer(8192) == 0
-    assert staged._ranges[2] == ()
+    assert staged.ranges.ranges.items == ()
 
 
 @pytest.mark.parametrize("tail", [-(2**63), -(2**63) + 1, -1, 0, 2**63 - 1])

@@ -32,6 +32,8 @@ __all__ = [
     "CallGate",
     "NativeMooncakeStore",
     "NativeStats",
+    "RaggedEntries",
+    "StoreWrapper",
     "guarded_method",
     "registration_ok",
     "warn_failed_registration",
@@ -78,9 +80,62 @@ class NativeStats:
     fallback_calls: int = 0
 
 
-class RaggedEntries(abc.ABC):
-    """The ragged entries of our store wrappers: rows of different widths (hybrid groups) as one array call per
-    width (:func:`ragged_calls`) through the wrapper's own array entries."""
+class StoreWrapper(abc.ABC):
+    """What both of our store wrappers are: the wrapped Mooncake store behind one call gate (nothing after
+    ``close()``) and the registered-range guard (raw pointers checked against the buffers registered through
+    the wrapper), with the ragged entries: rows of different widths (hybrid groups) as one array call per width
+    (:func:`ragged_calls`) through the wrapper's own array entries."""
+
+    def __init__(self, store: Any, *, armed: bool) -> None:
+        name = type(self).__name__
+        self._store = store
+        self._lock = threading.Lock()
+        self.ranges = RangeTable(armed=armed)
+        self.guard = StoreGuard(name, self.ranges)
+        self._gate = CallGate(name)
+        self._failed_registrations: set[tuple[Any, Any]] = set()
+
+    @property
+    def wrapped(self) -> Any:
+        """The Mooncake store this wraps."""
+        return self._store
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._store, name)
+        if not callable(value):
+            return value
+        # Every method of the wrapped store is a Mooncake call too: admitted only before close(), and its raw
+        # pointers checked against the registered buffers.
+        return self._gate.gated(guarded_method(self.guard, name, value))
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> Any:
+        """Mooncake's ``register_buffer``; a buffer it accepts (0) becomes a range the guard (and staging) lets
+        through; one it refuses gets one warning (its keys will be refused with -600)."""
+        with self._gate.admitted():
+            result = self._store.register_buffer(buffer_ptr, size)
+            if registration_ok(result):
+                self.ranges.add(buffer_ptr, size)
+            elif not isinstance(self._store, StoreWrapper):  # stacked: the inner wrapper warned already
+                warn_failed_registration(self._failed_registrations, buffer_ptr, size, result)
+            return int(result) if isinstance(result, np.integer) else result
+
+    def unregister_buffer(self, buffer_ptr: int) -> Any:
+        """Mooncake's ``unregister_buffer``; the range is dropped from the guard first, whatever Mooncake says."""
+        with self._gate.admitted():
+            self.ranges.remove(buffer_ptr)
+            return self._store.unregister_buffer(buffer_ptr)
+
+    def close(self, *args: Any, **kwargs: Any) -> Any:
+        """Refuse new calls, wait for those in flight, release what the wrapper holds, then close the wrapped
+        store (once: a later ``close`` returns 0 without calling Mooncake)."""
+        if not self._gate.close(CLOSE_TIMEOUT_S):
+            return 0
+        self._release()
+        return self._store.close(*args, **kwargs)
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Release what the wrapper holds beside the store (called once, by :meth:`close`, when idle)."""
 
     @abc.abstractmethod
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
@@ -102,37 +157,23 @@ class RaggedEntries(abc.ABC):
         return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
 
 
-class NativeMooncakeStore(RaggedEntries):
+#: Former name of :class:`StoreWrapper` (the ragged entries were its first shared part).
+RaggedEntries = StoreWrapper
+
+
+class NativeMooncakeStore(StoreWrapper):
     """A Mooncake store whose batch calls go to the native client when it can (see the module docstring)."""
 
     def __init__(self, store: Any, *, armed: bool = False) -> None:
-        self._store = store
-        self.ranges = RangeTable(armed=armed)
-        self.guard = StoreGuard("NativeMooncakeStore", self.ranges)
+        super().__init__(store, armed=armed)
         self._client: Any = _UNSET  # _UNSET: not probed yet; None: unavailable
-        self._lock = threading.Lock()
         self._logged: set[str] = set()
-        self._failed_registrations: set[tuple[Any, Any]] = set()
-        self._gate = CallGate("NativeMooncakeStore")
         self.stats = NativeStats()
-
-    @property
-    def wrapped(self) -> Any:
-        """The Mooncake store this wraps."""
-        return self._store
 
     @property
     def native_client(self) -> Any:
         """The :class:`NativeClient` in use, or None when calls go to the bound methods."""
         return self._native()
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._store, name)
-        if not callable(value):
-            return value
-        # Every method of the wrapped store is a Mooncake call too: admitted only before close(), and its raw
-        # pointers checked against the registered buffers.
-        return self._gate.gated(guarded_method(self.guard, name, value))
 
     def _log_once(self, reason: str) -> None:
         if reason not in self._logged:
@@ -278,33 +319,12 @@ class NativeMooncakeStore(RaggedEntries):
         """Mooncake's ``batch_is_exist`` through the native client."""
         return self._call("batch_is_exist", keys)
 
-    def register_buffer(self, buffer_ptr: int, size: int) -> Any:
-        """Mooncake's ``register_buffer``; a buffer it accepts (0) becomes a range the guard lets through; one
-        it refuses gets one warning (its keys will be refused with -600)."""
-        with self._gate.admitted():
-            result = self._store.register_buffer(buffer_ptr, size)
-            if registration_ok(result):
-                self.ranges.add(buffer_ptr, size)
-            else:
-                warn_failed_registration(self._failed_registrations, buffer_ptr, size, result)
-            return result
-
-    def unregister_buffer(self, buffer_ptr: int) -> Any:
-        """Mooncake's ``unregister_buffer``; the range is dropped from the guard first, whatever Mooncake says."""
-        with self._gate.admitted():
-            self.ranges.remove(buffer_ptr)
-            return self._store.unregister_buffer(buffer_ptr)
-
-    def close(self, *args: Any, **kwargs: Any) -> Any:
-        """Refuse new calls, wait for those in flight, drop the native client, then close the wrapped store
-        (once: a later ``close`` returns 0 without calling Mooncake)."""
-        if not self._gate.close(CLOSE_TIMEOUT_S):
-            return 0
+    def _release(self) -> None:
+        """Drop the native client (the wrapped store closes after it)."""
         with self._lock:
             client, self._client = self._client, None
         if client is not None and client is not _UNSET:
             client.close()
-        return self._store.close(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"NativeMooncakeStore({self._store!r})"

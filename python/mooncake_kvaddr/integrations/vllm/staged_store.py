@@ -8,7 +8,6 @@ network; the objects are byte-identical to multi-buffer ones. Guarded and gated 
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,16 +24,7 @@ from mooncake_kvaddr.driver.staging import (
     run_staged,
     scatter,
 )
-from mooncake_kvaddr.integrations.vllm.guard import RangeTable, StoreGuard
-from mooncake_kvaddr.integrations.vllm.native_store import (
-    CLOSE_TIMEOUT_S,
-    CallGate,
-    NativeMooncakeStore,
-    RaggedEntries,
-    guarded_method,
-    registration_ok,
-    warn_failed_registration,
-)
+from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore, StoreWrapper
 
 __all__ = ["StagedMooncakeStore", "StagedStats"]
 
@@ -62,7 +52,7 @@ class StagedStats:
         return self.short_reads
 
 
-class StagedMooncakeStore(RaggedEntries):
+class StagedMooncakeStore(StoreWrapper):
     """A Mooncake store whose multi-buffer calls stage host-memory KV caches (see the module docstring).
 
     ``store`` is the wrapped ``MooncakeDistributedStore`` (or anything with its methods); ``staging_bytes`` the
@@ -85,69 +75,15 @@ class StagedMooncakeStore(RaggedEntries):
             raise ValueError(f"copy_threads must be >= 0, got {copy_threads}")
         if not staging_wait_s >= 0:  # also refuses NaN
             raise ValueError(f"staging_wait_s must be >= 0, got {staging_wait_s}")
+        super().__init__(store, armed=armed)
         self._staging_wait_s = float(staging_wait_s)
-        self._store = store
         self._pool = StagingPool(staging_bytes)
         self._copy_threads = copy_threads
-        self._lock = threading.Lock()
-        # The buffers registered through this wrapper (the guard's table; staging's bounds too).
-        self.ranges = RangeTable(armed=armed)
-        self.guard = StoreGuard("StagedMooncakeStore", self.ranges)
         self._pool_registered: bool | None = None  # None: not tried yet; False: Mooncake refused it
-        self._failed_registrations: set[tuple[Any, Any]] = set()
-        self._gate = CallGate("StagedMooncakeStore")
         self.stats = StagedStats()
 
-    # --- pass-through ---------------------------------------------------------------------------------------
-
-    @property
-    def wrapped(self) -> Any:
-        """The Mooncake store this wraps."""
-        return self._store
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._store, name)
-        if not callable(value):
-            return value
-        # Every method of the wrapped store is a Mooncake call too: admitted only before close(), and its raw
-        # pointers checked against the registered buffers.
-        return self._gate.gated(guarded_method(self.guard, name, value))
-
-    @property
-    def _ranges(self) -> tuple[Int64Array, Int64Array, tuple[tuple[int, int], ...]]:
-        """``(starts, ends, ranges)`` of the registered buffers (one snapshot of :attr:`ranges`)."""
-        snapshot = self.ranges.ranges
-        return snapshot.starts, snapshot.ends, snapshot.items
-
-    def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        """Mooncake's ``register_buffer``; a buffer it accepts becomes a range staging may touch; one it refuses
-        gets one warning (its keys will be refused with -600)."""
-        with self._gate.admitted():
-            return self._register_buffer(buffer_ptr, size)
-
-    def _register_buffer(self, buffer_ptr: int, size: int) -> int:
-        result = self._store.register_buffer(buffer_ptr, size)
-        if registration_ok(result):
-            self.ranges.add(buffer_ptr, size)
-        elif not isinstance(self._store, NativeMooncakeStore):  # stacked: the native wrapper warned already
-            warn_failed_registration(self._failed_registrations, buffer_ptr, size, result)
-        return int(result) if isinstance(result, (int, np.integer)) else result
-
-    def unregister_buffer(self, buffer_ptr: int) -> int:
-        """Mooncake's ``unregister_buffer``; the range is dropped from staging whatever Mooncake answers."""
-        with self._gate.admitted():
-            return self._unregister_buffer(buffer_ptr)
-
-    def _unregister_buffer(self, buffer_ptr: int) -> int:
-        self.ranges.remove(buffer_ptr)
-        result: int = self._store.unregister_buffer(buffer_ptr)
-        return result
-
-    def close(self, *args: Any, **kwargs: Any) -> Any:
-        """Refuse new calls, wait for those in flight, unregister the staging buffer (when registered), then
-        close the wrapped store (once: a later ``close`` returns 0 without calling Mooncake)."""
-        if not self._gate.close(CLOSE_TIMEOUT_S):
-            return 0
+    def _release(self) -> None:
+        """Unregister the staging buffer when it was registered (the wrapped store closes after it)."""
         with self._lock:
             registered, self._pool_registered = self._pool_registered, False
         if registered:
@@ -155,7 +91,6 @@ class StagedMooncakeStore(RaggedEntries):
                 self._store.unregister_buffer(self._pool.range[0])
             except Exception as exc:  # closing must go on
                 logger.debug("mooncake_kvaddr: staging buffer unregister failed: %s", exc)
-        return self._store.close(*args, **kwargs)
 
     # --- staging ------------------------------------------------------------------------------------------
 
