@@ -26,6 +26,8 @@ from mooncake_kvaddr.integrations.vllm.guard import (
     guarded_names,
     takes_pointers,
 )
+from mooncake_kvaddr.integrations.vllm.plans import ArrayStore
+from mooncake_kvaddr.integrations.vllm.plans import ragged_calls as ragged_calls
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
@@ -80,11 +82,10 @@ class NativeStats:
     fallback_calls: int = 0
 
 
-class StoreWrapper(abc.ABC):
+class StoreWrapper(ArrayStore):
     """What both of our store wrappers are: the wrapped Mooncake store behind one call gate (nothing after
     ``close()``) and the registered-range guard (raw pointers checked against the buffers registered through
-    the wrapper), with the ragged entries: rows of different widths (hybrid groups) as one array call per width
-    (:func:`ragged_calls`) through the wrapper's own array entries."""
+    the wrapper); an :class:`ArrayStore`, whose ragged entries make one array call per row width."""
 
     def __init__(self, store: Any, *, armed: bool) -> None:
         name = type(self).__name__
@@ -138,23 +139,8 @@ class StoreWrapper(abc.ABC):
         """Release what the wrapper holds beside the store (called once, by :meth:`close`, when idle)."""
 
     @abc.abstractmethod
-    def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
-        """Mooncake's multi-buffer get with (keys x regions) int64 matrices."""
-
-    @abc.abstractmethod
     def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
         """Mooncake's multi-buffer put with (keys x regions) int64 matrices."""
-
-    def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
-        """:meth:`batch_get_into_multi_buffers_arrays` for rows of different widths (one get per width)."""
-        return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
-
-    def batch_put_from_multi_buffers_ragged(
-        self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
-    ) -> Any:
-        """:meth:`batch_put_from_multi_buffers_arrays` for rows of different widths (one put per width)."""
-        put = self.batch_put_from_multi_buffers_arrays
-        return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
 
 
 #: Former name of :class:`StoreWrapper` (the ragged entries were its first shared part).
@@ -328,25 +314,6 @@ class NativeMooncakeStore(StoreWrapper):
 
     def __repr__(self) -> str:
         return f"NativeMooncakeStore({self._store!r})"
-
-
-def ragged_calls(
-    call: Callable[[list[str], Any, Any], Any], keys: list[str], addrs: Any, sizes: Any, widths: Any
-) -> list[Any]:
-    """One ``call(keys, addrs, sizes)`` per row width, for (keys x max width) matrices whose row ``i`` holds
-    ``widths[i]`` regions (the rest padding): each call gets the keys of one width, in their order, and
-    matrices trimmed to that width; the per-key answers come back in the keys' order (docs/vllm-plugin.md,
-    "The receive handler": hybrid models whose groups have different row widths)."""
-    widths = np.asarray(widths)
-    results: list[Any] = [None] * len(keys)
-    for width in dict.fromkeys(widths.tolist()):
-        picks = np.flatnonzero(widths == width)
-        answers = list(call([keys[i] for i in picks], addrs[picks, :width], sizes[picks, :width]))
-        if len(answers) != len(picks):
-            raise RuntimeError(f"the store returned {len(answers)} results for {len(picks)} keys")
-        for i, answer in zip(picks.tolist(), answers, strict=True):
-            results[i] = answer
-    return results
 
 
 def bound_rows(addrs: Any, sizes: Any) -> tuple[list[Any], list[Any]]:

@@ -23,7 +23,7 @@ __all__ = [
     "concat_rows",
     "finish_handler",
     "hash_source",
-    "register_wrappers",
+    "ragged_calls",
 ]
 
 #: The array entry point our store wrappers offer (keys, (n, w) int64 addrs, (n, w) int64 sizes).
@@ -31,10 +31,9 @@ ARRAY_ENTRY = "batch_get_into_multi_buffers_arrays"
 
 
 class ArrayStore(abc.ABC):
-    """The store types whose :data:`ARRAY_ENTRY` the receive handler calls: our own wrappers
-    (:class:`NativeMooncakeStore`, :class:`StagedMooncakeStore`, registered by :func:`make_handler`) and
-    whatever a caller registers explicitly (``ArrayStore.register(cls)``: a test's recording store, a
-    benchmark's timing proxy). The choice is by type, never by probing the store for the attribute (a mock
+    """The store types whose :data:`ARRAY_ENTRY` the receive handler calls: our own wrappers (subclasses, through
+    ``native_store.StoreWrapper``) and whatever a caller registers explicitly (``ArrayStore.register(cls)``: a
+    test's recording store, a benchmark's timing proxy). The choice is by type, never by probing the store for the attribute (a mock
     store "has" every attribute); any other store gets vLLM's list rows (docs/vllm-plugin.md)."""
 
     @abc.abstractmethod
@@ -44,8 +43,6 @@ class ArrayStore(abc.ABC):
     def batch_get_into_multi_buffers_ragged(self, keys: list[str], addrs: Any, sizes: Any, widths: Any) -> Any:
         """The array entry for rows of different widths: (keys x max width) matrices, row ``i`` holding
         ``widths[i]`` regions; this default makes one array call per width and merges the answers."""
-        from mooncake_kvaddr.integrations.vllm.native_store import ragged_calls
-
         return ragged_calls(self.batch_get_into_multi_buffers_arrays, keys, addrs, sizes, widths)
 
     def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
@@ -58,18 +55,27 @@ class ArrayStore(abc.ABC):
         self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
     ) -> Any:
         """The array put for rows of different widths (as :meth:`batch_get_into_multi_buffers_ragged`)."""
-        from mooncake_kvaddr.integrations.vllm.native_store import ragged_calls
-
         put = self.batch_put_from_multi_buffers_arrays
         return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
 
 
-def register_wrappers() -> None:
-    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
-    from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
-
-    ArrayStore.register(NativeMooncakeStore)
-    ArrayStore.register(StagedMooncakeStore)
+def ragged_calls(
+    call: Callable[[list[str], Any, Any], Any], keys: list[str], addrs: Any, sizes: Any, widths: Any
+) -> list[Any]:
+    """One ``call(keys, addrs, sizes)`` per row width, for (keys x max width) matrices whose row ``i`` holds
+    ``widths[i]`` regions (the rest padding): each call gets the keys of one width, in their order, and
+    matrices trimmed to that width; the per-key answers come back in the keys' order (docs/vllm-plugin.md,
+    "The receive handler": hybrid models whose groups have different row widths)."""
+    widths = np.asarray(widths)
+    results: list[Any] = [None] * len(keys)
+    for width in dict.fromkeys(widths.tolist()):
+        picks = np.flatnonzero(widths == width)
+        answers = list(call([keys[i] for i in picks], addrs[picks, :width], sizes[picks, :width]))
+        if len(answers) != len(picks):
+            raise RuntimeError(f"the store returned {len(answers)} results for {len(picks)} keys")
+        for i, answer in zip(picks.tolist(), answers, strict=True):
+            results[i] = answer
+    return results
 
 
 class Kinds:

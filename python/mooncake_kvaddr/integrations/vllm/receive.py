@@ -27,7 +27,6 @@ from mooncake_kvaddr.integrations.vllm.plans import (
     concat_rows,
     finish_handler,
     hash_source,
-    register_wrappers,
 )
 from mooncake_kvaddr.integrations.vllm.plugin import ENV_RECV
 
@@ -263,7 +262,6 @@ def make_handler(
     logger = worker.logger
     rule = OffloadRule(worker._DIRECT_IO_ALIGNMENT, worker._DIRECT_IO_PADDING_BYTES)
     stats = ReceiveStats()
-    register_wrappers()
 
     def _handle_request(self: Any, req_meta: Any) -> Any:
         """mooncake_kvaddr's receive handler (docs/vllm-plugin.md, "The receive handler")."""

@@ -25,7 +25,6 @@ from mooncake_kvaddr.integrations.vllm.plans import (
     concat_rows,
     finish_handler,
     hash_source,
-    register_wrappers,
 )
 
 __all__ = ["ENV_SEND", "SendStats", "make_handler", "plan_store", "send_enabled"]
@@ -371,7 +370,6 @@ def make_handler(
     blob_type = data.BlobBlockHashes
     stats = SendStats()
     lock = threading.Lock()
-    register_wrappers()
 
     def _plan(self: Any, req_meta: Any) -> tuple[SendPlan, int] | str:
         lcm_block_size = self.coord.lcm_block_size
