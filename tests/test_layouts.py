@@ -291,6 +291,16 @@ def test_tp_shared_registration_with_fake_tensors() -> None:
         layout.register_kv_caches([lbhnc], 4)
 
 
+def test_tp_shared_lookup_prefixes_cover_every_store_shard_not_only_the_owned_ones() -> None:
+    """A lookup runs on one rank for the deployment: it must probe every store shard (shard-major, PP ranks
+    sorted), also on a rank that owns only some of them (local TP 2 of store TP 4: rank 1 owns shards 2, 3)."""
+    for cls in (M.LBHNCStoreLayout, M.LBNHCStoreLayout):
+        layout = cls(M.KeyMetadata("m", 1, 0, 0, 0), BS, BS, 2, 4, 1, 4)
+        assert layout.local_shard_ids == (2, 3)
+        prefixes = layout.lookup_key_prefixes([(0, 0, 0, 1), (1, 0, 0, 0), (0, 0, 0, 1)])
+        assert list(prefixes) == [f"m@tp_rank:{s}@pcp0@dcp0@pp_rank:{p}@group:0" for s in range(4) for p in (0, 1)]
+
+
 def test_threads_reregistering_while_others_prepare_see_one_snapshot_per_call() -> None:
     import threading
 

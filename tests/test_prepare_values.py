@@ -371,6 +371,13 @@ def test_constructor_validation() -> None:
             ChunkedTokenDatabase(md, block_size, hash_block_size)
     with pytest.raises(ValueError):
         ChunkedTokenDatabase(md, 32, address_cache_bytes=-1)
+    # 0 is the documented "cache off", accepted by the constructor as by the setter.
+    off = ChunkedTokenDatabase(md, 32, address_cache_bytes=0)
+    off.set_kv_caches_base_addr([1 << 30])
+    off.set_block_len([64])
+    for _ in range(2):
+        assert off.prepare_values([(0, 32)], [3]) == ([[(1 << 30) + 3 * 64]], [[64]], [3])
+    assert off.address_cache_bytes == 0 and off.address_cache_info()["entries"] == 0
     db = ChunkedTokenDatabase(md, 32, 0)
     assert db.hash_block_size == 32
     assert ChunkedTokenDatabase(md, 32, None).hash_block_size == 32

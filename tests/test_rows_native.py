@@ -117,6 +117,7 @@ def test_a_lying_row_is_read_as_it_iterates_or_refused() -> None:
     ("addrs", "sizes", "error"),
     [
         ([[1, 2]], [[1]], ValueError),  # row lengths differ
+        ([[1]], [[1, 2]], ValueError),  # a size row longer than its address row (not cut short)
         ([[1]], [[1], [2]], ValueError),  # key counts differ
         ([[1]], [[-1]], ValueError),  # negative size
         ([[2**63]], [[1]], OverflowError),  # address past int64

@@ -135,6 +135,24 @@ def test_store_never_puts_a_chunk_on_an_out_of_range_id(
 
 @mooncake
 @pytest.mark.parametrize(("mode", "regions"), MODES)
+def test_saved_tokens_stay_all_or_nothing_when_every_valid_key_is_already_stored(
+    store: MooncakeStore, model: str, mode: str, regions: int
+) -> None:
+    """No put at all (the valid keys exist) does not make an out-of-range chunk count as saved."""
+    src = Cache(regions, 9, 256, seed=5)
+    h = hashes(model, 3)
+    with open_transfer(store, model, src, mode) as writer:
+        first = writer.store(TransferRequest("r", 3 * 16, h, [[1, 2, 3]]))
+        assert first.ok and first.saved_tokens == 3 * 16
+        again = writer.store(TransferRequest("r", 3 * 16, h, [[1, 9, 3]]))
+        keys = [writer.databases[0].key_for(x) for x in h]
+    assert again.already_present == 2 and again.stored == 0 and again.chunks == 3
+    assert again.failed_keys == [keys[1]] and set(again.invalid_block_ids) == {9}
+    assert not again.ok and again.saved_tokens == 0
+
+
+@mooncake
+@pytest.mark.parametrize(("mode", "regions"), MODES)
 def test_regions_edited_after_registration_move_nothing(
     store: MooncakeStore, model: str, mode: str, regions: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
