@@ -24,7 +24,7 @@ from mooncake_kvaddr.driver.staging import (
     run_staged,
     scatter,
 )
-from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore, StoreWrapper
+from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore, StoreWrapper, bound_rows
 
 __all__ = ["StagedMooncakeStore", "StagedStats"]
 
@@ -194,7 +194,7 @@ class StagedMooncakeStore(StoreWrapper):
             self.stats.passthrough_gets += 1
             if isinstance(self._store, NativeMooncakeStore):  # our own type: never probe a foreign store
                 return self._store.batch_get_into_multi_buffers_arrays(keys, addrs, sizes)
-            rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
+            rows = bound_rows(addrs, sizes)
             return self._store.batch_get_into_multi_buffers(keys, *rows)
         return self._staged_get(keys, staged, _matrix_rows(staged))
 
@@ -260,7 +260,7 @@ class StagedMooncakeStore(StoreWrapper):
             self.stats.passthrough_puts += 1
             if isinstance(self._store, NativeMooncakeStore):  # our own type: never probe a foreign store
                 return self._store.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, config)
-            rows = np.asarray(addrs).tolist(), np.asarray(sizes).tolist()
+            rows = bound_rows(addrs, sizes)
             return self._store.batch_put_from_multi_buffers(keys, *rows, config)
         return self._staged_put(keys, staged, (config,), _matrix_rows(staged))
 
@@ -300,4 +300,4 @@ def _list_rows(all_buffer_ptrs: Any, all_sizes: Any) -> Any:
 
 def _matrix_rows(staged: KeyPlan) -> Any:
     """``rows_of`` over a staging plan's int64 matrices, as lists for Mooncake's own call."""
-    return lambda picks: (staged.addrs[picks].tolist(), staged.sizes[picks].tolist())
+    return lambda picks: bound_rows(staged.addrs[picks], staged.sizes[picks])
