@@ -34,7 +34,6 @@ __all__ = [
     "CallGate",
     "NativeMooncakeStore",
     "NativeStats",
-    "RaggedEntries",
     "StoreWrapper",
     "guarded_method",
     "registration_ok",
@@ -141,10 +140,6 @@ class StoreWrapper(ArrayStore):
     @abc.abstractmethod
     def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
         """Mooncake's multi-buffer put with (keys x regions) int64 matrices."""
-
-
-#: Former name of :class:`StoreWrapper` (the ragged entries were its first shared part).
-RaggedEntries = StoreWrapper
 
 
 class NativeMooncakeStore(StoreWrapper):

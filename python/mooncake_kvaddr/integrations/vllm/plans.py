@@ -33,8 +33,9 @@ ARRAY_ENTRY = "batch_get_into_multi_buffers_arrays"
 class ArrayStore(abc.ABC):
     """The store types whose :data:`ARRAY_ENTRY` the receive handler calls: our own wrappers (subclasses, through
     ``native_store.StoreWrapper``) and whatever a caller registers explicitly (``ArrayStore.register(cls)``: a
-    test's recording store, a benchmark's timing proxy). The choice is by type, never by probing the store for the attribute (a mock
-    store "has" every attribute); any other store gets vLLM's list rows (docs/vllm-plugin.md)."""
+    test's recording store, a benchmark's timing proxy). The choice is by type, never by probing the store for
+    the attribute (a mock store "has" every attribute); any other store gets vLLM's list rows
+    (docs/vllm-plugin.md)."""
 
     @abc.abstractmethod
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
