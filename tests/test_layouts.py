@@ -291,6 +291,26 @@ def test_tp_shared_registration_with_fake_tensors() -> None:
         layout.register_kv_caches([lbhnc], 4)
 
 
+def test_token_major_shards_start_at_their_own_heads() -> None:
+    """A rank owning two store shards (local TP 1, store TP 2): shard s's segment of each token starts at its
+    first head, s * heads_per_store_shard."""
+    heads, content = 2, 8  # local heads, content elements (fp16)
+    storage = FakeStorage(0x40000, 1 << 20)
+    head_bytes, token_stride, block_stride = content * 2, heads * content * 2, heads * BS * content * 2
+    lbnhc = FakeTensor((3, heads, BS, content), (heads * BS * content, content, heads * content, 1), 2, 0x40000,
+                       storage)
+    token = M.LBNHCStoreLayout(M.KeyMetadata("m", 0, 0, 0, 0), BS, BS, 1, 2, 0, heads)
+    token.register_kv_caches([lbnhc], 3)
+    _, templates = token.segment_templates
+    assert len(templates) == 2
+    for shard, (bases, strides, sizes) in enumerate(templates):
+        assert list(bases) == [0x40000 + t * token_stride + shard * head_bytes for t in range(BS)]
+        assert list(strides) == [block_stride] * BS
+        assert list(sizes) == [head_bytes] * BS
+    addrs, _, _ = token.prepare_values([(BS, 2 * BS)], [0, 2], [1])
+    assert addrs == [[0x40000 + 2 * block_stride + t * token_stride + head_bytes for t in range(BS)]]
+
+
 def test_tp_shared_lookup_prefixes_cover_every_store_shard_not_only_the_owned_ones() -> None:
     """A lookup runs on one rank for the deployment: it must probe every store shard (shard-major, PP ranks
     sorted), also on a rank that owns only some of them (local TP 2 of store TP 4: rank 1 owns shards 2, 3)."""

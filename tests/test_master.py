@@ -60,6 +60,24 @@ def test_find_master_binary_is_executable() -> None:
     assert binary.name == "mooncake_master" and os.access(binary, os.X_OK)
 
 
+def test_a_zombie_process_is_not_running() -> None:
+    """A child that exited but was not reaped yet (a zombie) has stopped: it does not count as running."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            stat_text = Path(f"/proc/{child.pid}/stat").read_text()
+            if stat_text[stat_text.rfind(")") + 2] == "Z":
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the child never became a zombie")
+        assert not master_module.process_is_running(child.pid)
+    finally:
+        child.wait()
+    assert master_module.process_is_running(os.getpid())
+
+
 def test_start_is_ready_then_close_leaves_no_process() -> None:
     master = EmbeddedMaster()
     assert master.pid is None and not master.alive

@@ -164,6 +164,20 @@ def test_method_not_in_vtable_refuses(raw_store: Any) -> None:
     assert _native.mooncake_client_call_count() == before
 
 
+def test_a_method_symbol_from_another_library_refuses(raw_store: Any, client: NativeClient) -> None:
+    """A name that resolves through the store library's dependencies (libstdc++'s std::exception typeinfo) is
+    refused because it lives in another library, before the vtable is searched for it."""
+    import ctypes
+
+    other = "_ZTISt9exception"
+    assert ctypes.c_void_p.in_dll(ctypes.CDLL(client.library), other) is not None  # it resolves
+    before = _native.mooncake_client_call_count()
+    native, reason = NativeClient.probe(raw_store, symbol_overrides={"batch_is_exist": other})
+    assert native is None
+    assert f"symbol {other} resolves outside" in reason
+    assert _native.mooncake_client_call_count() == before
+
+
 def test_turned_off_by_env(raw_store: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(ENV_VAR, "0")
     native, reason = NativeClient.probe(raw_store)

@@ -26,6 +26,24 @@ def test_pinned_key_strings() -> None:
     )
 
 
+def test_a_walk_longer_than_one_window_reads_its_mask_from_the_first_chunk() -> None:
+    """More than core.walk.WINDOW chunks with a list mask and a first chunk past 0: every window's mask is
+    relative to the walk's first chunk, as in the reference."""
+    import random
+
+    from mooncake_kvaddr.core.walk import WINDOW
+
+    n = WINDOW + 40
+    hashes = [i.to_bytes(4, "little") for i in range(n)]
+    rng = random.Random(5)
+    mask = [rng.random() < 0.5 for _ in range(n)]
+    md = KeyMetadata("m", 0, 0, 0, 0)
+    ours = list(ChunkedTokenDatabase(md, 1).process_tokens(n, hashes, 3, chunk_mask=mask))
+    reference = list(OracleChunkedTokenDatabase(md, 1).process_tokens(n, hashes, 3, chunk_mask=mask))
+    assert len(reference) > WINDOW // 3
+    assert ours == reference
+
+
 def test_build_prefix_overrides_and_key_string() -> None:
     md = KeyMetadata("Kimi-K2.6-NVFP4", 3, 1, 3, 0, group_id=2)
     assert PoolKey.build_prefix(md) == "Kimi-K2.6-NVFP4@tp_rank:3@pcp1@dcp3@pp_rank:0@group:2"

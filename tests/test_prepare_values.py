@@ -409,3 +409,15 @@ def test_sizes_follow_new_block_lens_once_the_size_rows_were_cached(immutable: b
             assert [list(r) for r in got[0]] == want[0] and [list(r) for r in got[1]] == want[1]
             a, s, _ = native.prepare_values_array(chunks, [1, 2, 3, 4])
             assert a.tolist() == want[0] and s.tolist() == want[1]
+
+
+def test_walk_load_keeps_chunks_by_absolute_index_like_plan_load() -> None:
+    db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
+    db.set_kv_caches_base_addr([1 << 20])
+    db.set_block_len([256])
+    hashes = [bytes([i]) * 8 for i in range(6)]
+    mask = [True, True, False, True, False, True]  # by absolute chunk id
+    walk = db.walk_load(96, hashes, 32, mask)
+    plan = db.plan_load(96, hashes, list(range(1, 7)), 32, mask)
+    assert walk.keys == plan.keys == [db.key_for(hashes[3]), db.key_for(hashes[5])]
+    assert walk.chunks.tolist() == [[48, 64], [80, 96]]

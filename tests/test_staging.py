@@ -410,6 +410,23 @@ def test_gather_accepts_adjacent_slots_out_of_order() -> None:
     assert got == f.layout.objects()
 
 
+def test_gather_ignores_the_slot_of_an_unselected_key() -> None:
+    """An unselected key is not read, its offset included: lying inside another key's slot is no overlap."""
+    rng = np.random.default_rng(14)
+    sizes = random_sizes(rng, 4, 3) + 1
+    layout = make_layout(rng, sizes)
+    plan = plan_slots(sizes)
+    staging = StagingBuffer(plan.total_bytes)
+    offsets = plan.offsets.copy()
+    offsets[2] = offsets[0] + 1  # inside key 0's slot
+    select = np.array([True, True, False, True])
+    copied = gather(layout.addrs, sizes, staging, offsets, layout.allowed, select=select)
+    assert copied == int(sizes[select].sum())
+    expected = layout.objects()
+    got = slots_bytes(staging, offsets, plan.object_sizes)
+    assert [got[k] for k in (0, 1, 3)] == [expected[k] for k in (0, 1, 3)]
+
+
 @pytest.mark.parametrize("fn", [gather, scatter])
 @pytest.mark.parametrize("side", ["ends_at_staging", "starts_at_staging_end"])
 def test_a_slice_touching_the_staging_buffer_is_not_an_overlap(fn: CopyFn, side: str) -> None:

@@ -1046,3 +1046,13 @@ def test_second_process_reads_and_writes_over_tcp(
     dst = Regions(16, 4, 2 * KiB)
     assert store.batch_get_into_multi_buffers([f"{key_prefix}/child/{i}" for i in range(16)], dst.addrs, dst.sizes).ok
     np.testing.assert_array_equal(dst.data, 255 - src.data)
+
+
+def test_a_pinned_port_is_read_after_an_ipv6_address() -> None:
+    """``local_hostname`` pins a port as Mooncake reads it: ``host:port`` or ``[v6]:port``."""
+    assert store_module._has_port("10.0.0.1:13000")
+    assert store_module._has_port("[::1]:13000")
+    assert store_module._has_port("[fe80::1%eth0]:13000")
+    assert not store_module._has_port("10.0.0.1")
+    assert not store_module._has_port("[::1]")
+    assert not store_module._has_port("::1")

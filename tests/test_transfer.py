@@ -277,6 +277,19 @@ def test_full_pool_sets_back_pressure_until_a_store_succeeds(small_pool: Mooncak
         assert small.ok and not small.back_pressure and not xfer.back_pressure
 
 
+def test_a_staged_transfer_sizes_its_own_pool_for_every_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool a staged transfer makes holds every block of every group plus one slot's padding per key of
+    every group (a request never stages more)."""
+    from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT
+
+    cache = Cache(2, 5, 100)
+    with fake_store(monkeypatch) as (store, _fake), transfer(store, "pool", cache, 16, groups=2,
+                                                            transfer_mode="staged") as xfer:
+        assert xfer.mode == "staged"
+        needed = 2 * 5 * 100 + SLOT_ALIGNMENT * 5 * 2
+        assert xfer.staging_pool.capacity == needed // SLOT_ALIGNMENT * SLOT_ALIGNMENT
+
+
 def test_tp_rank_and_offload_budget_bounds() -> None:
     """``tp_rank`` is >= 0 and a disk-offload budget > 0 bytes: -1 and 0 are refused, 0 and 1 accepted."""
     store = MooncakeStore(master_server_address="127.0.0.1:1")

@@ -654,6 +654,30 @@ def test_call_runner_abandons_at_the_timeout_and_hands_over_the_release() -> Non
     _join_call_threads()
 
 
+def test_call_runner_keeps_at_most_max_idle_threads() -> None:
+    runner = CallRunner(4, name="KVTransferIdleTest", max_idle=1)
+    gate = threading.Event()
+    try:
+        calls = [runner.submit(lambda: gate.wait(10.0), 10.0, lambda exc: None) for _ in range(3)]
+        assert runner._started == 3  # three calls at once: three threads
+        gate.set()
+        for call in calls:
+            assert call.wait(10.0) is True
+
+        def alive() -> list[threading.Thread]:
+            return [t for t in threading.enumerate() if t.name.startswith("KVTransferIdleTest-")]
+
+        # Settled: every thread has either parked idle or ended.
+        deadline = time.monotonic() + 10.0
+        while len(alive()) != len(runner._idle) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(runner._idle) == 1
+        assert len(alive()) == 1
+    finally:
+        gate.set()
+        runner.close()
+
+
 def test_call_runner_is_saturated_at_its_bound_and_never_abandons_at_0() -> None:
     runner = CallRunner(1, name=CALL_THREAD)
     go = threading.Event()

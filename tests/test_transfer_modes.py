@@ -62,6 +62,28 @@ def test_plan_batches_fill_the_span_and_keep_slots_aligned() -> None:
         plan_batches(plan, 100, max_keys=0)
 
 
+def test_a_path_records_the_keys_that_failed() -> None:
+    """The metrics of one Mooncake call count its failed keys (not the keys that succeeded)."""
+    from mooncake_kvaddr.driver.paths import PathContext, TransferPath
+    from mooncake_kvaddr.driver.results import Clock
+    from mooncake_kvaddr.driver.rules import OperationRecorder
+    from mooncake_kvaddr.driver.store import BatchResult, Outcome
+
+    records: list[dict[str, Any]] = []
+    ctx = PathContext(None, [], None, None, OperationRecorder(lambda **kw: records.append(kw)))  # type: ignore[arg-type]
+    path = TransferPath(ctx)
+    outcomes: dict[str, int] = {}
+    got = BatchResult((0, 0, -704), (Outcome.OK, Outcome.OK, Outcome.NOT_FOUND))
+    path._call_inline("load_get", 3, 300, lambda: got, Clock(), "get", outcomes)
+    every_ok = BatchResult((0, 0), (Outcome.OK, Outcome.OK))
+    path._call_inline("save_put", 2, 200, lambda: every_ok, Clock(), "put", outcomes)
+    assert [(r["operation"], r["status"], r["num_failed_keys"]) for r in records] == [
+        ("load_get", "partial_failure", 1),
+        ("save_put", "ok", 0),
+    ]
+    assert outcomes == {"ok": 4, "not_found": 1}
+
+
 # ------------------------------------------------------------------------------------------- the pool
 
 

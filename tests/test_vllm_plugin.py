@@ -132,6 +132,41 @@ def test_register_warns_once_when_it_cannot_patch(
     assert not plugin.is_patched()
 
 
+def test_replacing_an_attribute_twice_keeps_vllms_original() -> None:
+    from mooncake_kvaddr.integrations.vllm import registry
+
+    class Target:
+        def method(self) -> str:
+            return "vllm"
+
+    original = Target.__dict__["method"]
+    try:
+        registry.replace_attribute(Target, "method", lambda self: "first")
+        registry.replace_attribute(Target, "method", lambda self: "second")
+        assert registry.ORIGINALS[(Target, "method")] is original
+        assert registry.original_of(Target, "method") is original
+    finally:
+        registry.ORIGINALS.pop((Target, "method"), None)
+
+
+def test_staging_bytes_must_be_positive() -> None:
+    for raw in ("0", "-1"):
+        with pytest.raises(ValueError, match="must be > 0"):
+            transports.staged_settings({}, {transports.ENV_STAGING_BYTES: raw})
+    with pytest.raises(ValueError, match="must be > 0"):
+        transports.staged_settings({transports.EXTRA_STAGING_BYTES: 0}, {})
+    assert transports.staged_settings({}, {transports.ENV_STAGING_BYTES: "1"}) == (False, 1)
+
+
+def test_host_caches_given_as_tuples_of_tensors_are_host_caches() -> None:
+    cpu = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
+    cuda = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    assert transports._all_host({"layer.0": (cpu, cpu), "layer.1": cpu})
+    assert transports._all_host([(cpu, cpu), [cpu]])
+    assert not transports._all_host({"layer.0": (cpu, cuda)})
+    assert not transports._all_host({})
+
+
 # --- differential: patched vs vLLM's own on generated inputs ------------------------------------------------
 
 
@@ -205,6 +240,21 @@ def test_rank_local_matches_vllm(data: Any, case: dict[str, Any]) -> None:
     )
     digest = bytes(range(32))
     assert layout.key_for(0, digest) == original["RankLocalStoreLayout.key_for"](layout, 0, digest)
+
+
+@pytest.mark.vllm
+def test_rank_local_follows_a_changed_block_size(data: Any) -> None:
+    """vLLM reads ``block_size`` on every call: a layout whose block size changed maps chunks to other blocks."""
+    plugin.patch()
+    original = vllm_layouts._ORIGINAL_FUNCS["RankLocalStoreLayout.prepare_values"]
+    layout = data.RankLocalStoreLayout(data.KeyMetadata("m", 0, 0, 0, 0), 16, 16)
+    layout.set_kv_caches_base_addr([1 << 20, 1 << 30])
+    layout.set_block_len([4096])
+    args = ([(32, 48)], [3, 5, 7, 9], [0])
+    assert layout.prepare_values(*args) == original(layout, *args)
+    layout.block_size = 32
+    assert layout.prepare_values(*args) == original(layout, *args)
+    assert layout.prepare_values(*args)[2] == [5]
 
 
 @st.composite
