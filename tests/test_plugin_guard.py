@@ -669,3 +669,31 @@ def test_a_zero_byte_registration_is_no_range_and_keeps_the_real_one() -> None:
     rows = np.array([[(1 << 20) + 100], [2 << 20]], np.int64)
     assert table.ranges.cells_inside(rows, np.array([[8], [1]], np.int64)).tolist() == [[True], [False]]
     assert RangeTable.as_range(1 << 20, 0) is None and RangeTable.as_range(1 << 20, 1) == (1 << 20, 1)
+
+
+@pytest.mark.parametrize("form", ["positional", "keywords"])
+def test_a_split_parallel_put_cuts_its_per_key_extras_whatever_the_argument_form(form: str) -> None:
+    """``batch_put_tensor_with_parallelism_from(keys, ptrs, sizes, parallelisms, config, writer_partitions)``
+    with one key refused: ``parallelisms`` and ``writer_partitions`` go on for the remaining keys only, whether
+    they came by position (``config`` sits between them) or by keyword; ``config`` goes on unchanged."""
+    sent: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def put(*args: Any, **kwargs: Any) -> list[int]:
+        sent.append((args, kwargs))
+        return [0] * len(args[0])
+
+    guard = _armed_guard()
+    config = object()
+    lead = (["bad", "good"], [1 << 40, 4096], [64, 64])
+    if form == "positional":
+        args, kwargs = (*lead, [1, 2], config, [[10], [20]]), {}
+    else:
+        args, kwargs = lead, {"parallelisms": [1, 2], "config": config, "writer_partitions": [[10], [20]]}
+    assert guard.call("batch_put_tensor_with_parallelism_from", put, args, kwargs) == [INVALID_PARAMS, 0]
+    assert len(sent) == 1
+    got_args, got_kwargs = sent[0]
+    bound = dict(zip(["keys", "ptrs", "sizes", "parallelisms", "config", "writer_partitions"], got_args))
+    bound.update(got_kwargs)
+    assert list(bound["keys"]) == ["good"] and list(bound["ptrs"]) == [4096]
+    assert list(bound["parallelisms"]) == [2] and [list(w) for w in bound["writer_partitions"]] == [[20]]
+    assert bound["config"] is config

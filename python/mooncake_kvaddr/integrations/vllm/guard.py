@@ -317,13 +317,13 @@ class StoreGuard:
             names[1]: _pick(ptrs if check.addrs is None else check.addrs, good),
             names[2]: _pick(sizes if check.sizes is None else check.sizes, good),
         }
-        all_names = list(names) + list(extras)
+        order = _positional(name, names, extras)  # Mooncake's parameter order (non-per-key ones between)
         for extra in extras:
-            bound = _bind(all_names, args, kwargs)
-            value = bound[all_names.index(extra)] if bound is not None else None
+            at = order.index(extra)
+            value = args[at] if at < len(args) else kwargs.get(extra)
             if value is not None and _sized(value, check.count):
                 values[extra] = _pick(value, good)
-        new_args, new_kwargs = _rebind(_positional(name, names, extras), args, kwargs, values)
+        new_args, new_kwargs = _rebind(order, args, kwargs, values)
         answered = func(*new_args, **new_kwargs)
         answers = list(answered)
         if len(answers) != len(good):
