@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from mooncake_kvaddr.driver import store as store_module
+from mooncake_kvaddr.driver import store_calls
 from mooncake_kvaddr.driver.store import MooncakeStore
 
 #: Mooncake's fixed transfer timeout against a peer that hangs (docs/multihost.md).
@@ -160,7 +161,7 @@ def fake_store(monkeypatch: pytest.MonkeyPatch, **config: Any) -> Iterator[tuple
     client = FakeMooncake(clock)
     module = SimpleNamespace(MooncakeDistributedStore=lambda: client, ReplicateConfig=lambda: None)
     monkeypatch.setattr(store_module, "load_mooncake", lambda: module)
-    monkeypatch.setattr(store_module, "_now", clock)
+    monkeypatch.setattr(store_calls, "_now", clock)
     config.setdefault("master_server_address", "127.0.0.1:1")
     with MooncakeStore(**config) as store:
         yield store, client

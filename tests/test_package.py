@@ -15,6 +15,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,55 @@ def test_bench_reports_failures_with_mooncakes_codes() -> None:
     assert describe_outcomes({"ok": 4}) == "ok"
     assert describe_outcomes({"ok": 1, "transfer_failed": 3}) == "FAILED: transfer_failed (-800) x 3"
     assert describe_outcomes({"ok": 4}, "boom") == "FAILED: error: boom"
+
+
+#: The most modules of the package a multi-buffer ``KVTransfer.load`` may cross on its way to Mooncake's call
+#: (docs/architecture.md, "The load path").
+LOAD_PATH_MODULES = 5
+
+
+def test_a_multi_buffer_load_reaches_mooncake_through_five_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The package's modules on the call stack when a load's get reaches Mooncake (the in-memory stand-in): at
+    most five, transfer face first and the driver's call layer last. A new layer in between fails here."""
+    import numpy as np
+
+    from fake_mooncake import fake_store
+    from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, KVTransfer
+    from mooncake_kvaddr.driver.transfer import TransferRequest
+
+    stacks: list[list[str]] = []
+
+    def watch(frame: types.FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_name.startswith("batch_get_into") and "fake_mooncake" in (
+            frame.f_code.co_filename
+        ):
+            modules: list[str] = []
+            caller = frame.f_back
+            while caller is not None:
+                name = caller.f_globals.get("__name__", "")
+                if name.startswith("mooncake_kvaddr.") and name not in modules:
+                    modules.append(name)
+                caller = caller.f_back
+            stacks.append(modules[::-1])
+
+    with fake_store(monkeypatch) as (store, _fake):
+        db = ChunkedTokenDatabase(KeyMetadata("m", 0, 1, 1, 0), 16)
+        caches = [np.zeros((8, 256), np.uint8) for _ in range(3)]
+        transfer = KVTransfer(store, [db], transfer_mode="multi_buffer", start_threads=False)
+        try:
+            transfer.register_kv_caches(caches, 8)
+            request = TransferRequest("r", 32, [b"\x00" * 4, b"\x01" * 4], [[1, 2]])
+            assert transfer.store(request).stored == 2
+            sys.setprofile(watch)
+            try:
+                loaded = transfer.load(request)
+            finally:
+                sys.setprofile(None)
+        finally:
+            transfer.close()
+    assert loaded.ok and loaded.loaded_block_ids == {1, 2} and loaded.mode == "multi_buffer"
+    assert len(stacks) == 1, stacks
+    modules = stacks[0]
+    assert modules[0] == "mooncake_kvaddr.driver.transfer", modules
+    assert modules[-1] == "mooncake_kvaddr.driver.store_calls", modules
+    assert len(modules) <= LOAD_PATH_MODULES, modules

@@ -30,7 +30,7 @@ import pytest
 from fake_mooncake import FakeMooncake, fake_store
 from kvaddr_testing import Cache, assert_blocks_equal, hashes
 from kvaddr_testing import make_transfer as transfer
-from mooncake_kvaddr.driver import store as store_module
+from mooncake_kvaddr.driver import store_calls
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import KVTransfer, LoadResult, TransferRequest
 
@@ -112,7 +112,7 @@ class Rig:
 @contextmanager
 def rig(monkeypatch: pytest.MonkeyPatch, mode: str, model: str, **config: Any) -> Iterator[Rig]:
     with fake_store(monkeypatch, **config) as (store, client):
-        monkeypatch.setattr(store_module, "_now", time.monotonic)
+        monkeypatch.setattr(store_calls, "_now", time.monotonic)
         yield Rig(store, client, mode, model).stored()
     for thread in threading.enumerate():
         if thread.name.startswith(PROBE_THREAD):

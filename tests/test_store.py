@@ -23,6 +23,7 @@ import pytest
 from fake_mooncake import FakeClock, fake_store
 from kvaddr_testing import wait_until
 from mooncake_kvaddr.driver import store as store_module
+from mooncake_kvaddr.driver import store_calls
 from mooncake_kvaddr.driver.config import DEFAULT_REQUEST_TIMEOUT_S, StoreConfig
 from mooncake_kvaddr.driver.master import MOONCAKE_VARIANTS, EmbeddedMaster, free_ports, process_is_running
 from mooncake_kvaddr.driver.store import (
@@ -434,7 +435,7 @@ def test_one_deadline_spans_the_calls_of_a_request(monkeypatch: pytest.MonkeyPat
 
 def test_request_deadline_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
-    monkeypatch.setattr(store_module, "_now", clock)
+    monkeypatch.setattr(store_calls, "_now", clock)
     deadline = RequestDeadline(2.0)
     assert not deadline.expired() and deadline.remaining() == 2.0 and deadline.reason is None
     clock.advance(1.5)

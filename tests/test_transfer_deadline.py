@@ -36,7 +36,7 @@ import pytest
 from fake_mooncake import HUNG_CALL_S, FakeMooncake, fake_store
 from kvaddr_testing import Cache, assert_blocks_equal, hashes
 from kvaddr_testing import make_transfer as transfer
-from mooncake_kvaddr.driver import store as store_module
+from mooncake_kvaddr.driver import store_calls
 from mooncake_kvaddr.driver.paths import StagedPath
 from mooncake_kvaddr.driver.rules import estimate_staging_bytes
 from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, StagingPool
@@ -280,7 +280,7 @@ def test_a_store_whose_existence_check_outlasted_the_deadline_puts_nothing(
 @pytest.mark.parametrize("direction", ["load", "store"])
 def test_the_staging_wait_ends_at_the_deadline(monkeypatch: pytest.MonkeyPatch, model: str, direction: str) -> None:
     with rig(monkeypatch, "staged", model, request_timeout_s=0.3) as r:
-        monkeypatch.setattr(store_module, "_now", time.monotonic)  # a real wait: the pool's own clock
+        monkeypatch.setattr(store_calls, "_now", time.monotonic)  # a real wait: the pool's own clock
         if direction == "load":
             r.store_both()
         assert r.pool is not None
@@ -349,7 +349,7 @@ def real_time_rig(monkeypatch: pytest.MonkeyPatch, model: str, **config: Any) ->
     config.setdefault("request_timeout_s", 0.4)
     try:
         with rig(monkeypatch, "staged", model, **config) as r:
-            monkeypatch.setattr(store_module, "_now", time.monotonic)
+            monkeypatch.setattr(store_calls, "_now", time.monotonic)
             r.pool = StagingPool(8 * SLOT)
             yield r
     finally:

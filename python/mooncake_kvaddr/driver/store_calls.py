@@ -1,22 +1,96 @@
 """The calls of :class:`~mooncake_kvaddr.driver.store.MooncakeStore` that reach Mooncake (:class:`StoreCalls`).
 
-Each binding call needs its own guarded wrapper (admission, validation, splitting); they live here, apart from
-the store's set-up and close, as a base class of ``MooncakeStore`` that relies on the store for admission.
+The driver's call layer in one module: admission to the client, argument checks, the native-or-bound choice,
+sub-batches of the region budget and request deadlines. ``MooncakeStore`` adds set-up and close.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 from mooncake_kvaddr.driver.errors import StoreClosedError, StoreError
-from mooncake_kvaddr.driver.outcomes import BatchResult, Health, Outcome, _Op
-from mooncake_kvaddr.driver.store_args import _check_address, _check_flat, _check_keys, _check_rows
+from mooncake_kvaddr.driver.outcomes import (
+    CODE_MASTER_UNREACHABLE,
+    CODE_TRANSFER_FAILED,
+    BatchResult,
+    Health,
+    Outcome,
+    _Op,
+)
+from mooncake_kvaddr.driver.store_args import (
+    _check_address,
+    _check_flat,
+    _check_keys,
+    _check_rows,
+    _plan,
+    _unique_spans,
+)
 
 if TYPE_CHECKING:
-    from mooncake_kvaddr.driver.store import RequestDeadline
+    from mooncake_kvaddr.driver.config import StoreConfig
+    from mooncake_kvaddr.driver.gate import CallGate
+    from mooncake_kvaddr.driver.native_client import NativeClient
+
+logger = logging.getLogger("mooncake_kvaddr.driver.store")
+
+#: Mooncake fails a transfer call only after a fixed 60 s when a peer holding the data hangs while the master
+#: still counts it alive (docs/multihost.md). A sub-batch that fails ``TRANSFER_FAILED`` after at least this
+#: many seconds is taken to have waited out that timeout: every further call of the request would wait it out
+#: too, so none is made (docs/transfer-modes.md, "Deadlines"). Below 60 s to absorb timer slack; far above
+#: any healthy call (a whole headline request over TCP; docs/transfer-modes.md, "Deadlines").
+HUNG_CALL_THRESHOLD_S: Final = 55.0
+
+
+def _now() -> float:
+    """The clock of deadlines and call durations (``time.monotonic``; a seam for tests)."""
+    return time.monotonic()
+
+
+class RequestDeadline:
+    """The time limit of one request, shared by every Mooncake call the request makes.
+
+    A request (one store batch call, or one ``KVTransfer`` load or store with all its sub-batches and
+    staged batches) creates one with :meth:`MooncakeStore.deadline` and passes it to each call. It is
+    :meth:`expired` once ``timeout_s`` has passed since it was created, or once :meth:`stop` was called
+    (the store does so when a sub-batch failed on Mooncake's transfer timeout, see
+    :data:`HUNG_CALL_THRESHOLD_S`); then the request's remaining keys fail ``TRANSFER_FAILED`` without
+    reaching Mooncake, and :attr:`reason` says why. A call already in flight is never interrupted.
+
+    One request runs in one thread: the object is not locked.
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        """``timeout_s`` seconds from now (``None``: no time limit; :meth:`stop` still ends the request)."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0 or None, got {timeout_s!r}")
+        self.timeout_s = timeout_s
+        self.expires_at = None if timeout_s is None else _now() + timeout_s
+        #: Why the request must not make another call (``None`` while it may).
+        self.reason: str | None = None
+
+    def expired(self) -> bool:
+        """Whether the request must stop: its time is up, or :meth:`stop` was called."""
+        if self.reason is None and self.expires_at is not None and _now() >= self.expires_at:
+            self.reason = f"the request deadline of {self.timeout_s:g} s passed"
+        return self.reason is not None
+
+    def remaining(self) -> float | None:
+        """Seconds left (0 once expired; ``None`` without a time limit)."""
+        if self.expired():
+            return 0.0
+        return None if self.expires_at is None else max(0.0, self.expires_at - _now())
+
+    def stop(self, reason: str) -> None:
+        """End the request now: later checks report it expired with ``reason`` (the first reason stays)."""
+        if self.reason is None:
+            self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"RequestDeadline(timeout_s={self.timeout_s}, reason={self.reason!r})"
 
 
 class StoreCalls:
@@ -24,13 +98,37 @@ class StoreCalls:
     argument-conversion probes for benchmarks.
 
     Not used alone: :class:`~mooncake_kvaddr.driver.store.MooncakeStore` provides the attributes declared
-    below (admission to its client, and the sub-batch loop, which shares the clock of request deadlines).
+    below (its configuration, call gate and clients, set by its ``setup()`` and ``close()``).
     """
 
-    _admitted: Callable[[], AbstractContextManager[Any]]
-    _admitted_batch: Callable[[], AbstractContextManager[Any]]
+    _config: StoreConfig
+    _gate: CallGate
+    _client: Any
+    _native: NativeClient | None
     _replicate_default: Callable[[], Any]
-    _split_call: Callable[..., list[int]]
+
+    @contextlib.contextmanager
+    def _admitted(self) -> Iterator[Any]:
+        """Hold an in-flight slot: the client cannot be closed until the block exits."""
+        with self._admitted_pair() as (client, _native):
+            yield client
+
+    @contextlib.contextmanager
+    def _admitted_batch(self) -> Iterator[Any]:
+        """Like :meth:`_admitted`, yielding whichever client serves batch transfers: native or bound."""
+        with self._admitted_pair() as (client, native):
+            yield native if native is not None else client
+
+    @contextlib.contextmanager
+    def _admitted_pair(self) -> Iterator[tuple[Any, NativeClient | None]]:
+        with self._gate.admitted():
+            yield self._client, self._native
+
+    # ------------------------------------------------------------------ internals
+
+    def deadline(self) -> RequestDeadline:
+        """A new request deadline of ``config.request_timeout_s`` from now (see :class:`RequestDeadline`)."""
+        return RequestDeadline(self._config.request_timeout_s)
 
     # ------------------------------------------------------------------ batch calls
 
@@ -250,6 +348,80 @@ class StoreCalls:
         if any(code >= 0 for code in out):
             raise StoreError(f"conversion probe unexpectedly transferred: {list(out)[:4]}")
         return elapsed
+
+    def _split_call(
+        self,
+        call: Callable[[Any, Any, Any], Sequence[int]],
+        keys: Any,
+        addrs: Any,
+        sizes: Any,
+        counts: Sequence[int],
+        deadline: RequestDeadline | None,
+        *,
+        unique_keys: bool = False,
+    ) -> list[int]:
+        """Call Mooncake once per sub-batch of the region budget; the codes of every key, in key order.
+
+        ``unique_keys`` (gets): a sub-batch never names one key twice (see :func:`_unique_spans`).
+
+        Before each sub-batch: past the request's deadline (or after a hung call of the same request), the
+        remaining keys get ``TRANSFER_FAILED`` and Mooncake is not called again. After one: a
+        ``MASTER_UNREACHABLE`` fails the rest the same way, and so does a ``TRANSFER_FAILED`` that took
+        :data:`HUNG_CALL_THRESHOLD_S` or more (it waited out Mooncake's transfer timeout; the next call would
+        too), which also stops the request's later calls.
+        """
+        n = len(counts)
+        if deadline is None:
+            deadline = self.deadline()
+        spans = _plan(counts, self._config.region_budget)
+        if unique_keys:
+            spans = _unique_spans(keys, spans)
+        codes: list[int] = []
+        for start, end in spans:
+            if deadline.expired():
+                codes.extend([CODE_TRANSFER_FAILED] * (n - start))
+                logger.warning("%d of %d key(s) not attempted: %s", n - start, n, deadline.reason)
+                break
+            t0 = _now()
+            if len(spans) == 1:
+                part = self._invoke(call, keys, addrs, sizes, 0, n)  # no slicing: the arguments as given
+            else:
+                part = self._invoke(call, keys[start:end], addrs[start:end], sizes[start:end], start, end)
+            elapsed = _now() - t0
+            codes.extend(part)
+            if end < n and CODE_MASTER_UNREACHABLE in part:
+                # Each further sub-batch would block only to report the same; fail the rest now.
+                codes.extend([CODE_MASTER_UNREACHABLE] * (n - end))
+                break
+            if elapsed >= HUNG_CALL_THRESHOLD_S and CODE_TRANSFER_FAILED in part:
+                deadline.stop(
+                    f"a Mooncake call failed transfer_failed after {elapsed:.0f} s, its transfer timeout: a peer "
+                    "holding the data hangs (no further call would do better)"
+                )
+                if end < n:
+                    codes.extend([CODE_TRANSFER_FAILED] * (n - end))
+                    logger.warning("%d of %d key(s) not attempted: %s", n - end, n, deadline.reason)
+                break
+        return codes
+
+    @staticmethod
+    def _invoke(
+        call: Callable[[Any, Any, Any], Sequence[int]],
+        keys: Any,
+        addrs: Any,
+        sizes: Any,
+        start: int,
+        end: int,
+    ) -> Sequence[int]:
+        try:
+            part = call(keys, addrs, sizes)
+        except TypeError as exc:
+            # pybind11 rejected an element (float, numpy float, > 2**64, ...) while converting.
+            note = f" (keys {start}..{end - 1}; earlier keys were already processed)" if start else ""
+            raise TypeError(f"Mooncake rejected the arguments{note}: {exc}") from exc
+        if len(part) != end - start:
+            raise StoreError(f"Mooncake returned {len(part)} results for {end - start} keys")
+        return part
 
     @staticmethod
     def _result(op: _Op, codes: Sequence[int], n: int) -> BatchResult:
