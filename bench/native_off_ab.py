@@ -5,7 +5,7 @@ vLLM 0.33.0's real receive thread on the headline request (bench.vllm_plugin's r
 (each round a fresh embedded master; the variants in a rotating order): vLLM alone (``vllm``); the plugin's
 default wrapper with no native client (``recv_native_off``) handing Mooncake's bound method the rows as
 ``numpy.tolist`` of both matrices (``off_tolist``: what the wrapper did before) and as
-:func:`~mooncake_kvaddr.integrations.vllm.native_store.bound_rows` builds them (``off_rows``: now); the plugin
+:func:`~mooncake_kvaddr.driver.store_calls.bound_rows` builds them (``off_rows``: now); the plugin
 with ``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=0`` (``recv``: no wrapper, the engine's list rows); the plugin's
 default with the native client (``recv_native``). Per variant: the medians over rounds of each round's median
 receive-thread GIL CPU (``cpu_gil``, an upper bound: it counts Mooncake's bound call whole), of its floor
@@ -50,10 +50,10 @@ def main() -> int:
     args = parser.parse_args()
 
     from mooncake_kvaddr.bench import vllm_plugin
+    from mooncake_kvaddr.driver import store_calls
     from mooncake_kvaddr.driver.master import EmbeddedMaster
-    from mooncake_kvaddr.integrations.vllm import native_store
 
-    rows_fn = native_store.bound_rows
+    rows_fn = store_calls.bound_rows
     variants = [v for v in args.variants.split(",") if v]
     shape = vllm_plugin.QUICK if args.quick else vllm_plugin.HEADLINE
     samples: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
@@ -64,11 +64,11 @@ def main() -> int:
         with EmbeddedMaster() as master:
             for variant in order:
                 mode, form = VARIANTS[variant]
-                native_store.bound_rows = _tolist_rows if form == "tolist" else rows_fn
+                store_calls.bound_rows = _tolist_rows if form == "tolist" else rows_fn
                 try:
                     row = vllm_plugin._measure_mode(master.rpc_address, shape, mode, args.reps, ())
                 finally:
-                    native_store.bound_rows = rows_fn
+                    store_calls.bound_rows = rows_fn
                 if not row.get("bytes_ok"):
                     raise SystemExit(f"{variant}: bytes differ")
                 samples[variant].append(row)

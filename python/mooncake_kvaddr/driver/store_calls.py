@@ -10,7 +10,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+import numpy as np
 
 from mooncake_kvaddr.driver.errors import StoreClosedError, StoreError
 from mooncake_kvaddr.driver.outcomes import (
@@ -93,6 +95,72 @@ class RequestDeadline:
         return f"RequestDeadline(timeout_s={self.timeout_s}, reason={self.reason!r})"
 
 
+#: What the native client raises when it refuses an argument form, before Mooncake is called.
+REFUSED: Final = (TypeError, ValueError, OverflowError)
+
+
+class Clients(NamedTuple):
+    """Mooncake's own store object (``bound``) and our native client for it (``native``; ``None``: none): the
+    one place a Mooncake call chooses between the two, for the driver's store and the vLLM store wrappers."""
+
+    bound: Any
+    native: NativeClient | None
+
+    def call(self, name: str, *args: Any) -> Any:
+        """``name(*args)``: through the native client when there is one (a refused argument form is raised:
+        the driver's arguments were checked before), else through the bound method."""
+        return self.send(name, args)[1]
+
+    def send(
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        *,
+        ranges: Any = None,
+        refused: Callable[[Exception], None] | None = None,
+        fallback: bool = True,
+    ) -> tuple[bool, Any]:
+        """``(True, result)`` of the native client's ``name(*args)``, else ``(False, result)`` of the bound
+        method, which gets int64 matrices as rows (:func:`bound_args`; ``(False, None)`` without ``fallback``).
+        ``ranges``: the registered buffers the native client checks every slice against (a key with a slice
+        outside is answered -600, not sent). When the native client refuses the arguments, ``refused(exc)`` is
+        told and the bound method is tried; without ``refused`` the refusal is raised."""
+        native = self.native
+        if native is not None:
+            method = getattr(native, name)
+            try:
+                return True, (method(*args) if ranges is None else method(*args, ranges=ranges))
+            except REFUSED as exc:
+                if refused is None:
+                    raise
+                refused(exc)
+        if not fallback:
+            return False, None
+        return False, getattr(self.bound, name)(*bound_args(args))
+
+
+def bound_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` as Mooncake's binding takes them: a call's (keys x regions) matrices as rows
+    (:func:`bound_rows`), any other array as a list."""
+    if len(args) >= 3 and isinstance(args[1], np.ndarray) and isinstance(args[2], np.ndarray) and args[1].ndim == 2:
+        addrs, sizes = bound_rows(args[1], args[2])
+        return (args[0], addrs, sizes, *bound_args(args[3:]))
+    return tuple(a.tolist() if isinstance(a, np.ndarray) else a for a in args)
+
+
+def bound_rows(addrs: Any, sizes: Any) -> tuple[list[Any], list[Any]]:
+    """(keys x regions) matrices as the lists of rows Mooncake's bound method takes, built with the least GIL
+    time (docs/vllm-plugin.md, "Native-client transport"): one new int per address cell (``tolist``), but when
+    every size row is the same row (one block length per region: every rank-local layout) a single list of
+    sizes stands for every row. Mooncake's binding only reads the rows (it copies them into its own vectors),
+    and the lists never leave the call."""
+    a, s = np.asarray(addrs), np.asarray(sizes)
+    if s.ndim == 2 and s.dtype == np.int64 and s.shape[0] > 0 and bool((s == s[0]).all()):
+        row: list[Any] = s[0].tolist()
+        return a.tolist(), [row] * s.shape[0]
+    return a.tolist(), s.tolist()
+
+
 class StoreCalls:
     """The batch, buffer and health calls of :class:`~mooncake_kvaddr.driver.store.MooncakeStore`, and its
     argument-conversion probes for benchmarks.
@@ -110,19 +178,14 @@ class StoreCalls:
     @contextlib.contextmanager
     def _admitted(self) -> Iterator[Any]:
         """Hold an in-flight slot: the client cannot be closed until the block exits."""
-        with self._admitted_pair() as (client, _native):
-            yield client
-
-    @contextlib.contextmanager
-    def _admitted_batch(self) -> Iterator[Any]:
-        """Like :meth:`_admitted`, yielding whichever client serves batch transfers: native or bound."""
-        with self._admitted_pair() as (client, native):
-            yield native if native is not None else client
-
-    @contextlib.contextmanager
-    def _admitted_pair(self) -> Iterator[tuple[Any, NativeClient | None]]:
         with self._gate.admitted():
-            yield self._client, self._native
+            yield self._client
+
+    @contextlib.contextmanager
+    def _admitted_batch(self) -> Iterator[Clients]:
+        """Like :meth:`_admitted`, yielding both clients: batch transfers go native when they can."""
+        with self._gate.admitted():
+            yield Clients(self._client, self._native)
 
     # ------------------------------------------------------------------ internals
 
@@ -137,8 +200,8 @@ class StoreCalls:
         n = _check_keys(keys)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted_batch() as client:
-            codes = client.batch_is_exist(keys)
+        with self._admitted_batch() as clients:
+            codes = clients.call("batch_is_exist", keys)
         return self._result(_Op.EXIST, codes, n)
 
     def batch_put_from_multi_buffers(
@@ -162,10 +225,10 @@ class StoreCalls:
         counts = _check_rows(n, addrs, sizes, check_values)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted_batch() as client:
+        with self._admitted_batch() as clients:
             config = replicate_config if replicate_config is not None else self._replicate_default()
             codes = self._split_call(
-                lambda k, a, s: client.batch_put_from_multi_buffers(k, a, s, config),
+                lambda k, a, s: clients.call("batch_put_from_multi_buffers", k, a, s, config),
                 keys,
                 addrs,
                 sizes,
@@ -192,9 +255,15 @@ class StoreCalls:
         counts = _check_rows(n, addrs, sizes, check_values)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted_batch() as client:
+        with self._admitted_batch() as clients:
             codes = self._split_call(
-                client.batch_get_into_multi_buffers, keys, addrs, sizes, counts, deadline, unique_keys=True
+                lambda k, a, s: clients.call("batch_get_into_multi_buffers", k, a, s),
+                keys,
+                addrs,
+                sizes,
+                counts,
+                deadline,
+                unique_keys=True,
             )
         return self._result(_Op.GET, codes, n)
 
@@ -213,10 +282,10 @@ class StoreCalls:
         _check_flat(n, ptrs, sizes, check_values)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted_batch() as client:
+        with self._admitted_batch() as clients:
             config = replicate_config if replicate_config is not None else self._replicate_default()
             codes = self._split_call(
-                lambda k, p, s: client.batch_put_from(k, p, s, config), keys, ptrs, sizes, [1] * n, deadline
+                lambda k, p, s: clients.call("batch_put_from", k, p, s, config), keys, ptrs, sizes, [1] * n, deadline
             )
         return self._result(_Op.PUT, codes, n)
 
@@ -234,8 +303,11 @@ class StoreCalls:
         _check_flat(n, ptrs, sizes, check_values)
         if n == 0:
             return BatchResult((), ())
-        with self._admitted_batch() as client:
-            codes = self._split_call(client.batch_get_into, keys, ptrs, sizes, [1] * n, deadline, unique_keys=True)
+        with self._admitted_batch() as clients:
+            codes = self._split_call(
+                lambda k, p, s: clients.call("batch_get_into", k, p, s), keys, ptrs, sizes, [1] * n, deadline,
+                unique_keys=True,
+            )  # fmt: skip
         return self._result(_Op.GET, codes, n)
 
     def replica_locations(self, keys: Sequence[str]) -> list[tuple[tuple[str, int], ...]] | None:

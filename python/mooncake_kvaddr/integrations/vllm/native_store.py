@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr.driver.gate import CallGate
+from mooncake_kvaddr.driver.store_calls import Clients, bound_args
+from mooncake_kvaddr.driver.store_calls import bound_rows as bound_rows
 from mooncake_kvaddr.integrations.vllm.guard import (
     REGISTRATION_METHODS,
     RangeTable,
@@ -70,7 +72,6 @@ def warn_failed_registration(logged: set[tuple[Any, Any]], buffer_ptr: Any, size
 
 
 _UNSET = object()
-_REFUSED = (TypeError, ValueError, OverflowError)
 
 
 @dataclass
@@ -179,21 +180,27 @@ class NativeMooncakeStore(StoreWrapper):
         client or it refuses the arguments before calling Mooncake (logged once per reason as ``what``).
         ``guarded``: the guard's ranges go with the call; the native client checks every slice itself (in C++,
         during its own conversion) and answers -600 for the keys it refused."""
+        return self._send(name, args, what, guarded=guarded, fallback=False)
+
+    def _send(
+        self, name: str, args: tuple[Any, ...], what: str, *, guarded: bool = False, fallback: bool = True
+    ) -> tuple[bool, Any]:
+        """Mooncake's ``name(*args)`` through the one native-or-bound choice (:class:`Clients`), counted."""
         client = self._native()
-        if client is None:
-            return False, None
-        try:
+        done, result = Clients(self._store, client).send(
+            name,
+            args,
+            ranges=self.ranges.ranges.pairs if guarded and client is not None else None,
+            refused=lambda exc: self._log_once(f"{what} not accepted ({type(exc).__name__}: {exc})"),
+            fallback=fallback,
+        )
+        if done:
+            self.stats.native_calls += 1
             if guarded:
-                result = getattr(client, name)(*args, ranges=self.ranges.ranges.pairs)
-            else:
-                result = getattr(client, name)(*args)
-        except _REFUSED as exc:
-            self._log_once(f"{what} not accepted ({type(exc).__name__}: {exc})")
-            return False, None
-        self.stats.native_calls += 1
-        if guarded:
-            self.guard.note_refused(client.last_refused(), name)
-        return True, result
+                self.guard.note_refused(client.last_refused(), name)
+        elif fallback:
+            self.stats.fallback_calls += 1
+        return done, result
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         with self._gate.admitted():
@@ -213,16 +220,12 @@ class NativeMooncakeStore(StoreWrapper):
             )
 
     def _call_admitted(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            self._log_once(f"{name} called with keyword arguments {sorted(kwargs)}")
-        else:
-            done, result = self._native_call(name, args, f"{name} arguments")
-            if done:
-                return result
+        if not kwargs:
+            return self._send(name, args, f"{name} arguments")[1]
+        self._log_once(f"{name} called with keyword arguments {sorted(kwargs)}")
         self.stats.fallback_calls += 1
         # Rows the guard handed on as int64 matrices: Mooncake's binding takes lists.
-        args = tuple(a.tolist() if isinstance(a, np.ndarray) else a for a in args)
-        return getattr(self._store, name)(*args, **kwargs)
+        return getattr(self._store, name)(*bound_args(args), **kwargs)
 
     # --- the replaced calls ---------------------------------------------------------------------------------
 
@@ -247,14 +250,8 @@ class NativeMooncakeStore(StoreWrapper):
             return self.guard.call_arrays(keys, addrs, sizes, self._get_arrays)
 
     def _get_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
-        done, result = self._native_call(
-            "batch_get_into_multi_buffers", (keys, addrs, sizes), "batch_get_into_multi_buffers arrays"
-        )
-        if done:
-            return result
-        self.stats.fallback_calls += 1
-        addr_rows, size_rows = bound_rows(addrs, sizes)
-        return self._store.batch_get_into_multi_buffers(keys, addr_rows, size_rows)
+        what = "batch_get_into_multi_buffers arrays"
+        return self._send("batch_get_into_multi_buffers", (keys, addrs, sizes), what)[1]
 
     def batch_put_from_multi_buffers(
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
@@ -278,14 +275,8 @@ class NativeMooncakeStore(StoreWrapper):
             )
 
     def _put_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
-        done, result = self._native_call(
-            "batch_put_from_multi_buffers", (keys, addrs, sizes, config), "batch_put_from_multi_buffers arrays"
-        )
-        if done:
-            return result
-        self.stats.fallback_calls += 1
-        addr_rows, size_rows = bound_rows(addrs, sizes)
-        return self._store.batch_put_from_multi_buffers(keys, addr_rows, size_rows, config)
+        what = "batch_put_from_multi_buffers arrays"
+        return self._send("batch_put_from_multi_buffers", (keys, addrs, sizes, config), what)[1]
 
     def batch_get_into(self, *args: Any, **kwargs: Any) -> Any:
         """Mooncake's ``batch_get_into(keys, buffer_ptrs, sizes)`` through the native client."""
@@ -309,19 +300,6 @@ class NativeMooncakeStore(StoreWrapper):
 
     def __repr__(self) -> str:
         return f"NativeMooncakeStore({self._store!r})"
-
-
-def bound_rows(addrs: Any, sizes: Any) -> tuple[list[Any], list[Any]]:
-    """The receive handler's (keys x regions) matrices as the lists of rows Mooncake's bound method takes, built
-    with the least GIL time (docs/vllm-plugin.md, "Native-client transport"): one new int per address cell
-    (``tolist``), but when every size row is the same row (one block length per region: every rank-local
-    layout) a single list of sizes stands for every row. Mooncake's binding only reads the rows (it copies
-    them into its own vectors), and the lists never leave this call."""
-    a, s = np.asarray(addrs), np.asarray(sizes)
-    if s.ndim == 2 and s.dtype == np.int64 and s.shape[0] > 0 and bool((s == s[0]).all()):
-        row: list[Any] = s[0].tolist()
-        return a.tolist(), [row] * s.shape[0]
-    return a.tolist(), s.tolist()
 
 
 _GUARDED = guarded_names()

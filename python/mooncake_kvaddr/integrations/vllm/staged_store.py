@@ -24,7 +24,8 @@ from mooncake_kvaddr.driver.staging import (
     run_staged,
     scatter,
 )
-from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore, StoreWrapper, bound_rows
+from mooncake_kvaddr.driver.store_calls import bound_rows
+from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore, StoreWrapper
 
 __all__ = ["StagedMooncakeStore", "StagedStats"]
 
