@@ -270,6 +270,19 @@ def test_rank_local_registration_cases_with_fake_tensors() -> None:
     assert layout.block_len == [256, 128, 256, 256]
 
 
+def test_a_size_one_dimension_does_not_split_a_dense_block() -> None:
+    """A contiguous cache with a size-1 dimension whose stride is not the running product (an MLA cache laid out
+    (num_blocks, block_size, 1 head, head_dim), or a trailing size-1 dimension): each block is still one dense
+    range, so it is one region (fresh mutant M11-20: size-1 dimensions were not ignored and the block was
+    registered as one region per token)."""
+    mla = FakeTensor((4, 16, 1, 576), (9216, 576, 576, 1), 2, 0x80000, FakeStorage(0x80000, 4 * 9216 * 2))
+    trailing = FakeTensor((4, 32, 1), (32, 1, 1), 2, 0x90040, FakeStorage(0x90000, 8 * 32 * 2))
+    layout = M.RankLocalStoreLayout(M.KeyMetadata("m", 0, 0, 0, 0), BS, BS)
+    layout.register_kv_caches([mla, trailing], 4)
+    assert layout.kv_caches_base_addr == [0x80000, 0x90040]
+    assert layout.block_len == [9216 * 2, 64]
+
+
 def test_tp_shared_registration_with_fake_tensors() -> None:
     heads, content = 2, 8  # local heads, content elements (fp16)
     storage = FakeStorage(0x40000, 1 << 20)

@@ -283,6 +283,17 @@ def test_bad_arguments_are_rejected_at_construction(
         EmbeddedMaster(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("level", [0, 3])
+def test_both_end_log_levels_reach_the_master_command(level: int) -> None:
+    """glog's levels run 0 (INFO) to 3 (FATAL): both ends are taken and passed on as ``-minloglevel``, one past
+    either end is refused (fresh mutant M11-12: level 3 was refused)."""
+    master = EmbeddedMaster(rpc_port=50051, metrics_port=50052, log_level=level)
+    command = master._command(Path("mooncake_master"))
+    assert [arg for arg in command if arg.startswith("-minloglevel=")] == [f"-minloglevel={level}"]
+    with pytest.raises(ValueError, match="log_level"):
+        EmbeddedMaster(log_level=level + 1 if level == 3 else level - 1)
+
+
 def test_one_fixed_port_never_collides_with_the_picked_one() -> None:
     (fixed,) = free_ports(1)
     for _ in range(20):

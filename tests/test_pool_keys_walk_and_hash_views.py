@@ -44,6 +44,22 @@ def test_a_walk_longer_than_one_window_reads_its_mask_from_the_first_chunk() -> 
     assert ours == reference
 
 
+def test_a_mask_shorter_than_a_long_walk_ends_it_counted_from_the_first_chunk() -> None:
+    """More than core.walk.WINDOW chunks, a first chunk past 0 and a mask that ends before the tokens do: the
+    walk stops ``len(mask)`` chunks after its first chunk, as in the reference (fresh mutant M11-18: the stop
+    was ``len(mask)`` chunks from chunk 0, so the last masked-in chunks went missing)."""
+    from mooncake_kvaddr.core.walk import WINDOW
+
+    n = WINDOW + 40
+    hashes = [i.to_bytes(4, "little") for i in range(n)]
+    mask = [True] * (WINDOW + 10)
+    md = KeyMetadata("m", 0, 0, 0, 0)
+    ours = list(ChunkedTokenDatabase(md, 1).process_tokens(n, hashes, 3, chunk_mask=mask))
+    reference = list(OracleChunkedTokenDatabase(md, 1).process_tokens(n, hashes, 3, chunk_mask=mask))
+    assert len(reference) == WINDOW + 10 and reference[-1][:2] == (WINDOW + 12, WINDOW + 13)
+    assert ours == reference
+
+
 def test_build_prefix_overrides_and_key_string() -> None:
     md = KeyMetadata("Kimi-K2.6-NVFP4", 3, 1, 3, 0, group_id=2)
     assert PoolKey.build_prefix(md) == "Kimi-K2.6-NVFP4@tp_rank:3@pcp1@dcp3@pp_rank:0@group:2"

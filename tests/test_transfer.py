@@ -174,6 +174,19 @@ def test_the_list_plan_rotates_block_ids_with_the_keys(monkeypatch: pytest.Monke
     assert not any(region[ids_dst[5:]].any() for region in dst.regions)
 
 
+@pytest.mark.parametrize("block_ids", [None, [5], [None], 7])
+def test_a_load_that_fails_before_naming_a_block_is_not_ok(monkeypatch: pytest.MonkeyPatch, block_ids: Any) -> None:
+    """Block ids that do not read as ids: the load reports the error with no failed block id to name, and is not
+    ``ok`` all the same (fresh mutant M11-07: ``ok`` looked only at the failed block ids)."""
+    with fake_store(monkeypatch) as (store, _fake):
+        cache = Cache(2, 5, 256)
+        with transfer(store, "m", cache, 16, transfer_mode="multi_buffer", start_threads=False) as xfer:
+            loaded = xfer.load(TransferRequest("r", 48, hashes("m", 3), block_ids))
+    assert loaded.error is not None and "TypeError" in loaded.error
+    assert loaded.failed_block_ids == set() and loaded.loaded_block_ids == set()
+    assert loaded.ok is False
+
+
 @mooncake
 def test_concurrent_loads_on_several_receive_threads(store: MooncakeStore, model: str) -> None:
     bs, chunks, requests = 16, 10, 6

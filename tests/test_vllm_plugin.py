@@ -257,6 +257,25 @@ def test_rank_local_follows_a_changed_block_size(data: Any) -> None:
     assert layout.prepare_values(*args)[2] == [5]
 
 
+@pytest.mark.vllm
+def test_rank_local_follows_a_changed_hash_block_size(data: Any) -> None:
+    """vLLM reads ``hash_block_size`` on every call too: once it grows past a chunk's span, the chunk is not a
+    whole number of hash blocks and is refused as vLLM refuses it (fresh mutant M11-16: the engine kept the old
+    hash block size and still planned the chunk)."""
+    plugin.patch()
+    original = vllm_layouts._ORIGINAL_FUNCS["RankLocalStoreLayout.prepare_values"]
+    layout = data.RankLocalStoreLayout(data.KeyMetadata("m", 0, 0, 0, 0), 32, 16)
+    layout.set_kv_caches_base_addr([1 << 20])
+    layout.set_block_len([4096])
+    args = ([(32, 48)], [3, 5, 7], [0])
+    assert layout.prepare_values(*args) == original(layout, *args) == ([[(1 << 20) + 5 * 4096]], [[4096]], [5])
+    layout.hash_block_size = 32
+    with pytest.raises(AssertionError):
+        original(layout, *args)
+    with pytest.raises(AssertionError):
+        layout.prepare_values(*args)
+
+
 @st.composite
 def sharded_cases(draw: Any) -> dict[str, Any]:
     store_tp = draw(st.sampled_from([1, 2, 4, 8]))

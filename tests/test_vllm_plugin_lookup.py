@@ -282,3 +282,19 @@ def test_the_lookup_bench_section_runs_and_agrees() -> None:
     rows = vllm_lookup.run(quick=True, reps=1)
     assert [row["variant"] for row in rows] == list(vllm_lookup.VARIANTS)
     assert all(row["hit_ok"] and row["cpu_gil_ms"] > 0 and row["wall_ms"] > 0 for row in rows)
+
+
+@pytest.mark.parametrize("token_len", [6, 7])
+def test_a_fine_grained_plan_never_probes_a_partly_covered_hash_unit(token_len: int) -> None:
+    """Fine-grained (partial-hash) plans probe ``token_len // hash_block_size`` hash units per group, as vLLM's
+    lookup does: a unit the tokens only partly cover is never asked for (fresh mutant M11-14 rounded up). The
+    lookup itself always plans an aligned length; ``plan_lookup`` is given the unaligned one here."""
+    sc = Scenario(2, [Group("full", 2), Group("mamba", 4)], None, 8, None)
+    store_lookup = build(sc)
+    hashes = hashes_for(sc.n_hashes, 9)
+    inner, _ = fill_store(random.Random(3), sc, store_lookup, hashes)
+    (stub, _, _), _ = twins(sc, store_lookup, inner, "list")
+    assert stub.coord.enable_partial_hash_hits
+    plan = plan_lookup(stub, token_len, hashes, worker_module.cdiv)
+    expected = [f"{p}@{h.hex()}" for g in range(2) for h in hashes[:3] for p in stub._lookup_key_prefixes[g]]
+    assert plan.key_list() == expected and len(expected) == 6

@@ -351,6 +351,23 @@ def test_empty_load_raises_like_vllm(vllm: tuple[Any, Any]) -> None:
     assert run_handler(worker, ours, ArrayStore("ok"), case) == expected
 
 
+def test_a_blob_that_is_not_whole_hashes_goes_to_vllm_as_another_type(vllm: tuple[Any, Any]) -> None:
+    """A ``BlobBlockHashes`` whose blob ends in part of a hash (vLLM reads only the whole ones) is not a hash
+    source for our engine: the request goes to vLLM's handler for that reason, not after planning raised
+    (fresh mutant M11-13: the blob's length went unchecked and the engine refused it)."""
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = _simple_case(data)
+    whole = b"".join(case["meta"].block_hashes)
+    case["meta"].block_hashes = data.BlobBlockHashes(memoryview(whole + b"\x07" * 5), 32)
+    assert len(case["meta"].block_hashes) == 16
+    before = ours.stats.fallback_requests
+    expected = run_handler(worker, original, ListStore("ok"), case)
+    assert run_handler(worker, ours, ArrayStore("ok"), case) == expected and expected[0] == "ok"
+    assert ours.stats.fallback_requests == before + 1
+    assert ours.stats.last_fallback == "block hashes of another type"
+
+
 def test_disk_offload_budgets_take_the_fast_path_and_tier_log_goes_to_vllm(
     vllm: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
