@@ -697,3 +697,55 @@ def test_a_split_parallel_put_cuts_its_per_key_extras_whatever_the_argument_form
     assert list(bound["keys"]) == ["good"] and list(bound["ptrs"]) == [4096]
     assert list(bound["parallelisms"]) == [2] and [list(w) for w in bound["writer_partitions"]] == [[20]]
     assert bound["config"] is config
+
+
+class _FlatFake:
+    """A stand-in store for the contiguous calls: records what reaches "Mooncake" (no native client for it)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[list[str], list[int], list[int]]] = []
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        return 0
+
+    def batch_get_into(self, keys: Any, ptrs: Any, sizes: Any) -> list[int]:
+        self.sent.append((list(keys), [int(p) for p in ptrs], [int(s) for s in sizes]))
+        return [int(s) for s in sizes]
+
+
+_HUGE = 2**63 + 4096
+_FLAT_FORMS: dict[str, tuple[Any, Any, list[int]]] = {
+    # form: (ptrs, sizes, expected results for keys ["a", "b"]); the registered buffer is [4096, 8192)
+    "int64 arrays": (np.array([4096, 1], np.int64), np.array([8, 8], np.int64), [8, INVALID_PARAMS]),
+    "uint64 arrays past int64": (np.array([4096, _HUGE], np.uint64), np.array([8, 8], np.uint64), [8, INVALID_PARAMS]),
+    "int32 arrays": (np.array([4096, 1], np.int32), np.array([8, 8], np.int32), [8, INVALID_PARAMS]),
+    "numpy ints in a list": ([np.int64(4096), np.uint64(_HUGE)], [np.int64(8), np.uint64(8)], [8, INVALID_PARAMS]),
+    "ints past int64 in a list": ([4096, 2**64 + 4096], [8, 8], [8, INVALID_PARAMS]),
+    "negative size": ([4096, 4096], [8, -8], [8, INVALID_PARAMS]),
+    "negative address": ([-4096, 4096], [8, 8], [INVALID_PARAMS, 8]),
+    "tuples": ((4096, 1), (8, 8), [8, INVALID_PARAMS]),
+    "negative size in tuples": ((4096, 4096), (-8, 8), [INVALID_PARAMS, 8]),
+    "size past int64 in tuples": ((4096, 4096), (8, 2**64 - 8), [8, INVALID_PARAMS]),
+    "a slice past the end": ([8184, 8185], [8, 8], [8, INVALID_PARAMS]),
+    "a float and a bool": ([4096.0, True], [8, 8], [INVALID_PARAMS, INVALID_PARAMS]),
+    "fewer addresses than keys": ([4096], [8, 8], [INVALID_PARAMS, INVALID_PARAMS]),
+    "rows that are not sized": (4096, 8, [INVALID_PARAMS, INVALID_PARAMS]),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_FLAT_FORMS))
+def test_contiguous_calls_hold_back_every_integer_form_outside_the_registered_buffer(form: str) -> None:
+    """The guard's contiguous-call check (``check_flat``) in each form vLLM or a caller may hand it: arrays of
+    every width and sign, lists of numpy ints, ints past int64, tuples, negative values, floats, bools and
+    unpaired rows. A key with a slice outside [4096, 8192) gets -600 and never reaches the store; the others
+    reach it with their own address and size, in order."""
+    ptrs, sizes, expected = _FLAT_FORMS[form]
+    fake = _FlatFake()
+    store = NativeMooncakeStore(fake, armed=True)
+    assert store.register_buffer(4096, 4096) == 0
+    assert store.batch_get_into(["a", "b"], ptrs, sizes) == expected
+    good = [i for i, code in enumerate(expected) if code != INVALID_PARAMS]
+    if not good:
+        assert fake.sent == []
+    else:
+        assert fake.sent == [(["ab"[i] for i in good], [int(ptrs[i]) for i in good], [int(sizes[i]) for i in good])]
