@@ -538,6 +538,52 @@ def test_staged_passes_unregistered_memory_and_odd_calls_through() -> None:
     assert len(inner.calls) == 3
 
 
+def test_staged_passes_through_what_staging_cannot_take(caplog: pytest.LogCaptureFixture) -> None:
+    """Three calls the staged wrapper cannot stage go to Mooncake's own multi-buffer methods with their rows
+    unchanged, and their bytes round-trip: an object larger than the whole staging buffer; any call once
+    Mooncake refused to register the staging buffer (one warning, no second attempt); rows outside every
+    registered buffer on a wrapper that is not armed (nothing registered through it: vLLM's own behaviour)."""
+    cache = StagingBuffer(8192)
+    cache.array[:] = np.random.default_rng(1).integers(0, 255, cache.nbytes, dtype=np.uint8)
+    want = cache.array.copy()
+
+    def round_trip(store: StagedMooncakeStore, inner: FakeMooncake, keys: list[str], addrs: Any, sizes: Any) -> None:
+        assert store.batch_put_from_multi_buffers(keys, addrs, sizes) == [0] * len(keys)
+        cache.array[:] = 0
+        expected = [sum(row) for row in sizes]
+        assert store.batch_get_into_multi_buffers(keys, addrs, sizes) == expected
+        assert (cache.array == want).all()
+        assert inner.calls == ["put_multi", "get_multi"]
+        assert store.stats.staged_puts == store.stats.staged_gets == 0
+        assert store.stats.passthrough_puts == store.stats.passthrough_gets == 1
+
+    # An object of 8 KiB against 4 KiB of staging.
+    inner = FakeMooncake()
+    store = StagedMooncakeStore(inner, staging_bytes=4096)
+    assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+    round_trip(store, inner, ["big"], [[cache.ptr, cache.ptr + 4096]], [[4096, 4096]])
+
+    # Mooncake refuses the staging buffer: staging is off for good, with one warning.
+    class Refusing(FakeMooncake):
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return -600 if size == 1 << 16 else super().register_buffer(ptr, size)
+
+    inner = Refusing()
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
+        round_trip(store, inner, ["a", "b"], [[cache.ptr], [cache.ptr + 4096]], [[4096], [4096]])
+    assert [r.getMessage() for r in caplog.records].count(
+        "mooncake_kvaddr: Mooncake refused the staging buffer (-600): staged transport off"
+    ) == 1
+    assert inner.registered == [(cache.ptr, cache.nbytes)]
+
+    # Not armed (nothing registered through the wrapper): the rows are nobody's to check; Mooncake gets them.
+    inner = FakeMooncake()
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    round_trip(store, inner, ["a", "b"], [[cache.ptr], [cache.ptr + 4096]], [[4096], [4096]])
+
+
 def test_staged_splits_requests_larger_than_the_staging_buffer() -> None:
     inner = FakeMooncake()
     store = StagedMooncakeStore(inner, staging_bytes=4096)
