@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -31,7 +31,10 @@ from fake_mooncake import FakeMooncake, fake_store
 from kvaddr_testing import Cache, assert_blocks_equal, hashes
 from kvaddr_testing import make_transfer as transfer
 from mooncake_kvaddr.driver import store_calls
-from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.errors import StoreClosedError, StoreError
+from mooncake_kvaddr.driver.outcomes import BatchResult, _Op
+from mooncake_kvaddr.driver.probe import PROBE_MAX_BYTES, PeerProbe
+from mooncake_kvaddr.driver.store import MooncakeStore, RequestDeadline
 from mooncake_kvaddr.driver.transfer import KVTransfer, LoadResult, TransferRequest
 
 BS = 16
@@ -376,3 +379,108 @@ def test_the_switches_take_booleans_only(monkeypatch: pytest.MonkeyPatch, model:
     with rig(monkeypatch, "multi_buffer", model) as r:
         with pytest.raises(TypeError, match=name):
             r.transfer(_dst(r), **{name: "false"})  # vLLM-style configs read "false" as true: refused
+
+
+class _ProbeStore:
+    """What :class:`PeerProbe` asks of a store, scripted: the replica answer, and the probe read's behaviour."""
+
+    def __init__(self, located: list[tuple[tuple[str, int], ...]]) -> None:
+        self.located = located
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+        self.reads: list[str] = []
+        self.read: Callable[[str, int, RequestDeadline], list[int]] = lambda key, n, deadline: [n]
+        self.register_error: StoreError | None = None
+        self.query_gate: threading.Event | None = None
+
+    def replica_locations(self, keys: list[str]) -> list[tuple[tuple[str, int], ...]]:
+        if self.query_gate is not None:
+            self.query_gate.wait(10)
+        return self.located
+
+    def register_buffer(self, ptr: int, size: int) -> None:
+        if self.register_error is not None:
+            raise self.register_error
+        self.registered.append(ptr)
+
+    def unregister_buffer(self, ptr: int) -> None:
+        self.unregistered.append(ptr)
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int], **kw: Any) -> BatchResult:
+        self.reads.append(keys[0])
+        return BatchResult._build(_Op.GET, self.read(keys[0], sizes[0], kw["deadline"]))
+
+
+def _probe_with(store: _ProbeStore) -> PeerProbe:
+    return PeerProbe(store, max_abandoned=2)
+
+
+def test_a_peer_holding_only_objects_too_large_to_probe_is_not_proven_and_its_keys_go_ahead() -> None:
+    store = _ProbeStore([(("p1", PROBE_MAX_BYTES + 1),), (("p2", 64),)])
+    probe = _probe_with(store)
+    try:
+        screen = probe.screen(["big", "small"], RequestDeadline(5.0))
+    finally:
+        probe.close()
+    assert not screen.stop and screen.allowed is None and screen.endpoints == [("p1",), ("p2",)]
+    assert store.reads == ["small"] and probe.probes == 1 and probe.known == {"p2"}
+
+
+def test_a_probe_read_that_raises_store_error_lets_the_get_meet_it_and_releases_the_buffer() -> None:
+    store = _ProbeStore([(("p1", 64),)])
+
+    def fail(key: str, n: int, deadline: RequestDeadline) -> list[int]:
+        raise StoreClosedError("closed meanwhile")
+
+    store.read = fail
+    probe = _probe_with(store)
+    try:
+        screen = probe.screen(["k"], RequestDeadline(5.0))
+    finally:
+        probe.close()
+    # Not proven (so probed again next time), not found down (the get goes ahead and meets the error itself).
+    assert not screen.stop and screen.allowed is None and probe.known == frozenset()
+    assert len(store.registered) == 1 and store.unregistered == store.registered
+
+
+def test_a_probe_buffer_mooncake_will_not_register_is_probed_anyway_and_never_unregistered() -> None:
+    store = _ProbeStore([(("p1", 64),)])
+    store.register_error = StoreError("overlaps a registered range", -600)
+    probe = _probe_with(store)
+    try:
+        screen = probe.screen(["k"], RequestDeadline(5.0))
+    finally:
+        probe.close()
+    assert not screen.stop and probe.known == {"p1"} and store.reads == ["k"]
+    assert store.registered == store.unregistered == []
+
+
+def test_a_deadline_passing_between_two_new_peers_stops_before_the_second_probe() -> None:
+    store = _ProbeStore([(("p1", 64),), (("p2", 64),)])
+
+    def read_then_expire(key: str, n: int, deadline: RequestDeadline) -> list[int]:
+        deadline.stop("stopped by the test")
+        return [n]
+
+    store.read = read_then_expire
+    probe = _probe_with(store)
+    deadline = RequestDeadline(5.0)
+    try:
+        screen = probe.screen(["a", "b"], deadline)
+    finally:
+        probe.close()
+    assert screen.stop and store.reads == ["a"] and deadline.reason == "stopped by the test"
+
+
+def test_a_replica_query_past_the_deadline_stops_the_request_with_the_reason() -> None:
+    store = _ProbeStore([(("p1", 64),)])
+    store.query_gate = threading.Event()
+    probe = _probe_with(store)
+    deadline = RequestDeadline(0.2)
+    try:
+        screen = probe.screen(["k"], deadline)
+        assert screen.stop and store.reads == []
+        assert deadline.reason is not None and "asked where the keys live" in deadline.reason
+    finally:
+        store.query_gate.set()
+        probe.close()
