@@ -749,3 +749,38 @@ def test_contiguous_calls_hold_back_every_integer_form_outside_the_registered_bu
         assert fake.sent == []
     else:
         assert fake.sent == [(["ab"[i] for i in good], [int(ptrs[i]) for i in good], [int(sizes[i]) for i in good])]
+
+
+def test_ranged_reads_the_guard_cannot_read_are_refused_whole_and_miscounted_answers_raise() -> None:
+    """``get_into_ranges`` with rows the guard cannot pair (a dst row longer than its size row, a buffer list
+    that is not sized) raises ``GuardRefused`` (a ``TypeError``) and sends nothing; a dst offset that is not an
+    int refuses its buffer (-600); a call missing an argument goes to Mooncake as it is (its binding raises);
+    Mooncake answering for another number of buffers than it was sent raises instead of misplacing answers."""
+    sent: list[tuple[Any, ...]] = []
+
+    def get_into_ranges(*args: Any) -> list[Any]:
+        sent.append(args)
+        return [[[7] * len(row) for row in sizes] for sizes in args[4]] if len(args) == 5 else []
+
+    guard = _armed_guard()
+    for unreadable in (
+        ([4096], [["a"]], [[[0, 8]]], [[[0, 0]]], [[[64]]]),  # two dst offsets, one size
+        (4096, [["a"]], [[[0]]], [[[0]]], [[[64]]]),  # buffer pointers that are not a list
+    ):
+        with pytest.raises(guard_module.GuardRefused, match="cannot read"):
+            guard.call("get_into_ranges", get_into_ranges, unreadable, {})
+    assert sent == []
+    text = ([4096], [["a"]], [[["0"]]], [[[0]]], [[[64]]])  # an offset that is a string
+    assert guard.call("get_into_ranges", get_into_ranges, text, {}) == [[[INVALID_PARAMS]]] and sent == []
+    assert guard.call("get_into_ranges", get_into_ranges, ([4096], [["a"]]), {}) == []
+    assert sent == [([4096], [["a"]])]
+    sent.clear()
+
+    def short(*args: Any) -> list[Any]:
+        sent.append(args)
+        return []
+
+    two = ([4096, 1 << 40], [["a"], ["b"]], [[[0]], [[0]]], [[[0]], [[0]]], [[[64]], [[64]]])
+    with pytest.raises(RuntimeError, match="returned 0 results for 1"):
+        guard.call("get_into_ranges", short, two, {})
+    assert len(sent) == 1 and sent[0][0] == [4096]
