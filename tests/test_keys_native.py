@@ -172,6 +172,45 @@ def test_replication_factors() -> None:
         lookup_namespaces(0, 1, 1, 1, 1)
 
 
+def test_replication_factor_refuses_what_has_no_factor() -> None:
+    """Sizes that are not positive, a group without a spec kind and, where heads decide it, no heads: a clear
+    ``ValueError`` each, never a factor (a factor of 0 would divide by zero later; a negative one names no rank)."""
+    for tp, dcp in ((0, 1), (-2, 1), (4, 0), (4, -1)):
+        with pytest.raises(ValueError, match=f"tp_size and dcp_size must be positive, got {tp}, {dcp}"):
+            replication_factor("attention", tp, dcp, 2)
+    with pytest.raises(ValueError, match="at least one spec kind"):
+        replication_factor([], 4, 1, 2)
+    for heads in (0, -1):
+        with pytest.raises(ValueError, match=f"num_kv_heads must be positive, got {heads}"):
+            replication_factor("attention", 4, 1, heads)
+    # Heads do not decide MLA, Mamba or DCP groups: no heads needed there.
+    assert [replication_factor(k, 4, 1, 0) for k in ("mla", "mamba")] == [4, 1]
+    assert replication_factor("attention", 4, 2, 0) == 1
+
+
+def test_a_hash_view_and_a_hash_len_that_disagree_are_refused() -> None:
+    """Keys built from a ``BlobBlockHashes`` with another ``hash_len`` than the view's: refused, not cut at the
+    wrong width; the view's own width (or none) builds the keys."""
+    view = BlobBlockHashes(b"\x01" * 8 + b"\x02" * 8, 8)
+    expected = ["p@" + "01" * 8, "p@" + "02" * 8]
+    assert build_keys("p", view) == build_keys("p", view, 8) == expected
+    with pytest.raises(ValueError, match="hash_len 4 differs from the view's 8"):
+        build_keys("p", view, 4)
+    with pytest.raises(ValueError, match="hash_len 16 differs from the view's 8"):
+        build_lookup_keys(["p", "q"], view, 16)
+
+
+def test_a_hash_view_refuses_a_negative_width_a_non_buffer_and_width_zero_for_bytes() -> None:
+    for bad in (-1, -8, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="hash_len must be a positive int"):
+            BlobBlockHashes(b"\x00" * 8, bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="blob must be bytes-like, not list"):
+        BlobBlockHashes([1, 2, 3, 4], 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="hash_len must be positive for a non-empty blob"):
+        BlobBlockHashes(b"\x00" * 8, 0)
+    assert len(BlobBlockHashes(b"", 0)) == 0
+
+
 def test_fa_plus_mamba_prefixes() -> None:
     g0 = KeyMetadata("m", 0, 0, 0, 0, group_id=0)
     g1 = KeyMetadata("m", 0, 0, 0, 0, group_id=1)

@@ -288,6 +288,25 @@ def test_sliding_window_run_back_to_the_start_is_a_hit() -> None:
     assert worker(store, specs=[GroupSpec("attention", sliding_window=48)]).lookup(65, hs("h", 4)) == 32
 
 
+def test_lookup_masks_name_the_chunks_that_can_decide_a_hit() -> None:
+    """``StoreLookup.lookup_masks``: per group, the chunks a coarse lookup probes (full attention: all, None); a
+    window of 8 or 16 tokens over 8-token blocks under a 32-token scheduler block needs the last 1 or 2 blocks
+    before each boundary, a window as long as the boundary needs all (None); Mamba needs the block ending on
+    one. Handed back to ``lookup`` as the caller's masks, they give the same hit from the same probes."""
+    specs = ["attention", *(GroupSpec("attention", sliding_window=w) for w in (8, 16, 32))]
+    store = FakeStore(lambda keys: [int(not k.endswith("@6d3130")) for k in keys])  # chunk 10 ("m10") missing
+    xfer = worker(store, (32, 8, 8, 8), hbs=8, specs=specs)
+    masks = xfer.store_lookup.lookup_masks(90)  # ceil(90 / 8) = 12 chunks of 8 tokens
+    assert masks == [None, [i % 4 == 3 for i in range(12)], [i % 4 >= 2 for i in range(12)], None]
+    hashes = hs("m", 12)
+    assert xfer.lookup(90, hashes) == 64
+    assert xfer.lookup(90, hashes, lookup_masks=masks) == 64 and store.calls[0] == store.calls[1]
+    mamba = worker(FakeStore(), (32, 16), hbs=16, specs=["attention", "mamba"])
+    assert mamba.store_lookup.lookup_masks(65) == [None, [False, True, False, True, False]]
+    fine = worker(FakeStore(), (16, 16), hbs=4, specs=["attention", GroupSpec("mamba", mamba_cache_mode="align")])
+    assert fine.store_lookup.lookup_masks(65) == [None, None]  # fine-grained: every hash unit is probed
+
+
 def test_caller_masks_are_read_before_the_hashes() -> None:
     hashes = RecordingHashes(hs("a", 4))
     store = FakeStore([1])
