@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ import pytest
 from fake_mooncake import FakeClock, fake_store
 from kvaddr_testing import wait_until
 from mooncake_kvaddr.driver import store as store_module
-from mooncake_kvaddr.driver import store_calls
+from mooncake_kvaddr.driver import store_calls, store_setup
 from mooncake_kvaddr.driver.config import DEFAULT_REQUEST_TIMEOUT_S, StoreConfig
 from mooncake_kvaddr.driver.master import MOONCAKE_VARIANTS, EmbeddedMaster, free_ports, process_is_running
 from mooncake_kvaddr.driver.store import (
@@ -231,6 +232,21 @@ def test_setup_retries_exhausted_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
     assert len(client.calls) == 2 and client.closed == 2
 
 
+def test_set_up_stops_retrying_once_the_embedded_master_died_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed attempt against an embedded master that is no longer alive is the last one (another could only
+    fail the same way), and the error carries the master's state and its log tail."""
+    client = fake_mooncake(monkeypatch, fail=10)
+    module = SimpleNamespace(MooncakeDistributedStore=client)
+    dead = SimpleNamespace(alive=False, stderr_tail=lambda: "F master: port in use")
+    config = StoreConfig(master_server_address="127.0.0.1:1", setup_retries=3)
+    with pytest.raises(StoreSetupError, match=r"after 1 attempt\(s\).*alive=False, log tail:\nF master: port in use"):
+        store_setup.connect(config, module, "127.0.0.1:1", dead)  # type: ignore[arg-type]
+    assert len(client.calls) == 1 and client.closed == 1
+    quiet = SimpleNamespace(alive=True, stderr_tail=lambda: "")
+    with pytest.raises(StoreSetupError, match=r"after 3 attempt\(s\).*alive=True, log tail:\n<empty>"):
+        store_setup.connect(config, module, "127.0.0.1:1", quiet)  # type: ignore[arg-type]
+
+
 def test_without_setup_retries_mooncake_runs_its_own_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     client = fake_mooncake(monkeypatch, fail=0)
     MooncakeStore(master_server_address="127.0.0.1:1", local_hostname="10.1.2.3").setup()
@@ -250,8 +266,21 @@ def test_client_ports_follow_mooncakes_range(monkeypatch: pytest.MonkeyPatch, lo
     assert len(set(ports)) == 3
     if low == "13000":
         assert all(13000 <= p <= 13010 for p in ports)
-    elif low == "bad":
+    else:  # unreadable, or upside down: Mooncake's default range
         assert all(12300 <= p <= 14300 for p in ports)
+
+
+def test_client_ports_past_an_exhausted_range_come_from_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-port range whose port is taken: the ports come from the kernel instead (distinct, free, never the
+    taken one), so set-up still gets as many attempts as it asked for."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MC_STORE_CLIENT_MIN_PORT", str(port))
+        monkeypatch.setenv("MC_STORE_CLIENT_MAX_PORT", str(port))
+        ports = store_module._client_ports(3)
+    assert len(set(ports)) == 3 and port not in ports and all(0 < p < 65536 for p in ports)
 
 
 class BlockingClient:

@@ -61,8 +61,9 @@ def connect(config: StoreConfig, module: ModuleType, address: str, master: Embed
         # Our own attempts, each on a port picked here, so the retry count is this call's alone (the
         # process environment, shared by every thread, is never written).
         hosts = [f"{config.local_hostname}:{port}" for port in _client_ports(retries)]
-    rc = -1
+    rc, tried = -1, 0
     for attempt, host in enumerate(hosts):
+        tried = attempt + 1
         if attempt:
             time.sleep(_PAUSE_BETWEEN_ATTEMPTS_S)
         client = module.MooncakeDistributedStore()
@@ -78,7 +79,7 @@ def connect(config: StoreConfig, module: ModuleType, address: str, master: Embed
     if master is not None:
         detail = f"; embedded master alive={master.alive}, log tail:\n{master.stderr_tail() or '<empty>'}"
     raise StoreSetupError(
-        f"Mooncake client setup failed with code {rc} after {len(hosts)} attempt(s) (master {address}, "
+        f"Mooncake client setup failed with code {rc} after {tried} attempt(s) (master {address}, "
         f"protocol {config.protocol}, local_hostname {config.local_hostname!r}, metadata "
         f"{config.metadata_server!r}): is the master running and reachable? Mooncake's log has details{detail}",
         code=rc,
