@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvaddr_testing import hashes
+from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.driver.layout_adapter import (
     LayoutDatabase,
     layout_transfer,
@@ -19,7 +20,7 @@ from mooncake_kvaddr.driver.layout_adapter import (
 )
 from mooncake_kvaddr.driver.lookup import TailKeyBoundary
 from mooncake_kvaddr.driver.store import MooncakeStore
-from mooncake_kvaddr.driver.transfer import TransferRequest
+from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 from mooncake_kvaddr.integrations.vllm import data as M
 
 torch = pytest.importorskip("torch")
@@ -263,6 +264,42 @@ def test_adapter_refusals(store: MooncakeStore, model: str) -> None:
     adapter.layout.register_kv_caches(caches, NB)
     rows = adapter.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
     assert rows[0].shape == (2, 2)
+
+
+def test_layout_transfer_refusals_of_caches_boundaries_and_transfers(store: MooncakeStore, model: str) -> None:
+    """What the layout face refuses before anything moves: a tail boundary that is not an int (a bool, a
+    float), a tail boundary past the request's hashes (the load fails with the reason, nothing read), caches
+    that are neither arrays nor tensors or not one dense range, and a transfer it did not build."""
+    bs = 4
+    db = M.ChunkedTokenDatabase(M.KeyMetadata(model, 0, 0, 0, 0), bs, bs)
+    with layout_transfer(store, [db], start_threads=False) as transfer:
+        adapter = transfer.databases[0]
+        assert isinstance(adapter, LayoutDatabase)
+        for bad in (True, 16.0, "16"):
+            with pytest.raises(TypeError, match="tail boundary: num_tokens must be an int"):
+                with adapter.tail_boundary(bad):  # type: ignore[arg-type]
+                    pass
+        with pytest.raises(TypeError, match="expected numpy arrays or CPU tensors, got list"):
+            register_layout_caches(transfer, [[0.0] * 24 for _ in range(2)], NB)
+        strided = torch.zeros((NB, 48))[:, ::2]
+        with pytest.raises(ValueError, match="one dense range of memory"):
+            register_layout_caches(transfer, [strided, strided], NB)
+        caches = _rank_local_caches(4)
+        register_layout_caches(transfer, caches, NB)
+        chained = hashes("b", 3)
+        assert transfer.store(TransferRequest("b", 12, chained, [[1, 2, 3]])).stored == 3
+        before = [c.clone() for c in caches]
+        got = load_with_boundaries(transfer, TransferRequest("b", 12, chained, [[4, 5, 6]]), [M.TailKeyBoundary(0, 16)])
+        assert got.failed_block_ids == {4, 5, 6} and "needs hash 3, only 3 given" in (got.error or "")
+        assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+    seed = KVTransfer(store, [ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0), bs)], start_threads=False)
+    try:
+        with pytest.raises(TypeError, match="not built by layout_transfer"):
+            register_layout_caches(seed, _rank_local_caches(5), NB)
+        with pytest.raises(TypeError, match="not built by layout_transfer"):
+            load_with_boundaries(seed, TransferRequest("b", 12, hashes("b", 3), [[4, 5, 6]]))
+    finally:
+        seed.close()
 
 
 _CACHES = {fmt: [_packed(fmt, 4, layer, 4) for layer in range(2)] for fmt in ("lbhnc", "lbnhc")}
