@@ -149,6 +149,52 @@ def test_replacing_an_attribute_twice_keeps_vllms_original() -> None:
         registry.ORIGINALS.pop((Target, "method"), None)
 
 
+def test_restoring_puts_vllms_attributes_back_and_signature_checks_name_what_differs() -> None:
+    """``restore_all`` puts back an attribute the class had and deletes one it only inherited (the base's shows
+    through again); ``original_of`` finds vLLM's own method through a base class; ``signature_problem`` names a
+    missing method, one without a readable signature and one with other parameters, and nothing when they
+    match (the plugin then replaces nothing of that part)."""
+    from mooncake_kvaddr.integrations.vllm import registry
+
+    class Base:
+        def inherited(self) -> str:
+            return "base"
+
+        def method(self, keys: list[str], ids: list[int]) -> str:
+            return "vllm"
+
+    class Child(Base):
+        pass
+
+    saved = dict(registry.ORIGINALS)
+    registry.ORIGINALS.clear()
+    try:
+        registry.replace_attribute(Base, "method", lambda self, keys, ids: "ours")
+        registry.replace_attribute(Child, "inherited", lambda self: "ours")
+        assert Child().method([], []) == Child().inherited() == "ours"
+        assert registry.original_of(Child, "method")(Child(), [], []) == "vllm"
+        assert registry.original_of(Child, "inherited")(Child()) == "base"
+        with pytest.raises(AttributeError, match=r"Child\.absent"):
+            registry.original_of(Child, "absent")
+        registry.restore_all()
+        assert Child().method([], []) == "vllm" and Child().inherited() == "base"
+        assert "inherited" not in Child.__dict__ and registry.ORIGINALS == {}
+    finally:
+        registry.ORIGINALS.clear()
+        registry.ORIGINALS.update(saved)
+    assert registry.signature_problem(Child, "method", ("keys", "ids")) == ""
+    assert registry.signature_problem(Child, "method", ("keys",)) == (
+        "Child.method takes ('keys', 'ids'), expected ('keys',)"
+    )
+    assert registry.signature_problem(Child, "absent", ()) == "Child.absent is missing"
+    def unreadable(self: Any) -> None:
+        pass
+
+    unreadable.__signature__ = "not a signature"  # type: ignore[attr-defined]
+    Child.odd = unreadable  # type: ignore[attr-defined]
+    assert registry.signature_problem(Child, "odd", ()) == "Child.odd has no readable signature"
+
+
 def test_staging_bytes_must_be_positive() -> None:
     for raw in ("0", "-1"):
         with pytest.raises(ValueError, match="must be > 0"):
