@@ -162,8 +162,7 @@ def bound_rows(addrs: Any, sizes: Any) -> tuple[list[Any], list[Any]]:
 
 
 class StoreCalls:
-    """The batch, buffer and health calls of :class:`~mooncake_kvaddr.driver.store.MooncakeStore`, and its
-    argument-conversion probes for benchmarks.
+    """The batch, buffer and health calls of :class:`~mooncake_kvaddr.driver.store.MooncakeStore`.
 
     Not used alone: :class:`~mooncake_kvaddr.driver.store.MooncakeStore` provides the attributes declared
     below (its configuration, call gate and clients, set by its ``setup()`` and ``close()``).
@@ -386,40 +385,6 @@ class StoreCalls:
                 return Health(client.health_check())
         except StoreClosedError:
             return Health.NOT_READY
-
-    def time_argument_conversion(self, addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> float:
-        """Seconds Mooncake's binding spends converting these rows (GIL held), without any transfer.
-
-        Calls ``batch_get_into_multi_buffers([], addrs, sizes)``: the binding converts every argument,
-        then returns ``[]`` at once because the key count does not match. For benchmarks.
-        """
-        _check_rows(len(addrs), addrs, sizes, check_values=True)
-        with self._admitted() as client:
-            start = time.perf_counter()
-            out = client.batch_get_into_multi_buffers([], addrs, sizes)
-            elapsed = time.perf_counter() - start
-        if list(out):
-            raise StoreError(f"conversion probe unexpectedly returned {list(out)[:4]}")
-        return elapsed
-
-    def time_contiguous_argument_conversion(
-        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
-    ) -> float:
-        """Seconds Mooncake's binding spends on a ``batch_get_into`` call's arguments (GIL held), no transfer.
-
-        Passes one pointer and size fewer than keys: the binding converts everything, then rejects every key
-        (-600) without moving a byte. An upper bound: it includes that length check and the result list.
-        For benchmarks.
-        """
-        if not (len(keys) == len(ptrs) == len(sizes)) or not keys:
-            raise ValueError("keys, ptrs and sizes must be non-empty and of equal length")
-        with self._admitted() as client:
-            start = time.perf_counter()
-            out = client.batch_get_into(keys, ptrs[:-1], sizes[:-1])
-            elapsed = time.perf_counter() - start
-        if any(code >= 0 for code in out):
-            raise StoreError(f"conversion probe unexpectedly transferred: {list(out)[:4]}")
-        return elapsed
 
     def _split_call(
         self,
