@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from mooncake_kvaddr.driver.gate import CallGate
     from mooncake_kvaddr.driver.native_client import NativeClient
 
-logger = logging.getLogger("mooncake_kvaddr.driver.store")
+logger = logging.getLogger("mooncake_kvaddr.driver.store")  # the store's own logger: its records kept their name
 
 #: Mooncake fails a transfer call only after a fixed 60 s when a peer holding the data hangs while the master
 #: still counts it alive (docs/multihost.md). A sub-batch that fails ``TRANSFER_FAILED`` after at least this

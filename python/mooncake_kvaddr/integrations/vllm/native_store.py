@@ -175,17 +175,13 @@ class NativeMooncakeStore(StoreWrapper):
                 client = self._client
         return client
 
-    def _native_call(self, name: str, args: tuple[Any, ...], what: str, guarded: bool = False) -> tuple[bool, Any]:
-        """``(True, result)`` of the native client's ``name(*args)``; ``(False, None)`` when there is no native
-        client or it refuses the arguments before calling Mooncake (logged once per reason as ``what``).
-        ``guarded``: the guard's ranges go with the call; the native client checks every slice itself (in C++,
-        during its own conversion) and answers -600 for the keys it refused."""
-        return self._send(name, args, what, guarded=guarded, fallback=False)
-
     def _send(
         self, name: str, args: tuple[Any, ...], what: str, *, guarded: bool = False, fallback: bool = True
     ) -> tuple[bool, Any]:
-        """Mooncake's ``name(*args)`` through the one native-or-bound choice (:class:`Clients`), counted."""
+        """Mooncake's ``name(*args)`` through the one native-or-bound choice (:class:`Clients`), counted; a refused
+        argument form is logged once per reason as ``what``. ``guarded``: the guard's ranges go with the call (the
+        native client checks every slice itself, in C++, and answers -600 for the keys it refused). Without
+        ``fallback``: ``(False, None)`` when there is no native client or it refuses the arguments."""
         client = self._native()
         done, result = Clients(self._store, client).send(
             name,
@@ -208,7 +204,7 @@ class NativeMooncakeStore(StoreWrapper):
                 return self._call_admitted(name, *args, **kwargs)
             if self.ranges.armed and not kwargs and len(args) <= 4:
                 # The native client checks the slices itself (C++, no second conversion of the rows).
-                done, result = self._native_call(name, args, f"{name} arguments", guarded=True)
+                done, result = self._send(name, args, f"{name} arguments", guarded=True, fallback=False)
                 if done:
                     return result
             return self.guard.call(
@@ -242,8 +238,9 @@ class NativeMooncakeStore(StoreWrapper):
         with self._gate.admitted():
             if self.ranges.armed:
                 # The native client checks the matrices itself, GIL released (docs/vllm-plugin.md).
-                done, result = self._native_call(
-                    "batch_get_into_multi_buffers", (keys, addrs, sizes), "batch_get_into_multi_buffers arrays", True
+                what = "batch_get_into_multi_buffers arrays"
+                done, result = self._send(
+                    "batch_get_into_multi_buffers", (keys, addrs, sizes), what, guarded=True, fallback=False
                 )
                 if done:
                     return result
@@ -264,10 +261,10 @@ class NativeMooncakeStore(StoreWrapper):
         matrices (the send handler's entry, docs/vllm-plugin.md); as :meth:`batch_get_into_multi_buffers_arrays`."""
         with self._gate.admitted():
             if self.ranges.armed:
-                done, result = self._native_call(
-                    "batch_put_from_multi_buffers", (keys, addrs, sizes, config), "batch_put_from_multi_buffers arrays",
-                    True,
-                )  # fmt: skip
+                what = "batch_put_from_multi_buffers arrays"
+                done, result = self._send(
+                    "batch_put_from_multi_buffers", (keys, addrs, sizes, config), what, guarded=True, fallback=False
+                )
                 if done:
                     return result
             return self.guard.call_arrays(
