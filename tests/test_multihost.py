@@ -172,8 +172,10 @@ def fault_during_loop(
     fault goes in during that wait, so calls before it ran healthy and the rest run into the fault. Returns
     the loop's per-load reports (each already checked) and the fault/repair wall-clock times.
     """
+    # The loop runs 8 s past the repair's planned time (less what loads 1 and 2 took), so that on a loaded
+    # machine, where loads against the dead master are slow, loads still start after the repair.
     reader.send(
-        "load_loop", cache="c", datasets=DATASETS, chunks=CHUNKS, duration_s=fault_s + 4.0,
+        "load_loop", cache="c", datasets=DATASETS, chunks=CHUNKS, duration_s=fault_s + 8.0,
         pause={"iteration": 2, "call": PAUSE_CALL, "seconds": PAUSE_S},
     )  # fmt: skip
     reader.event("paused", 3 * LOAD_BOUND_S)
