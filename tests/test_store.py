@@ -242,6 +242,22 @@ def test_without_setup_retries_mooncake_runs_its_own_policy(monkeypatch: pytest.
     assert [c[0] for c in client.calls] == ["10.1.2.3:4000"]
 
 
+def test_setup_stops_retrying_once_the_embedded_master_is_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed attempt with the embedded master gone is the last one: retrying cannot reach a dead master, and
+    the error carries the master's state and log tail."""
+    client = fake_mooncake(monkeypatch, fail=10)
+    dead = SimpleNamespace(alive=False, stderr_tail=lambda: "F0101 master crashed")
+    config = StoreConfig(master_server_address="127.0.0.1:1", setup_retries=3)
+    with pytest.raises(StoreSetupError, match="embedded master alive=False, log tail:\nF0101 master crashed"):
+        store_module.connect(config, store_module.load_mooncake(), "127.0.0.1:1", dead)  # type: ignore[arg-type]
+    assert len(client.calls) == 1 and client.closed == 1
+    client = fake_mooncake(monkeypatch, fail=10)
+    alive = SimpleNamespace(alive=True, stderr_tail=lambda: "")
+    with pytest.raises(StoreSetupError, match="embedded master alive=True, log tail:\n<empty>"):
+        store_module.connect(config, store_module.load_mooncake(), "127.0.0.1:1", alive)  # type: ignore[arg-type]
+    assert len(client.calls) == 3 and client.closed == 3
+
+
 @pytest.mark.parametrize(("low", "high"), [("13000", "13010"), ("bad", "x"), ("60000", "100")])
 def test_client_ports_follow_mooncakes_range(monkeypatch: pytest.MonkeyPatch, low: str, high: str) -> None:
     monkeypatch.setenv("MC_STORE_CLIENT_MIN_PORT", low)
@@ -252,6 +268,16 @@ def test_client_ports_follow_mooncakes_range(monkeypatch: pytest.MonkeyPatch, lo
         assert all(13000 <= p <= 13010 for p in ports)
     elif low == "bad":
         assert all(12300 <= p <= 14300 for p in ports)
+
+
+def test_a_one_port_client_range_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MIN_PORT == MAX_PORT is a valid range of one port: it is tried first, the rest come from the kernel."""
+    port = free_ports(1)[0]
+    monkeypatch.setenv("MC_STORE_CLIENT_MIN_PORT", str(port))
+    monkeypatch.setenv("MC_STORE_CLIENT_MAX_PORT", str(port))
+    assert store_module._client_ports(1) == [port]
+    ports = store_module._client_ports(2)
+    assert ports[0] == port and len(set(ports)) == 2
 
 
 class BlockingClient:
