@@ -140,6 +140,8 @@ def test_size_fields_are_parsed_and_errors_name_the_field() -> None:
         ({"local_hostname": "127.0.0.1:0"}, ValueError, "local_hostname: port"),
         ({"max_regions_per_batch": 0}, ValueError, "max_regions_per_batch"),
         ({"max_regions_per_batch": 1.5}, TypeError, "max_regions_per_batch"),
+        ({"staging_buffer_size": 0}, ValueError, r"staging_buffer_size: must be > 0 \(use transfer_mode="),
+        ({"staging_buffer_size": "0MiB"}, ValueError, "staging_buffer_size: must be > 0"),
         ({"setup_retries": -1}, ValueError, "setup_retries"),
         ({"close_timeout_s": 0}, ValueError, "close_timeout_s"),
         ({"max_abandoned_calls": -1}, ValueError, "max_abandoned_calls"),

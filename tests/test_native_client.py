@@ -228,6 +228,29 @@ def test_closed_store_is_refused_not_called(master: EmbeddedMaster) -> None:
     assert NativeClient.probe(store)[0] is None
 
 
+def test_a_store_set_up_again_makes_the_native_client_stale(master: EmbeddedMaster) -> None:
+    """Closed and set up again, the store holds a new Mooncake client: the old native client must see that its
+    client is not the store's (not merely that the store holds some client) and refuse, calling nothing."""
+    store = _raw_store(master, segment=16 << 20)
+    try:
+        native = NativeClient.from_store(store)
+        assert native is not None
+        keys = _unique("again", 2)
+        assert native.batch_is_exist(keys) == [0, 0]
+        store.close()
+        assert store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 0, "tcp", "", master.rpc_address) == 0
+        before = _native.mooncake_client_call_count()
+        with pytest.raises(RuntimeError, match="stale"):
+            native.batch_is_exist(keys)
+        assert native.closed
+        assert _native.mooncake_client_call_count() == before
+        fresh = NativeClient.from_store(store)
+        assert fresh is not None
+        assert fresh.batch_is_exist(keys) == [0, 0]
+    finally:
+        store.close()
+
+
 def test_closed_native_client_refuses(raw_store: Any) -> None:
     native = NativeClient.from_store(raw_store)
     assert native is not None

@@ -671,6 +671,51 @@ def test_a_zero_byte_registration_is_no_range_and_keeps_the_real_one() -> None:
     assert RangeTable.as_range(1 << 20, 0) is None and RangeTable.as_range(1 << 20, 1) == (1 << 20, 1)
 
 
+def test_a_registration_that_cannot_be_a_range_still_arms_the_table() -> None:
+    """A buffer Mooncake accepted arms the guard even when it is no range (empty, negative, not an int): from
+    then on a pointer outside every recorded range is refused, not passed through as on an unarmed table."""
+    for ptr, nbytes in ((1 << 20, 0), (-4096, 4096), ("x", 4096), (1 << 20, 2**63)):
+        table = RangeTable()
+        assert not table.armed
+        assert not table.add(ptr, nbytes)
+        assert table.armed and table.ranges.items == (), (ptr, nbytes)
+    calls: list[list[str]] = []
+
+    class Fake:
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 0
+
+        def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+            calls.append(keys)
+            return [0] * len(keys)
+
+    store = NativeMooncakeStore(Fake())
+    assert store.batch_put_from(["k"], [4096], [16]) == [0] and calls == [["k"]]  # unarmed: Mooncake decides
+    assert store.register_buffer(4096, 0) == 0
+    assert store.batch_put_from(["k"], [4096], [16]) == [INVALID_PARAMS] and calls == [["k"]]
+
+
+def test_an_empty_slice_inside_a_buffer_passes_every_form_of_the_check() -> None:
+    """Size 0 is a slice (0 <= size, kvaddr/ranges.hpp): a single-key call and a list of numpy ints (checked one
+    by one in Python) let an empty slice inside the buffer through like the array check; outside it is refused."""
+    guard = _armed_guard()
+    sent: list[tuple[Any, ...]] = []
+
+    def put(*args: Any) -> int:
+        sent.append(args)
+        return 0
+
+    assert guard.call("put_from", put, ("k", 4096, 0), {}) == 0 and sent == [("k", 4096, 0)]
+    assert guard.call("put_from", put, ("k", 5000, 0), {}) == 0 and len(sent) == 2
+    assert guard.call("put_from", put, ("k", 1 << 40, 0), {}) == INVALID_PARAMS and len(sent) == 2
+    for ptrs, sizes in (
+        (np.array([4096, 5000, 1 << 40], np.int64), np.array([0, 8, 0], np.int64)),
+        ([np.int64(4096), np.int64(5000), np.int64(1 << 40)], [np.int64(0), np.int64(8), np.int64(0)]),
+    ):
+        verdict = guard.check_flat(["a", "b", "c"], ptrs, sizes)
+        assert verdict is not None and verdict.good == [0, 1] and verdict.refused == 1, type(ptrs)
+
+
 @pytest.mark.parametrize("form", ["positional", "keywords"])
 def test_a_split_parallel_put_cuts_its_per_key_extras_whatever_the_argument_form(form: str) -> None:
     """``batch_put_tensor_with_parallelism_from(keys, ptrs, sizes, parallelisms, config, writer_partitions)``

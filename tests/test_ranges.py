@@ -86,6 +86,17 @@ def test_bad_arguments_are_clear_errors() -> None:
     assert _native.slices_inside(np.zeros((0, 3), np.int64), np.zeros((0, 3), np.int64), []).shape == (0, 3)
 
 
+def test_a_range_with_a_negative_or_overflowing_length_is_refused_not_ignored() -> None:
+    """Only the begin of (-1, 10) was refused above: a negative byte count, or one whose end overflows int64,
+    is refused too (named by its index), while an empty range is a valid (ignored) entry."""
+    a, s = np.array([4096], np.int64), np.array([1], np.int64)
+    for ptr, nbytes in [(4096, -1), (8192, -4096), (2**62, 2**62 + 2**61)]:
+        with pytest.raises(ValueError, match=rf"allowed_ranges\[1\] = \({ptr}, {nbytes}\) is not a valid memory range"):
+            _native.slices_inside(a, s, [(4096, 4096), (ptr, nbytes)])
+    assert _native.slices_inside(a, s, [(4096, 4096), (8192, 0)]).tolist() == [True]
+    assert _native.slices_inside(a, s, [(8192, 0)]).tolist() == [False]
+
+
 def test_the_per_column_hint_never_widens_a_range() -> None:
     """Row 0 finds column j's range (the hint for the rows below); a later row of the same column that ends
     one byte past that range, or starts one byte before it, is still outside."""

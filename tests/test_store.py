@@ -283,6 +283,16 @@ def test_client_ports_past_an_exhausted_range_come_from_the_kernel(monkeypatch: 
     assert len(set(ports)) == 3 and port not in ports and all(0 < p < 65536 for p in ports)
 
 
+def test_a_one_port_client_range_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MIN_PORT == MAX_PORT is a valid range of one port: it is tried first, the rest come from the kernel."""
+    port = free_ports(1)[0]
+    monkeypatch.setenv("MC_STORE_CLIENT_MIN_PORT", str(port))
+    monkeypatch.setenv("MC_STORE_CLIENT_MAX_PORT", str(port))
+    assert store_module._client_ports(1) == [port]
+    ports = store_module._client_ports(2)
+    assert ports[0] == port and len(set(ports)) == 2
+
+
 class BlockingClient:
     """Stand-in for MooncakeDistributedStore whose batch_is_exist blocks until released."""
 

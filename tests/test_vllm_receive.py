@@ -476,6 +476,21 @@ def test_self_check_catches_a_handler_that_differs(vllm: tuple[Any, Any]) -> Non
     receive_check.self_check(data, worker, ours)
 
 
+def test_shape_check_wants_positive_int_direct_io_constants(
+    vllm: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The offload split divides by the alignment and adds the padding: 0, a negative value or a non-int is a
+    worker this handler does not fit, named by the constant."""
+    data, worker = vllm
+    assert receive_check.check_shape(data, worker) == ""
+    for name in ("_DIRECT_IO_ALIGNMENT", "_DIRECT_IO_PADDING_BYTES"):
+        for value in (0, -4096, "4096", 4096.0, True):
+            monkeypatch.setattr(worker, name, value)
+            assert receive_check.check_shape(data, worker) == f"{worker.__name__}.{name} is not a positive int"
+        monkeypatch.undo()
+    assert receive_check.check_shape(data, worker) == ""
+
+
 # --- array entry points of the store wrappers ------------------------------------------------------------------------
 
 
