@@ -58,6 +58,13 @@ def _wrap(kind: str, raw: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     return StagedMooncakeStore(NativeMooncakeStore(raw, armed=True), staging_bytes=1 << 20, armed=True)
 
 
+class _Head:
+    """The first ``nbytes`` of a :class:`StagingBuffer` (``ptr``, ``nbytes`` and ``array`` as the buffer's)."""
+
+    def __init__(self, room: StagingBuffer, nbytes: int) -> None:
+        self.ptr, self.nbytes, self.array = room.ptr, nbytes, room.array[:nbytes]
+
+
 class Rig:
     """A fresh Mooncake client, one wrapper around it, and host buffers: ``a`` registered, ``halves`` one
     allocation registered as two buffers (a slice across the middle straddles them), ``outside`` never
@@ -67,7 +74,10 @@ class Rig:
         self.kind = kind
         self.raw = _raw_store(master)
         self.store = _wrap(kind, self.raw, monkeypatch)
-        self.a = StagingBuffer(16 * REGION)
+        # ``a`` is the first 16 regions of a 17-region allocation: the memory right past its end (where the
+        # "past_end" slice reaches) is the test's own, so nothing but a wrongly admitted call can change it.
+        self._a_room = StagingBuffer(17 * REGION)
+        self.a = _Head(self._a_room, 16 * REGION)
         self.halves = StagingBuffer(16 * REGION)
         self.outside = StagingBuffer(16 * REGION)
         self.gone = StagingBuffer(16 * REGION)
