@@ -456,6 +456,54 @@ def test_multi_buffer_rows_from_a_database_subclass_stay_inside_the_caches(
         xfer.close()
 
 
+@pytest.mark.parametrize("method", ["prepare_values", "prepare_values_array", "plan_load", "plan_load_arrays"])
+def test_one_row_method_replaced_on_a_database_instance_is_not_trusted(
+    monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """The database's own type, one of its four row methods replaced on the instance: its rows are checked
+    against the registered caches like a subclass's, whichever method it is; the staged load does not use its
+    fused plan (rows and slot layout) at all, but plans by the shared walk and loads."""
+    secret = np.full(1 << 16, 0x53, np.uint8)
+    target = int(secret.ctypes.data)
+    arrays = method.endswith(("_array", "_arrays"))
+    with fake_store(monkeypatch) as (store, fake):
+        if arrays:
+            monkeypatch.setattr(type(store), "native_client_active", property(lambda self: True))
+        db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
+        original = getattr(db, method)
+
+        def wild(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if method.startswith("plan_load"):
+                addrs = np.full_like(out.addrs, target) if arrays else [[target] * len(r) for r in out.addrs]
+                return out._replace(addrs=addrs)
+            addrs, sizes, ids = out
+            return (np.full_like(addrs, target) if arrays else [[target] * len(r) for r in addrs]), sizes, ids
+
+        setattr(db, method, wild)
+        mode = "staged" if method == "plan_load_arrays" else "multi_buffer"
+        xfer = KVTransfer(store, [db], transfer_mode=mode, start_threads=False)
+        cache = Cache(2, 4, 256, seed=9)
+        xfer.register_kv_caches(cache.regions, 4)
+        h = hashes("m", 2)
+        if mode == "staged":
+            fake.objects.update({k: bytes(512) for k in db.keys_for(h)})
+            loaded = xfer.load(TransferRequest("r", 32, h, [[1, 2]]))
+            assert loaded.ok and loaded.loaded_block_ids == {1, 2}, loaded
+            assert (secret == 0x53).all(), "a load wrote outside the registered caches"
+        elif method.startswith("prepare"):
+            with pytest.raises(ValueError, match="outside the registered"):
+                xfer.store(TransferRequest("r", 32, h, [[1, 2]]))
+            assert not any(b"\x53" * 64 in v for v in fake.objects.values()), "process memory put into the store"
+        else:
+            fake.objects.update({k: bytes(512) for k in db.keys_for(h)})
+            loaded = xfer.load(TransferRequest("r", 32, h, [[1, 2]]))
+            assert loaded.failed_block_ids == {1, 2} and not loaded.loaded_block_ids
+            assert loaded.error is not None and "outside the registered" in loaded.error
+            assert (secret == 0x53).all(), "a load wrote outside the registered caches"
+        xfer.close()
+
+
 class _WildSlots(ChunkedTokenDatabase):
     """A database subclass whose fused staged plan lays slots out far past any lease."""
 

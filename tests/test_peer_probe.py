@@ -34,6 +34,7 @@ from mooncake_kvaddr.driver import store_calls
 from mooncake_kvaddr.driver.errors import StoreClosedError, StoreError
 from mooncake_kvaddr.driver.outcomes import BatchResult, _Op
 from mooncake_kvaddr.driver.probe import PROBE_MAX_BYTES, PeerProbe
+from mooncake_kvaddr.driver.rules import estimate_staging_bytes
 from mooncake_kvaddr.driver.store import MooncakeStore, RequestDeadline
 from mooncake_kvaddr.driver.transfer import KVTransfer, LoadResult, TransferRequest
 
@@ -254,6 +255,39 @@ def test_a_peer_whose_probe_fails_gets_none_of_its_keys(monkeypatch: pytest.Monk
         assert gets == [("batch_get_into_multi_buffers", CHUNKS - len(on_down))]
         assert result.outcomes == {"ok": CHUNKS - len(on_down), "transfer_failed": len(on_down)}
         # A load's keys are in chunk order here (rank 0): key i is block i + 1.
+        r.check(result, dst, [b for b in IDS if b - 1 not in on_down])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sub_batches_whose_peer_fails_its_probe_leave_the_others_to_load(
+    monkeypatch: pytest.MonkeyPatch, mode: str, model: str
+) -> None:
+    """The disk-offload budget cuts the load into sub-batches of three keys (keys in chunk order at rank 0).
+    Every key of the first lies on a peer whose probe fails, and all but one of the second: the first sends
+    nothing to Mooncake and is no reason to give up the rest (it is no unreachable master); the second sends
+    its one key alone; the later ones load whole."""
+    with rig(monkeypatch, mode, model) as r:
+        down, up = PEERS
+        keys = list(r.client.objects)  # put in chunk order
+        on_down = {0, 1, 2, 4, 5}
+        place = {k: down if i in on_down else up for i, k in enumerate(keys)}
+        give_replica_query(r.client, place.__getitem__)
+        original = r.client.batch_get_into
+
+        def probe(keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+            if place[keys[0]] == down:
+                return [-800]  # the peer does not answer
+            return original(keys, ptrs, sizes)
+
+        r.client.batch_get_into = probe  # type: ignore[method-assign]
+        dst = _dst(r)
+        budget = 3 * estimate_staging_bytes(r.regions * BLOCK_BYTES)
+        with r.transfer(dst, disk_offload_buffer_budget_bytes=budget, disk_offload_usable_ratio=1) as reader:
+            result = reader.load(r.request())
+        gets = [n for name, n in r.client.calls if name == _get_call(mode)]
+        # Direct mode: the up peer's one probe read (one key) comes first, then the data gets.
+        assert gets[-3:] == [1, 3, 3], gets
+        assert result.outcomes == {"ok": CHUNKS - len(on_down), "transfer_failed": len(on_down)}, result.outcomes
         r.check(result, dst, [b for b in IDS if b - 1 not in on_down])
 
 

@@ -22,6 +22,7 @@ from mooncake_kvaddr.driver.staging import (
     StagingPool,
     gather,
     plan_slots,
+    read_whole,
     scatter,
 )
 
@@ -132,6 +133,17 @@ def test_plan_slots_empty() -> None:
         assert plan.offsets.shape == (shape[0],) and plan.offsets.dtype == np.int64
         assert plan.object_sizes.tolist() == [0] * shape[0]
         assert plan.total_bytes == 0
+
+
+def test_read_whole_counts_a_key_only_when_its_whole_object_came_back() -> None:
+    """Per key: read whole when the get's code is exactly the object size, including an object of one byte; a
+    short read, a zero and an error code are not; another number of codes than keys is Mooncake's error."""
+    expected = np.array([1, 1, 4096, 4096, 8, 8], np.int64)
+    codes = [1, 0, 4096, 4095, -704, 9]
+    assert read_whole(codes, expected).tolist() == [True, False, True, False, False, False]
+    assert read_whole(np.array(codes, np.int64), expected).tolist() == [True, False, True, False, False, False]
+    with pytest.raises(RuntimeError, match="5 results for 6 keys"):
+        read_whole(codes[:5], expected)
 
 
 def test_plan_slots_errors() -> None:

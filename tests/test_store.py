@@ -765,6 +765,14 @@ def test_validation_errors_never_reach_mooncake(store: MooncakeStore, key_prefix
         (lambda: store.batch_is_exist("one-key"), TypeError, "single str"),
         (lambda: store.batch_get_into(k, [1], [1, 2]), ValueError, "1 pointers"),
         (lambda: store.batch_put_from(k, [1, -1], [1, 2]), ValueError, "key 1: pointer is negative"),
+        # The int64 maximum is a value in range: the error names the key after it.
+        (lambda: store.batch_put_from(k, [(1 << 63) - 1, -1], [1, 2]), ValueError, "key 1: pointer is negative"),
+        (lambda: store.batch_get_into(k, [1, 2], [(1 << 63) - 1, 1 << 63]), ValueError, r"key 1: size is 9223"),
+        (
+            lambda: store.batch_get_into_multi_buffers(k, [[(1 << 63) - 1, 1], [1, -2]], buf.sizes),
+            ValueError,
+            r"key 1: address \[1\] is negative",
+        ),
         (lambda: store.register_buffer(-1, 10), ValueError, "ptr"),
         (lambda: store.register_buffer(1.5, 10), TypeError, "ptr"),  # type: ignore[arg-type]
     ]

@@ -450,6 +450,43 @@ def test_a_hung_staged_load_keeps_only_its_slots_and_later_loads_are_right(
             r.check_load(later, hung, "B", CHUNKS)
 
 
+def test_an_interrupted_wait_for_a_staged_call_keeps_only_that_calls_slots(
+    monkeypatch: pytest.MonkeyPatch, model: str
+) -> None:
+    """A ``KeyboardInterrupt`` while a load waits for its second staged get (10 keys through an 8-slot lease:
+    8, then 2) abandons that call and propagates; as at a deadline, only the 2 slots the call uses stay leased
+    until Mooncake returns, the rest of the lease goes back to the pool at once."""
+    with real_time_rig(monkeypatch, model) as r:
+        r.store_both()
+        assert r.pool is not None
+        gate = Gate(r.client, "batch_get_into", which=2)
+        dst = Cache(r.regions, CHUNKS + 1, BLOCK_BYTES, fill=SENTINEL)
+        with r.transfer(dst) as reader:
+            calls = _staged(reader).calls
+            submit = calls.submit
+            made: list[Any] = []
+
+            def interrupted(timeout: float | None = None) -> bool:
+                assert gate.entered.wait(10)  # the call is inside Mooncake
+                raise KeyboardInterrupt
+
+            def submit_then_interrupt(*args: Any, **kwargs: Any) -> Any:
+                pending = submit(*args, **kwargs)
+                made.append(pending)
+                if len(made) == 2:
+                    monkeypatch.setattr(pending._done, "wait", interrupted)
+                return pending
+
+            monkeypatch.setattr(calls, "submit", submit_then_interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                reader.load(_small(r, "A", chunks=10))
+            assert len(made) == 2 and made[1].abandoned and not made[0].abandoned
+            assert r.pool.free_bytes == r.pool.capacity - 2 * SLOT
+            gate.open()
+            assert calls.wait_settled(5)
+            assert r.pool.free_bytes == r.pool.capacity
+
+
 def test_a_staged_store_returns_at_its_deadline_and_its_slots_are_not_reused(
     monkeypatch: pytest.MonkeyPatch, model: str
 ) -> None:
