@@ -883,6 +883,26 @@ def test_the_int64_maximum_is_an_accepted_value_in_every_row_form(monkeypatch: p
             store.batch_get_into_multi_buffers(["missing"], too_big, np.array([[8]], np.uint64))
 
 
+def test_buffer_registration_takes_zero_and_leaves_it_to_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer calls refuse only what no address or size can be (negative, not an int); 0 is Mooncake's to
+    answer, and reaches it."""
+    with fake_store(monkeypatch) as (store, client):
+        seen: list[tuple[int, ...]] = []
+        client.register_buffer = lambda ptr, size: seen.append((ptr, size)) or 0  # type: ignore[method-assign]
+        client.unregister_buffer = lambda ptr: seen.append((ptr,)) or 0  # type: ignore[method-assign]
+        store.register_buffer(0, 4096)
+        store.register_buffer(4096, 0)
+        store.unregister_buffer(0)
+        assert seen == [(0, 4096), (4096, 0), (0,)]
+        for call in (lambda: store.register_buffer(-1, 1), lambda: store.register_buffer(1, -1),
+                     lambda: store.unregister_buffer(-1)):  # fmt: skip
+            with pytest.raises(ValueError, match="must be >= 0"):
+                call()
+        with pytest.raises(TypeError, match="expected int, got bool"):
+            store.register_buffer(True, 1)
+        assert len(seen) == 3
+
+
 @mooncake
 def test_register_unregister_remove(store: MooncakeStore, key_prefix: str) -> None:
     buf = np.zeros(64 * KiB, dtype=np.uint8)
