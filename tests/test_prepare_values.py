@@ -162,6 +162,16 @@ def test_empty_block_len_with_regions_raises() -> None:
         db.prepare_value_for_block(0)
 
 
+def test_empty_block_len_with_one_region_raises() -> None:
+    """One region is enough: the check is for any region without a block_len, not for several."""
+    db = ChunkedTokenDatabase(KeyMetadata("t", 0, 0, 0, 0), BLOCK_SIZE)
+    db.set_kv_caches_base_addr([0x1000])
+    with pytest.raises(BlockLenError):
+        db.prepare_values([(0, 128)], [0])
+    with pytest.raises(BlockLenError):
+        db.prepare_value_for_block(0)
+
+
 def test_no_regions_gives_empty_rows() -> None:
     native, oracle = paired([], [], BLOCK_SIZE)
     result = native.prepare_values([(0, 128), (128, 256)], [4, 5])
@@ -284,6 +294,26 @@ def test_address_cache_exactly_at_its_capacity_holds_every_row() -> None:
     assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
     info = native.address_cache_info()
     assert info["entries"] == 5 and info["bytes"] == 5 * row_bytes  # a sixth row evicts one: still full
+
+
+def test_address_cache_of_exactly_one_row_holds_it() -> None:
+    """A cap of exactly one row's bytes still caches a row (admission is refused only when a row cannot fit)."""
+    bases, lens = oracle_regions(10, 3)
+    native, oracle = paired(bases, lens, 16)
+    chunks, block_ids = [(0, 16)], [900]
+    for _ in range(2):  # cached on the second sighting
+        assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
+    row_bytes = native.address_cache_info()["bytes"]
+    assert row_bytes > 0
+    native.address_cache_bytes = row_bytes
+    native.clear_address_cache()
+    for _ in range(2):
+        assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
+    info = native.address_cache_info()
+    assert info["entries"] == 1 and info["bytes"] == row_bytes == info["capacity_bytes"]
+    before = info["hits"]
+    assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
+    assert native.address_cache_info()["hits"] - before == 1
 
 
 def test_rows_are_cached_on_their_second_sighting() -> None:
