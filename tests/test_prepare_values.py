@@ -137,6 +137,17 @@ def test_numpy_integers_accepted_and_returned_as_int() -> None:
         assert result == oracle.prepare_values([(0, 128), (128, 256)], [3, 9])
 
 
+def test_uint64_block_id_array_accepts_the_int64_maximum() -> None:
+    """A uint64 block id of exactly 2**63 - 1 fits int64: it converts (2**63 is the first refused)."""
+    top = 2**63 - 1
+    native, _ = paired([], [], BLOCK_SIZE)  # no regions: the id is echoed, no address to overflow
+    ids = np.array([top, 5], np.uint64)
+    assert native.prepare_values([(0, 128), (128, 256)], ids) == ([[], []], [[], []], [top, 5])
+    assert native.prepare_values_array([(0, 128), (128, 256)], ids)[2].tolist() == [top, 5]
+    with_regions, _ = paired([4096], [0], BLOCK_SIZE)  # block_len 0: every block id is at the base
+    assert with_regions.prepare_values([(0, 128)], np.array([top], np.uint64)) == ([[4096]], [[0]], [top])
+
+
 def test_address_overflow_raises_instead_of_wrapping() -> None:
     native, _ = paired([(1 << 62)], [1 << 20], BLOCK_SIZE)
     with pytest.raises(OverflowError):
