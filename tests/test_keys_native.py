@@ -23,6 +23,7 @@ from mooncake_kvaddr.core.keys import (
     reduce_exists,
     replication_factor,
 )
+from mooncake_kvaddr.driver.staging import plan_slots
 
 prefixes = st.text(min_size=0, max_size=40)  # includes non-ASCII, astral and surrogate code points
 hash_lists = st.integers(1, 40).flatmap(
@@ -296,6 +297,19 @@ def test_plan_load_matches_composition(w: dict[str, Any]) -> None:
         else:
             plan = native.plan_load(token_len, hashes_arg, block_ids, w["mask_num"], mask, hash_len=hash_len)
             assert tuple(plan) == tuple(expected)
+
+
+def test_plan_load_arrays_refuses_a_slot_alignment_of_zero_or_below() -> None:
+    """0 is no power of two: its mask (-1) would round every slot offset down to 0, all keys on one slot."""
+    native, _ = paired(*oracle_regions(4, 2), 32, 16)
+    hashes = [bytes([i]) * 8 for i in range(8)]
+    for bad in (0, -64, 3):
+        with pytest.raises(ValueError, match="slot_alignment"):
+            native.plan_load_arrays(128, hashes, [5, 6, 7, 8], slot_alignment=bad)
+    for good in (1, 64):
+        plan = native.plan_load_arrays(128, hashes, [5, 6, 7, 8], slot_alignment=good)
+        assert plan.offsets.tolist() == plan_slots(plan.sizes, good).offsets.tolist()
+        assert len(set(plan.offsets.tolist())) == len(plan.keys) == 4
 
 
 @settings(max_examples=400, deadline=None)

@@ -304,6 +304,21 @@ def test_tp_shared_registration_with_fake_tensors() -> None:
         layout.register_kv_caches([lbhnc], 4)
 
 
+def test_tp_shared_registration_refuses_a_content_dimension_that_is_not_packed() -> None:
+    """Strides of a packed cache in every outer dimension do not make it packed: the content elements must be
+    adjacent too (a broadcast, stride-0 content dimension reads one element content times)."""
+    heads, content = 2, 8
+    storage = FakeStorage(0x40000, 1 << 20)
+    for cls, outer in ((M.LBHNCStoreLayout, (heads * BS * content, BS * content, content)),
+                       (M.LBNHCStoreLayout, (heads * BS * content, content, heads * content))):
+        layout = cls(M.KeyMetadata("m", 0, 0, 0, 0), BS, BS, 1, 2, 0, heads)
+        for inner in (0, 2):
+            cache = FakeTensor((3, heads, BS, content), (*outer, inner), 2, 0x40000, storage)
+            with pytest.raises(ValueError, match=f"packed {cls.store_format}"):
+                layout.register_kv_caches([cache], 3)
+        layout.register_kv_caches([FakeTensor((3, heads, BS, content), (*outer, 1), 2, 0x40000, storage)], 3)
+
+
 def test_token_major_shards_start_at_their_own_heads() -> None:
     """A rank owning two store shards (local TP 1, store TP 2): shard s's segment of each token starts at its
     first head, s * heads_per_store_shard."""

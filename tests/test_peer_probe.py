@@ -460,6 +460,18 @@ def test_a_peer_holding_only_objects_too_large_to_probe_is_not_proven_and_its_ke
     assert store.reads == ["small"] and probe.probes == 1 and probe.known == {"p2"}
 
 
+def test_an_object_of_exactly_the_probe_limit_is_probed() -> None:
+    """PROBE_MAX_BYTES is the largest object a probe reads, itself included."""
+    store = _ProbeStore([(("p1", PROBE_MAX_BYTES),)])
+    probe = _probe_with(store)
+    try:
+        screen = probe.screen(["edge"], RequestDeadline(5.0))
+    finally:
+        probe.close()
+    assert not screen.stop and screen.allowed is None
+    assert store.reads == ["edge"] and probe.probes == 1 and probe.known == {"p1"}
+
+
 def test_a_probe_read_that_raises_store_error_lets_the_get_meet_it_and_releases_the_buffer() -> None:
     store = _ProbeStore([(("p1", 64),)])
 

@@ -32,7 +32,7 @@ from mooncake_kvaddr.driver.staging import StagingBuffer
 from mooncake_kvaddr.integrations.vllm import guard as guard_module
 from mooncake_kvaddr.integrations.vllm import native_store as native_store_module
 from mooncake_kvaddr.integrations.vllm.guard import INVALID_PARAMS, Ranges, RangeTable
-from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore, registration_ok
 from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
 
 KINDS = ("native", "bound", "staged", "staged_native")
@@ -366,6 +366,27 @@ def test_armed_wrappers_refuse_before_any_registration_unarmed_ones_pass() -> No
         plain.unregister_buffer(8192)
         assert plain.batch_put_from(["j"], [8192], [100]) == [INVALID_PARAMS]  # stays armed, range gone
         assert calls == ["put"] * 3
+
+
+def test_a_positive_register_answer_is_no_registration() -> None:
+    """Only 0 is Mooncake's success: a positive answer records no range (its keys are refused like any other)."""
+    calls: list[list[str]] = []
+
+    class Fake:
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 1 if ptr == 8192 else 0
+
+        def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+            calls.append(keys)
+            return [0] * len(keys)
+
+    assert registration_ok(0) and registration_ok(np.int64(0))
+    assert not registration_ok(1) and not registration_ok(np.int32(2)) and not registration_ok(False)
+    store = NativeMooncakeStore(Fake(), armed=True)
+    assert store.register_buffer(8192, 100) == 1
+    assert store.register_buffer(4096, 16) == 0
+    assert store.ranges.ranges.items == ((4096, 16),)
+    assert store.batch_put_from(["j", "k"], [8192, 4096], [100, 16]) == [INVALID_PARAMS, 0] and calls == [["k"]]
 
 
 def test_plugin_installs_armed_wrappers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+
 import pytest
 
 from kvaddr_testing import RecordingHashes
@@ -146,6 +148,16 @@ def test_blob_block_hashes() -> None:
         view[-6]
     assert len(BlobBlockHashes(memoryview(b""), 0)) == 0
     assert view[0].hex() == hashes[0].hex()
+
+
+def test_blob_block_hashes_of_a_one_dimensional_view_of_wider_items_count_bytes() -> None:
+    words = array.array("I", range(1, 9))  # one dimension, 8 items of 4 bytes: 32 bytes
+    raw = words.tobytes()
+    view = BlobBlockHashes(memoryview(words), 4)
+    assert len(view) == 8 and view.blob.format == "B" and len(view.blob) == 32
+    assert [bytes(h) for h in view] == [raw[i : i + 4] for i in range(0, 32, 4)]
+    with pytest.raises(ValueError, match="multiple of hash_len"):
+        BlobBlockHashes(memoryview(words), 3)  # 32 bytes, not 8 items, are cut into hashes
 
 
 def test_compact_chunk_hashes() -> None:

@@ -137,6 +137,17 @@ def test_numpy_integers_accepted_and_returned_as_int() -> None:
         assert result == oracle.prepare_values([(0, 128), (128, 256)], [3, 9])
 
 
+def test_uint64_block_id_array_accepts_the_int64_maximum() -> None:
+    """A uint64 block id of exactly 2**63 - 1 fits int64: it converts (2**63 is the first refused)."""
+    top = 2**63 - 1
+    native, _ = paired([], [], BLOCK_SIZE)  # no regions: the id is echoed, no address to overflow
+    ids = np.array([top, 5], np.uint64)
+    assert native.prepare_values([(0, 128), (128, 256)], ids) == ([[], []], [[], []], [top, 5])
+    assert native.prepare_values_array([(0, 128), (128, 256)], ids)[2].tolist() == [top, 5]
+    with_regions, _ = paired([4096], [0], BLOCK_SIZE)  # block_len 0: every block id is at the base
+    assert with_regions.prepare_values([(0, 128)], np.array([top], np.uint64)) == ([[4096]], [[0]], [top])
+
+
 def test_address_overflow_raises_instead_of_wrapping() -> None:
     native, _ = paired([(1 << 62)], [1 << 20], BLOCK_SIZE)
     with pytest.raises(OverflowError):
@@ -159,6 +170,16 @@ def test_empty_block_len_with_regions_raises() -> None:
         db.prepare_values([(0, 128)], [0])
     assert isinstance(info.value, ValueError) and isinstance(info.value, ZeroDivisionError)
     with pytest.raises(ValueError):
+        db.prepare_value_for_block(0)
+
+
+def test_empty_block_len_with_one_region_raises() -> None:
+    """One region is enough: the check is for any region without a block_len, not for several."""
+    db = ChunkedTokenDatabase(KeyMetadata("t", 0, 0, 0, 0), BLOCK_SIZE)
+    db.set_kv_caches_base_addr([0x1000])
+    with pytest.raises(BlockLenError):
+        db.prepare_values([(0, 128)], [0])
+    with pytest.raises(BlockLenError):
         db.prepare_value_for_block(0)
 
 
@@ -284,6 +305,26 @@ def test_address_cache_exactly_at_its_capacity_holds_every_row() -> None:
     assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
     info = native.address_cache_info()
     assert info["entries"] == 5 and info["bytes"] == 5 * row_bytes  # a sixth row evicts one: still full
+
+
+def test_address_cache_of_exactly_one_row_holds_it() -> None:
+    """A cap of exactly one row's bytes still caches a row (admission is refused only when a row cannot fit)."""
+    bases, lens = oracle_regions(10, 3)
+    native, oracle = paired(bases, lens, 16)
+    chunks, block_ids = [(0, 16)], [900]
+    for _ in range(2):  # cached on the second sighting
+        assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
+    row_bytes = native.address_cache_info()["bytes"]
+    assert row_bytes > 0
+    native.address_cache_bytes = row_bytes
+    native.clear_address_cache()
+    for _ in range(2):
+        assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
+    info = native.address_cache_info()
+    assert info["entries"] == 1 and info["bytes"] == row_bytes == info["capacity_bytes"]
+    before = info["hits"]
+    assert native.prepare_values(chunks, block_ids) == oracle.prepare_values(chunks, block_ids)
+    assert native.address_cache_info()["hits"] - before == 1
 
 
 def test_rows_are_cached_on_their_second_sighting() -> None:

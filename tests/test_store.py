@@ -172,6 +172,15 @@ def test_a_store_needs_a_master_address_or_an_embedded_master(monkeypatch: pytes
     assert MooncakeStore(embedded_master=True).master is None  # nothing starts before setup()
 
 
+def test_keyword_overrides_apply_to_a_given_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    base = StoreConfig(global_segment_size=0)
+    store = MooncakeStore(base, master_server_address="127.0.0.1:1", close_timeout_s=0.5)
+    assert store.config.master_server_address == "127.0.0.1:1" and store.config.close_timeout_s == 0.5
+    assert store.master_address == "127.0.0.1:1"
+    assert base.master_server_address is None  # the given config is left as it was
+
+
 class RecordingClient:
     """Stand-in for MooncakeDistributedStore: records setup() arguments, fails the first ``fail`` setups."""
 

@@ -691,6 +691,29 @@ def test_call_runner_abandons_at_the_timeout_and_hands_over_the_release() -> Non
     _join_call_threads()
 
 
+def test_call_runner_settles_only_when_the_last_abandoned_call_returns() -> None:
+    runner = CallRunner(3, name=CALL_THREAD)
+    first, second = threading.Event(), threading.Event()
+    released: list[BaseException | None] = []
+    calls = [runner.submit(lambda go=go: go.wait(10) and 1, 0.05, released.append) for go in (first, second)]
+    for pending in calls:
+        with pytest.raises(CallAbandoned):
+            pending.wait(0.05)
+    assert runner.abandoned == 2
+    settled: list[str] = []
+    runner.when_settled(lambda: settled.append("x"))
+    first.set()
+    deadline = time.monotonic() + 5
+    while runner.abandoned != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runner.abandoned == 1 and released == [None]
+    assert settled == [] and not runner.wait_settled(0.05)  # one abandoned call still runs
+    second.set()
+    assert runner.wait_settled(5) and settled == ["x"] and released == [None, None]
+    runner.close()
+    _join_call_threads()
+
+
 def test_call_runner_keeps_at_most_max_idle_threads() -> None:
     runner = CallRunner(4, name="KVTransferIdleTest", max_idle=1)
     gate = threading.Event()

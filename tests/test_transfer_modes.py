@@ -206,6 +206,17 @@ def test_config_transfer_mode_and_staging_size() -> None:
     xfer.close()
 
 
+def test_the_store_configs_transfer_mode_is_the_default() -> None:
+    store = MooncakeStore(master_server_address="127.0.0.1:1", transfer_mode="staged")
+    db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
+    xfer = KVTransfer(store, [db], start_threads=False)
+    assert xfer.transfer_mode == "staged"
+    xfer.close()
+    xfer = KVTransfer(store, [db], transfer_mode="multi_buffer", start_threads=False)  # the argument wins
+    assert xfer.transfer_mode == "multi_buffer"
+    xfer.close()
+
+
 def test_walk_load_equals_plan_load() -> None:
     db = ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16, 4)
     db.set_kv_caches_base_addr([1 << 20, 2 << 20, 3 << 20])

@@ -204,6 +204,13 @@ def test_staging_bytes_must_be_positive() -> None:
     assert transports.staged_settings({}, {transports.ENV_STAGING_BYTES: "1"}) == (False, 1)
 
 
+def test_the_environments_staging_bytes_win_over_the_extra_config() -> None:
+    extra = {transports.EXTRA_STAGING_BYTES: 4096}
+    assert transports.staged_settings(extra, {transports.ENV_STAGING_BYTES: "8192"}) == (False, 8192)
+    assert transports.staged_settings(extra, {}) == (False, 4096)
+    assert transports.staged_settings({}, {}) == (False, transports.DEFAULT_STAGING_BYTES)
+
+
 def test_host_caches_given_as_tuples_of_tensors_are_host_caches() -> None:
     cpu = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
     cuda = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
@@ -628,6 +635,23 @@ def test_staged_passes_through_what_staging_cannot_take(caplog: pytest.LogCaptur
     inner = FakeMooncake()
     store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
     round_trip(store, inner, ["a", "b"], [[cache.ptr], [cache.ptr + 4096]], [[4096], [4096]])
+
+
+def test_staged_takes_an_object_exactly_as_large_as_the_staging_buffer() -> None:
+    inner = FakeMooncake()
+    store = StagedMooncakeStore(inner, staging_bytes=4096)
+    cache = StagingBuffer(8192)
+    cache.array[:] = np.random.default_rng(2).integers(0, 255, cache.nbytes, dtype=np.uint8)
+    want = cache.array.copy()
+    assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+    addrs, sizes = [[cache.ptr, cache.ptr + 6144]], [[2048, 2048]]  # one 4 KiB object: the whole buffer
+    assert store.batch_put_from_multi_buffers(["edge"], addrs, sizes) == [0]
+    cache.array[:] = 0
+    assert store.batch_get_into_multi_buffers(["edge"], addrs, sizes) == [4096]
+    assert (cache.array[:2048] == want[:2048]).all() and (cache.array[6144:] == want[6144:]).all()
+    assert inner.calls == ["put_from", "get_into"]
+    assert store.stats.staged_puts == store.stats.staged_gets == 1
+    assert store.stats.passthrough_puts == store.stats.passthrough_gets == 0
 
 
 def test_staged_splits_requests_larger_than_the_staging_buffer() -> None:
