@@ -46,6 +46,21 @@ def test_a_walk_longer_than_one_window_reads_its_mask_from_the_first_chunk() -> 
     assert ours == reference
 
 
+def test_a_walk_longer_than_one_window_without_a_mask_yields_every_chunk() -> None:
+    """More than core.walk.WINDOW chunks and no mask (vLLM's store path): every chunk from the first one is
+    walked, window after window, as in the reference (the windowed test in test_native_argument_conversion.py
+    replaces the all-chunks mask with its own, so only a real window size sees the module's)."""
+    from mooncake_kvaddr.core.walk import WINDOW
+
+    n = WINDOW + 40
+    hashes = [i.to_bytes(4, "little") for i in range(n)]
+    md = KeyMetadata("m", 0, 0, 0, 0)
+    ours = list(ChunkedTokenDatabase(md, 1).process_tokens(n, hashes, 3))
+    reference = list(OracleChunkedTokenDatabase(md, 1).process_tokens(n, hashes, 3))
+    assert len(reference) == n - 3 and reference[-1][:2] == (n - 1, n)
+    assert ours == reference
+
+
 def test_a_mask_shorter_than_a_long_walk_ends_it_counted_from_the_first_chunk() -> None:
     """More than core.walk.WINDOW chunks, a first chunk past 0 and a mask that ends before the tokens do: the
     walk stops ``len(mask)`` chunks after its first chunk, as in the reference (fresh mutant M11-18: the stop

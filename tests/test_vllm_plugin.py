@@ -74,6 +74,47 @@ def test_unknown_release_is_left_untouched(data: Any) -> None:
     assert not plugin.is_patched()
 
 
+@pytest.mark.vllm
+def test_a_data_module_given_without_a_worker_patches_only_the_layouts(data: Any) -> None:
+    """``patch(data=..., version=...)`` without ``worker`` works on that data module alone: vLLM's worker module
+    is not imported in its place, so only the layouts are replaced (no transport hook, no handler, no lookup)."""
+    import vllm
+
+    report = plugin.patch(data=data, version=str(vllm.__version__))
+    assert report.active
+    assert report.patched == [f"{cls_name}.{name}" for cls_name, name, _ in plugin.REPLACEMENTS]
+    assert not report.staged_hook and report.hook_reason == ""
+    assert not plugin.is_receive_patched() and not plugin.is_send_patched()
+
+
+@pytest.mark.vllm
+def test_the_transport_hook_is_installed_only_on_the_worker_it_was_checked_against(data: Any) -> None:
+    """vLLM's own ``MooncakeStoreWorker`` gets the transport hook (``register_kv_caches`` wrapped, the report
+    says so); a worker whose ``close`` is not the function the hook was checked against keeps its methods, and
+    the report names why."""
+    import vllm
+
+    worker = pytest.importorskip(plugin.WORKER_MODULE)
+    version = str(vllm.__version__)
+    original = worker.MooncakeStoreWorker.__dict__["register_kv_caches"]
+    report = plugin.patch(data=data, worker=worker, version=version, receive=False, lookup=False, send=False)
+    assert report.active and report.staged_hook and report.hook_reason == ""
+    assert worker.MooncakeStoreWorker.__dict__["register_kv_caches"].__wrapped__ is original
+    plugin.unpatch()
+    assert worker.MooncakeStoreWorker.__dict__["register_kv_caches"] is original
+
+    class OwnClose(worker.MooncakeStoreWorker):  # type: ignore[misc, name-defined]
+        def close(self) -> None:
+            return None
+
+    fake = _module_with(worker, MooncakeStoreWorker=OwnClose)
+    report = plugin.patch(data=data, worker=fake, version=version, receive=False, lookup=False, send=False)
+    assert report.active and not report.staged_hook
+    assert report.hook_reason.startswith("MooncakeStoreWorker.close is not the function")
+    assert "register_kv_caches" not in OwnClose.__dict__ and not hasattr(OwnClose.__dict__["close"], "__wrapped__")
+    assert worker.MooncakeStoreWorker.__dict__["register_kv_caches"] is original
+
+
 def _module_with(data: Any, **replace: Any) -> types.ModuleType:
     fake = types.ModuleType("fake_vllm_data")
     fake.__dict__.update({k: v for k, v in vars(data).items() if not k.startswith("__")})
@@ -130,6 +171,68 @@ def test_register_warns_once_when_it_cannot_patch(
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "untouched" in r.getMessage()]
     assert len(warnings) == 1
     assert not plugin.is_patched()
+
+
+def test_a_fresh_process_warns_on_its_first_failed_activation() -> None:
+    """The one "left untouched" warning is the first one of the process: a process whose activation fails logs
+    it (once), with nothing reset by hand (the test above resets the once-flag; this one starts fresh)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format='%(levelname)s %(message)s')\n"
+        "from mooncake_kvaddr.integrations.vllm import plugin as p\n"
+        "p.patch = lambda: p.PatchReport(vllm_version='9.9.0', reason='not a release it knows')\n"
+        "p._activate()\n"
+        "p._activate()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    lines = [line for line in out.stdout.splitlines() if "left untouched" in line]
+    assert lines == ["WARNING mooncake_kvaddr: vLLM left untouched: not a release it knows"]
+
+
+@pytest.mark.vllm
+def test_unpatch_takes_a_pending_import_hook_out_of_sys_meta_path(data: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``register`` (even twice) before the store modules are imported puts one import hook on ``sys.meta_path``;
+    ``unpatch`` takes it out again (nothing left behind to fire later) and patches nothing."""
+    import sys
+
+    monkeypatch.delenv(plugin.ENV_PLUGIN, raising=False)
+    monkeypatch.setattr(plugin, "_WATCHED", ("kvaddr_absent_store.data", "kvaddr_absent_store.worker"))
+    before = list(sys.meta_path)
+    try:
+        plugin.register()
+        plugin.register()  # vLLM may call plugins twice per process: still one hook
+        hooks = [f for f in sys.meta_path if isinstance(f, plugin._StoreImportHook)]
+        assert len(hooks) == 1
+        plugin.unpatch()
+        assert sys.meta_path == before
+        assert not plugin.is_patched()
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, plugin._StoreImportHook)]
+
+
+def test_the_deferred_loader_leaves_the_module_with_its_own_loader() -> None:
+    """The loader the import hook wraps runs the real one and then puts the real one back on the module and on
+    its spec, so the imported module looks untouched (docs/vllm-plugin.md, "Start-up")."""
+    import importlib.machinery
+
+    class Loader:
+        def create_module(self, spec: Any) -> None:
+            return None
+
+        def exec_module(self, module: types.ModuleType) -> None:
+            module.ran = True  # type: ignore[attr-defined]
+
+    real = Loader()
+    wrapped = plugin._ThenPatch(real, "kvaddr_absent_store.other")
+    module = types.ModuleType("kvaddr_absent_store.other")
+    module.__spec__ = importlib.machinery.ModuleSpec("kvaddr_absent_store.other", wrapped)
+    module.__loader__ = wrapped
+    wrapped.exec_module(module)
+    assert module.ran  # type: ignore[attr-defined]
+    assert module.__loader__ is real and module.__spec__.loader is real
 
 
 def test_replacing_an_attribute_twice_keeps_vllms_original() -> None:
@@ -591,6 +694,37 @@ def test_staged_passes_unregistered_memory_and_odd_calls_through() -> None:
     assert len(inner.calls) == 3
 
 
+def test_staged_put_with_other_keywords_goes_to_mooncake_with_its_arguments() -> None:
+    """A staged multi-buffer put given a keyword other than ``config``, or ``config=`` beside a positional config,
+    is Mooncake's own multi-buffer put with exactly those arguments (one pass-through each); ``config=`` alone is
+    staged, and that config reaches Mooncake's ``batch_put_from``."""
+    seen: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    class Recording(FakeMooncake):
+        def batch_put_from_multi_buffers(
+            self, keys: list[str], addrs: Any, sizes: Any, *args: Any, **kwargs: Any
+        ) -> list[int]:
+            seen.append(("put_multi", args, kwargs))
+            return super().batch_put_from_multi_buffers(keys, addrs, sizes)
+
+        def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], config: Any = None) -> list[int]:
+            seen.append(("put_from", (config,), {}))
+            return super().batch_put_from(keys, ptrs, sizes, config)
+
+    inner = Recording()
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    cache = StagingBuffer(4096)
+    assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+    assert store.batch_put_from_multi_buffers(["a"], [[cache.ptr]], [[64]], replicate="r") == [0]
+    assert store.batch_put_from_multi_buffers(["b"], [[cache.ptr]], [[64]], "c1", config="c2") == [0]
+    assert seen == [("put_multi", (), {"replicate": "r"}), ("put_multi", ("c1",), {"config": "c2"})]
+    assert store.stats.passthrough_puts == 2 and store.stats.staged_puts == 0
+    assert store.batch_put_from_multi_buffers(["c"], [[cache.ptr]], [[64]], config="c3") == [0]
+    assert seen[2:] == [("put_from", ("c3",), {})]
+    assert store.stats.passthrough_puts == 2 and store.stats.staged_puts == 1
+    assert set(inner.objects) == {"a", "b", "c"}
+
+
 def test_staged_passes_through_what_staging_cannot_take(caplog: pytest.LogCaptureFixture) -> None:
     """Three calls the staged wrapper cannot stage go to Mooncake's own multi-buffer methods with their rows
     unchanged, and their bytes round-trip: an object larger than the whole staging buffer; any call once
@@ -757,6 +891,36 @@ def test_native_store_dispatch_and_fallback(
     assert store.batch_get_replica_desc is not None  # everything else is the wrapped store's
     store.close()
     assert bound.closed and (client.closed or not available)
+
+
+def test_armed_native_store_hands_keyword_calls_to_mooncake_with_their_keywords(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Armed, as the plugin installs it, the native-client wrapper still gives a call with keyword arguments to
+    Mooncake's own method with those keywords (a native call would drop them); the same call without keywords
+    goes to the native client."""
+    from mooncake_kvaddr.driver.native_client import NativeClient
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    class Bound(_Recorder):
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 0
+
+    class Client(_Recorder):
+        def last_refused(self) -> int:
+            return 0
+
+    bound, client = Bound("bound"), Client("native")
+    monkeypatch.setattr(NativeClient, "from_store", classmethod(lambda cls, store: client))
+    store = NativeMooncakeStore(bound, armed=True)
+    buf = StagingBuffer(4096)
+    assert store.register_buffer(buf.ptr, buf.nbytes) == 0
+    rows, sizes, config = [[buf.ptr, buf.ptr + 64]], [[64, 64]], object()
+    assert store.batch_put_from_multi_buffers(["a"], rows, sizes, config=config)[0] == "bound"
+    assert bound.calls == [("batch_put_from_multi_buffers", (["a"], rows, sizes), {"config": config})]
+    assert client.calls == [] and store.stats.fallback_calls == 1
+    assert store.batch_put_from_multi_buffers(["a"], rows, sizes, config)[0] == "native"
+    assert len(bound.calls) == 1 and store.stats.native_calls == 1
 
 
 def test_native_store_refused_arguments_go_to_mooncake(

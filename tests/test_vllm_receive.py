@@ -869,3 +869,77 @@ def test_a_database_whose_block_sizes_are_not_its_layouts_is_left_to_vllm(vllm: 
     for block_size, hash_block_size in ((64, 16), (32, 32)):
         db = data.ChunkedTokenDatabase(metadata, block_size, hash_block_size, layout)
         assert kinds.engine_of(db, PLAN_ENGINES) == "a token database whose block sizes are not its layout's"
+
+
+def test_a_database_that_is_not_vllms_is_left_to_vllm_with_its_reason(vllm: tuple[Any, Any]) -> None:
+    """A token database whose chunk walk is not vLLM's (a subclass overriding ``process_tokens``, or another
+    type) is not ours to plan: ``Kinds.engine_of`` answers the reason both handlers record, the same on a
+    second ask (the answer is cached per type), while vLLM's own class still gets an engine."""
+    from mooncake_kvaddr.integrations.vllm import plans
+    from mooncake_kvaddr.integrations.vllm.layouts import OURS, PLAN_ENGINES
+
+    data, _ = vllm
+    kinds = plans.Kinds(data, OURS)
+    metadata = data.KeyMetadata("m/own-walk", 0, 0, 0, 0)
+    layout = data.RankLocalStoreLayout(metadata, 32, 16)
+    layout.set_kv_caches_base_addr([1 << 30])
+    layout.set_block_len([4096])
+
+    class OwnWalk(data.ChunkedTokenDatabase):  # type: ignore[misc, name-defined]
+        def process_tokens(self, *args: Any, **kwargs: Any) -> Any:
+            return super().process_tokens(*args, **kwargs)
+
+    class NotADatabase:
+        store_layout = layout
+
+    reason = "a token database that is not vLLM's"
+    for db in (OwnWalk(metadata, 32, 16, layout), NotADatabase()):
+        assert kinds.engine_of(db, PLAN_ENGINES) == reason
+        assert kinds.engine_of(db, PLAN_ENGINES) == reason
+    assert not isinstance(kinds.engine_of(data.ChunkedTokenDatabase(metadata, 32, 16, layout), PLAN_ENGINES), str)
+
+
+def test_a_layout_not_backed_by_our_engine_is_left_to_vllm_with_its_reason(vllm: tuple[Any, Any]) -> None:
+    """A layout vLLM would call its own way is not ours to plan, with the reason the handlers record: a subclass
+    with its own ``local_shard_ids`` (our engine would not ask it), an instance override of ``prepare_values``."""
+    from mooncake_kvaddr.integrations.vllm import plans
+    from mooncake_kvaddr.integrations.vllm.layouts import OURS, PLAN_ENGINES
+
+    data, _ = vllm
+    kinds = plans.Kinds(data, OURS)
+    metadata = data.KeyMetadata("m/own-layout", 0, 0, 0, 0)
+
+    class OwnShards(data.RankLocalStoreLayout):  # type: ignore[misc, name-defined]
+        def local_shard_ids(self, *args: Any, **kwargs: Any) -> Any:
+            return super().local_shard_ids(*args, **kwargs)
+
+    overridden = data.RankLocalStoreLayout(metadata, 32, 16)
+    overridden.prepare_values = overridden.prepare_values
+    reason = "a layout not backed by our engine"
+    for layout in (OwnShards(metadata, 32, 16), overridden):
+        layout.set_kv_caches_base_addr([1 << 30])
+        layout.set_block_len([4096])
+        assert kinds.engine_of(data.ChunkedTokenDatabase(metadata, 32, 16, layout), PLAN_ENGINES) == reason
+    plain = data.RankLocalStoreLayout(metadata, 32, 16)
+    plain.set_kv_caches_base_addr([1 << 30])
+    plain.set_block_len([4096])
+    assert kinds.layout_kind(plain) == "rank_local"
+
+
+def test_hash_source_reads_a_hash_blob_of_whole_hashes_and_nothing_else() -> None:
+    """What the handlers' engine reads the block hashes from: a list or tuple itself; a blob-hash object's flat
+    byte view with its hash length when the view holds whole hashes; None (vLLM's own path) otherwise."""
+    from mooncake_kvaddr.integrations.vllm import plans
+
+    class Blob:
+        def __init__(self, blob: Any, hash_len: Any) -> None:
+            self._blob, self._hash_len = blob, hash_len
+
+    view = memoryview(bytes(range(32)))
+    hashes = [b"a" * 16]
+    assert plans.hash_source(hashes, Blob)[0] is hashes and plans.hash_source(tuple(hashes), Blob)[1] is None
+    source = plans.hash_source(Blob(view, 16), Blob)
+    assert source is not None and source[0] is view and source[1] == 16
+    for odd in (Blob(view, 12), Blob(view, 0), Blob(bytes(32), 16), Blob(view, 16.0)):
+        assert plans.hash_source(odd, Blob) is None
+    assert plans.hash_source(Blob(view, 16), type(None)) is None
