@@ -23,6 +23,7 @@ from mooncake_kvaddr.driver.staging import (
     gather,
     plan_slots,
     read_whole,
+    run_staged,
     scatter,
 )
 
@@ -144,6 +145,27 @@ def test_read_whole_counts_a_key_only_when_its_whole_object_came_back() -> None:
     assert read_whole(np.array(codes, np.int64), expected).tolist() == [True, False, True, False, False, False]
     with pytest.raises(RuntimeError, match="5 results for 6 keys"):
         read_whole(codes[:5], expected)
+
+
+@pytest.mark.parametrize("get", [True, False])
+def test_a_staged_batch_that_does_not_fit_its_lease_never_reaches_mooncake(
+    monkeypatch: pytest.MonkeyPatch, get: bool
+) -> None:
+    """Mooncake reads or writes the slots of a staged call unchecked: should the batch planning ever hand
+    ``run_staged`` a batch longer than its lease, the run raises before the call (and before any copy)."""
+    from mooncake_kvaddr.driver import staging
+
+    plan = plan_slots(np.full((4, 2), 1024, np.int64))
+    pool = StagingPool(2 * SLOT_ALIGNMENT)
+    lease = pool.acquire(SLOT_ALIGNMENT, 2 * SLOT_ALIGNMENT)
+    assert lease.nbytes < plan.total_bytes
+    monkeypatch.setattr(staging, "plan_batches", lambda plan, span: [(0, len(plan.offsets))])  # a planning bug
+    touched: list[str] = []
+    with pytest.raises(RuntimeError, match=r"staged batch \[0, 4\) does not fit its"):
+        run_staged(get, plan, lease, lambda *a: touched.append("call") or [0] * 4,
+                   lambda *a: touched.append("copy") or True)  # fmt: skip
+    assert touched == []
+    lease.release()
 
 
 def test_plan_slots_errors() -> None:

@@ -166,6 +166,9 @@ def run_staged(
             break
         slots = plan.offsets[start:end] - plan.offsets[start]
         sizes = plan.object_sizes[start:end]
+        if end <= start or int(slots[-1]) + int(sizes[-1]) > lease.nbytes:
+            # Mooncake writes (get) or reads (put) these slots unchecked: a batch must lie inside the lease.
+            raise RuntimeError(f"staged batch [{start}, {end}) does not fit its {lease.nbytes}-byte lease")
         if not get and not copy(start, end, slots, None):
             continue  # nothing gathered: the batch is never put
         answer = call(start, end, (slots + lease.ptr).tolist(), sizes.tolist())
