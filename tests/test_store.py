@@ -912,6 +912,26 @@ def test_buffer_registration_takes_zero_and_leaves_it_to_mooncake(monkeypatch: p
         assert len(seen) == 3
 
 
+def test_a_matrix_counts_its_columns_per_key_against_the_region_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``(n, R)`` int64 matrix is R regions per key: with a budget of 8, keys of 5 regions go one per call
+    and keys of 4 two per call (a sub-batch exactly at the budget is not split). Missing keys: no byte moves."""
+    with fake_store(monkeypatch, max_regions_per_batch=8) as (store, client):
+        for shape, calls in (((3, 5), [1, 1, 1]), ((4, 4), [2, 2]), ((2, 8), [1, 1])):
+            client.calls.clear()
+            keys = [f"missing-{i}" for i in range(shape[0])]
+            got = store.batch_get_into_multi_buffers(keys, np.full(shape, 4096, np.int64), np.ones(shape, np.int64))
+            assert list(got) == [Outcome.NOT_FOUND] * shape[0]
+            assert [n for _, n in client.calls] == calls, shape
+
+
+def test_empty_flat_batches_and_replica_queries_never_reach_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    with fake_store(monkeypatch) as (store, client):
+        client.batch_get_replica_desc = lambda keys: client.calls.append(("replicas", len(keys))) or {}  # type: ignore[attr-defined]
+        assert store.batch_get_into([], [], []).ok and store.batch_put_from([], [], []).ok
+        assert store.replica_locations([]) == []
+        assert client.calls == []
+
+
 @mooncake
 def test_register_unregister_remove(store: MooncakeStore, key_prefix: str) -> None:
     buf = np.zeros(64 * KiB, dtype=np.uint8)
