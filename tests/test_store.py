@@ -924,6 +924,19 @@ def test_a_matrix_counts_its_columns_per_key_against_the_region_budget(monkeypat
             assert [n for _, n in client.calls] == calls, shape
 
 
+def test_remove_all_returns_mooncakes_count_even_zero_and_raises_its_error_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with fake_store(monkeypatch) as (store, client):
+        assert store.remove_all() == 0  # nothing stored: zero removed is no error
+        client.objects.update({"a": b"x", "b": b"y"})
+        assert store.remove_all(force=True) == 2
+        client.remove_all = lambda force: -900  # type: ignore[method-assign]
+        with pytest.raises(StoreError, match="remove_all failed with code -900") as info:
+            store.remove_all()
+        assert info.value.code == -900
+
+
 def test_empty_flat_batches_and_replica_queries_never_reach_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
     with fake_store(monkeypatch) as (store, client):
         client.batch_get_replica_desc = lambda keys: client.calls.append(("replicas", len(keys))) or {}  # type: ignore[attr-defined]

@@ -652,6 +652,27 @@ def _no_lingering_threads() -> Iterator[None]:
     raise AssertionError(f"transfer threads left running: {[t.name for t in extra]}")
 
 
+@pytest.mark.parametrize(("mode", "regions"), [("multi_buffer", 2), ("auto", 1), ("staged", 3)])
+def test_a_full_pool_is_back_pressure_in_every_path(monkeypatch: pytest.MonkeyPatch, mode: str, regions: int) -> None:
+    """Mooncake answering ``no_space`` (-200) for one key of a store is back pressure in every path: the
+    result says so and the transfer keeps it until a store succeeds."""
+    from fake_mooncake import fake_store
+
+    with fake_store(monkeypatch) as (store, fake):
+        src = Cache(regions, 6, 256, seed=4)
+        h = hashes("full", 3)
+        with transfer(store, "full", src, 16, transfer_mode=mode, start_threads=False) as writer:
+            full_key = writer.databases[0].key_for(h[2])
+            put = fake._put
+            fake._put = lambda key, data: -200 if key == full_key else put(key, data)  # type: ignore[method-assign]
+            stored = writer.store(TransferRequest("r", 48, h, [[1, 2, 3]]))
+            assert stored.back_pressure and writer.back_pressure, stored
+            assert stored.stored == 2 and stored.failed_keys == [full_key]
+            fake._put = put  # type: ignore[method-assign]
+            again = writer.store(TransferRequest("r", 48, h, [[1, 2, 3]]))
+            assert again.ok and not again.back_pressure and not writer.back_pressure
+
+
 @pytest.mark.parametrize(("mode", "regions"), [("auto", 1), ("staged", 3)])
 def test_a_short_read_is_a_failed_chunk_in_the_contiguous_paths(
     monkeypatch: pytest.MonkeyPatch, mode: str, regions: int
