@@ -105,6 +105,20 @@ def test_an_invalid_block_id_takes_the_shared_plan_and_drops_its_chunk() -> None
     assert fused.slots is None  # the get lays its slots out from the rows
 
 
+def test_an_invalid_block_id_in_one_group_of_two_takes_the_shared_plan() -> None:
+    """Group 1 names an invalid id, group 0 does not: the whole request takes the shared plan, which drops the
+    one chunk on it (the fused plan would have built rows for it)."""
+    staged, shared = _paths(2, 16, [64, 32], 8)
+    h = [bytes([i]) * 8 for i in range(4)]
+    screened = [staged.ctx.caches.screen([1, 2, 3, 4]), staged.ctx.caches.screen([5, 99, 6, 7])]
+    fused = staged.plan_get(4 * 16, h, screened, 0, 0)
+    reference = shared.plan_get(4 * 16, h, screened, 0, 0)
+    assert fused.invalid == reference.invalid and set(fused.invalid) == {99} and fused.dropped == 1
+    assert fused.keys == reference.keys and len(fused.keys) == 7
+    np.testing.assert_array_equal(np.asarray(fused.block_ids), [1, 2, 3, 4, 5, 6, 7])
+    assert fused.slots is None
+
+
 class NativeSpy:
     """Counts every call into the native module made through the names the planning and copy code use."""
 
