@@ -782,6 +782,12 @@ def test_validation_errors_never_reach_mooncake(store: MooncakeStore, key_prefix
             ValueError,
             r"key 1: address \[1\] is negative",
         ),
+        (  # 0 is in range too
+            lambda: store.batch_get_into_multi_buffers(k, [[0, 1], [1, -2]], buf.sizes),
+            ValueError,
+            r"key 1: address \[1\] is negative",
+        ),
+        (lambda: store.batch_put_from(k, [0, -1], [1, 2]), ValueError, "key 1: pointer is negative"),
         (lambda: store.register_buffer(-1, 10), ValueError, "ptr"),
         (lambda: store.register_buffer(1.5, 10), TypeError, "ptr"),  # type: ignore[arg-type]
     ]
