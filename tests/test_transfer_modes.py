@@ -674,6 +674,27 @@ def test_a_full_pool_is_back_pressure_in_every_path(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize(("mode", "regions"), [("auto", 1), ("staged", 3)])
+def test_a_get_answering_zero_bytes_loads_nothing(monkeypatch: pytest.MonkeyPatch, mode: str, regions: int) -> None:
+    """A key Mooncake answers with 0 bytes read is not loaded: its block fails and is never written."""
+    from fake_mooncake import fake_store
+
+    with fake_store(monkeypatch) as (store, fake):
+        src, dst = Cache(regions, 6, 256, seed=5), Cache(regions, 6, 256, fill=0x5A)
+        h = hashes("zero", 3)
+        with transfer(store, "zero", src, 16, transfer_mode=mode, start_threads=False) as writer:
+            assert writer.store(TransferRequest("r", 48, h, [[1, 2, 3]])).ok
+            empty = writer.databases[0].key_for(h[1])
+        get = fake._get
+        fake._get = lambda key, regions: 0 if key == empty else get(key, regions)  # type: ignore[method-assign]
+        with transfer(store, "zero", dst, 16, transfer_mode=mode, start_threads=False) as reader:
+            loaded = reader.load(TransferRequest("r", 48, h, [[1, 2, 3]]))
+    # The outcomes count Mooncake's answers (it answered bytes read): the block is failed, never written.
+    assert loaded.loaded_block_ids == {1, 3} and loaded.failed_block_ids == {2}
+    assert loaded.bytes == 2 * regions * 256
+    assert all((region[2] == 0x5A).all() for region in dst.regions)
+
+
+@pytest.mark.parametrize(("mode", "regions"), [("auto", 1), ("staged", 3)])
 def test_a_short_read_is_a_failed_chunk_in_the_contiguous_paths(
     monkeypatch: pytest.MonkeyPatch, mode: str, regions: int
 ) -> None:

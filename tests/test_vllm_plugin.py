@@ -593,6 +593,22 @@ def _rows(cache: StagingBuffer, keys: int, regions: int, size: int) -> tuple[lis
     return addrs, [[size] * regions for _ in range(keys)]
 
 
+def test_a_staged_get_answered_with_zero_bytes_is_a_failure_code() -> None:
+    """An object Mooncake reads back with 0 bytes is answered as Mooncake's multi-buffer get answers a short
+    object (-800), never as 0 (which a caller checking for a negative code would take as read)."""
+    inner = FakeMooncake()
+    store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
+    cache = StagingBuffer(2 * 4 * 256)
+    assert store.register_buffer(cache.ptr, cache.nbytes) == 0
+    addrs, sizes = _rows(cache, 2, 4, 256)
+    assert store.batch_put_from_multi_buffers(["k0", "k1"], addrs, sizes, "config") == [0, 0]
+    inner.objects["k0"] = b""
+    reference = FakeMooncake()
+    reference.objects["k0"] = b""
+    codes = store.batch_get_into_multi_buffers(["k0", "k1"], addrs, sizes)
+    assert codes == [reference.batch_get_into_multi_buffers(["k0"], addrs[:1], sizes[:1])[0], 1024] == [-800, 1024]
+
+
 def test_staged_round_trip_codes_and_no_stale_bytes() -> None:
     inner = FakeMooncake()
     store = StagedMooncakeStore(inner, staging_bytes=1 << 16)
