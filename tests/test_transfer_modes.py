@@ -673,6 +673,23 @@ def test_a_full_pool_is_back_pressure_in_every_path(monkeypatch: pytest.MonkeyPa
             assert again.ok and not again.back_pressure and not writer.back_pressure
 
 
+def test_a_staged_load_makes_no_further_call_once_the_master_is_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten keys through a 4-slot pool: Mooncake answers the first call's keys -900 (master unreachable); every
+    further call would block only to say the same, so none is made and the other keys count unreachable too."""
+    from fake_mooncake import fake_store
+
+    with fake_store(monkeypatch) as (store, fake):
+        src, h, ids = Cache(2, 11, 256, seed=6), hashes("gone", 10), list(range(1, 11))
+        pool = StagingPool(4 * (-(-2 * 256 // SLOT_ALIGNMENT) * SLOT_ALIGNMENT))
+        with transfer(store, "gone", src, 16, transfer_mode="staged", staging_pool=pool, start_threads=False) as x:
+            assert x.store(TransferRequest("r", 160, h, [ids])).ok
+            calls: list[int] = []
+            fake.batch_get_into = lambda keys, ptrs, sizes: calls.append(len(keys)) or [-900] * len(keys)  # type: ignore[method-assign]
+            loaded = x.load(TransferRequest("r", 160, h, [ids]))
+    assert calls == [4]
+    assert loaded.outcomes == {"master_unreachable": 10} and not loaded.loaded_block_ids
+
+
 @pytest.mark.parametrize(("mode", "regions"), [("auto", 1), ("staged", 3)])
 def test_a_get_answering_zero_bytes_loads_nothing(monkeypatch: pytest.MonkeyPatch, mode: str, regions: int) -> None:
     """A key Mooncake answers with 0 bytes read is not loaded: its block fails and is never written."""
