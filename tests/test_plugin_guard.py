@@ -860,3 +860,71 @@ def test_ranged_reads_the_guard_cannot_read_are_refused_whole_and_miscounted_ans
     with pytest.raises(RuntimeError, match="returned 0 results for 1"):
         guard.call("get_into_ranges", short, two, {})
     assert len(sent) == 1 and sent[0][0] == [4096]
+
+
+@pytest.mark.parametrize("form", ["int64_ptrs_list_sizes", "int64_ptrs_uint64_sizes", "flat_int64", "extra_row"])
+def test_multi_buffer_rows_in_mixed_or_malformed_array_forms_are_checked_per_key(form: str) -> None:
+    """The fast path is only for two int64 ``(n, R)`` matrices of the keys' count: a matrix beside lists, an
+    unsigned size past the int64 maximum, flat arrays (no rows) and a matrix with a row more than keys each get
+    the per-key answer of the general check, never an exception and never a bad key admitted."""
+    table = RangeTable(armed=True)
+    buf = np.zeros(4096, np.uint8)
+    p = int(buf.ctypes.data)
+    assert table.add(p, buf.nbytes)
+    check = guard_module.StoreGuard("test", table)
+    ptrs = np.array([[p, p + 64], [p - 64, p], [p + 128, p + 192]], np.int64)  # key 1 starts before the buffer
+    sizes = np.full((3, 2), 64, np.int64)
+    forms: dict[str, tuple[Any, Any, list[int]]] = {
+        "int64_ptrs_list_sizes": (ptrs, sizes.tolist(), [0, 2]),
+        "int64_ptrs_uint64_sizes": (ptrs, np.array([[64, 64], [64, 64], [1 << 63, 64]], np.uint64), [0]),
+        "flat_int64": (ptrs[:, 0].copy(), sizes[:, 0].copy(), []),
+        "extra_row": (np.vstack([ptrs, ptrs[:1]]), np.vstack([sizes, sizes[:1]]), []),
+    }
+    all_ptrs, all_sizes, good = forms[form]
+    result = check.check_multi(["a", "b", "c"], all_ptrs, all_sizes)
+    assert result is not None and result.good == good and result.refused == 3 - len(good)
+
+
+def test_a_call_with_nothing_refused_logs_nothing_and_a_later_warning_counts_only_since_the_last(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``note_refused(0)`` (a call whose keys all passed) neither counts nor warns; after the rate limit's
+    interval the next warning names the keys refused since the previous warning, no more."""
+    clock = [1000.0]
+    monkeypatch.setattr(guard_module, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    check = _armed_guard()
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
+        check.note_refused(0, "batch_get_into")
+        assert check.refused_keys == 0 and not [r for r in caplog.records if "refused" in r.getMessage()]
+        check.note_refused(2, "batch_get_into")  # warns: 2
+        check.note_refused(1, "batch_get_into")  # within the interval: pending
+        clock[0] += guard_module.WARN_INTERVAL_S + 1
+        check.note_refused(1, "batch_get_into")  # warns: the pending 1 and this 1
+    warnings = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warnings) == 2 and "refused 2 key(s)" in warnings[0] and "refused 2 key(s)" in warnings[1]
+    assert check.refused_keys == 4
+
+
+def test_rows_checked_one_by_one_admit_a_key_only_when_every_slice_is_inside() -> None:
+    """When one malformed row sends a multi-buffer call to the key-by-key check, a key with one good and one
+    bad slice is still refused: every slice of a key must be inside, not any."""
+    table = RangeTable(armed=True)
+    buf = np.zeros(4096, np.uint8)
+    p = int(buf.ctypes.data)
+    assert table.add(p, buf.nbytes)
+    check = guard_module.StoreGuard("test", table)
+    rows = [[p, p + 64], [p, p + 4096], [p, "not an address"], [p + 128, p + 192]]
+    result = check.check_multi(["a", "b", "c", "d"], rows, [[64, 64]] * 4)
+    assert result is not None and result.good == [0, 3] and result.refused == 2
+
+
+def test_a_flat_call_with_an_address_array_beside_a_size_list_is_checked_per_key() -> None:
+    """``check_flat`` with an int64 address array and a list of sizes: the general per-key check (no
+    exception), a slice outside refused, the others passed."""
+    table = RangeTable(armed=True)
+    buf = np.zeros(4096, np.uint8)
+    p = int(buf.ctypes.data)
+    assert table.add(p, buf.nbytes)
+    check = guard_module.StoreGuard("test", table)
+    result = check.check_flat(["a", "b", "c"], np.array([p, p + 4090, p + 64], np.int64), [64, 64, 64])
+    assert result is not None and result.good == [0, 2] and result.refused == 1
