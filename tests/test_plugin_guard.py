@@ -928,3 +928,47 @@ def test_a_flat_call_with_an_address_array_beside_a_size_list_is_checked_per_key
     check = guard_module.StoreGuard("test", table)
     result = check.check_flat(["a", "b", "c"], np.array([p, p + 4090, p + 64], np.int64), [64, 64, 64])
     assert result is not None and result.good == [0, 2] and result.refused == 1
+
+
+def test_the_arrays_entry_with_a_size_list_beside_an_address_matrix_answers_per_key() -> None:
+    """``call_arrays`` (the ``..._arrays`` entries) given an int64 address matrix and sizes as lists: the
+    general check answers per key (-600 for the key outside, the others sent), no exception."""
+    table = RangeTable(armed=True)
+    buf = np.zeros(4096, np.uint8)
+    p = int(buf.ctypes.data)
+    assert table.add(p, buf.nbytes)
+    check = guard_module.StoreGuard("test", table)
+    sent: list[list[str]] = []
+
+    def func(keys: list[str], addrs: Any, sizes: Any) -> list[int]:
+        sent.append(list(keys))
+        return [64] * len(keys)
+
+    addrs = np.array([[p], [p + 4090], [p + 64]], np.int64)
+    assert check.call_arrays(["a", "b", "c"], addrs, [[64], [64], [64]], func) == [64, INVALID_PARAMS, 64]
+    assert sent == [["a", "c"]]
+
+
+@pytest.mark.parametrize("form", ["flat", "extra_row"])
+def test_the_arrays_entry_refuses_every_key_of_matrices_that_are_not_its_rows(form: str) -> None:
+    """``call_arrays`` given flat int64 arrays (no rows) or a matrix with a row more than keys: every key gets
+    -600 and nothing is sent."""
+    table = RangeTable(armed=True)
+    buf = np.zeros(4096, np.uint8)
+    p = int(buf.ctypes.data)
+    assert table.add(p, buf.nbytes)
+    check = guard_module.StoreGuard("test", table)
+    sent: list[list[str]] = []
+
+    def func(keys: list[str], addrs: Any, sizes: Any) -> list[int]:
+        sent.append(list(keys))
+        return [64] * len(keys)
+
+    addrs = np.array([[p], [p + 64], [p + 128]], np.int64)
+    sizes = np.full((3, 1), 64, np.int64)
+    if form == "flat":
+        addrs, sizes = addrs[:, 0].copy(), sizes[:, 0].copy()
+    else:
+        addrs, sizes = np.vstack([addrs, addrs[:1]]), np.vstack([sizes, sizes[:1]])
+    assert check.call_arrays(["a", "b", "c"], addrs, sizes, func) == [INVALID_PARAMS] * 3
+    assert sent == []
