@@ -972,3 +972,29 @@ def test_the_arrays_entry_refuses_every_key_of_matrices_that_are_not_its_rows(fo
         addrs, sizes = np.vstack([addrs, addrs[:1]]), np.vstack([sizes, sizes[:1]])
     assert check.call_arrays(["a", "b", "c"], addrs, sizes, func) == [INVALID_PARAMS] * 3
     assert sent == []
+
+
+def test_rows_converted_for_the_check_reach_a_native_client_as_matrices_flat_arguments_as_given() -> None:
+    """With ``arrays_ok`` (the native client), a multi-buffer call whose rows all pass is handed the int64
+    matrices the check converted; a flat call is handed its own arguments unchanged (a flat check's arrays are
+    not rows)."""
+    table = RangeTable(armed=True)
+    buf = np.zeros(4096, np.uint8)
+    p = int(buf.ctypes.data)
+    assert table.add(p, buf.nbytes)
+    check = guard_module.StoreGuard("test", table)
+    got: list[tuple[Any, Any]] = []
+
+    def func(keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
+        got.append((ptrs, sizes))
+        return [0] * len(keys)
+
+    rows, row_sizes = [[p, p + 64], [p + 128, p + 192]], [[64, 64], [64, 64]]
+    assert check.call("batch_get_into_multi_buffers", func, (["a", "b"], rows, row_sizes), {}, arrays_ok=True) == [0, 0]
+    ptrs, sizes = got.pop()
+    assert isinstance(ptrs, np.ndarray) and ptrs.dtype == np.int64 and ptrs.tolist() == rows
+    assert isinstance(sizes, np.ndarray) and sizes.tolist() == row_sizes
+    flat, flat_sizes = [p, p + 64], [64, 64]
+    assert check.call("batch_get_into", func, (["a", "b"], flat, flat_sizes), {}, arrays_ok=True) == [0, 0]
+    passed = got.pop()
+    assert passed[0] is flat and passed[1] is flat_sizes
