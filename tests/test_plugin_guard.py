@@ -998,3 +998,13 @@ def test_rows_converted_for_the_check_reach_a_native_client_as_matrices_flat_arg
     assert check.call("batch_get_into", func, (["a", "b"], flat, flat_sizes), {}, arrays_ok=True) == [0, 0]
     passed = got.pop()
     assert passed[0] is flat and passed[1] is flat_sizes
+
+
+def test_a_refused_single_key_call_is_counted_and_warned(caplog: pytest.LogCaptureFixture) -> None:
+    """A single-key method (``get_into``) with a slice outside: -600, not sent, one refused key counted."""
+    check = _armed_guard()  # [4096, 8192)
+    sent: list[Any] = []
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
+        assert check.call("get_into", lambda *a: sent.append(a) or 0, ("k", 8000, 256), {}) == INVALID_PARAMS
+    assert sent == [] and check.refused_keys == 1
+    assert any("refused 1 key(s)" in r.getMessage() for r in caplog.records)
