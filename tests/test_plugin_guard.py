@@ -1008,3 +1008,46 @@ def test_a_refused_single_key_call_is_counted_and_warned(caplog: pytest.LogCaptu
         assert check.call("get_into", lambda *a: sent.append(a) or 0, ("k", 8000, 256), {}) == INVALID_PARAMS
     assert sent == [] and check.refused_keys == 1
     assert any("refused 1 key(s)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_ranged_read_needs_every_range_of_a_buffer_inside_and_counts_the_buffers_refused() -> None:
+    """``get_into_ranges``: a buffer with one range inside and one past the registered range is refused whole
+    (-600 for each of its ranges, not sent); the refused count is the buffers refused, not the ones sent."""
+    sent: list[tuple[Any, ...]] = []
+
+    def get_into_ranges(*args: Any) -> list[Any]:
+        sent.append(args)
+        return [[[7] * len(row) for row in sizes] for sizes in args[4]]
+
+    guard = _armed_guard()  # [4096, 8192)
+    args = (
+        [4096, 4096, 4096],
+        [["a"], ["b"], ["c"]],
+        [[[0, 64]], [[0, 4090]], [[128]]],  # buffer 1: its second range runs past 8192
+        [[[0, 0]], [[0, 0]], [[0]]],
+        [[[64, 64]], [[64, 64]], [[64]]],
+    )
+    assert guard.call("get_into_ranges", get_into_ranges, args, {}) == [
+        [[7, 7]], [[INVALID_PARAMS, INVALID_PARAMS]], [[7]]
+    ]
+    assert len(sent) == 1 and sent[0][1] == [["a"], ["c"]]
+    assert guard.refused_keys == 1
+
+
+@pytest.mark.parametrize("extra", ["scalar", "wrong_length"])
+def test_a_split_parallel_put_passes_extras_it_cannot_cut_per_key_unchanged(extra: str) -> None:
+    """A split ``batch_put_tensor_with_parallelism_from`` whose ``parallelisms`` is not one entry per key (a
+    single value, or a list of another length) hands it on unchanged; only per-key lists are cut."""
+    sent: list[tuple[Any, ...]] = []
+
+    def put(*args: Any, **kwargs: Any) -> list[int]:
+        sent.append(args)
+        return [0] * len(args[0])
+
+    guard = _armed_guard()
+    parallelisms: Any = 4 if extra == "scalar" else [1, 2, 3]
+    config = object()
+    args = (["bad", "good"], [1 << 40, 4096], [64, 64], parallelisms, config, [[10], [20]])
+    assert guard.call("batch_put_tensor_with_parallelism_from", put, args, {}) == [INVALID_PARAMS, 0]
+    assert len(sent) == 1 and sent[0][3] is parallelisms and sent[0][4] is config
+    assert [list(w) for w in sent[0][5]] == [[20]]
