@@ -1051,3 +1051,12 @@ def test_a_split_parallel_put_passes_extras_it_cannot_cut_per_key_unchanged(extr
     assert guard.call("batch_put_tensor_with_parallelism_from", put, args, {}) == [INVALID_PARAMS, 0]
     assert len(sent) == 1 and sent[0][3] is parallelisms and sent[0][4] is config
     assert [list(w) for w in sent[0][5]] == [[20]]
+
+
+@pytest.mark.parametrize("ptrs, sizes", [([4096, 4160.5], [64, 64]), ([4096, True], [64, 64]), ([4096, 4160], [64, 64.0])])
+def test_a_flat_list_with_one_value_that_is_no_plain_int_refuses_that_key(ptrs: list[Any], sizes: list[Any]) -> None:
+    """A list of addresses or sizes is taken as int64 in bulk only when every value is a plain int: a float
+    (which a bulk conversion would truncate into the registered range) or a bool refuses its own key."""
+    check = _armed_guard()
+    result = check.check_flat(["a", "b"], ptrs, sizes)
+    assert result is not None and result.good == [0] and result.refused == 1
