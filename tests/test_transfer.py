@@ -348,3 +348,15 @@ def test_a_call_runner_of_zero_abandoned_calls_is_allowed_and_never_saturated() 
     assert runner.submit(lambda: 7, 1.0, lambda exc: None).wait(1.0) == 7
     with pytest.raises(ValueError, match="max_abandoned"):
         CallRunner(-1)
+
+
+def test_the_failure_report_of_a_load_reads_only_plain_integer_ids() -> None:
+    """A load that fails before its screen reports as failed every id that reads as an integer without user
+    code (ints, numpy integers, 1-D integer arrays), skipping floats, bools, strings and float arrays, and
+    never raises."""
+    from mooncake_kvaddr.driver.transfer_requests import _plain_ids
+
+    groups = [[1, 2.5, True, "x", np.int64(4)], np.array([5, 6], np.uint32), np.array([1.5]), "not a group"]
+    assert _plain_ids(groups) == [1, 4, 5, 6]
+    assert _plain_ids((np.array([[1, 2]]), [7])) == [7]  # a 2-D array is not a group of ids
+    assert _plain_ids(object()) == []
