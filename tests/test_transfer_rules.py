@@ -348,3 +348,22 @@ def test_each_in_memory_condition_alone_turns_it_off(monkeypatch: pytest.MonkeyP
     assert not copies_in_memory(StoreConfig(**{**own, "global_segment_size": 0}))
     monkeypatch.setenv("MC_STORE_MEMCPY", "0")
     assert not copies_in_memory(StoreConfig(**own))
+
+
+@mooncake
+def test_a_raising_existence_check_of_a_store_is_recorded_as_an_error_of_no_bytes(
+    store: MooncakeStore, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose ``batch_is_exist`` raises: the error reaches the caller after one ``save_exists`` record,
+    status error, every key failed, 0 bytes (an existence check moves none); nothing is put."""
+    cache = Cache(2, 4, 256, seed=6)
+    records = Recorder()
+    with transfer(store, model, cache, 16, transfer_mode="multi_buffer", record_operation=records) as xfer:
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise StoreError("master gone", -900)
+
+        monkeypatch.setattr(store, "batch_is_exist", broken)
+        with pytest.raises(StoreError, match="master gone"):
+            xfer.store(TransferRequest("r", 48, hashes(model, 3), [[1, 2, 3]]))
+    assert records.records == [{"operation": "save_exists", "num_keys": 3, "num_bytes": 0,
+                                "status": "error", "num_failed_keys": 3}]

@@ -412,3 +412,22 @@ def test_the_database_check_takes_exact_lists_of_exact_ints_only(which: str) -> 
             db.set_block_len(values)
         with pytest.raises(ValueError, match=r"databases\[0\]: its regions changed"):
             caches.check_databases([db])
+
+
+@mooncake
+def test_the_null_block_next_to_an_invalid_id_is_skipped_and_a_request_of_only_invalid_ids_saves_nothing(
+    store: MooncakeStore, model: str
+) -> None:
+    """Block 0 is vLLM's null block: next to an out-of-range id its chunk is neither stored nor reported (only
+    the bad id is); a request whose every id is out of range stores nothing and saves 0 tokens."""
+    src = Cache(3, 9, 256, seed=11)
+    h = hashes(model, 3)
+    with open_transfer(store, model, src, "multi_buffer") as writer:
+        keys = [writer.databases[0].key_for(x) for x in h]
+        stored = writer.store(TransferRequest("r", 3 * 16, h, [[0, 9, 2]]))
+        assert stored.chunks == 2 and stored.stored == 1 and stored.failed_keys == [keys[1]]
+        assert set(stored.invalid_block_ids) == {9}
+        assert store.batch_is_exist(keys).present == [False, False, True]
+        none = writer.store(TransferRequest("r2", 2 * 16, hashes(model + "-none", 2), [[9, -5]]))
+    assert none.stored == 0 and none.chunks == 2 and len(none.failed_keys) == 2
+    assert none.saved_tokens == 0 and not none.ok and set(none.invalid_block_ids) == {9, -5}
