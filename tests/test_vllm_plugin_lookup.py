@@ -298,3 +298,20 @@ def test_a_fine_grained_plan_never_probes_a_partly_covered_hash_unit(token_len: 
     plan = plan_lookup(stub, token_len, hashes, worker_module.cdiv)
     expected = [f"{p}@{h.hex()}" for g in range(2) for h in hashes[:3] for p in stub._lookup_key_prefixes[g]]
     assert plan.key_list() == expected and len(expected) == 6
+
+
+def test_a_transport_without_a_live_native_client_leaves_the_lookup_to_vllms_store() -> None:
+    """Our transport pair around the worker's own store, but its native-client wrapper has no native client
+    (a store that is not Mooncake's): vLLM's store answers, not the wrapper."""
+    from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+
+    class NotMooncake:
+        def register_buffer(self, ptr: int, size: int) -> int:
+            return 0
+
+    store = NotMooncake()
+    native = NativeMooncakeStore(store)
+    assert native.native_client is None
+    worker = types.SimpleNamespace(store=store)
+    worker.__dict__[TRANSPORT_ATTR] = (store, native)
+    assert lookup_module._native_transport(worker) is None
