@@ -315,3 +315,18 @@ def test_a_transport_without_a_live_native_client_leaves_the_lookup_to_vllms_sto
     worker = types.SimpleNamespace(store=store)
     worker.__dict__[TRANSPORT_ATTR] = (store, native)
     assert lookup_module._native_transport(worker) is None
+
+
+def test_each_fallback_to_vllms_lookup_is_counted_under_its_reason() -> None:
+    """``stats.reasons`` counts the lookups handed to vLLM's own method by reason, one per lookup."""
+    asked: list[int] = []
+
+    def original(self: Any, num_tokens: int, block_hashes: Any) -> str:
+        asked.append(num_tokens)
+        return "vllm's answer"
+
+    ours = make_lookup(original, worker_module)
+    stub = types.SimpleNamespace(_capacity_only=True)
+    assert ours(stub, 16, [b"h"]) == ours(stub, 32, [b"h"]) == "vllm's answer"
+    assert asked == [16, 32]
+    assert ours.stats.fallback == 2 and ours.stats.reasons == {"capacity-only worker": 2}  # type: ignore[attr-defined]
