@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
@@ -203,6 +204,7 @@ def test_submit_load_carries_tail_key_boundaries(store: MooncakeStore, model: st
             (((0, 16), (0, 12)), ValueError, "twice"),
             ((("0", 16),), ValueError, "group_id"),
             ((object(),), TypeError, "TailKeyBoundary"),
+            ((types.SimpleNamespace(group_id=0),), TypeError, "TailKeyBoundary"),  # a group without tokens
             (((0, 0),), ValueError, "below one hash block"),
         ):
             with pytest.raises(error, match=match):
