@@ -330,3 +330,26 @@ def test_each_fallback_to_vllms_lookup_is_counted_under_its_reason() -> None:
     assert ours(stub, 16, [b"h"]) == ours(stub, 32, [b"h"]) == "vllm's answer"
     assert asked == [16, 32]
     assert ours.stats.fallback == 2 and ours.stats.reasons == {"capacity-only worker": 2}  # type: ignore[attr-defined]
+
+
+def test_the_lookup_records_the_duration_of_its_existence_call_answered_or_raising() -> None:
+    """``lookup_exists`` is recorded with the call's own duration (seconds since it started, not a clock
+    reading), both when the store answers and when it raises."""
+    ours = make_lookup(ORIGINAL, worker_module)
+    rng = random.Random(13)
+    sc = Scenario(2, [Group("full", 4)], None, 8, None)
+    store_lookup = build(sc)
+    hashes = hashes_for(sc.n_hashes, 5)
+    inner, _ = fill_store(rng, sc, store_lookup, hashes)
+    (_, (stub, store, _)) = twins(sc, store_lookup, inner, "list")
+    durations: list[tuple[str, float, dict[str, Any]]] = []
+    stub._record_kv_connector_operation = lambda op, seconds, n, **kw: durations.append((op, seconds, kw))
+    assert run(ours, stub, 12, hashes)[0] == "ok"
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("master gone")
+
+    store.batch_is_exist = broken
+    assert run(ours, stub, 12, hashes)[0] == "ok"
+    assert [(op, kw.get("status")) for op, _, kw in durations] == [("lookup_exists", None), ("lookup_exists", "error")]
+    assert all(0.0 <= seconds < 60.0 for _, seconds, _ in durations), durations
