@@ -759,3 +759,14 @@ def test_a_staging_buffer_collected_during_a_lookup_cannot_deadlock() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-3000:]
+
+
+def test_a_zero_byte_staging_range_stays_zero_bytes_and_any_byte_more_must_be_owned() -> None:
+    """A ``(ptr, 0)`` staging range outside any staging buffer is taken as zero bytes (nothing can be copied
+    into it); the same pointer with one byte is refused, as it is no memory this package allocated."""
+    from mooncake_kvaddr.driver.staging_buffers import _staging_range
+
+    wild = 0x7000_0000_1000
+    assert _staging_range((wild, 0)) == (wild, 0, None)
+    with pytest.raises(ValueError, match="not inside a live staging buffer"):
+        _staging_range((wild, 1))
