@@ -130,6 +130,42 @@ def test_a_failed_registration_releases_everything_it_registered(monkeypatch: py
         assert live == set() and pool._registrations == {}
 
 
+def test_a_failed_registration_on_a_shared_pool_leaves_the_other_transfers_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two transfers share one staging pool on one store: the second's registration fails after it counted the
+    pool (its first KV buffer is refused); undoing it and closing it later leave the pool registered for the
+    first transfer, which still stages through it, until the first closes."""
+    with fake_store(monkeypatch) as (store, fake):
+        pool = StagingPool(1 << 16)
+        live: set[int] = set()
+        refuse = [False]
+
+        def register(ptr: int, size: int) -> int:
+            if refuse[0] and ptr != pool.buffer.ptr:
+                return -600
+            live.add(ptr)
+            return 0
+
+        def unregister(ptr: int) -> int:
+            live.discard(ptr)
+            return 0
+
+        monkeypatch.setattr(fake, "register_buffer", register)
+        monkeypatch.setattr(fake, "unregister_buffer", unregister)
+        first = _transfer(store, "m", "auto", staging_pool=pool, local_copy=True)
+        first.register_kv_caches(Cache(2, 4, 256, seed=1).regions, 4)
+        assert pool.buffer.ptr in live
+        refuse[0] = True
+        second = _transfer(store, "m2", "auto", staging_pool=pool, local_copy=True)
+        with pytest.raises(StoreError):
+            second.register_kv_caches(Cache(2, 4, 256, seed=2).regions, 4)
+        second.close()
+        assert pool.buffer.ptr in live, "the first transfer's staging pool was unregistered"
+        first.close()
+        assert live == set() and pool._registrations == {}
+
+
 def test_concurrent_closes_release_registrations_once(monkeypatch: pytest.MonkeyPatch) -> None:
     with fake_store(monkeypatch) as (store, fake):
         pool = StagingPool(1 << 16)
