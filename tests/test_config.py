@@ -278,6 +278,8 @@ def test_parse_size_round_trips_any_size_t(value: int, unit: str) -> None:
         (" master.example.com:1 ", [("master.example.com", 1)]),
         ("[::1]:65535", [("[::1]", 65535)]),
         ("etcd://10.0.0.1:2379;10.0.0.2:2379", [("10.0.0.1", 2379), ("10.0.0.2", 2379)]),
+        ("etcd://10.0.0.1:2379;", [("10.0.0.1", 2379)]),  # empty endpoints are skipped
+        ("etcd://10.0.0.1:2379; ;10.0.0.2:2379", [("10.0.0.1", 2379), ("10.0.0.2", 2379)]),
     ],
 )
 def test_parse_address(address: str, endpoints: list[tuple[str, int]]) -> None:
@@ -587,3 +589,11 @@ def test_one_on_off_reader_for_every_switch() -> None:
             assert flag(off, default) is False
         for neither in ("", "2", "maybe", "enabled"):
             assert flag(neither, default) is default
+
+
+def test_an_int_field_out_of_range_names_its_bound_open_or_closed() -> None:
+    """A field with only a lower bound says ``>= low``; one with both bounds says ``in low..high``."""
+    with pytest.raises(ValueError, match=r"max_regions_per_batch: must be >= 1, got 0"):
+        StoreConfig(max_regions_per_batch=0)
+    with pytest.raises(ValueError, match=r"setup_retries: must be in 1\.\.\d+, got 0"):
+        StoreConfig(setup_retries=0)
