@@ -62,3 +62,11 @@ def test_a_never_opened_gate_closes_at_once() -> None:
     gate.open()  # too late: stays closed
     with pytest.raises(StoreClosedError), gate.admitted():
         pass
+
+
+def test_close_in_one_call_is_true_once_and_false_for_every_later_caller() -> None:
+    """``close()`` (begin, wait idle, release) answers True to the one caller that must release the resources;
+    a second ``close()``, once closing has begun or ended, answers False (nothing is released twice)."""
+    gate = CallGate("test")
+    assert gate.close(timeout=1.0) is True and gate.state is GateState.CLOSED
+    assert gate.close(timeout=1.0) is False
