@@ -597,3 +597,18 @@ def test_an_int_field_out_of_range_names_its_bound_open_or_closed() -> None:
         StoreConfig(max_regions_per_batch=0)
     with pytest.raises(ValueError, match=r"setup_retries: must be in 1\.\.\d+, got 0"):
         StoreConfig(setup_retries=0)
+
+
+@pytest.mark.parametrize("args", [{"--a": 1}, {"--a"}, 5])
+def test_master_args_must_be_a_list_or_tuple_of_strings(args: Any) -> None:
+    """``master_args`` given as a dict, a set or an int is a ``TypeError`` naming the field (a dict's keys or
+    a set's items are not taken as arguments)."""
+    with pytest.raises(TypeError, match="master_args: expected a list of strings"):
+        StoreConfig(master_args=args)
+
+
+def test_replace_keeps_the_tenant_unless_it_is_changed() -> None:
+    """``replace`` of another field keeps ``tenant_id``; ``replace(tenant=...)`` (the alias) changes it."""
+    config = StoreConfig(tenant_id="team-a")
+    assert config.replace(max_regions_per_batch=5).tenant_id == "team-a"
+    assert config.replace(tenant="team-b").tenant_id == "team-b"
