@@ -1053,10 +1053,37 @@ def test_a_split_parallel_put_passes_extras_it_cannot_cut_per_key_unchanged(extr
     assert [list(w) for w in sent[0][5]] == [[20]]
 
 
-@pytest.mark.parametrize("ptrs, sizes", [([4096, 4160.5], [64, 64]), ([4096, True], [64, 64]), ([4096, 4160], [64, 64.0])])
+@pytest.mark.parametrize(
+    ("ptrs", "sizes"), [([4096, 4160.5], [64, 64]), ([4096, True], [64, 64]), ([4096, 4160], [64, 64.0])]
+)
 def test_a_flat_list_with_one_value_that_is_no_plain_int_refuses_that_key(ptrs: list[Any], sizes: list[Any]) -> None:
     """A list of addresses or sizes is taken as int64 in bulk only when every value is a plain int: a float
     (which a bulk conversion would truncate into the registered range) or a bool refuses its own key."""
     check = _armed_guard()
     result = check.check_flat(["a", "b"], ptrs, sizes)
     assert result is not None and result.good == [0] and result.refused == 1
+
+
+@pytest.mark.parametrize(
+    ("signature", "pointers"),
+    [
+        ("batch_peek(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]", True),
+        ("peek(self, key: str, buffer_ptr: int) -> int", True),
+        ("peek(self, key: str, dst_pointer: int) -> int", True),
+        ("peek_all(self, pointers: list[int]) -> int", True),
+        ("get_size(self, key: str) -> int", False),
+        ("is_exist(self, key: str) -> int\n\nbuffer_ptr: only in the text below the signature", False),
+    ],
+)
+def test_a_pointer_parameter_in_the_signature_marks_a_method_as_taking_raw_pointers(
+    signature: str, pointers: bool
+) -> None:
+    """``takes_pointers`` reads a (pybind11) method's signature line: a parameter named ``..._ptr``,
+    ``..._ptrs``, ``..._pointer`` or ``..._pointers`` makes it a raw-pointer method (guarded, or warned about
+    when the guard does not know it); other parameters and text past the signature do not."""
+
+    def method() -> None:
+        pass
+
+    method.__doc__ = signature
+    assert guard_module.takes_pointers(method) is pointers

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fake_mooncake import fake_store
-from kvaddr_testing import Cache, hashes
+from kvaddr_testing import Cache, assert_blocks_equal, hashes
 from kvaddr_testing import make_transfer as transfer
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.driver.config import StoreConfig
@@ -124,6 +124,33 @@ def test_two_groups_hit_only_where_both_have_the_chunk(store: MooncakeStore, mod
         good = [1, 2, 3, 4, 5, 6, 8]
         for a, b in zip(src.blocks(good), dst.blocks(good), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@mooncake
+@pytest.mark.parametrize("tp_rank", [1, 3])
+@pytest.mark.parametrize("mode", ["multi_buffer", "staged"])
+def test_two_groups_load_into_their_own_blocks_at_any_tp_rank(
+    store: MooncakeStore, model: str, tp_rank: int, mode: str
+) -> None:
+    """A reader at another TP rank loads its chunks in a rotated order: each chunk still comes from its own
+    group's keys into its own group's block ids, and an invalid id drops only its own group's chunk."""
+    bs, chunks = 16, 4
+    src, dst = Cache(2, 2 * chunks + 1, 128, seed=8), Cache(2, 2 * chunks + 1, 128)
+    h = hashes(f"{model}/{tp_rank}/{mode}", chunks)
+    with (
+        transfer(store, model, src, bs, groups=2, transfer_mode=mode) as writer,
+        transfer(store, model, dst, bs, groups=2, tp_rank=tp_rank, transfer_mode=mode) as reader,
+    ):
+        assert writer.store(TransferRequest("w", chunks * bs, h, [[1, 2, 3, 4], [5, 6, 7, 8]])).stored == 2 * chunks
+        loaded = reader.load(TransferRequest("r", chunks * bs, h, [[8, 7, 6, 5], [4, 3, 2, 1]]))
+        assert loaded.ok and loaded.loaded_block_ids == set(range(1, 9))
+        assert_blocks_equal(src, [1, 2, 3, 4, 5, 6, 7, 8], dst, [8, 7, 6, 5, 4, 3, 2, 1])
+        dst.regions[0][:] = 0
+        dst.regions[1][:] = 0
+        partial = reader.load(TransferRequest("r2", chunks * bs, h, [[8, 7, 6, 5], [4, 99, 2, 1]]))
+        assert set(partial.invalid_block_ids) == {99} and partial.failed_block_ids == {99}
+        assert partial.loaded_block_ids == {1, 2, 4, 5, 6, 7, 8}
+        assert_blocks_equal(src, [1, 2, 3, 4, 5, 7, 8], dst, [8, 7, 6, 5, 4, 2, 1])
 
 
 # ------------------------------------------------------------------------------------------- failures
