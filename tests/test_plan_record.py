@@ -28,6 +28,13 @@ def test_a_plan_unpacks_indexes_and_compares_like_the_four_field_record() -> Non
         hash(plan)
 
 
+def test_a_plan_measures_four_fields_whatever_it_holds() -> None:
+    """``len(plan)`` is 4 (keys, addrs, sizes, block_ids), as ``tuple(plan)``, with or without slots and widths,
+    and whatever the key count."""
+    for plan in (KeyPlan([], [], [], []), KeyPlan(["a"], [[1]], [[2]], [3]), _arrays()):
+        assert len(plan) == 4 == len(tuple(plan))
+
+
 def test_slots_and_replace() -> None:
     plan = _arrays()
     assert plan.offsets.tolist() == [0, 64, 128] and plan.object_sizes.tolist() == [3, 7, 11]
@@ -56,6 +63,18 @@ def test_part_take_and_lists_keep_keys_rows_and_ids_aligned() -> None:
     hybrid = KeyPlan(["a", "b"], plan.addrs[:2], plan.sizes[:2], plan.block_ids[:2], widths=np.array([1, 2]))
     assert hybrid.row_lists() == ([[10], [30, 40]], [[1], [3, 4]])
     assert hybrid.take([1]).widths.tolist() == [2] and hybrid.part(0, 1).widths.tolist() == [1]
+
+
+def test_block_id_lists_are_python_ints_for_either_kind_of_plan() -> None:
+    """``block_id_list`` (all ids, or those at ``indices`` in that order) gives a list of Python ints for array
+    and list plans alike; ``repr`` names the kind, the key count and whether slots are planned."""
+    arrays, lists = _arrays(), KeyPlan(["a", "b"], [[1], [2]], [[3], [4]], [5, 6])
+    for plan, every, picked in ((arrays, [7, 8, 9], [9, 7]), (lists, [5, 6], [6, 5])):
+        indices = [len(every) - 1, 0]
+        for got, want in ((plan.block_id_list(), every), (plan.block_id_list(indices), picked)):
+            assert got == want and type(got) is list and {type(v) for v in got} == {int}
+    assert repr(arrays) == "KeyPlan(3 keys, arrays, slots=True)"
+    assert repr(lists) == "KeyPlan(2 keys, lists, slots=False)"
 
 
 def test_byte_counts_stay_exact_past_int64() -> None:

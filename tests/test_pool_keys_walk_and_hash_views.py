@@ -77,6 +77,19 @@ def test_a_mask_shorter_than_a_long_walk_ends_it_counted_from_the_first_chunk() 
     assert ours == reference
 
 
+def test_a_short_walk_with_a_long_mask_is_one_native_call() -> None:
+    """The walk ends at its tokens or its mask, whichever comes first: a few chunks under a mask of more than
+    two windows is the single native call over the caller's own arguments (no windows past the tokens)."""
+    from mooncake_kvaddr._native import chunk_walk
+    from mooncake_kvaddr.core.walk import WINDOW, walk_windows
+
+    mask = [True, False] * (WINDOW + 3)
+    args = (5 * 16, 7, 16, 16, 32, mask, 1, 0)
+    windows = list(walk_windows(*args))
+    assert windows == [chunk_walk(*args)]
+    assert windows[0][0] == [32, 64]  # chunks 2 and 4: the mask counted from the first chunk
+
+
 def test_build_prefix_overrides_and_key_string() -> None:
     md = KeyMetadata("Kimi-K2.6-NVFP4", 3, 1, 3, 0, group_id=2)
     assert PoolKey.build_prefix(md) == "Kimi-K2.6-NVFP4@tp_rank:3@pcp1@dcp3@pp_rank:0@group:2"
@@ -173,6 +186,27 @@ def test_blob_block_hashes_of_a_one_dimensional_view_of_wider_items_count_bytes(
     assert [bytes(h) for h in view] == [raw[i : i + 4] for i in range(0, 32, 4)]
     with pytest.raises(ValueError, match="multiple of hash_len"):
         BlobBlockHashes(memoryview(words), 3)  # 32 bytes, not 8 items, are cut into hashes
+
+
+def test_blob_block_hashes_of_a_two_dimensional_byte_view_count_bytes() -> None:
+    """A C-contiguous 2-D buffer of bytes (format ``B``, a numpy ``(n, hash_len)`` uint8 matrix say) is read as
+    its flat bytes: one hash per ``hash_len`` bytes, not one per row of the first dimension."""
+    raw = bytes(range(48))
+    view = BlobBlockHashes(memoryview(raw).cast("B", (3, 16)), 8)
+    assert len(view) == 6 and view.blob.ndim == 1 and len(view.blob) == 48
+    assert [bytes(h) for h in view] == [raw[i : i + 8] for i in range(0, 48, 8)]
+
+
+def test_compact_chunk_hashes_refuse_a_hash_block_size_that_is_not_positive() -> None:
+    """A hash block size of 0 or below is the same ``ValueError`` as one that does not divide the block size
+    (not a ``ZeroDivisionError`` from the division check), and the message names both sizes."""
+    hashes = [bytes([i]) for i in range(8)]
+    for hash_block_size in (0, -4):
+        message = rf"block_size \(16\) must be a multiple of hash_block_size \({hash_block_size}\)"
+        with pytest.raises(ValueError, match=message):
+            CompactChunkHashes(hashes, hash_block_size, 16)
+        with pytest.raises(ValueError):
+            chunk_hashes_for_block_size(hashes, hash_block_size, 16)
 
 
 def test_compact_chunk_hashes() -> None:

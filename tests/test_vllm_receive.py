@@ -341,6 +341,95 @@ def test_fast_path_taken_and_rotation(vllm: tuple[Any, Any]) -> None:
     assert keys[0].endswith(bytes([5 % 4 * 4 + 3]).hex() * 32)  # rotated by tp_rank % 4 chunks
 
 
+def test_two_groups_on_a_list_store_take_the_fast_path_like_vllm(vllm: tuple[Any, Any]) -> None:
+    """A store without the array entry gets vLLM's lists: a two-group load is planned on the fast path (the
+    groups' keys, rows and block ids joined, then rotated), not handed back to vLLM, with vLLM's exact call."""
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = _simple_case(data, tp_rank=5)
+    meta = case["meta"]
+    case["meta"] = data.ReqMeta(
+        req_id=meta.req_id, token_len_chunk=meta.token_len_chunk, block_ids=(meta.block_ids[0], [9, 8, 7, 6]),
+        block_hashes=meta.block_hashes, load_spec=meta.load_spec,
+    )  # fmt: skip
+    case.update(dbs=case["dbs"] * 2, masks=case["masks"] * 2, participates=[True, True])
+    before, fallbacks = ours.stats.fast_requests, ours.stats.fallback_requests
+    expected = run_handler(worker, original, ListStore("ok"), case)
+    actual = run_handler(worker, ours, ListStore("ok"), case)
+    assert actual == expected and expected[0] == "ok" and len(expected[1][0][0]) == 8
+    assert ours.stats.fast_requests == before + 1 and ours.stats.fallback_requests == fallbacks
+
+
+class AnswerStore(ListStore):
+    """Records like ``ListStore`` and answers each call with ``reply(keys)`` (any iterable of codes)."""
+
+    def __init__(self, reply: Any) -> None:
+        super().__init__("ok")
+        self.reply = reply
+
+    def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any) -> Any:
+        super().batch_get_into_multi_buffers(keys, addrs, sizes)
+        return self.reply(list(keys))
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        lambda keys: [0] * len(keys),
+        lambda keys: iter([4096] * len(keys)),
+        lambda keys: tuple(-704 if i % 2 else 0 for i in range(len(keys))),
+    ],
+    ids=["zero-codes", "iterator", "tuple-with-failures"],
+)
+def test_store_answers_are_read_as_vllm_reads_them(vllm: tuple[Any, Any], reply: Any) -> None:
+    """Only a negative code is a failed key (0 is not), and the answer may be any iterable of codes (an iterator,
+    a tuple): records, load errors and finish as vLLM's handler, on the fast path."""
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = _simple_case(data, tp_rank=1)
+    before = ours.stats.fast_requests
+    expected = run_handler(worker, original, AnswerStore(reply), case)
+    assert expected[0] == "ok"
+    assert run_handler(worker, ours, AnswerStore(reply), case) == expected
+    assert ours.stats.fast_requests == before + 1
+
+
+def test_a_failed_load_warns_with_the_first_three_failures(vllm: tuple[Any, Any]) -> None:
+    """A load whose keys fail logs one warning: how many of how many failed, and the first three failures (key,
+    code) in call order, no more."""
+    import logging
+
+    data, worker = vllm
+    _, ours = _handlers(worker)
+    case = _simple_case(data, blocks=6, tp_rank=2)
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    worker.logger.addHandler(handler)
+    try:
+        store = AnswerStore(lambda keys: [-(700 + i) for i in range(len(keys))])
+        run_handler(worker, ours, store, case)
+    finally:
+        worker.logger.removeHandler(handler)
+    keys = store.calls[0][0]
+    assert len(keys) == 6
+    warnings = [r for r in seen if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert warnings[0].args[1:] == (6, 6, [(keys[0], -700), (keys[1], -701), (keys[2], -702)])
+
+
+def test_the_call_follows_the_store_it_reaches_not_the_plan() -> None:
+    """The store is read again at the call: an array plan reaching a store without the array entry gets vLLM's
+    lists of lists, and a list plan reaching an array store gets its list entry, the same values either way."""
+    keys, addrs, sizes = ["a", "b"], [[1 << 20, 2 << 20], [3 << 20, 4 << 20]], [[64, 64], [32, 32]]
+    as_arrays = KeyPlan(keys, np.asarray(addrs, np.int64), np.asarray(sizes, np.int64), np.arange(2, dtype=np.int64))
+    as_lists = KeyPlan(keys, addrs, sizes, [0, 1])
+    assert as_arrays.arrays and not as_lists.arrays
+    for plan, store in ((as_arrays, ListStore("ok")), (as_lists, ArrayStore("ok"))):
+        assert receive._get(store, plan) == [4096, 4096]
+        assert store.calls == [(keys, addrs, sizes, (list, list, {list}, {int}))]
+
+
 def test_empty_load_raises_like_vllm(vllm: tuple[Any, Any]) -> None:
     """No key at all: vLLM's rotation divides by zero; the request is neither finished nor marked done."""
     data, worker = vllm
@@ -392,6 +481,17 @@ def test_disk_offload_budgets_take_the_fast_path_and_tier_log_goes_to_vllm(
     before = ours.stats.fallback_requests
     assert run_handler(worker, ours, TierStore("ok"), case) == run_handler(worker, original, TierStore("ok"), case)
     assert ours.stats.fallback_requests == before + 1
+
+
+def test_an_envs_without_the_tier_log_setting_is_refused_the_fast_path() -> None:
+    """The tier-log check is conservative: an ``envs`` that does not say VLLM_MOONCAKE_STORE_TIER_LOG (another
+    vLLM) sends requests to vLLM's handler, as the setting on does; only a false setting allows the fast path."""
+    from types import SimpleNamespace
+
+    thread = object()
+    assert receive.fast_path_refusal(thread, SimpleNamespace()) == "VLLM_MOONCAKE_STORE_TIER_LOG on"
+    assert receive.fast_path_refusal(thread, SimpleNamespace(VLLM_MOONCAKE_STORE_TIER_LOG=True)) != ""
+    assert receive.fast_path_refusal(thread, SimpleNamespace(VLLM_MOONCAKE_STORE_TIER_LOG=False)) == ""
 
 
 def test_a_layout_not_backed_by_our_engine_goes_to_vllm(vllm: tuple[Any, Any]) -> None:
@@ -474,6 +574,21 @@ def test_self_check_catches_a_handler_that_differs(vllm: tuple[Any, Any]) -> Non
     with pytest.raises(AssertionError, match="receive handler"):
         receive_check.self_check(data, worker, wrong)
     receive_check.self_check(data, worker, ours)
+
+
+def test_self_check_needs_stats_only_to_demand_the_fast_path(vllm: tuple[Any, Any]) -> None:
+    """A handler without ``stats`` (vLLM's own) is checked for equality alone; one with ``stats`` must raise its
+    fast-path count during the self-check, counted from where it stood before (not from zero)."""
+    data, worker = vllm
+    vllms, _ = _handlers(worker)
+    receive_check.self_check(data, worker, vllms)
+
+    def slow(self: Any, req_meta: Any) -> None:
+        vllms(self, req_meta)
+
+    slow.stats = type("Stats", (), {"fast_requests": 5})()  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="no self-check request took the fast path"):
+        receive_check.self_check(data, worker, slow)
 
 
 def test_shape_check_wants_positive_int_direct_io_constants(

@@ -224,6 +224,29 @@ def test_shape_check_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> N
     assert "MOONCAKE_NO_AVAILABLE_HANDLE" in send_check.check_shape(data_module, worker_module)
 
 
+def test_recording_store_records_group_ids_trimmed_rows_and_ragged_puts() -> None:
+    """The self-check's recording store keeps what a put hands Mooncake: keys, rows (a ragged put's rows trimmed
+    to their widths, as the one put vLLM makes), the replicate config's group ids at the call (none: an empty
+    list), and counts ragged puts only."""
+    store = send_check.ArrayRecordingStore(lambda call, keys: [0] * len(keys))
+    assert store.ragged == 0
+    config = send_check._Config()
+    config.group_ids = ["g1", "g2"]
+    addrs, sizes = np.array([[11, 12], [13, 0]], np.int64), np.array([[4, 8], [16, 0]], np.int64)
+    widths = np.array([2, 1], np.int64)
+    assert store.batch_put_from_multi_buffers_ragged(["a", "b"], addrs, sizes, widths, config) == [0, 0]
+    assert store.ragged == 1
+    config.group_ids = []
+    assert store.batch_put_from_multi_buffers_arrays(["c"], addrs[:1], sizes[:1], config) == [0]
+    assert store.batch_put_from_multi_buffers(["d"], [[7]], [[9]], object()) == [0]
+    assert store.ragged == 1
+    assert store.calls == [
+        ("put", ["a", "b"], [[11, 12], [13]], [[4, 8], [16]], ["g1", "g2"]),
+        ("put", ["c"], [[11, 12]], [[4, 8]], []),
+        ("put", ["d"], [[7]], [[9]], []),
+    ]
+
+
 # --- the store wrappers' array put ------------------------------------------------------------------------------
 
 
