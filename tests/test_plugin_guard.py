@@ -862,16 +862,31 @@ def test_ranged_reads_the_guard_cannot_read_are_refused_whole_and_miscounted_ans
     assert len(sent) == 1 and sent[0][0] == [4096]
 
 
+def _guard_over_a_buffer() -> tuple[guard_module.StoreGuard, int, np.ndarray]:
+    """A guard whose one registered range is a 4096-byte buffer of the test's (kept alive by the caller)."""
+    table = RangeTable(armed=True)
+    buf = np.zeros(4096, np.uint8)
+    p = int(buf.ctypes.data)
+    assert table.add(p, buf.nbytes)
+    return guard_module.StoreGuard("test", table), p, buf
+
+
+def _recording_get(sent: list[list[str]]) -> Callable[[list[str], Any, Any], list[int]]:
+    """A stand-in for an ``..._arrays`` get: records the keys sent, answers 64 bytes each."""
+
+    def func(keys: list[str], addrs: Any, sizes: Any) -> list[int]:
+        sent.append(list(keys))
+        return [64] * len(keys)
+
+    return func
+
+
 @pytest.mark.parametrize("form", ["int64_ptrs_list_sizes", "int64_ptrs_uint64_sizes", "flat_int64", "extra_row"])
 def test_multi_buffer_rows_in_mixed_or_malformed_array_forms_are_checked_per_key(form: str) -> None:
     """The fast path is only for two int64 ``(n, R)`` matrices of the keys' count: a matrix beside lists, an
     unsigned size past the int64 maximum, flat arrays (no rows) and a matrix with a row more than keys each get
     the per-key answer of the general check, never an exception and never a bad key admitted."""
-    table = RangeTable(armed=True)
-    buf = np.zeros(4096, np.uint8)
-    p = int(buf.ctypes.data)
-    assert table.add(p, buf.nbytes)
-    check = guard_module.StoreGuard("test", table)
+    check, p, _buf = _guard_over_a_buffer()
     ptrs = np.array([[p, p + 64], [p - 64, p], [p + 128, p + 192]], np.int64)  # key 1 starts before the buffer
     sizes = np.full((3, 2), 64, np.int64)
     forms: dict[str, tuple[Any, Any, list[int]]] = {
@@ -908,11 +923,7 @@ def test_a_call_with_nothing_refused_logs_nothing_and_a_later_warning_counts_onl
 def test_rows_checked_one_by_one_admit_a_key_only_when_every_slice_is_inside() -> None:
     """When one malformed row sends a multi-buffer call to the key-by-key check, a key with one good and one
     bad slice is still refused: every slice of a key must be inside, not any."""
-    table = RangeTable(armed=True)
-    buf = np.zeros(4096, np.uint8)
-    p = int(buf.ctypes.data)
-    assert table.add(p, buf.nbytes)
-    check = guard_module.StoreGuard("test", table)
+    check, p, _buf = _guard_over_a_buffer()
     rows = [[p, p + 64], [p, p + 4096], [p, "not an address"], [p + 128, p + 192]]
     result = check.check_multi(["a", "b", "c", "d"], rows, [[64, 64]] * 4)
     assert result is not None and result.good == [0, 3] and result.refused == 2
@@ -921,11 +932,7 @@ def test_rows_checked_one_by_one_admit_a_key_only_when_every_slice_is_inside() -
 def test_a_flat_call_with_an_address_array_beside_a_size_list_is_checked_per_key() -> None:
     """``check_flat`` with an int64 address array and a list of sizes: the general per-key check (no
     exception), a slice outside refused, the others passed."""
-    table = RangeTable(armed=True)
-    buf = np.zeros(4096, np.uint8)
-    p = int(buf.ctypes.data)
-    assert table.add(p, buf.nbytes)
-    check = guard_module.StoreGuard("test", table)
+    check, p, _buf = _guard_over_a_buffer()
     result = check.check_flat(["a", "b", "c"], np.array([p, p + 4090, p + 64], np.int64), [64, 64, 64])
     assert result is not None and result.good == [0, 2] and result.refused == 1
 
@@ -933,17 +940,9 @@ def test_a_flat_call_with_an_address_array_beside_a_size_list_is_checked_per_key
 def test_the_arrays_entry_with_a_size_list_beside_an_address_matrix_answers_per_key() -> None:
     """``call_arrays`` (the ``..._arrays`` entries) given an int64 address matrix and sizes as lists: the
     general check answers per key (-600 for the key outside, the others sent), no exception."""
-    table = RangeTable(armed=True)
-    buf = np.zeros(4096, np.uint8)
-    p = int(buf.ctypes.data)
-    assert table.add(p, buf.nbytes)
-    check = guard_module.StoreGuard("test", table)
+    check, p, _buf = _guard_over_a_buffer()
     sent: list[list[str]] = []
-
-    def func(keys: list[str], addrs: Any, sizes: Any) -> list[int]:
-        sent.append(list(keys))
-        return [64] * len(keys)
-
+    func = _recording_get(sent)
     addrs = np.array([[p], [p + 4090], [p + 64]], np.int64)
     assert check.call_arrays(["a", "b", "c"], addrs, [[64], [64], [64]], func) == [64, INVALID_PARAMS, 64]
     assert sent == [["a", "c"]]
@@ -953,17 +952,9 @@ def test_the_arrays_entry_with_a_size_list_beside_an_address_matrix_answers_per_
 def test_the_arrays_entry_refuses_every_key_of_matrices_that_are_not_its_rows(form: str) -> None:
     """``call_arrays`` given flat int64 arrays (no rows) or a matrix with a row more than keys: every key gets
     -600 and nothing is sent."""
-    table = RangeTable(armed=True)
-    buf = np.zeros(4096, np.uint8)
-    p = int(buf.ctypes.data)
-    assert table.add(p, buf.nbytes)
-    check = guard_module.StoreGuard("test", table)
+    check, p, _buf = _guard_over_a_buffer()
     sent: list[list[str]] = []
-
-    def func(keys: list[str], addrs: Any, sizes: Any) -> list[int]:
-        sent.append(list(keys))
-        return [64] * len(keys)
-
+    func = _recording_get(sent)
     addrs = np.array([[p], [p + 64], [p + 128]], np.int64)
     sizes = np.full((3, 1), 64, np.int64)
     if form == "flat":
@@ -978,11 +969,7 @@ def test_rows_converted_for_the_check_reach_a_native_client_as_matrices_flat_arg
     """With ``arrays_ok`` (the native client), a multi-buffer call whose rows all pass is handed the int64
     matrices the check converted; a flat call is handed its own arguments unchanged (a flat check's arrays are
     not rows)."""
-    table = RangeTable(armed=True)
-    buf = np.zeros(4096, np.uint8)
-    p = int(buf.ctypes.data)
-    assert table.add(p, buf.nbytes)
-    check = guard_module.StoreGuard("test", table)
+    check, p, _buf = _guard_over_a_buffer()
     got: list[tuple[Any, Any]] = []
 
     def func(keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
