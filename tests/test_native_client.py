@@ -467,6 +467,8 @@ def test_every_input_form_gives_the_same_result(raw_store: Any, client: NativeCl
         ((KeyBlob(b"ab", np.array([1, 2])), [[4096]], [[1]]), ValueError, "must be 0"),
         ((KeyBlob(b"ab", np.array([0, 1])), [[4096]], [[1]]), ValueError, "blob's length"),
         ((KeyBlob(b"ab", np.array([0, 2], np.int32)), [[4096]], [[1]]), TypeError, "int64"),
+        # A decreasing cut would give the second key a negative length (a huge size_t without the check).
+        ((KeyBlob(b"abc", np.array([0, 2, 1, 3])), [[4096], [4096]], [[1], [1]]), ValueError, "non-decreasing"),
         ((KeyBlob("ab", np.array([0, 2])), [[4096]], [[1]]), TypeError, "bytes-like"),
     ],
 )
@@ -476,6 +478,14 @@ def test_bad_input_raises_before_calling(client: NativeClient, args: tuple[Any, 
         client.batch_get_into_multi_buffers(*args)
     with pytest.raises(error, match=match):
         client.batch_put_from_multi_buffers(*args)
+    assert _native.mooncake_client_call_count() == before
+
+
+@pytest.mark.parametrize("cuts", [[0, 2, 1, 3], [0, 3, 0, 3], [0, 4, 3]])
+def test_an_existence_check_refuses_a_key_blob_cut_out_of_order(client: NativeClient, cuts: list[int]) -> None:
+    before = _native.mooncake_client_call_count()
+    with pytest.raises(ValueError, match="non-decreasing and within the blob"):
+        client.batch_is_exist(KeyBlob(b"abc", np.array(cuts, np.int64)))
     assert _native.mooncake_client_call_count() == before
 
 
