@@ -202,6 +202,25 @@ def test_uint64_arrays_beyond_int64_overflow() -> None:
         layout.prepare_values_array(np.array([[2**64 - 16, 2**64 - 1]], dtype=np.uint64), [0], [0])
 
 
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1])
+def test_uint64_ids_shards_and_templates_past_int64_are_refused_not_wrapped(value: int) -> None:
+    """A uint64 value >= 2**63 is refused wherever the layouts read integer arrays; a cast would wrap it
+    (2**64 - 1 to -1: the block before the region, a valid-looking address row)."""
+    too_big = np.array([value], np.uint64)
+    local = rank_local([1 << 40], [64])
+    second = ([1 << 42], [4096], [512])
+    for call in (lambda: local.prepare_values([(0, BS)], too_big, [0]),
+                 lambda: local.prepare_values_array([(0, BS)], too_big, [0]),
+                 lambda: local.prepare_values([(0, BS)], [1], too_big),
+                 lambda: tp_layout().prepare_values([(0, BS)], [1], too_big),
+                 lambda: tp_layout().prepare_values([(0, BS)], too_big, [0]),
+                 lambda: tp_layout()._set_segment_templates([(too_big, [4096], [512]), second]),
+                 lambda: tp_layout()._set_segment_templates([([1 << 40], too_big, [512]), second]),
+                 lambda: tp_layout()._set_segment_templates([([1 << 40], [4096], too_big), second])):
+        with pytest.raises(OverflowError, match="does not fit in a signed 64-bit integer"):
+            call()
+
+
 def tp_layout(cls: type[M.TPShardedStoreLayout] = M.LBHNCStoreLayout, local_tp: int = 1, store_tp: int = 2,
               heads: int = 2) -> M.TPShardedStoreLayout:
     layout = cls(M.KeyMetadata("m", 0, 0, 0, 0), BS, BS, local_tp, store_tp, 0, heads)
@@ -225,6 +244,25 @@ def test_cached_rows_belong_to_their_shard() -> None:
                 assert [list(r) for r in addrs] == [expected[(s, b)] for s, b in zip(shards, (3, 7))]
                 assert [list(r) for r in sizes] == [[512, 512]] * 2 and ids == [3, 7]
     assert layout.row_cache_info()["entries"] == 4
+
+
+@pytest.mark.parametrize(("local_tp", "store_tp", "rank"), [(2, 2, 1), (2, 4, 1), (4, 8, 3)])
+def test_tp_shared_plan_load_at_a_rank_past_shard_zero(local_tp: int, store_tp: int, rank: int) -> None:
+    """The fused load plan at a rank whose first store shard is not 0 equals its steps: each walked chunk once
+    per local shard id (``tp_rank * shards_per_rank`` on), keyed by ``key_for`` and rowed by ``prepare_values``."""
+    layout = M.LBHNCStoreLayout(M.KeyMetadata("m", rank, 0, 0, 0), BS, BS, local_tp, store_tp, rank, 2)
+    shards = layout.local_shard_ids
+    assert shards[0] == rank * (store_tp // local_tp) > 0
+    layout._set_segment_templates([([1 << (40 + k)], [4096], [512]) for k in range(len(shards))])
+    hashes, ids = [b"h0", b"h1", b"h2"], [5, 6, 7]
+    for arrays in (False, True):
+        keys, addrs, sizes, got_ids = layout.plan_load(3 * BS, hashes, 0, None, ids, arrays=arrays)
+        chunks = [(c * BS, (c + 1) * BS) for c in range(3) for _ in shards]
+        shard_ids = [s for _ in range(3) for s in shards]
+        assert keys == [layout.key_for(s, hashes[c]) for c in range(3) for s in shards]
+        want = layout.prepare_values(chunks, ids, shard_ids)
+        assert [list(r) for r in addrs] == want[0] and [list(r) for r in sizes] == want[1]
+        assert list(got_ids) == want[2] == [i for i in ids for _ in shards]
 
 
 def test_tp_shared_values_errors_and_overflow() -> None:
