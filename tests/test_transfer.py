@@ -387,3 +387,23 @@ def test_the_failure_report_of_a_load_reads_only_plain_integer_ids() -> None:
     assert _plain_ids(groups) == [1, 4, 5, 6]
     assert _plain_ids((np.array([[1, 2]]), [7])) == [7]  # a 2-D array is not a group of ids
     assert _plain_ids(object()) == []
+
+
+def test_groups_of_different_block_sizes_store_and_skip_whole_scheduler_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of block sizes 16 and 32 (hashes per 16 tokens) work in scheduler blocks of their lcm, 32: a
+    48-token request stores the first 32 tokens only, and a skip of 48 tokens skips those 32 (fresh mutant
+    M17-10: the gcd, 16, stored a third chunk and reported 48 tokens saved)."""
+    cache = Cache(2, 8, 256, seed=3)
+    h = hashes("lcm", 3)
+    with fake_store(monkeypatch) as (store, _fake):
+        dbs = [ChunkedTokenDatabase(KeyMetadata("lcm", 0, 0, 0, 0, group_id=g), bs, 16)
+               for g, bs in enumerate((16, 32))]
+        with KVTransfer(store, dbs, transfer_mode="multi_buffer", start_threads=False) as xfer:
+            xfer.register_kv_caches(cache.regions, cache.num_blocks)
+            assert xfer.lcm_block_size == 32
+            stored = xfer.store(TransferRequest("r", 48, h, [[1, 2, 3], [4, 5]]))
+            assert stored.ok and stored.chunks == stored.stored == 3 and stored.saved_tokens == 32
+            assert xfer.lookup(49, h) == 32
+            # The skip floors to 32 as well: the chunks from token 32 on are still asked for (and missing).
+            skipped = xfer.load(TransferRequest("r", 48, h, [[1, 2, 3], [4, 5]], skip_tokens=48))
+            assert skipped.loaded_block_ids == set() and skipped.failed_block_ids == {3, 5}
