@@ -268,6 +268,14 @@ def test_tp_shared_shard_range_must_fit_in_int64(first: int, count: int) -> None
         _native.LayoutEngine(16, 16, True, first, count, 1 << 20)
 
 
+@pytest.mark.parametrize(("block_size", "hash_block_size"), [(0, 16), (16, 0), (-16, 16), (16, -1)])
+@pytest.mark.parametrize("tp_shared", [False, True])
+def test_a_layout_engine_of_block_size_zero_is_refused(block_size: int, hash_block_size: int, tp_shared: bool) -> None:
+    # Every walk and row divides by these (a 0 would be a division by zero in the kernels).
+    with pytest.raises(ValueError, match="block_size and hash_block_size must be positive"):
+        _native.LayoutEngine(block_size, hash_block_size, tp_shared, 0, 1, 1 << 20)
+
+
 # --- TP-shared layouts: segments re-registered after the transfer's registration --------------------------
 
 
