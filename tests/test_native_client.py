@@ -617,6 +617,22 @@ def test_refused_keys_leave_every_other_key_its_own_result(client: NativeClient)
     assert flat == [CODE_INVALID_PARAMS, 1024, CODE_INVALID_PARAMS, CODE_NOT_FOUND]
 
 
+def test_a_call_whose_every_key_is_refused_makes_no_mooncake_call(client: NativeClient) -> None:
+    """With ``ranges``, a call whose keys are all refused answers -600 for each and calls Mooncake not at all
+    (not even with an empty batch), in every method that takes ``ranges``."""
+    layout = Layout(np.full((2, 2), 512, np.int64), seed=6)
+    keys = _unique("refused", 2)
+    ranges = np.array([[layout.dst.ctypes.data, layout.dst.ctypes.data + layout.dst.nbytes]], np.int64)
+    outside = np.full((2, 2), 1 << 45, np.int64)
+    before = _native.mooncake_client_call_count()
+    for call in (client.batch_get_into_multi_buffers, client.batch_put_from_multi_buffers):
+        assert call(keys, outside, layout.sizes, ranges=ranges) == [CODE_INVALID_PARAMS] * 2
+        assert client.last_refused() == 2
+    for flat_call in (client.batch_get_into, client.batch_put_from):
+        assert flat_call(keys, outside[:, 0], [1024, 1024], ranges=ranges) == [CODE_INVALID_PARAMS] * 2
+    assert _native.mooncake_client_call_count() == before
+
+
 def test_the_native_client_makes_the_checks_the_python_side_makes_first(client: NativeClient) -> None:
     """Checks the driver (rows per key) and the guard's table (ranges inside [1, 2**63)) make before the
     native client is reached, made by the native client too: an address matrix with more rows than keys, a

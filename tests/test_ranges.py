@@ -65,6 +65,8 @@ def test_the_edges_of_the_rule() -> None:
         ((4096, 8192), [(4096, 4096), (8192, 4096)], False),  # spans two adjacent buffers
         ((6000, 100), [(4096, 8192), (5000, 200)], True),  # inside the wider of two overlapping ranges
         ((4096, 1), [], False),
+        ((4096, 0), [(4096, 0)], False),  # an empty range is ignored: it holds not even an empty slice
+        ((12288, 0), [(4096, 4096), (12288, 0)], False),
     ]
     for (address, size), ranges, want in cases:
         got = _native.slices_inside(np.array([address], np.int64), np.array([size], np.int64), ranges)
