@@ -633,6 +633,28 @@ def test_a_call_whose_every_key_is_refused_makes_no_mooncake_call(client: Native
     assert _native.mooncake_client_call_count() == before
 
 
+def test_the_refused_count_is_the_last_calls_own(client: NativeClient) -> None:
+    """``last_refused`` answers for the thread's last call only: after a call that refused keys, a call of any
+    method that raises before sending (or refuses none) reports 0, never the earlier call's count."""
+    layout = Layout(np.full((2, 1), 512, np.int64), seed=7)
+    keys = _unique("count", 2)
+    ranges = np.array([[layout.dst.ctypes.data, layout.dst.ctypes.data + layout.dst.nbytes]], np.int64)
+    outside = np.full((2, 1), 1 << 45, np.int64)
+    failing = (
+        lambda: client.batch_get_into_multi_buffers(keys, [[4096]], [[1]], ranges=ranges),
+        lambda: client.batch_put_from_multi_buffers(keys, [[4096]], [[1]], ranges=ranges),
+        lambda: client.batch_get_into(keys, [4096], [1], ranges=ranges),
+        lambda: client.batch_put_from(keys, [4096], [1], ranges=ranges),
+    )
+    for fail in failing:
+        refused = client.batch_get_into_multi_buffers(keys, outside, layout.sizes, ranges=ranges)
+        assert refused == [CODE_INVALID_PARAMS] * 2
+        assert client.last_refused() == 2
+        with pytest.raises(ValueError):
+            fail()
+        assert client.last_refused() == 0
+
+
 def test_the_native_client_makes_the_checks_the_python_side_makes_first(client: NativeClient) -> None:
     """Checks the driver (rows per key) and the guard's table (ranges inside [1, 2**63)) make before the
     native client is reached, made by the native client too: an address matrix with more rows than keys, a

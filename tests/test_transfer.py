@@ -392,7 +392,7 @@ def test_the_failure_report_of_a_load_reads_only_plain_integer_ids() -> None:
 def test_groups_of_different_block_sizes_store_and_skip_whole_scheduler_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Groups of block sizes 16 and 32 (hashes per 16 tokens) work in scheduler blocks of their lcm, 32: a
     48-token request stores the first 32 tokens only, and a skip of 48 tokens skips those 32 (fresh mutant
-    M17-10: the gcd, 16, stored a third chunk and reported 48 tokens saved)."""
+    M17-10: the gcd, 16, stored chunks past token 32 and reported 48 tokens saved)."""
     cache = Cache(2, 8, 256, seed=3)
     h = hashes("lcm", 3)
     with fake_store(monkeypatch) as (store, _fake):
