@@ -528,9 +528,9 @@ def test_argument_types_and_shapes(fn: CopyFn) -> None:
         call(sizes=f.sizes[:, :-1].copy())
     with pytest.raises(ValueError, match="C-contiguous"):
         call(addrs=np.asfortranarray(f.addrs))
-    with pytest.raises(ValueError, match=r"offsets must have shape \(20,\)"):
+    with pytest.raises(ValueError, match=r"offsets must have shape \(20,\) \(one slot per key\), got \(19,\)$"):
         call(offsets=f.offsets[:-1].copy())
-    with pytest.raises(ValueError, match=r"offsets must have shape \(20,\)"):
+    with pytest.raises(ValueError, match=r"offsets must have shape \(20,\) \(one slot per key\), got \(21,\)$"):
         call(offsets=np.append(f.offsets, f.offsets[-1]))  # one slot per key: a longer vector too
     with pytest.raises(TypeError, match="select must have dtype bool or uint8"):
         call(select=np.ones(20, dtype=np.int64))
