@@ -407,3 +407,24 @@ def test_groups_of_different_block_sizes_store_and_skip_whole_scheduler_blocks(m
             # The skip floors to 32 as well: the chunks from token 32 on are still asked for (and missing).
             skipped = xfer.load(TransferRequest("r", 48, h, [[1, 2, 3], [4, 5]], skip_tokens=48))
             assert skipped.loaded_block_ids == set() and skipped.failed_block_ids == {3, 5}
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64])
+def test_regions_of_wider_dtypes_move_whole_blocks(monkeypatch: pytest.MonkeyPatch, dtype: Any) -> None:
+    """A block's length is its bytes, not its elements: a store and a load of regions of 2-, 4- and 8-byte
+    items move every byte of each block and none of the next (fresh mutant M18-07: elements taken for bytes)."""
+    rng = np.random.default_rng(9)
+    src = [rng.integers(0, 100, (6, 64)).astype(dtype) for _ in range(2)]
+    dst = [np.zeros_like(region) for region in src]
+    h = hashes("wide", 3)
+    with fake_store(monkeypatch) as (store, _fake):
+        writer = KVTransfer(store, [ChunkedTokenDatabase(KeyMetadata("wide", 0, 0, 0, 0), 16)], start_threads=False)
+        reader = KVTransfer(store, [ChunkedTokenDatabase(KeyMetadata("wide", 0, 0, 0, 0), 16)], start_threads=False)
+        with writer, reader:
+            writer.register_kv_caches(src, 6)
+            reader.register_kv_caches(dst, 6)
+            assert writer.store(TransferRequest("w", 48, h, [[1, 2, 3]])).bytes == 3 * 2 * src[0][0].nbytes
+            assert reader.load(TransferRequest("r", 48, h, [[5, 4, 2]])).loaded_block_ids == {5, 4, 2}
+    for a, b in zip(src, dst, strict=True):
+        np.testing.assert_array_equal(b[[5, 4, 2]], a[[1, 2, 3]])
+        assert not b[[0, 1, 3]].any()

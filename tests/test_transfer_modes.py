@@ -569,6 +569,30 @@ def test_mode_choice_is_logged_once(store: MooncakeStore, model: str, caplog: py
     assert len(lines) == 1 and "auto -> staged (2 regions per key, host memory, staging pool" in lines[0]
 
 
+@mooncake
+@pytest.mark.parametrize(
+    ("regions", "block_bytes", "local", "modes"),
+    [
+        (4, 2048, True, ("staged", "multi_buffer")),
+        (8, 3072, True, ("staged", "multi_buffer")),
+        (9, 512, True, ("multi_buffer", "multi_buffer")),
+        (2, 4096, True, ("multi_buffer", "multi_buffer")),
+        (32, 16 << 10, False, ("staged", "staged")),
+        (2, 32 << 10, False, ("staged", "staged")),
+        (32, 32 << 10, False, ("multi_buffer", "multi_buffer")),
+    ],
+)
+def test_auto_decides_on_the_mean_region_size(
+    store: MooncakeStore, model: str, regions: int, block_bytes: int, local: bool, modes: tuple[str, str]
+) -> None:
+    """``auto`` reads the MEAN region size, however large the whole object: in memory it stages loads of at
+    most 8 regions per key under 4 KiB each (4 x 2 KiB = 8 KiB, 8 x 3 KiB = 24 KiB), over the network every
+    layout of regions under 32 KiB (32 x 16 KiB = 512 KiB) or of objects up to 512 KiB (fresh mutant M18-11:
+    the object's total bytes taken for the region size)."""
+    with transfer(store, model, Cache(regions, 3, block_bytes), 16, local_copy=local) as xfer:
+        assert (xfer.mode, xfer.store_mode) == modes
+
+
 # ------------------------------------------------------------------------------------------- across processes
 
 CHILD = """
