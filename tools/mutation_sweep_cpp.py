@@ -9,7 +9,8 @@ each test file once against a scratch venv (the installed package with that exte
 file give csrc line -> test files (``map.json``) and each file's duration. ``run`` builds the export once more
 without counters (``-O0``, WORK/build) and then, per mutant, patches the line, rebuilds incrementally, copies the
 extension into the venv and runs the test files that ran the line (fastest first, ``-x``, up to ``--budget``
-seconds of them). Results go to ``results.jsonl``; a mutant that does not compile is skipped, not counted.
+seconds of them). Results go to ``results.jsonl``; a mutant that does not compile is skipped, not counted. A
+second ``run`` in the same work folder leaves out the lines an earlier one mutated.
 """
 
 from __future__ import annotations
@@ -179,10 +180,14 @@ def cmd_run(work: Path, files: list[str], budget: float, most: int) -> int:
         raise SystemExit("the plain build failed")
     target = _venv(work)
     results = work / "results.jsonl"
+    # Lines an earlier run of this work folder already mutated are left out: a second run samples new ones.
+    done: set[tuple[str, int]] = set()
+    if results.exists():
+        done = {(r["file"], r["line"]) for r in map(json.loads, results.read_text().splitlines())}
     for name in files or sorted(mapping):
         path = tree / "csrc" / name
         original = path.read_text()
-        lines = {int(n) for n in mapping.get(name, {})}
+        lines = {int(n) for n in mapping.get(name, {})} - {line for f, line in done if f == name}
         mutants = mutants_of(original, lines)
         if len(mutants) > most:  # spread the sample over the whole file
             step = len(mutants) / most
