@@ -221,6 +221,24 @@ def test_uint64_ids_shards_and_templates_past_int64_are_refused_not_wrapped(valu
             call()
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint32, np.int16])
+def test_chunks_as_an_integer_array_equal_chunks_as_pairs(dtype: Any) -> None:
+    """An ``(n, 2)`` integer array of chunks reads column 0 as the starts and column 1 as the ends, exactly as
+    the same chunks given as ``(start, end)`` pairs, in both layouts and both row forms (fresh mutant M19-02:
+    the ends read from column 0, every span empty)."""
+    local = rank_local([1 << 40, 1 << 41], [64, 128])
+    pairs = [(0, BS), (BS, 3 * BS), (3 * BS, 4 * BS)]
+    want = reference([1 << 40, 1 << 41], [64, 128], pairs, [3, 4, 5, 6])
+    assert want[1] == [[64, 128], [128, 256], [64, 128]]
+    array = np.array(pairs, dtype)
+    assert local.prepare_values(pairs, [3, 4, 5, 6], [0] * 3) == want
+    assert local.prepare_values(array, [3, 4, 5, 6], [0] * 3) == want
+    assert [r.tolist() for r in local.prepare_values_array(array, [3, 4, 5, 6], [0] * 3)] == [*want[:2], want[2]]
+    shared = tp_layout()
+    full = [(0, BS), (BS, 2 * BS)]
+    assert shared.prepare_values(np.array(full, dtype), [5, 6], [1, 0]) == shared.prepare_values(full, [5, 6], [1, 0])
+
+
 def tp_layout(cls: type[M.TPShardedStoreLayout] = M.LBHNCStoreLayout, local_tp: int = 1, store_tp: int = 2,
               heads: int = 2) -> M.TPShardedStoreLayout:
     layout = cls(M.KeyMetadata("m", 0, 0, 0, 0), BS, BS, local_tp, store_tp, 0, heads)
