@@ -106,13 +106,18 @@ def _covered_lines(build: Path, tree: Path) -> dict[str, set[int]]:
     return out
 
 
-def cmd_map(work: Path, files: list[str]) -> int:
+def _prepare(work: Path, folder: str, flags: str) -> tuple[Path, Path, Path]:
+    """HEAD exported to WORK/tree and built with ``flags`` into WORK/``folder``; the scratch venv's package."""
     tree = _export(work)
-    cov = work / "cov"
-    _configure(tree, cov, "-O0 --coverage")
-    if not _build(cov):
-        raise SystemExit("the instrumented build failed")
-    target = _venv(work)
+    build = work / folder
+    _configure(tree, build, flags)
+    if not _build(build):
+        raise SystemExit(f"the build in {build} failed")
+    return tree, build, _venv(work)
+
+
+def cmd_map(work: Path, files: list[str]) -> int:
+    tree, cov, target = _prepare(work, "cov", "-O0 --coverage")
     _install_so(cov, target)
     if not files:
         files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
@@ -173,12 +178,7 @@ def mutants_of(text: str, lines: set[int]) -> list[tuple[int, str, str, str]]:
 def cmd_run(work: Path, files: list[str], budget: float, most: int) -> int:
     mapping = json.loads((work / "map.json").read_text())
     durations = json.loads((work / "durations.json").read_text())
-    tree = _export(work)
-    build = work / "build"
-    _configure(tree, build, "-O0")
-    if not _build(build):
-        raise SystemExit("the plain build failed")
-    target = _venv(work)
+    tree, build, target = _prepare(work, "build", "-O0")
     results = work / "results.jsonl"
     # Lines an earlier run of this work folder already mutated are left out: a second run samples new ones.
     done: set[tuple[str, int]] = set()
