@@ -195,8 +195,10 @@ def test_the_list_plan_rotates_block_ids_with_the_keys(monkeypatch: pytest.Monke
             transfer(store, "l", src, bs, transfer_mode="multi_buffer", start_threads=False) as writer,
             transfer(store, "l", dst, bs, tp_rank=tp_rank, transfer_mode="multi_buffer", start_threads=False) as reader,
         ):
-            writer.store(TransferRequest("r", 5 * bs, h, [list(range(1, chunks + 1))]))  # chunks 0..4 only
+            stored = writer.store(TransferRequest("r", 5 * bs, h, [list(range(1, chunks + 1))]))  # chunks 0..4
             loaded = reader.load(TransferRequest("r", chunks * bs, h, [ids_dst]))
+    # Every region of every key counted (fresh mutant M20-11: the list rows' first region only).
+    assert stored.stored == 5 and stored.bytes == 5 * 3 * 256
     assert loaded.failed_block_ids == set(ids_dst[5:]) and loaded.loaded_block_ids == set(ids_dst[:5])
     assert not any(region[ids_dst[5:]].any() for region in dst.regions)
 

@@ -514,6 +514,7 @@ class FakeMooncake:
         self.objects: dict[str, bytes] = {}
         self.registered: list[tuple[int, int]] = []
         self.calls: list[str] = []
+        self.configs: list[Any] = []  # the config of every put, in order
 
     def register_buffer(self, ptr: int, size: int) -> int:
         self.registered.append((ptr, size))
@@ -525,6 +526,7 @@ class FakeMooncake:
 
     def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], config: Any = None) -> list[int]:
         self.calls.append("put_from")
+        self.configs.append(config)
         for key, ptr, size in zip(keys, ptrs, sizes):
             self.objects[key] = ctypes.string_at(ptr, size)
         return [0] * len(keys)
@@ -545,6 +547,7 @@ class FakeMooncake:
 
     def batch_put_from_multi_buffers(self, keys: list[str], addrs: Any, sizes: Any, config: Any = None) -> list[int]:
         self.calls.append("put_multi")
+        self.configs.append(config)
         for key, row, lens in zip(keys, addrs, sizes):
             self.objects[key] = b"".join(ctypes.string_at(a, n) for a, n in zip(row, lens))
         return [0] * len(keys)
@@ -680,11 +683,13 @@ def test_staged_call_passes_through_when_no_staging_span_frees_in_time() -> None
         held.release()
     assert (cache.array == want).all()
     assert inner.calls == ["put_multi", "get_multi", "get_multi", "put_multi"]
+    # The puts that went on without staging kept their config (fresh mutant M20-16: the list entry's dropped).
+    assert inner.configs == ["config", "config"]
     assert store.stats.lease_timeouts == 4 and store.stats.staged_puts == store.stats.staged_gets == 0
     assert store.stats.passthrough_puts == store.stats.passthrough_gets == 2
     # Once staging is free again, calls stage as before.
     assert store.batch_put_from_multi_buffers(keys, addrs, sizes, "config") == [0] * 4
-    assert inner.calls[-1] == "put_from" and store.stats.staged_puts == 1
+    assert inner.calls[-1] == "put_from" and store.stats.staged_puts == 1 and inner.configs[-1] == "config"
     with pytest.raises(ValueError, match="staging_wait_s"):
         StagedMooncakeStore(inner, staging_wait_s=float("nan"))
 
