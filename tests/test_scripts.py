@@ -63,6 +63,24 @@ def test_object_floor_script_runs(tmp_path: Path) -> None:
     assert all(ms > 0 for ms in report["median_ms"].values()), report
 
 
+def test_gpu_plugin_check_script_runs_on_host_memory(tmp_path: Path) -> None:
+    """bench/gpu_plugin_check.py (docs/native-client.md, "On a GPU") on host caches: every form stores and
+    loads byte for byte, the guard refuses the bad row, and the record says so."""
+    pytest.importorskip("torch", reason="torch is not installed (comes with vLLM)")
+    out = tmp_path / "check.json"
+    _run("bench/gpu_plugin_check.py", "--device", "cpu", "--layers", "2", "--blocks", "4", "--repeat", "1",
+         "--out", str(out))  # fmt: skip
+    import json
+
+    record = json.loads(out.read_text())
+    assert record["ok"] and record["native_client"] and record["native_calls"] > 0, record
+    assert [(r["layout"], r["how"]) for r in record["rounds"]] == [
+        (layout, how) for layout in ("rank_local", "lbnhc") for how in ("arrays", "lists", "bound")
+    ]
+    assert all(r["bytes_equal"] and r["put_codes"] == [0] for r in record["rounds"]), record
+    assert record["guard"]["codes"][0] == -600 and record["guard"]["refused_blocks_untouched"], record
+
+
 def test_every_listed_mutant_still_applies() -> None:
     """tools/mutants.json (docs/development.md, "Mutation runs") names code that exists: a mutant whose text
     changed must be updated with the code it mutates."""
