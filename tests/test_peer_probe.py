@@ -472,6 +472,23 @@ def test_an_object_of_exactly_the_probe_limit_is_probed() -> None:
     assert store.reads == ["edge"] and probe.probes == 1 and probe.known == {"p1"}
 
 
+def test_a_short_probe_read_does_not_prove_its_peer() -> None:
+    """A probe read that answers fewer bytes than the object holds is no proof that the peer answers: the peer
+    stays unknown (probed again next time) and is not found down (its keys go ahead and meet the get)."""
+    store = _ProbeStore([(("p1", 64),)])
+    store.read = lambda key, n, deadline: [n - 1]
+    probe = _probe_with(store)
+    try:
+        first = probe.screen(["k"], RequestDeadline(5.0))
+        assert probe.known == frozenset()
+        second = probe.screen(["k"], RequestDeadline(5.0))
+    finally:
+        probe.close()
+    for screen in (first, second):
+        assert not screen.stop and screen.allowed is None and screen.endpoints == [("p1",)]
+    assert store.reads == ["k", "k"] and probe.probes == 2 and probe.known == frozenset()
+
+
 def test_a_probe_read_that_raises_store_error_lets_the_get_meet_it_and_releases_the_buffer() -> None:
     store = _ProbeStore([(("p1", 64),)])
 
