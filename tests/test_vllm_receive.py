@@ -523,6 +523,16 @@ def test_a_layout_not_backed_by_our_engine_goes_to_vllm(vllm: tuple[Any, Any]) -
     assert result == run_handler(worker, original, ListStore("ok"), case)
     assert all(key.startswith("custom@") for key in result[1][0][0])
 
+    # An instance override of key_for on our own layout class: vLLM calls it, so the handler must too.
+    keyed = data.RankLocalStoreLayout(data.KeyMetadata("m/inst", 1, 0, 0, 0), 64, 16)
+    keyed.set_kv_caches_base_addr([1 << 30])
+    keyed.set_block_len([4096])
+    keyed.key_for = lambda shard_id, chunk_hash: "inst@" + chunk_hash.hex()
+    case["dbs"] = [data.ChunkedTokenDatabase(keyed.metadata, 64, 16, keyed)]
+    result = run_handler(worker, ours, ArrayStore("ok"), case)
+    assert result == run_handler(worker, original, ListStore("ok"), case)
+    assert result[1][0][0] and all(key.startswith("inst@") for key in result[1][0][0])
+
 
 # --- the switch ------------------------------------------------------------------------------------------------------
 
@@ -1030,11 +1040,14 @@ def test_a_layout_not_backed_by_our_engine_is_left_to_vllm_with_its_reason(vllm:
 
     overridden = data.RankLocalStoreLayout(metadata, 32, 16)
     overridden.prepare_values = overridden.prepare_values
+    keyed = data.RankLocalStoreLayout(metadata, 32, 16)
+    keyed.key_for = lambda shard_id, chunk_hash: "inst@" + chunk_hash.hex()  # an instance override of key_for
     reason = "a layout not backed by our engine"
-    for layout in (OwnShards(metadata, 32, 16), overridden):
+    for layout in (OwnShards(metadata, 32, 16), overridden, keyed):
         layout.set_kv_caches_base_addr([1 << 30])
         layout.set_block_len([4096])
         assert kinds.engine_of(data.ChunkedTokenDatabase(metadata, 32, 16, layout), PLAN_ENGINES) == reason
+    assert kinds.layout_kind(keyed) == kinds.layout_kind(overridden) == ""
     plain = data.RankLocalStoreLayout(metadata, 32, 16)
     plain.set_kv_caches_base_addr([1 << 30])
     plain.set_block_len([4096])
