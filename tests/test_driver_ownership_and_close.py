@@ -292,6 +292,7 @@ class _RecordingStore:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.closed = False
+        self.closes = 0
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
 
@@ -330,6 +331,7 @@ class _RecordingStore:
 
     def close(self) -> int:
         self.closed = True
+        self.closes += 1
         return 0
 
 
@@ -366,9 +368,9 @@ def test_plugin_wrappers_refuse_every_call_after_close(which: str) -> None:
     for call in calls:
         with pytest.raises(StoreClosedError, match="closed"):
             call()
-    assert raw.calls == []
-    store.close()  # idempotent
-    assert raw.calls == []
+    assert raw.calls == [] and raw.closes == 1
+    assert store.close() == 0  # idempotent: Mooncake's close is not called again
+    assert raw.calls == [] and raw.closes == 1
 
 
 @pytest.mark.parametrize("which", ["native", "staged", "staged+native"])
