@@ -193,6 +193,34 @@ def test_a_fresh_process_warns_on_its_first_failed_activation() -> None:
 
 
 @pytest.mark.vllm
+def test_register_on_an_unknown_release_imports_no_store_module() -> None:
+    """Deciding not to patch needs only ``vllm.__version__``: on a release the plugin does not know, ``register``
+    imports none of vLLM's Mooncake store modules (they cost ~5 s on vLLM 0.34), installs no import hook and
+    logs one warning however often it is called (docs/vllm-plugin.md, "Start-up")."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format='%(levelname)s %(message)s')\n"
+        "import vllm\n"
+        "vllm.__version__ = '9.9.0'\n"
+        "from mooncake_kvaddr.integrations.vllm import plugin as p\n"
+        "p.register()\n"
+        "p.register()\n"
+        "print('IMPORTED', sorted(m for m in sys.modules if '.mooncake.store' in m))\n"
+        "print('HOOKS', sum(type(f).__name__ == '_StoreImportHook' for f in sys.meta_path))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("VLLM_PLUGINS", plugin.ENV_PLUGIN)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=True)
+    lines = out.stdout.splitlines()
+    assert "IMPORTED []" in lines and "HOOKS 0" in lines, out.stdout
+    warnings = [line for line in lines if "left untouched" in line]
+    assert warnings == ["WARNING mooncake_kvaddr: vLLM left untouched: vLLM 9.9.0 is not a release this plugin knows "
+                        f"({'x, '.join(plugin.SUPPORTED_VLLM_SERIES)}x)"], out.stdout
+
+
+@pytest.mark.vllm
 def test_unpatch_takes_a_pending_import_hook_out_of_sys_meta_path(data: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``register`` (even twice) before the store modules are imported puts one import hook on ``sys.meta_path``;
     ``unpatch`` takes it out again (nothing left behind to fire later) and patches nothing."""

@@ -256,7 +256,7 @@ def patch(
             return _REPORT
         report = PatchReport(vllm_version=version)
         if not version.startswith(SUPPORTED_VLLM_SERIES):
-            report.reason = f"vLLM {version} is not a release this plugin knows ({', '.join(SUPPORTED_VLLM_SERIES)}x)"
+            report.reason = _unknown_release(version)
             return report
         problem = check_shape(data, worker)
         if problem:
@@ -415,11 +415,14 @@ def register() -> None:
                 import vllm
 
                 version = str(getattr(vllm, "__version__", "unknown"))
-                if version.startswith(SUPPORTED_VLLM_SERIES):
-                    _HOOK = _StoreImportHook()
-                    sys.meta_path.insert(0, _HOOK)
-                    logger.debug("mooncake_kvaddr: patches vLLM %s on first import of its Mooncake store", version)
+                if not version.startswith(SUPPORTED_VLLM_SERIES):
+                    # Deciding needs only the version: a release we do not know is never imported into.
+                    _warn_once(_unknown_release(version))
                     return
+                _HOOK = _StoreImportHook()
+                sys.meta_path.insert(0, _HOOK)
+                logger.debug("mooncake_kvaddr: patches vLLM %s on first import of its Mooncake store", version)
+                return
     except Exception as exc:  # a plugin must never break vLLM's start-up
         logger.warning("mooncake_kvaddr: vLLM left untouched: %s: %s", type(exc).__name__, exc)
         return
@@ -428,7 +431,7 @@ def register() -> None:
 
 def _activate() -> None:
     """Check, self-check and patch now; log the one line (or the one warning). Never raises."""
-    global _WARNED, _LOGGED
+    global _LOGGED
     try:
         report = patch()
     except Exception as exc:  # a plugin must never break vLLM's start-up
@@ -453,6 +456,19 @@ def _activate() -> None:
             logger.warning("mooncake_kvaddr: vLLM's own lookup kept: %s", report.lookup_reason)
         if report.send_reason:
             logger.warning("mooncake_kvaddr: vLLM's own send handler kept: %s", report.send_reason)
-    elif not _WARNED:
+    else:
+        _warn_once(report.reason)
+
+
+def _unknown_release(version: str) -> str:
+    return f"vLLM {version} is not a release this plugin knows ({'x, '.join(SUPPORTED_VLLM_SERIES)}x)"
+
+
+def _warn_once(reason: str) -> None:
+    """The one warning of a process whose vLLM stays untouched."""
+    global _WARNED
+    with _STATE_LOCK:
+        if _WARNED:
+            return
         _WARNED = True
-        logger.warning("mooncake_kvaddr: vLLM left untouched: %s", report.reason)
+    logger.warning("mooncake_kvaddr: vLLM left untouched: %s", reason)
