@@ -82,7 +82,7 @@ def test_a_data_module_given_without_a_worker_patches_only_the_layouts(data: Any
 
     report = plugin.patch(data=data, version=str(vllm.__version__))
     assert report.active
-    assert report.patched == [f"{cls_name}.{name}" for cls_name, name, _ in plugin.REPLACEMENTS]
+    assert report.patched == [f"{cls_name}.{name}" for cls_name, name, _ in vllm_layouts.REPLACEMENTS]
     assert not report.staged_hook and report.hook_reason == ""
     assert not plugin.is_receive_patched() and not plugin.is_send_patched()
 
@@ -212,7 +212,8 @@ def test_register_on_an_unknown_release_imports_no_store_module() -> None:
         "print('HOOKS', sum(type(f).__name__ == '_StoreImportHook' for f in sys.meta_path))\n"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("VLLM_PLUGINS", plugin.ENV_PLUGIN)}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                         check=True)
     lines = out.stdout.splitlines()
     assert "IMPORTED []" in lines and "HOOKS 0" in lines, out.stdout
     warnings = [line for line in lines if "left untouched" in line]
@@ -1268,3 +1269,15 @@ def test_register_defers_until_the_store_modules_are_imported(first: str) -> Non
         assert "IS_PATCHED True" in out
     assert sum("native Mooncake store paths active" in line for line in out) == 1
     assert not any("WARNING" in line and "mooncake_kvaddr" in line for line in out)
+
+
+def test_the_entry_points_series_are_the_release_modules() -> None:
+    """``register`` decides on ``known_series()`` without importing a release module; the two must agree, and no
+    two release modules claim one series (docs/architecture.md, "Where a change goes")."""
+    from mooncake_kvaddr.integrations.vllm import releases
+
+    claimed = [series for release in releases.releases() for series in release.series]
+    assert sorted(claimed) == sorted(releases.known_series())
+    assert len(set(claimed)) == len(claimed)
+    assert releases.for_version("0.33.0") is not releases.for_version("0.34.0")
+    assert releases.for_version("0.31.0") is None and releases.for_version("0.3.4") is None

@@ -9,6 +9,7 @@ With the native client, the keys reach Mooncake as one blob and the result is st
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import types
 import uuid
@@ -28,8 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import worker a
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker
 
 from mooncake_kvaddr.integrations.vllm import lookup as lookup_module
-from mooncake_kvaddr.integrations.vllm import plugin, registry
+from mooncake_kvaddr.integrations.vllm import plugin
 from mooncake_kvaddr.integrations.vllm.lookup import TRANSPORT_ATTR, make_lookup, plan_lookup
+from mooncake_kvaddr.integrations.vllm.releases import v0_33
 from test_lookup_vllm import vllm_worker
 
 ORIGINAL = MooncakeStoreWorker.__dict__["lookup"]
@@ -202,10 +204,10 @@ def test_patch_replaces_the_lookup_and_env_keeps_vllms(monkeypatch: pytest.Monke
 
 def test_a_changed_lookup_body_keeps_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
     plugin.unpatch()
-    table = {release: dict(prints) for release, prints in plugin.KNOWN_FINGERPRINTS.items()}
+    table = {release: dict(prints) for release, prints in v0_33.FINGERPRINTS.items()}
     for prints in table.values():
         prints["MooncakeStoreWorker.lookup"] = "0" * 16
-    monkeypatch.setattr(registry, "KNOWN_FINGERPRINTS", table)
+    monkeypatch.setattr(v0_33, "RELEASE", dataclasses.replace(v0_33.RELEASE, fingerprints=table))
     try:
         report = plugin.patch()
         assert report.active and "MooncakeStoreWorker.lookup" not in report.patched

@@ -8,6 +8,7 @@ switch, and the array entry points of the store wrappers."""
 
 from __future__ import annotations
 
+import importlib
 import queue
 import random
 import threading
@@ -24,6 +25,7 @@ from mooncake_kvaddr.driver.staging import StagingBuffer
 from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
 from mooncake_kvaddr.integrations.vllm import plugin, receive, receive_check
 from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+from mooncake_kvaddr.integrations.vllm.releases import for_version, v0_33
 from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
 
 pytestmark = pytest.mark.vllm
@@ -849,13 +851,17 @@ def test_installed_release_matches_the_recorded_fingerprints(vllm: tuple[Any, An
 
     data, worker = vllm
     version = vllm_package.__version__
-    for part in plugin.FINGERPRINTED:
-        functions = plugin.vllm_functions(part, data, worker)
-        assert set(functions) == set(plugin.FINGERPRINTED[part])
-        assert plugin.fingerprint_problem(version, functions) == "", part
-        if version in plugin.KNOWN_FINGERPRINTS:
+    release = for_version(version)
+    assert release is not None, version
+    layout = importlib.import_module(release.layout_module)
+    assert set(release.fingerprinted) <= {"layouts", *release.ported}
+    for part, names in release.fingerprinted.items():
+        functions = plugin.vllm_functions(names, data, worker, layout)
+        assert set(functions) == set(names)
+        assert plugin.fingerprint_problem(version, functions, release.fingerprints) == "", part
+        if version in release.fingerprints:
             for name, func in functions.items():
-                assert plugin.fingerprint(func) == plugin.KNOWN_FINGERPRINTS[version][name]
+                assert plugin.fingerprint(func) == release.fingerprints[version][name]
 
 
 def test_fingerprint_ignores_layout_and_comments_but_not_code() -> None:
@@ -869,9 +875,10 @@ def test_fingerprint_ignores_layout_and_comments_but_not_code() -> None:
     ):
         assert plugin.fingerprint_source(changed) != plugin.fingerprint_source(base)
     assert plugin.fingerprint(len) is None  # no Python source: never "the same"
-    assert plugin.fingerprint_problem("0.33.0", {"RankLocalStoreLayout.key_for": len}).endswith("source to fingerprint")
-    assert "is missing" in plugin.fingerprint_problem("0.33.0", {"RankLocalStoreLayout.key_for": None})
-    assert "none" in plugin.fingerprint_problem("0.34.0", {"RankLocalStoreLayout.key_for": plugin.fingerprint})
+    known = v0_33.FINGERPRINTS
+    assert plugin.fingerprint_problem("0.33.0", {"RankLocalStoreLayout.key_for": len}, known).endswith("fingerprint")
+    assert "is missing" in plugin.fingerprint_problem("0.33.0", {"RankLocalStoreLayout.key_for": None}, known)
+    assert "none" in plugin.fingerprint_problem("0.35.0", {"RankLocalStoreLayout.key_for": plugin.fingerprint}, known)
 
 
 def _with_one_more_statement(func: Any, module: Any, path: Any) -> Any:

@@ -10,6 +10,7 @@ int64 matrices. The real-master path is in test_vllm_end_to_end.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Iterator
@@ -24,8 +25,9 @@ pytest.importorskip("vllm")
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import data as data_module
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import worker as worker_module
 
-from mooncake_kvaddr.integrations.vllm import plugin, registry, send_check
+from mooncake_kvaddr.integrations.vllm import plugin, send_check
 from mooncake_kvaddr.integrations.vllm import send as send_module
+from mooncake_kvaddr.integrations.vllm.releases import v0_33
 
 pytestmark = [pytest.mark.vllm]
 
@@ -184,10 +186,10 @@ def test_patch_replaces_the_send_handler_and_env_keeps_vllms(monkeypatch: pytest
 
 def test_a_changed_send_body_keeps_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
     plugin.unpatch()
-    table = {release: dict(prints) for release, prints in plugin.KNOWN_FINGERPRINTS.items()}
+    table = {release: dict(prints) for release, prints in v0_33.FINGERPRINTS.items()}
     for prints in table.values():
         prints["KVCacheStoreSendingThread._handle_request"] = "0" * 16
-    monkeypatch.setattr(registry, "KNOWN_FINGERPRINTS", table)
+    monkeypatch.setattr(v0_33, "RELEASE", dataclasses.replace(v0_33.RELEASE, fingerprints=table))
     try:
         report = plugin.patch()
         assert report.active and "KVCacheStoreSendingThread._handle_request" not in report.patched

@@ -49,10 +49,10 @@ _EXPECTED_WORKER_PARAMS: dict[str, tuple[str, ...]] = {
 # --- the replacement methods ---------------------------------------------------------------------------------
 
 
-def _rank_local_engine(layout: Any) -> Any:
+def _rank_local_engine(layout: Any, strides: Any = None) -> Any:
     """The native engine of a vLLM ``RankLocalStoreLayout``, kept on the layout and re-pointed whenever vLLM
-    assigns new ``kv_caches_base_addr``/``block_len`` lists (the engine re-reads the lists on every call, so
-    in-place edits are seen too)."""
+    assigns new ``kv_caches_base_addr``/``block_len`` (and, from vLLM 0.34, ``block_stride``: pass it as
+    ``strides``) lists; the engine re-reads the lists on every call, so in-place edits are seen too."""
     state = layout.__dict__.get(ENGINE_ATTR)
     bases = layout.kv_caches_base_addr
     lens = layout.block_len
@@ -64,10 +64,14 @@ def _rank_local_engine(layout: Any) -> Any:
         or state[2] is not lens
         or state[3] != block_size
         or state[4] != hash_block_size
+        or state[5] is not strides
     ):
         engine = _NATIVE.LayoutEngine(block_size, hash_block_size, False, 0, 1, DEFAULT_ROW_CACHE_BYTES)
-        engine.set_region_sources(bases, lens)
-        state = (engine, bases, lens, block_size, hash_block_size)
+        if strides is None:
+            engine.set_region_sources(bases, lens)
+        else:
+            engine.set_region_sources(bases, lens, strides)
+        state = (engine, bases, lens, block_size, hash_block_size, strides)
         layout.__dict__[ENGINE_ATTR] = state
     return state[0]
 

@@ -17,13 +17,9 @@ from types import ModuleType
 from typing import Any
 
 from mooncake_kvaddr.core.flags import flag
-from mooncake_kvaddr.integrations.vllm.layouts import OURS, PLAN_ENGINES, REPLACEMENTS, check_shape, self_check
 from mooncake_kvaddr.integrations.vllm.registry import (
     DATA_MODULE,
-    FINGERPRINTED,
-    KNOWN_FINGERPRINTS,
     ORIGINALS,
-    SUPPORTED_VLLM_SERIES,
     WORKER_MODULE,
     fingerprint,
     fingerprint_problem,
@@ -33,6 +29,7 @@ from mooncake_kvaddr.integrations.vllm.registry import (
     static_attribute,
     vllm_functions,
 )
+from mooncake_kvaddr.integrations.vllm.releases import NOT_PORTED, Release, for_version, known_series
 from mooncake_kvaddr.integrations.vllm.transports import (
     DEFAULT_STAGING_BYTES,
     ENV_NATIVE_CLIENT,
@@ -59,8 +56,6 @@ __all__ = [
     "EXTRA_NATIVE_CLIENT",
     "EXTRA_STAGED",
     "EXTRA_STAGING_BYTES",
-    "FINGERPRINTED",
-    "KNOWN_FINGERPRINTS",
     "SUPPORTED_VLLM_SERIES",
     "TRANSPORT_ATTR",
     "WORKER_MODULE",
@@ -75,12 +70,13 @@ __all__ = [
     "native_client_setting",
     "patch",
     "register",
-    "self_check",
     "staged_settings",
     "unpatch",
     "vllm_functions",
 ]
 
+#: vLLM release series the plugin knows, one release module each (``releases/``).
+SUPPORTED_VLLM_SERIES = known_series()
 #: Set to ``0``/``false``/``off``/``no`` to keep vLLM untouched.
 ENV_PLUGIN = "MOONCAKE_KVADDR_VLLM_PLUGIN"
 #: Set to ``0``/``false``/``off``/``no`` to keep vLLM's own receive handler (the layouts stay patched).
@@ -150,16 +146,24 @@ def _replaced(cls_name: str, name: str) -> bool:
     return any(cls.__name__ == cls_name and attr == name for cls, attr in ORIGINALS)
 
 
-def _patch_receive(data: ModuleType, worker: ModuleType, report: PatchReport) -> None:
+def _fingerprint_problem(report: PatchReport, release: Release, part: str, data: ModuleType,
+                         worker: ModuleType | None, layout: ModuleType) -> str:
+    functions = vllm_functions(release.fingerprinted[part], data, worker, layout)
+    return fingerprint_problem(report.vllm_version, functions, release.fingerprints)
+
+
+def _patch_receive(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType,
+                   report: PatchReport) -> None:
     """Replace ``KVCacheStoreRecvingThread._handle_request`` after its own shape check and self-check (the
     layouts must be patched already: the handler plans only layouts backed by our engine)."""
     from mooncake_kvaddr.integrations.vllm import receive, receive_check
+    from mooncake_kvaddr.integrations.vllm.layouts import OURS, PLAN_ENGINES
 
     problem = receive_check.check_shape(data, worker)
     if problem:
         report.receive_reason = f"unexpected shape: {problem}"
         return
-    problem = fingerprint_problem(report.vllm_version, vllm_functions("receive", data, worker))
+    problem = _fingerprint_problem(report, release, "receive", data, worker, layout)
     if problem:
         report.receive_reason = problem
         return
@@ -174,13 +178,12 @@ def _patch_receive(data: ModuleType, worker: ModuleType, report: PatchReport) ->
     report.patched.append("KVCacheStoreRecvingThread._handle_request")
 
 
-def _patch_lookup(data: ModuleType, worker: ModuleType, report: PatchReport) -> None:
+def _patch_lookup(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType,
+                  report: PatchReport) -> None:
     """Replace ``MooncakeStoreWorker.lookup`` after its own shape check, fingerprint and self-check."""
     from mooncake_kvaddr.integrations.vllm import lookup
 
-    problem = lookup.check_shape(worker) or fingerprint_problem(
-        report.vllm_version, vllm_functions("lookup", data, worker)
-    )
+    problem = lookup.check_shape(worker) or _fingerprint_problem(report, release, "lookup", data, worker, layout)
     if problem:
         report.lookup_reason = problem
         return
@@ -195,13 +198,15 @@ def _patch_lookup(data: ModuleType, worker: ModuleType, report: PatchReport) -> 
     report.patched.append("MooncakeStoreWorker.lookup")
 
 
-def _patch_send(data: ModuleType, worker: ModuleType, report: PatchReport) -> None:
+def _patch_send(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType,
+                report: PatchReport) -> None:
     """Replace ``KVCacheStoreSendingThread._handle_request`` after its shape check, fingerprints and self-check
     (the layouts must be patched already, as for the receive handler)."""
     from mooncake_kvaddr.integrations.vllm import send, send_check
+    from mooncake_kvaddr.integrations.vllm.layouts import OURS, PLAN_ENGINES
 
-    problem = send_check.check_shape(data, worker) or fingerprint_problem(
-        report.vllm_version, vllm_functions("send", data, worker)
+    problem = send_check.check_shape(data, worker) or _fingerprint_problem(
+        report, release, "send", data, worker, layout
     )
     if problem:
         report.send_reason = problem
@@ -217,6 +222,38 @@ def _patch_send(data: ModuleType, worker: ModuleType, report: PatchReport) -> No
     report.patched.append("KVCacheStoreSendingThread._handle_request")
 
 
+def _patch_parts(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType, report: PatchReport,
+                 receive: bool | None, lookup: bool | None, send: bool | None) -> None:
+    """The worker's transport hook and the handlers, each where the release has it ported and it is not turned
+    off; a part that fails keeps vLLM's own (its reason on the report), the rest stays patched."""
+    if "worker" not in release.ported:
+        report.hook_reason = release.not_ported
+    else:
+        report.hook_reason = _fingerprint_problem(report, release, "worker", data, worker, layout)
+        if not report.hook_reason:
+            wrap_worker(worker.MooncakeStoreWorker)
+            report.staged_hook = True
+    from mooncake_kvaddr.integrations.vllm.lookup import lookup_enabled
+    from mooncake_kvaddr.integrations.vllm.receive import receive_enabled
+    from mooncake_kvaddr.integrations.vllm.send import send_enabled
+
+    parts = (
+        ("receive", receive, receive_enabled, _patch_receive),
+        ("lookup", lookup, lookup_enabled, _patch_lookup),
+        ("send", send, send_enabled, _patch_send),
+    )
+    for part, wanted, enabled, patch_part in parts:
+        if not (wanted if wanted is not None else enabled(os.environ)):
+            continue
+        if part not in release.ported:
+            setattr(report, f"{part}_reason", release.not_ported)
+            continue
+        try:
+            patch_part(release, data, worker, layout, report)
+        except Exception as exc:  # the rest stays patched; only this part stays vLLM's
+            setattr(report, f"{part}_reason", f"{type(exc).__name__}: {exc}")
+
+
 def patch(
     *,
     data: ModuleType | None = None,
@@ -225,10 +262,12 @@ def patch(
     receive: bool | None = None,
     lookup: bool | None = None,
     send: bool | None = None,
+    layout: ModuleType | None = None,
 ) -> PatchReport:
     """Check, self-check and patch (see the module docstring); idempotent. Returns what was done.
 
-    ``data``/``worker``/``version`` default to the installed vLLM's modules and version (tests pass their own).
+    ``data``/``worker``/``version`` default to the installed vLLM's modules and version (tests pass their own);
+    ``layout`` to the module where the release keeps its store layouts (``data`` on 0.32/0.33).
     ``receive``: replace the receive handler (None: unless :data:`ENV_RECV` turns it off).
     ``lookup``: replace the worker's lookup (None: unless ``MOONCAKE_KVADDR_VLLM_LOOKUP`` turns it off).
     ``send``: replace the send handler (None: unless ``MOONCAKE_KVADDR_VLLM_SEND`` turns it off).
@@ -236,14 +275,16 @@ def patch(
     global _REPORT
     if _REPORT is not None and _REPORT.active:
         return _REPORT
+    import importlib
+
     if data is None or version is None:
         # Imported before the lock is taken: the import hook (register) may be running this very import's
         # deferred work in another thread, holding the module's import lock while it waits for ours.
-        import importlib
-
         import vllm
 
         version = version or str(getattr(vllm, "__version__", "unknown"))
+        if not version.startswith(SUPPORTED_VLLM_SERIES):
+            return PatchReport(vllm_version=version, reason=_unknown_release(version))
         data = data or importlib.import_module(DATA_MODULE)
         if worker is None:
             try:
@@ -251,55 +292,34 @@ def patch(
             except Exception as exc:  # worker needs vLLM's full stack; the layouts do not
                 logger.debug("mooncake_kvaddr: no staged-transport hook (%s)", exc)
                 worker = None
+    release = for_version(version) if version.startswith(SUPPORTED_VLLM_SERIES) else None
+    if release is not None and layout is None:
+        layout = data if release.layout_module == DATA_MODULE else importlib.import_module(release.layout_module)
     with _STATE_LOCK:
         if _REPORT is not None and _REPORT.active:
             return _REPORT
         report = PatchReport(vllm_version=version)
-        if not version.startswith(SUPPORTED_VLLM_SERIES):
+        if release is None or layout is None:
             report.reason = _unknown_release(version)
             return report
-        problem = check_shape(data, worker)
+        problem = release.check_shape(layout, worker)
         if problem:
             report.reason = f"vLLM {version}'s Mooncake store module has an unexpected shape: {problem}"
             return report
         try:
-            self_check(data)
+            release.self_check(layout)
         except Exception as exc:
             report.reason = f"self-check against vLLM {version} failed: {exc}"
             return report
-        problem = fingerprint_problem(version, vllm_functions("layouts", data, worker))
+        problem = _fingerprint_problem(report, release, "layouts", data, worker, layout)
         if problem:
             report.reason = f"vLLM {version}: {problem}"
             return report
-        for cls_name, name, func in REPLACEMENTS:
-            replace_attribute(getattr(data, cls_name), name, func)
+        for cls_name, name, func in release.replacements:
+            replace_attribute(getattr(layout, cls_name), name, func)
             report.patched.append(f"{cls_name}.{name}")
         if worker is not None:
-            report.hook_reason = fingerprint_problem(version, vllm_functions("worker", data, worker))
-            if not report.hook_reason:
-                wrap_worker(worker.MooncakeStoreWorker)
-                report.staged_hook = True
-            from mooncake_kvaddr.integrations.vllm.receive import receive_enabled
-
-            if receive if receive is not None else receive_enabled(os.environ):
-                try:
-                    _patch_receive(data, worker, report)
-                except Exception as exc:  # the layouts stay patched; only the handler stays vLLM's
-                    report.receive_reason = f"{type(exc).__name__}: {exc}"
-            from mooncake_kvaddr.integrations.vllm.lookup import lookup_enabled
-
-            if lookup if lookup is not None else lookup_enabled(os.environ):
-                try:
-                    _patch_lookup(data, worker, report)
-                except Exception as exc:  # the rest stays patched; only the lookup stays vLLM's
-                    report.lookup_reason = f"{type(exc).__name__}: {exc}"
-            from mooncake_kvaddr.integrations.vllm.send import send_enabled
-
-            if send if send is not None else send_enabled(os.environ):
-                try:
-                    _patch_send(data, worker, report)
-                except Exception as exc:  # the rest stays patched; only the send handler stays vLLM's
-                    report.send_reason = f"{type(exc).__name__}: {exc}"
+            _patch_parts(release, data, worker, layout, report, receive, lookup, send)
         _REPORT = report
         return report
 
@@ -311,6 +331,15 @@ def unpatch() -> None:
         restore_all()
         _REPORT = None
         _cancel_deferred()
+
+
+def __getattr__(name: str) -> Any:
+    # The layouts' self-check, imported on first use: the entry point must not load the native module.
+    if name == "self_check":
+        from mooncake_kvaddr.integrations.vllm.layouts import self_check
+
+        return self_check
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- start-up: the entry point defers its work to the first import of the Mooncake store modules ---------------
@@ -449,15 +478,21 @@ def _activate() -> None:
             " (+ staged-transport hook)" if report.staged_hook else "",
         )
         if report.hook_reason:
-            logger.warning("mooncake_kvaddr: store transports off (vLLM's worker kept as is): %s", report.hook_reason)
+            _kept("store transports off (vLLM's worker kept as is)", report.hook_reason)
         if report.receive_reason:
-            logger.warning("mooncake_kvaddr: vLLM's own receive handler kept: %s", report.receive_reason)
+            _kept("vLLM's own receive handler kept", report.receive_reason)
         if report.lookup_reason:
-            logger.warning("mooncake_kvaddr: vLLM's own lookup kept: %s", report.lookup_reason)
+            _kept("vLLM's own lookup kept", report.lookup_reason)
         if report.send_reason:
-            logger.warning("mooncake_kvaddr: vLLM's own send handler kept: %s", report.send_reason)
+            _kept("vLLM's own send handler kept", report.send_reason)
     else:
         _warn_once(report.reason)
+
+
+def _kept(what: str, reason: str) -> None:
+    """One line for a part that stays vLLM's: a warning, or INFO where the release has it not ported (by design)."""
+    level = logging.INFO if reason.startswith(NOT_PORTED) else logging.WARNING
+    logger.log(level, "mooncake_kvaddr: %s: %s", what, reason)
 
 
 def _unknown_release(version: str) -> str:

@@ -18,10 +18,7 @@ from typing import Any
 
 __all__ = [
     "DATA_MODULE",
-    "FINGERPRINTED",
-    "KNOWN_FINGERPRINTS",
     "ORIGINALS",
-    "SUPPORTED_VLLM_SERIES",
     "WORKER_MODULE",
     "fingerprint",
     "fingerprint_problem",
@@ -34,8 +31,6 @@ __all__ = [
     "vllm_functions",
 ]
 
-#: vLLM release series whose Mooncake store module shape this plugin knows.
-SUPPORTED_VLLM_SERIES = ("0.32.", "0.33.")
 DATA_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data"
 WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
 
@@ -98,67 +93,6 @@ def original_of(cls: type, name: str) -> Callable[..., Any]:
 
 # --- fingerprints ------------------------------------------------------------------------------------------
 
-#: The vLLM functions each part of the plugin was checked against, by part: the layouts (replaced), the receive
-#: handler (replaced; ``process_tokens`` is the chunk walk it reproduces) and the worker's transport hook
-#: (``register_kv_caches``/``close`` run with the wrapper as the store, so their bodies are what the hook
-#: relies on), the worker's lookup (replaced; the block pool's attributes are what its faster pool reads), the
-#: send handler (replaced; the walk and the byte sum are what it reproduces).
-FINGERPRINTED: dict[str, tuple[str, ...]] = {
-    "layouts": (
-        "RankLocalStoreLayout.prepare_values",
-        "RankLocalStoreLayout.prepare_value_for_block",
-        "RankLocalStoreLayout.key_for",
-        "TPShardedStoreLayout.prepare_values",
-        "TPShardedStoreLayout.key_for",
-        "TPShardedStoreLayout._set_segment_templates",
-    ),
-    "receive": (
-        "KVCacheStoreRecvingThread._handle_request",
-        "ChunkedTokenDatabase.process_tokens",
-        "_estimate_disk_offload_staging_bytes",
-        "_split_disk_offload_load_batches",
-    ),
-    "send": (
-        "KVCacheStoreSendingThread._handle_request",
-        "ChunkedTokenDatabase.process_tokens",
-        "_sum_batch_bytes",
-    ),
-    "worker": ("MooncakeStoreWorker.register_kv_caches", "MooncakeStoreWorker.close"),
-    "lookup": (
-        "MooncakeStoreWorker.lookup",
-        "ExternalCachedBlockPool.__init__",
-        "ExternalCachedBlockPool.get_cached_block",
-        "ExternalCachedBlockPool.contains",
-    ),
-}
-
-#: :func:`fingerprint` of each function in :data:`FINGERPRINTED`, per release checked. 0.32.0's Mooncake store
-#: ``data.py`` and ``worker.py`` are byte-identical to 0.33.0's (compared from the 0.32.0 wheel, not installed).
-KNOWN_FINGERPRINTS: dict[str, dict[str, str]] = {
-    release: {
-        "RankLocalStoreLayout.prepare_values": "3aa2513fe91a14c4",
-        "RankLocalStoreLayout.prepare_value_for_block": "d152372ee913685e",
-        "RankLocalStoreLayout.key_for": "2c426949ec2ea759",
-        "TPShardedStoreLayout.prepare_values": "c2254d3f4f8756ab",
-        "TPShardedStoreLayout.key_for": "998e0f8942fb19c0",
-        "TPShardedStoreLayout._set_segment_templates": "410b7150a8211070",
-        "KVCacheStoreRecvingThread._handle_request": "67cd42f2dc3c5f11",
-        "ChunkedTokenDatabase.process_tokens": "d7d54c491f37709b",
-        "_estimate_disk_offload_staging_bytes": "1096992edcfb74ba",
-        "_split_disk_offload_load_batches": "0f7a2f3f89d959dc",
-        "MooncakeStoreWorker.register_kv_caches": "d61b0517475bfad8",
-        "MooncakeStoreWorker.close": "b9b831fa3647518f",
-        "MooncakeStoreWorker.lookup": "23da6e4e0684a1e0",
-        "ExternalCachedBlockPool.__init__": "8812d6d330d5298f",
-        "ExternalCachedBlockPool.get_cached_block": "58a17cb93531b829",
-        "ExternalCachedBlockPool.contains": "84d038552e03ec9e",
-        "KVCacheStoreSendingThread._handle_request": "9faeb2e256df39de",
-        "_sum_batch_bytes": "3e69ccacfd52a5c3",
-    }
-    for release in ("0.32.0", "0.33.0")
-}
-
-
 def fingerprint_source(source: str) -> str:
     """The fingerprint of a function's source text: the first 16 hex digits of the sha256 of the text with the
     common indentation, comments, trailing whitespace and empty lines removed. Stable across installs and
@@ -188,30 +122,27 @@ def fingerprint(func: Any) -> str | None:
     return fingerprint_source(source)
 
 
-def fingerprint_problem(version: str, functions: Mapping[str, Any]) -> str:
+def fingerprint_problem(version: str, functions: Mapping[str, Any], known: Mapping[str, Mapping[str, str]]) -> str:
     """Empty string when every function in ``functions`` ("Class.method" -> vLLM's function) has a fingerprint
-    recorded for a release of ``version``'s series (0.32.x, 0.33.x); otherwise the first that does not."""
-    series = next((s for s in SUPPORTED_VLLM_SERIES if version.startswith(s)), None)
+    in ``known`` (release -> name -> fingerprint, a release module's table) for a release of ``version``'s series
+    (its major.minor); otherwise the first that does not."""
+    series = ".".join(version.split(".")[:2]) + "."
     for name, func in functions.items():
         if func is None:
             return f"{name} is missing"
-        known = {
-            table[name]
-            for release, table in KNOWN_FINGERPRINTS.items()
-            if series is not None and release.startswith(series) and name in table
-        }
+        prints = {table[name] for release, table in known.items() if release.startswith(series) and name in table}
         actual = fingerprint(func)
         if actual is None:
             return f"{name} has no readable source to fingerprint"
-        if actual not in known:
+        if actual not in prints:
             return (
                 f"{name} is not the function this plugin was checked against "
-                f"(fingerprint {actual}, known: {', '.join(sorted(known)) or 'none'})"
+                f"(fingerprint {actual}, known: {', '.join(sorted(prints)) or 'none'})"
             )
     return ""
 
 
-#: Classes of the worker module among :data:`FINGERPRINTED` (the others are the data module's).
+#: Classes of the worker module (the others are the layout or data module's).
 _WORKER_CLASSES = (
     "KVCacheStoreRecvingThread",
     "KVCacheStoreSendingThread",
@@ -220,18 +151,22 @@ _WORKER_CLASSES = (
 )
 
 
-def vllm_functions(part: str, data: ModuleType, worker: ModuleType | None) -> dict[str, Any]:
-    """vLLM's own functions of one :data:`FINGERPRINTED` part, "Class.method" (or a worker-module function's
-    name) -> function (the originals where we replaced them; None for one that is missing)."""
+def vllm_functions(names: tuple[str, ...], data: ModuleType, worker: ModuleType | None,
+                   layout: ModuleType | None = None) -> dict[str, Any]:
+    """vLLM's own functions of ``names`` (a release's fingerprinted part), "Class.method" (or a worker-module
+    function's name) -> function (the originals where we replaced them; None for one that is missing). Worker
+    classes are looked up in ``worker``, the others in ``layout`` (where a release keeps its layouts) or ``data``."""
     found: dict[str, Any] = {}
-    for name in FINGERPRINTED[part]:
+    for name in names:
         if "." not in name:
             func = None if worker is None else worker.__dict__.get(name)
             found[name] = func if inspect.isfunction(func) else None
             continue
         cls_name, method = name.split(".")
-        module = worker if cls_name in _WORKER_CLASSES else data
-        cls = None if module is None else module.__dict__.get(cls_name)
+        if cls_name in _WORKER_CLASSES:
+            cls = None if worker is None else worker.__dict__.get(cls_name)
+        else:
+            cls = (layout.__dict__.get(cls_name) if layout is not None else None) or data.__dict__.get(cls_name)
         try:
             found[name] = original_of(cls, method) if isinstance(cls, type) else None
         except AttributeError:

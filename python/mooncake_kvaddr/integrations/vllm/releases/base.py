@@ -1,0 +1,41 @@
+"""The record a release module fills in (see the package's docstring), apart from the modules themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+__all__ = ["NOT_PORTED", "PARTS", "Release"]
+
+#: How every ``Release.not_ported`` reason starts (logged at INFO: by design, not a failed check).
+NOT_PORTED = "not ported to vLLM"
+#: Parts of the plugin besides the layouts, in patch order (``Release.ported`` names those a release has).
+PARTS = ("worker", "receive", "lookup", "send")
+
+
+@dataclass(frozen=True)
+class Release:
+    """Everything release-specific the plugin needs to check and patch one vLLM release series."""
+
+    #: Version prefixes of the series, e.g. ``("0.32.", "0.33.")``.
+    series: tuple[str, ...]
+    #: Module holding the store layout classes the layout replacements go into.
+    layout_module: str
+    #: ``(class name, method name, ours)`` installed on ``layout_module``'s classes.
+    replacements: tuple[tuple[str, str, Callable[..., Any]], ...]
+    #: ``check_shape(layout_module, worker_module or None)``: "" or the first mismatch.
+    check_shape: Callable[[ModuleType, ModuleType | None], str]
+    #: ``self_check(layout_module)``: raises AssertionError naming the first difference from vLLM's own.
+    self_check: Callable[[ModuleType], None]
+    #: Part -> the vLLM functions ("Class.method" or a worker-module function) each part was checked against.
+    fingerprinted: Mapping[str, tuple[str, ...]]
+    #: Release (e.g. "0.33.0") -> "Class.method" -> fingerprint (registry.fingerprint) of vLLM's function.
+    fingerprints: Mapping[str, Mapping[str, str]]
+    #: Which of :data:`PARTS` are ported to this series; the others keep vLLM's own, with ``not_ported`` said.
+    ported: frozenset[str] = field(default_factory=frozenset)
+    not_ported: str = ""
+
+    def matches(self, version: str) -> bool:
+        return version.startswith(self.series)

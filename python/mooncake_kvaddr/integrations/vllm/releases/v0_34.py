@@ -1,0 +1,256 @@
+"""vLLM 0.34: the store layouts moved to ``layout.py``; rank-local regions have a stride apart from their length
+and TP-shared layouts keep segment templates per Store chunk of a block (docs/vllm-plugin.md, "vLLM 0.34").
+
+Every TP-shared format (head- and token-major attention, Mamba state) feeds ``_set_segment_templates``, so one
+replacement of ``TPShardedStoreLayout.prepare_values`` covers them all. Batches vLLM itself computes in a Python
+loop (16 chunks or fewer, or templates of unequal widths) and templates the engine cannot hold stay vLLM's.
+"""
+
+from __future__ import annotations
+
+import random
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mooncake_kvaddr import _native
+from mooncake_kvaddr.core.layouts import DEFAULT_ROW_CACHE_BYTES
+from mooncake_kvaddr.integrations.vllm.layouts import (
+    ENGINE_ATTR,
+    _compare,
+    _rank_local_engine,
+    _rank_local_key_for,
+    _sharded_key_for,
+)
+from mooncake_kvaddr.integrations.vllm.registry import original_of, signature_problem
+from mooncake_kvaddr.integrations.vllm.releases.base import NOT_PORTED, Release
+
+__all__ = ["FINGERPRINTED", "FINGERPRINTS", "LAYOUT_MODULE", "RELEASE", "check_shape", "self_check"]
+
+LAYOUT_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.layout"
+#: The native module, untyped here: the layout engine's stubs belong to the layouts (docs/architecture.md).
+_NATIVE: Any = _native
+#: vLLM 0.34 computes batches of up to this many chunks in a Python loop (its own small-batch path).
+_LOOP_CHUNKS = 16
+
+_EXPECTED_PARAMS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("RankLocalStoreLayout", "prepare_values"): ("chunks", "block_ids", "shard_ids"),
+    ("RankLocalStoreLayout", "key_for"): ("shard_id", "chunk_hash"),
+    ("RankLocalStoreLayout", "set_block_len"): ("block_lens",),
+    ("RankLocalStoreLayout", "set_kv_caches_base_addr"): ("base_addrs",),
+    ("RankLocalStoreLayout", "register_kv_caches"): ("kv_caches", "num_blocks"),
+    ("TPShardedStoreLayout", "prepare_values"): ("chunks", "block_ids", "shard_ids"),
+    ("TPShardedStoreLayout", "key_for"): ("shard_id", "chunk_hash"),
+    ("TPShardedStoreLayout", "_set_segment_templates"): ("templates",),
+    ("TPShardedStoreLayout", "__init__"): (
+        "metadata",
+        "block_size",
+        "hash_block_size",
+        "local_tp_size",
+        "store_tp_size",
+        "tp_rank",
+        "store_chunk_size",
+    ),
+}
+
+# --- the replacement methods ---------------------------------------------------------------------------------
+
+
+def _rank_local_prepare_values(
+    self: Any, chunks: Any, block_ids: Any, shard_ids: Any
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """mooncake_kvaddr's ``RankLocalStoreLayout.prepare_values`` for vLLM 0.34 (stride apart from length)."""
+    if not chunks:
+        return [], [], []
+    result: tuple[list[list[int]], list[list[int]], list[int]] = _rank_local_engine(
+        self, self.block_stride
+    ).prepare_values(chunks, block_ids, shard_ids)
+    return result
+
+
+def _chunked_engine(layout: Any) -> Any:
+    """The native engine of a vLLM 0.34 ``TPShardedStoreLayout`` (templates per Store chunk and local shard),
+    rebuilt whenever vLLM installs new templates (``_set_segment_templates`` assigns new objects). None when
+    the engine cannot hold them (unequal widths, values past int64, no owned shard): vLLM's own then runs."""
+    arrays = (layout._chunk_addr_bases, layout._chunk_block_strides, layout._chunk_sizes)
+    state = layout.__dict__.get(ENGINE_ATTR)
+    if state is not None and all(old is new for old, new in zip(state[1], arrays)):
+        return state[0]
+    engine = None
+    shards = int(layout.shards_per_rank)
+    if all(isinstance(a, np.ndarray) and a.ndim == 3 for a in arrays) and shards > 0:
+        bases, strides, sizes = (a.tolist() for a in arrays)
+        templates = [
+            [(bases[c][s], strides[c][s], sizes[c][s]) for s in range(len(bases[c]))] for c in range(len(bases))
+        ]
+        try:
+            candidate = _NATIVE.LayoutEngine(
+                layout.block_size,
+                layout.hash_block_size,
+                True,
+                int(layout.store_shard_ids[0]),
+                shards,
+                DEFAULT_ROW_CACHE_BYTES,
+                store_chunk_size=layout.store_chunk_size,
+            )
+            candidate.set_templates(templates)
+            engine = candidate
+        except (ValueError, OverflowError, TypeError, IndexError):
+            engine = None
+    layout.__dict__[ENGINE_ATTR] = (engine, arrays)
+    return engine
+
+
+def _sharded_prepare_values(
+    self: Any, chunks: Any, block_ids: Any, shard_ids: Any
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """mooncake_kvaddr's ``TPShardedStoreLayout.prepare_values`` for vLLM 0.34: the engine where vLLM computes
+    vectorised (more than 16 chunks, stacked templates), vLLM's own function elsewhere."""
+    if not chunks:
+        return [], [], []
+    engine = _chunked_engine(self) if len(chunks) > _LOOP_CHUNKS else None
+    if engine is None:
+        vllm_own: Any = original_of(type(self), "prepare_values")
+        own: tuple[list[list[int]], list[list[int]], list[int]] = vllm_own(self, chunks, block_ids, shard_ids)
+        return own
+    result: tuple[list[list[int]], list[list[int]], list[int]] = engine.prepare_values(chunks, block_ids, shard_ids)
+    return result
+
+
+REPLACEMENTS: tuple[tuple[str, str, Any], ...] = (
+    ("RankLocalStoreLayout", "prepare_values", _rank_local_prepare_values),
+    ("RankLocalStoreLayout", "key_for", _rank_local_key_for),
+    ("TPShardedStoreLayout", "prepare_values", _sharded_prepare_values),
+    ("TPShardedStoreLayout", "key_for", _sharded_key_for),
+)
+
+# --- the shape check and the self-check ------------------------------------------------------------------------
+
+
+def check_shape(layout: ModuleType, worker: ModuleType | None) -> str:
+    """Empty string when vLLM 0.34's ``layout`` module has every class and method this release replaces or
+    relies on, with the expected parameters; otherwise the first mismatch."""
+    for name in ("KeyMetadata", "RankLocalStoreLayout", "TPShardedStoreLayout"):
+        if not isinstance(getattr(layout, name, None), type):
+            return f"{LAYOUT_MODULE}.{name} is missing"
+    for (cls_name, method), params in _EXPECTED_PARAMS.items():
+        problem = signature_problem(getattr(layout, cls_name), method, params)
+        if problem:
+            return problem
+    return ""
+
+
+def _templates(rng: random.Random, chunks_per_block: int, shards: int, width: int) -> list[Any]:
+    return [
+        [
+            (
+                [rng.randrange(1 << 20, 1 << 40) for _ in range(width)],
+                [rng.choice([4096, 65536, 1 << 20]) for _ in range(width)],
+                [rng.choice([64, 128, 512]) for _ in range(width)],
+            )
+            for _ in range(shards)
+        ]
+        for _ in range(chunks_per_block)
+    ]
+
+
+def self_check(layout: ModuleType, *, seed: int = 0, cases: int = 8) -> None:
+    """Compare our replacements with vLLM 0.34's own methods on small generated cases (raises AssertionError
+    naming the first difference). Needs no tensors: regions and templates are set as vLLM's setters do."""
+    rng = random.Random(seed)
+    metadata = layout.KeyMetadata("self-check/model", 1, 0, 0, 0)
+    rank_local_own = original_of(layout.RankLocalStoreLayout, "prepare_values")
+    sharded_own = original_of(layout.TPShardedStoreLayout, "prepare_values")
+    for case in range(cases):
+        hash_block_size = rng.choice([16, 32])
+        block_size = hash_block_size * rng.choice([1, 2, 4])
+        rank_local = layout.RankLocalStoreLayout(metadata, block_size, hash_block_size)
+        regions = rng.randint(0, 5)
+        strides = [rng.choice([4096, 8192]) for _ in range(max(1, regions // 2 + case % 2))]
+        rank_local.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(regions)])
+        rank_local.set_block_len(strides)
+        rank_local.block_len = [stride - rng.choice([0, 64, 1024]) for stride in strides]
+        num_blocks = rng.randint(1, 9)
+        block_ids = [rng.randrange(0, 5000) for _ in range(num_blocks)]
+        token_len = num_blocks * block_size - rng.randrange(0, block_size // hash_block_size) * hash_block_size
+        span = block_size * rng.choice([1, 2])
+        chunks = [(start, min(start + span, token_len)) for start in range(0, token_len, span)]
+        for name, args in (
+            ("prepare_values", (chunks, block_ids, [0] * len(chunks))),
+            ("prepare_values[empty]", ([], block_ids, [])),
+            ("prepare_values[unaligned]", ([(0, hash_block_size + 1)], block_ids, [0])),
+            ("prepare_values[shard]", (chunks[:1], block_ids, [1])),
+        ):
+            _compare(f"RankLocalStoreLayout.{name}", rank_local_own, _rank_local_prepare_values, rank_local, *args)
+        chunk_hash = rng.randbytes(32)
+        _compare("RankLocalStoreLayout.key_for", original_of(layout.RankLocalStoreLayout, "key_for"),
+                 _rank_local_key_for, rank_local, 0, chunk_hash)
+
+        store_tp, local_tp = 4, 2
+        store_chunk_size = block_size // rng.choice([1, 2, 4]) if block_size >= 64 else block_size
+        sharded = layout.TPShardedStoreLayout(
+            metadata, block_size, hash_block_size, local_tp, store_tp, case % local_tp, store_chunk_size
+        )
+        per_block = block_size // store_chunk_size
+        sharded._set_segment_templates(_templates(rng, per_block, sharded.shards_per_rank, rng.randint(1, 4)))
+        owned = list(sharded.local_shard_ids)
+        blocks = rng.randint(5, 12)
+        ids = [rng.randrange(0, 5000) for _ in range(blocks)]
+        full = [(i * store_chunk_size, (i + 1) * store_chunk_size) for i in range(blocks * per_block)]
+        picks = [rng.choice(owned) for _ in full]
+        for name, args in (
+            ("prepare_values", (full, ids, picks)),
+            ("prepare_values[short]", (full[:3], ids, picks[:3])),
+            ("prepare_values[partial]", ([*full[:-1], (full[-1][0], full[-1][1] - 1)], ids, picks)),
+            ("prepare_values[boundary]", ([*full[:-1], (full[-1][0] + 1, full[-1][1])], ids, picks)),
+            ("prepare_values[not owned]", (full, ids, [*picks[:-1], owned[-1] + 1])),
+            ("prepare_values[no block]", (full, ids[:-1], picks)),
+            ("prepare_values[count]", (full, ids, picks[:-1])),
+        ):
+            _compare(f"TPShardedStoreLayout.{name}", sharded_own, _sharded_prepare_values, sharded, *args)
+        for shard in (owned[0], owned[-1] + 1):
+            _compare("TPShardedStoreLayout.key_for", original_of(layout.TPShardedStoreLayout, "key_for"),
+                     _sharded_key_for, sharded, shard, chunk_hash)
+
+
+FINGERPRINTED: dict[str, tuple[str, ...]] = {
+    # The replaced methods, and the setters whose assignments the engines' identity checks rely on.
+    "layouts": (
+        "RankLocalStoreLayout.prepare_values",
+        "RankLocalStoreLayout.key_for",
+        "RankLocalStoreLayout.set_block_len",
+        "RankLocalStoreLayout.set_kv_caches_base_addr",
+        "RankLocalStoreLayout.register_kv_caches",
+        "TPShardedStoreLayout.prepare_values",
+        "TPShardedStoreLayout.key_for",
+        "TPShardedStoreLayout._set_segment_templates",
+        "TPShardedStoreLayout.__init__",
+    ),
+}
+
+FINGERPRINTS: dict[str, dict[str, str]] = {
+    "0.34.0": {
+        "RankLocalStoreLayout.prepare_values": "836221e56e25cd76",
+        "RankLocalStoreLayout.key_for": "2c426949ec2ea759",
+        "RankLocalStoreLayout.set_block_len": "81020d83b1252565",
+        "RankLocalStoreLayout.set_kv_caches_base_addr": "c770ade1ffa426fd",
+        "RankLocalStoreLayout.register_kv_caches": "5fc9fcbffacc8e70",
+        "TPShardedStoreLayout.prepare_values": "7103b8a5b8ecc219",
+        "TPShardedStoreLayout.key_for": "998e0f8942fb19c0",
+        "TPShardedStoreLayout._set_segment_templates": "2078348eb1958f4d",
+        "TPShardedStoreLayout.__init__": "c867c33cd493f0ba",
+    },
+}
+
+RELEASE = Release(
+    series=("0.34.",),
+    layout_module=LAYOUT_MODULE,
+    replacements=REPLACEMENTS,
+    check_shape=check_shape,
+    self_check=self_check,
+    fingerprinted=FINGERPRINTED,
+    fingerprints=FINGERPRINTS,
+    ported=frozenset(),
+    not_ported=f"{NOT_PORTED} 0.34 yet (its send, receive and lookup paths and its worker changed)",
+)
