@@ -82,9 +82,23 @@ def ragged_calls(
 class Kinds:
     """Which token databases and layouts are ours to plan, cached per type (vLLM's classes rarely change)."""
 
-    def __init__(self, data: ModuleType, ours: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        data: ModuleType,
+        ours: Mapping[str, Any],
+        *,
+        layouts: ModuleType | None = None,
+        db_chunk: str = "block_size",
+        sharded_chunk: str = "block_size",
+    ) -> None:
+        """``data``: vLLM's module with ``ChunkedTokenDatabase``; ``layouts``: the one with the layout classes
+        (``data`` on 0.32/0.33). A database's chunk size is its ``db_chunk`` attribute; it must equal a
+        rank-local layout's ``block_size`` and a TP-shared layout's ``sharded_chunk`` (the release's names)."""
         self._data = data
+        self._layouts = layouts if layouts is not None else data
         self._ours = ours
+        self._db_chunk = db_chunk
+        self._sharded_chunk = sharded_chunk
         self._db_types: dict[type, bool] = {}
         self._layout_types: dict[type, str] = {}
         self._lock = threading.Lock()
@@ -113,8 +127,9 @@ class Kinds:
         kind = self.layout_kind(layout)
         if not kind:
             return "a layout not backed by our engine"
-        sizes = (db.block_size, db.hash_block_size)
-        if sizes != (layout.block_size, layout.hash_block_size) or type(sizes[0]) is not int:
+        sizes = (getattr(db, self._db_chunk), db.hash_block_size)
+        chunk = layout.block_size if kind == "rank_local" else getattr(layout, self._sharded_chunk)
+        if sizes != (chunk, layout.hash_block_size) or type(sizes[0]) is not int:
             return "a token database whose block sizes are not its layout's"
         return engines[kind](layout)
 
@@ -131,7 +146,7 @@ class Kinds:
         return kind
 
     def _classify(self, cls: type) -> str:
-        data = self._data
+        data = self._layouts
         static = inspect.getattr_static
         for kind, base, prepare, key_for in (
             ("rank_local", data.RankLocalStoreLayout, "rank_local_prepare_values", "rank_local_key_for"),

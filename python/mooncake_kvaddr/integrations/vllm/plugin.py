@@ -50,7 +50,6 @@ __all__ = [
     "DEFAULT_STAGING_BYTES",
     "ENV_NATIVE_CLIENT",
     "ENV_PLUGIN",
-    "ENV_RECV",
     "ENV_STAGED",
     "ENV_STAGING_BYTES",
     "EXTRA_NATIVE_CLIENT",
@@ -79,8 +78,6 @@ __all__ = [
 SUPPORTED_VLLM_SERIES = known_series()
 #: Set to ``0``/``false``/``off``/``no`` to keep vLLM untouched.
 ENV_PLUGIN = "MOONCAKE_KVADDR_VLLM_PLUGIN"
-#: Set to ``0``/``false``/``off``/``no`` to keep vLLM's own receive handler (the layouts stay patched).
-ENV_RECV = "MOONCAKE_KVADDR_VLLM_RECV"
 #: Logged under vLLM's logger tree so that vLLM's own logging configuration shows the line.
 logger = logging.getLogger("vllm.mooncake_kvaddr")
 
@@ -157,7 +154,6 @@ def _patch_receive(release: Release, data: ModuleType, worker: ModuleType, layou
     """Replace ``KVCacheStoreRecvingThread._handle_request`` after its own shape check and self-check (the
     layouts must be patched already: the handler plans only layouts backed by our engine)."""
     from mooncake_kvaddr.integrations.vllm import receive, receive_check
-    from mooncake_kvaddr.integrations.vllm.layouts import OURS, PLAN_ENGINES
 
     problem = receive_check.check_shape(data, worker)
     if problem:
@@ -168,7 +164,10 @@ def _patch_receive(release: Release, data: ModuleType, worker: ModuleType, layou
         report.receive_reason = problem
         return
     cls = worker.KVCacheStoreRecvingThread
-    handler = receive.make_handler(static_attribute(cls, "_handle_request"), data, worker, OURS, PLAN_ENGINES)
+    handler = receive.make_handler(
+        static_attribute(cls, "_handle_request"), data, worker, release.ours, release.plan_engines,
+        release.kinds(data, layout),
+    )
     try:
         receive_check.self_check(data, worker, handler)
     except Exception as exc:
@@ -203,7 +202,6 @@ def _patch_send(release: Release, data: ModuleType, worker: ModuleType, layout: 
     """Replace ``KVCacheStoreSendingThread._handle_request`` after its shape check, fingerprints and self-check
     (the layouts must be patched already, as for the receive handler)."""
     from mooncake_kvaddr.integrations.vllm import send, send_check
-    from mooncake_kvaddr.integrations.vllm.layouts import OURS, PLAN_ENGINES
 
     problem = send_check.check_shape(data, worker) or _fingerprint_problem(
         report, release, "send", data, worker, layout
@@ -212,7 +210,10 @@ def _patch_send(release: Release, data: ModuleType, worker: ModuleType, layout: 
         report.send_reason = problem
         return
     cls = worker.KVCacheStoreSendingThread
-    handler = send.make_handler(static_attribute(cls, "_handle_request"), data, worker, OURS, PLAN_ENGINES)
+    handler = send.make_handler(
+        static_attribute(cls, "_handle_request"), data, worker, release.ours, release.plan_engines,
+        release.kinds(data, layout),
+    )
     try:
         send_check.self_check(data, worker, handler)
     except Exception as exc:
@@ -339,6 +340,10 @@ def __getattr__(name: str) -> Any:
         from mooncake_kvaddr.integrations.vllm.layouts import self_check
 
         return self_check
+    if name == "ENV_RECV":  # the receive handler's switch, defined with it
+        from mooncake_kvaddr.integrations.vllm.receive import ENV_RECV
+
+        return ENV_RECV
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

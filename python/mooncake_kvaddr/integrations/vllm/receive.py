@@ -28,7 +28,6 @@ from mooncake_kvaddr.integrations.vllm.plans import (
     finish_handler,
     hash_source,
 )
-from mooncake_kvaddr.integrations.vllm.plugin import ENV_RECV
 
 __all__ = [
     "ARRAY_ENTRY",
@@ -40,6 +39,10 @@ __all__ = [
     "plan_request",
     "receive_enabled",
 ]
+
+
+#: Set to ``0``/``false``/``off``/``no`` to keep vLLM's own receive handler (the layouts stay patched).
+ENV_RECV = "MOONCAKE_KVADDR_VLLM_RECV"
 
 
 def receive_enabled(environ: Mapping[str, str]) -> bool:
@@ -249,6 +252,7 @@ def make_handler(
     worker: ModuleType,
     ours: Mapping[str, Any],
     engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
+    kinds: Kinds | None = None,
 ) -> Callable[[Any, Any], Any]:
     """The replacement ``_handle_request``; ``original`` is vLLM's (called for everything off the fast path).
 
@@ -256,7 +260,7 @@ def make_handler(
     ``sharded_prepare_values``, ``sharded_key_for``): a layout class whose methods are these is backed by our
     engine. ``engines``: per layout kind, ``layout -> (engine, key prefix per local shard)``.
     """
-    kinds = Kinds(data, ours)
+    kinds = kinds if kinds is not None else Kinds(data, ours)
     blob_type = data.BlobBlockHashes
     envs = worker.envs
     logger = worker.logger

@@ -363,10 +363,11 @@ def make_handler(
     worker: ModuleType,
     ours: Mapping[str, Any],
     engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
+    kinds: Kinds | None = None,
 ) -> Callable[[Any, Any], Any]:
     """The replacement ``_handle_request``; ``original`` is vLLM's (run for everything off the fast path).
     ``ours`` and ``engines`` as for the receive handler's :func:`~.receive.make_handler`."""
-    kinds = Kinds(data, ours)
+    kinds = kinds if kinds is not None else Kinds(data, ours)
     blob_type = data.BlobBlockHashes
     stats = SendStats()
     lock = threading.Lock()

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from mooncake_kvaddr.integrations.vllm.plans import Kinds
+
 __all__ = ["NOT_PORTED", "PARTS", "Release"]
 
 #: How every ``Release.not_ported`` reason starts (logged at INFO: by design, not a failed check).
@@ -36,6 +38,18 @@ class Release:
     #: Which of :data:`PARTS` are ported to this series; the others keep vLLM's own, with ``not_ported`` said.
     ported: frozenset[str] = field(default_factory=frozenset)
     not_ported: str = ""
+    #: The handlers' planning: our layout methods by role (``rank_local_prepare_values``, ...: a layout class
+    #: whose methods are these is backed by our engine) and, per layout kind, ``layout -> (engine, key prefix
+    #: per local shard)`` (or why not).
+    ours: Mapping[str, Any] = field(default_factory=dict)
+    plan_engines: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    #: A token database's chunk-size attribute, and the TP-shared layout's attribute it must equal.
+    db_chunk: str = "block_size"
+    sharded_chunk: str = "block_size"
+
+    def kinds(self, data: ModuleType, layout: ModuleType) -> Kinds:
+        """Which of this release's databases and layouts the handlers may plan (``plans.Kinds``)."""
+        return Kinds(data, self.ours, layouts=layout, db_chunk=self.db_chunk, sharded_chunk=self.sharded_chunk)
 
     def matches(self, version: str) -> bool:
         return version.startswith(self.series)

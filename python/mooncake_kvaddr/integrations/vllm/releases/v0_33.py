@@ -78,4 +78,6 @@ RELEASE = Release(
     fingerprinted=FINGERPRINTED,
     fingerprints=FINGERPRINTS,
     ported=frozenset(PARTS),
+    ours=layouts.OURS,
+    plan_engines=layouts.PLAN_ENGINES,
 )
