@@ -12,9 +12,9 @@
 
 namespace kvaddr::py_bindings {
 
-RowEngine::RowEngine(bool tp_shared, std::size_t n_shards, std::size_t cache_bytes, EngineWords words)
-    : tp_shared_(tp_shared), shards_(tp_shared ? n_shards : 1), words_(words), cache_(cache_bytes) {
-    auto empty = std::make_shared<Templates>(shards_);
+RowEngine::RowEngine(bool tp_shared, std::size_t n_templates, std::size_t cache_bytes, EngineWords words)
+    : tp_shared_(tp_shared), templates_count_(tp_shared ? n_templates : 1), words_(words), cache_(cache_bytes) {
+    auto empty = std::make_shared<Templates>(templates_count_);
     for (layout::Segments& t : *empty) {
         t.size_scales = !tp_shared;
         t.finalize();
@@ -22,13 +22,17 @@ RowEngine::RowEngine(bool tp_shared, std::size_t n_shards, std::size_t cache_byt
     templates_ = std::move(empty);
     base_source_ = py::list();
     block_len_source_ = py::list();
+    block_stride_source_ = py::none();
 }
 
-void RowEngine::set_region_sources(py::object base, py::object block_len) {
+void RowEngine::set_region_sources(py::object base, py::object block_len, py::object block_stride) {
     require_region_sequence(base, "kv_caches_base_addr");
     require_region_sequence(block_len, "block_len");
+    if (!block_stride.is_none()) require_region_sequence(block_stride, "block_stride");
+    // The next snapshot compares values (and rules): equal ones keep the cache.
     base_source_ = std::move(base);
-    block_len_source_ = std::move(block_len);  // the next snapshot compares values: equal ones keep the cache
+    block_len_source_ = std::move(block_len);
+    block_stride_source_ = std::move(block_stride);
 }
 
 void RowEngine::install(std::shared_ptr<const Templates> templates) {
@@ -48,40 +52,59 @@ Snapshot RowEngine::snapshot() {
     // Local owners first: a callback below may call set_region_sources and replace the members.
     const py::object base_obj = base_source_;
     const py::object lens_obj = block_len_source_;
-    std::vector<int64_t> bases, lens;
+    const py::object strides_obj = block_stride_source_;
+    const bool with_strides = !strides_obj.is_none();
+    std::vector<int64_t> bases, lens, strides;
     {
         FastSequence base(base_obj.ptr(), "kv_caches_base_addr");
         FastSequence block_len(lens_obj.ptr(), "block_len");
-        const auto read_lens = [&] {
-            const Py_ssize_t n_lens = block_len.size();
-            for (Py_ssize_t i = 0; i < n_lens; ++i) lens.push_back(as_int64(block_len.at(i).ptr(), "block_len item"));
+        const auto read_all = [](const FastSequence& seq, const char* what, std::vector<int64_t>* out) {
+            const Py_ssize_t n = seq.size();
+            for (Py_ssize_t i = 0; i < n; ++i) out->push_back(as_int64(seq.at(i).ptr(), what));
         };
-        if (words_.lens_first) read_lens();
-        const Py_ssize_t n_regions = base.size();
-        for (Py_ssize_t r = 0; r < n_regions; ++r) {
-            bases.push_back(as_int64(base.at(r).ptr(), "kv_caches_base_addr item"));
+        if (words_.lens_first) read_all(block_len, "block_len item", &lens);
+        read_all(base, "kv_caches_base_addr item", &bases);
+        if (!words_.lens_first && !bases.empty()) {
+            // vLLM 0.34 reads block_stride before block_len.
+            if (with_strides) read_all(FastSequence(strides_obj.ptr(), "block_stride"), "block_stride item", &strides);
+            read_all(block_len, "block_len item", &lens);
         }
-        if (!words_.lens_first && !bases.empty()) read_lens();
     }
     // From here to the return no Python code runs: the comparison and the install are atomic.
-    pin_.check(bases, lens);  // the values this call computes from, against a transfer's registration
-    if (synced_ && bases == templates_->front().base && lens == seen_lens_) {
+    pin_.check(bases, lens, with_strides ? strides : lens);  // the values this call computes from
+    if (synced_ && with_strides == seen_with_strides_ && bases == templates_->front().base && lens == seen_lens_ &&
+        strides == seen_strides_) {
         return Snapshot{templates_, cache_.generation()};
     }
-    if (!bases.empty() && lens.empty()) {
-        raise(errors().block_len, "block_len is empty but " + std::to_string(bases.size()) +
+    // Region r's stride and size0 (vLLM 0.33: both block_len[r % len(block_len)]; vLLM 0.34: block_stride and
+    // block_len, both at r % len(block_stride)). The errors are the references' (a % 0, a short block_len).
+    const std::vector<int64_t>& cycle = with_strides ? strides : lens;
+    if (!bases.empty() && cycle.empty()) {
+        const char* list = with_strides ? "block_stride" : "block_len";
+        raise(errors().block_len, std::string(list) + " is empty but " + std::to_string(bases.size()) +
                                       " KV-cache regions are registered: call set_block_len first");
     }
     auto fresh = std::make_shared<Templates>(1);
     layout::Segments& t = fresh->front();
     t.size_scales = true;
     t.stride.resize(bases.size());
-    for (std::size_t r = 0; r < bases.size(); ++r) t.stride[r] = lens[r % lens.size()];
-    t.size = t.stride;
+    t.size.resize(bases.size());
+    for (std::size_t r = 0; r < bases.size(); ++r) {
+        const std::size_t at = r % cycle.size();
+        if (at >= lens.size()) {
+            raise(PyExc_IndexError, "block_len has " + std::to_string(lens.size()) + " items but region " +
+                                        std::to_string(r) + " reads block_len[" + std::to_string(at) +
+                                        "] (block_stride has " + std::to_string(cycle.size()) + ")");
+        }
+        t.stride[r] = cycle[at];
+        t.size[r] = lens[at];
+    }
     t.base = std::move(bases);
     t.finalize();
     install(std::move(fresh));
     seen_lens_ = std::move(lens);
+    seen_strides_ = std::move(strides);
+    seen_with_strides_ = with_strides;
     synced_ = true;
     return Snapshot{templates_, cache_.generation()};
 }
@@ -93,8 +116,9 @@ void RowEngine::raise_address_overflow(std::size_t row, int64_t block_id) const 
 }
 
 void RowEngine::raise_size_overflow(std::size_t row, int64_t block_count) const {
-    raise(PyExc_OverflowError, std::string(words_.row) + " " + std::to_string(row) + ": block_len * " +
-                                   std::to_string(block_count) + " blocks overflows int64");
+    raise(PyExc_OverflowError, std::string(words_.row) + " " + std::to_string(row) + ": the size of " +
+                                   std::to_string(block_count) +
+                                   " blocks (block_len + (blocks - 1) * block_stride) overflows int64");
 }
 
 py::tuple RowEngine::rows_as_lists(const Snapshot& snapshot, const std::vector<KeyPlan>& plans,

@@ -1,7 +1,8 @@
 // The one address engine behind every layout (docs/address-rows.md; docs/vllm.md, "One engine for every
 // layout"): the segment templates (kvaddr/layout.hpp) — read from the caller's region lists for a rank-local
-// layout, installed per owned shard for a TP-shared one — with the row cache, the region pin and the two
-// outputs (fresh lists, fresh int64 arrays). AddressTable (the seed-era database) and LayoutEngine (vLLM's
+// layout (vLLM 0.33's two lists, or 0.34's three with block_stride), installed per owned shard (and, for
+// vLLM 0.34's store chunks, per chunk of a block) for a TP-shared one — with the row cache, the region pin
+// and the two outputs (fresh lists, fresh int64 arrays). AddressTable (the seed-era database) and LayoutEngine (vLLM's
 // store layouts) are faces over it that only convert their inputs.
 //
 // Thread safety: one engine may be used by any number of Python threads at once (vLLM shares one database
@@ -45,29 +46,34 @@ struct EngineWords {
 
 class RowEngine {
 public:
-    // Rank-local: one template, from the caller's region lists. TP-shared: n_shards templates, all empty
-    // until set_templates.
-    RowEngine(bool tp_shared, std::size_t n_shards, std::size_t cache_bytes, EngineWords words);
+    // Rank-local: one template, from the caller's region lists. TP-shared: n_templates templates (one per
+    // owned shard, or per store chunk and owned shard), all empty until set_templates.
+    RowEngine(bool tp_shared, std::size_t n_templates, std::size_t cache_bytes, EngineWords words);
     RowEngine(const RowEngine&) = delete;
     RowEngine& operator=(const RowEngine&) = delete;
 
     bool tp_shared() const noexcept { return tp_shared_; }
-    std::size_t shards() const noexcept { return shards_; }
+    std::size_t template_count() const noexcept { return templates_count_; }
 
     // Rank-local: keeps references to the caller's lists (the reference stores them by reference too); their
-    // contents are re-read by every call, so in-place edits are seen.
-    void set_region_sources(py::object base, py::object block_len);
+    // contents are re-read by every call, so in-place edits are seen. `block_stride` None: vLLM 0.33's rules
+    // (stride = size0 = block_len[r % len(block_len)]); a sequence: vLLM 0.34's (stride = block_stride[r % L],
+    // size0 = block_len[r % L], L = len(block_stride)).
+    void set_region_sources(py::object base, py::object block_len, py::object block_stride = py::none());
     // TP-shared: installs new templates (one per owned shard, one width) and drops the cache.
     void set_templates(std::shared_ptr<const Templates> templates);
 
-    // The templates to compute on. Rank-local: reads the caller's lists (may run Python code), then — with no
-    // Python code in between — compares them with the current snapshot and installs a new one (dropping the
-    // cache) if they changed.
+    // The templates to compute on. Rank-local: reads the caller's lists (may run Python code; the bases first,
+    // then, when there are regions, block_stride and block_len, each face in its reference's order), then —
+    // with no Python code in between — compares them (and which rules apply) with the current snapshot and
+    // installs a new one (dropping the cache) if anything changed.
     Snapshot snapshot();
 
     // A transfer's registered regions (region_pin.hpp): while pinned, a call whose lists hold other values
-    // raises ValueError inside the call instead of computing addresses from them.
-    void pin_regions(py::handle bases, py::handle block_len) { pin_.pin(bases, block_len); }
+    // (strides included) raises ValueError inside the call instead of computing addresses from them.
+    void pin_regions(py::handle bases, py::handle block_len, py::handle block_stride) {
+        pin_.pin(bases, block_len, block_stride);
+    }
     void unpin_regions() { pin_.unpin(); }
     std::size_t region_pins() const { return pin_.count(); }
 
@@ -95,12 +101,14 @@ private:
     [[noreturn]] void raise_size_overflow(std::size_t row, int64_t block_count) const;
 
     bool tp_shared_;
-    std::size_t shards_;
+    std::size_t templates_count_;
     EngineWords words_;
     py::object base_source_;
     py::object block_len_source_;
+    py::object block_stride_source_;  // None: vLLM 0.33's rules
     std::shared_ptr<const Templates> templates_;
-    std::vector<int64_t> seen_bases_, seen_lens_;
+    std::vector<int64_t> seen_lens_, seen_strides_;
+    bool seen_with_strides_ = false;  // the installed template follows vLLM 0.34's rules
     bool synced_ = false;          // rank-local: templates_ reflects a successful read of the caller's lists
     bool immutable_rows_ = false;  // rows as tuples (no per-call copy) instead of fresh lists
     RowCache cache_;
@@ -124,10 +132,10 @@ void bind_engine_methods(py::class_<Face>& cls) {
         .def("cache_info", [engine](py::handle self) { return engine(self).cache_info(); })
         .def("clear_cache", [engine](py::handle self) { engine(self).clear_cache(); })
         .def("pin_regions",
-             [engine](py::handle self, py::handle bases, py::handle block_len) {
-                 engine(self).pin_regions(bases, block_len);
+             [engine](py::handle self, py::handle bases, py::handle block_len, py::handle block_stride) {
+                 engine(self).pin_regions(bases, block_len, block_stride);
              },
-             py::arg("kv_caches_base_addr"), py::arg("block_len"))
+             py::arg("kv_caches_base_addr"), py::arg("block_len"), py::arg("block_stride") = py::none())
         .def("unpin_regions", [engine](py::handle self) { engine(self).unpin_regions(); })
         .def_property_readonly("region_pins", [engine](py::handle self) { return engine(self).region_pins(); });
 }

@@ -7,6 +7,11 @@
 // it just read — the very values its rows are computed from — with the pinned ones, with no Python code in
 // between, and refuses the call when they differ: no address outside the registered KV caches is ever
 // computed for a transfer. Several transfers may pin the same values (a count); other values are refused.
+//
+// The strides are pinned too, since addresses are base + block_id * stride: a call compares its effective
+// strides (vLLM 0.34's block_stride list when the engine reads one, else block_len, which is the stride under
+// vLLM 0.33's rules) with the pinned ones (the block_stride given to pin, else the pinned block_len). So a
+// pin taken without strides admits a 0.34 engine only while its strides equal the pinned block lengths.
 #pragma once
 
 #include <cstddef>
@@ -21,18 +26,25 @@ namespace kvaddr::py_bindings {
 
 class RegionPin {
 public:
-    // Pin the int sequences `bases` / `lens` (read once, here, into values this pin owns).
-    void pin(py::handle bases, py::handle lens) { pin(read(bases, "kv_caches_base_addr"), read(lens, "block_len")); }
+    // Pin the int sequences `bases` / `lens` and, unless None, `strides` (read once, here, in that order, into
+    // values this pin owns).
+    void pin(py::handle bases, py::handle lens, py::handle strides) {
+        std::vector<int64_t> base_values = read(bases, "kv_caches_base_addr");
+        std::vector<int64_t> len_values = read(lens, "block_len");
+        std::vector<int64_t> stride_values = strides.is_none() ? len_values : read(strides, "block_stride");
+        pin(std::move(base_values), std::move(len_values), std::move(stride_values));
+    }
 
-    // Pin `bases` / `lens` (ValueError when pinned to other values by another transfer).
-    void pin(std::vector<int64_t> bases, std::vector<int64_t> lens) {
-        if (count_ > 0 && (bases != bases_ || lens != lens_)) {
+    // Pin `bases` / `lens` / effective `strides` (ValueError when pinned to other values by another transfer).
+    void pin(std::vector<int64_t> bases, std::vector<int64_t> lens, std::vector<int64_t> strides) {
+        if (count_ > 0 && (bases != bases_ || lens != lens_ || strides != strides_)) {
             raise(PyExc_ValueError, "the regions are pinned to other values by another transfer (one database may "
                                     "serve transfers over the same KV caches only)");
         }
         if (count_ == 0) {
             bases_ = std::move(bases);
             lens_ = std::move(lens);
+            strides_ = std::move(strides);
         }
         ++count_;
     }
@@ -42,16 +54,19 @@ public:
         if (count_ > 0 && --count_ == 0) {
             bases_.clear();
             lens_.clear();
+            strides_.clear();
         }
     }
 
     std::size_t count() const { return count_; }
 
-    // ValueError when pinned and the lists just read hold other values than the pinned ones.
-    void check(const std::vector<int64_t>& bases, const std::vector<int64_t>& lens) const {
-        if (count_ > 0 && (bases != bases_ || lens != lens_)) {
-            raise(PyExc_ValueError, "kv_caches_base_addr / block_len changed after register_kv_caches: refusing to "
-                                    "compute addresses outside the registered KV caches");
+    // ValueError when pinned and the lists just read hold other values than the pinned ones. `strides` is the
+    // call's effective stride list: block_stride when the engine reads one, else `lens` itself.
+    void check(const std::vector<int64_t>& bases, const std::vector<int64_t>& lens,
+               const std::vector<int64_t>& strides) const {
+        if (count_ > 0 && (bases != bases_ || lens != lens_ || strides != strides_)) {
+            raise(PyExc_ValueError, "kv_caches_base_addr / block_len / block_stride changed after register_kv_caches: "
+                                    "refusing to compute addresses outside the registered KV caches");
         }
     }
 
@@ -67,7 +82,7 @@ private:
         return out;
     }
 
-    std::vector<int64_t> bases_, lens_;
+    std::vector<int64_t> bases_, lens_, strides_;
     std::size_t count_ = 0;
 };
 

@@ -1,13 +1,16 @@
 // LayoutEngine: vLLM 0.32+'s store layouts' face over the one address engine (engine.hpp; docs/vllm.md).
 // It converts vLLM's arguments (chunks, block ids, shard ids, the fused load plan's walk) to C++ values in
 // vLLM's error order, before any Python object is created (docs/vllm.md, "Rules"), and hands validated key
-// plans to the engine, whose rows never alias each other or its cache.
+// plans to the engine, whose rows never alias each other or its cache. One engine serves vLLM 0.33's rules
+// and 0.34's (docs/vllm.md, "vLLM 0.34 rules"): a rank-local engine given block_stride, and a TP-shared one
+// built with store_chunk_size, whose templates are per (store chunk of a block, owned shard).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,51 +43,122 @@ std::size_t checked_shards(int64_t block_size, int64_t hash_block_size, bool tp_
     return static_cast<std::size_t>(n_shards);
 }
 
+// The store chunks per block of vLLM 0.34's TP-shared layouts (0: the engine follows vLLM 0.33's rules).
+int64_t checked_chunks_per_block(int64_t block_size, bool tp_shared, int64_t store_chunk_size) {
+    if (store_chunk_size == 0) return 0;
+    if (!tp_shared) throw py::value_error("store_chunk_size is for TP-shared layouts");
+    if (store_chunk_size < 0 || block_size % store_chunk_size != 0) {
+        throw py::value_error("Store chunk size must divide the local block size");
+    }
+    return block_size / store_chunk_size;
+}
+
+// How many templates the engine holds: one per owned shard, times the store chunks per block under 0.34.
+std::size_t template_count(std::size_t n_shards, int64_t chunks_per_block) {
+    std::size_t total = n_shards;
+    if (chunks_per_block > 0 &&
+        __builtin_mul_overflow(n_shards, static_cast<std::size_t>(chunks_per_block), &total)) {
+        throw py::value_error("n_shards * (block_size // store_chunk_size) is too large");
+    }
+    return total;
+}
+
+// One read of a call's block ids, in the forms LayoutEngine takes: an exact integer ndarray (its values, read
+// once), an exact list or tuple (read by index, its length re-read), or a list/tuple/ndarray subclass (its own
+// __len__, once, and __getitem__, as vLLM's block_ids[i]).
+class BlockIds {
+public:
+    explicit BlockIds(py::handle block_ids) {
+        if (int64_array_values(block_ids, "block_ids", &array_)) {
+            kind_ = Kind::array;
+            return;
+        }
+        require_id_container(block_ids.ptr(), "block_ids");
+        if (PyList_CheckExact(block_ids.ptr()) || PyTuple_CheckExact(block_ids.ptr())) {
+            kind_ = Kind::fast;
+            fast_.emplace(block_ids.ptr(), "block_ids");
+            return;
+        }
+        kind_ = Kind::by_index;
+        object_ = py::reinterpret_borrow<py::object>(block_ids);
+        length_ = PyObject_Length(block_ids.ptr());
+        if (length_ < 0) throw py::error_already_set();
+    }
+
+    std::size_t size() const {
+        switch (kind_) {
+            case Kind::array: return array_.size();
+            case Kind::fast: return static_cast<std::size_t>(fast_->size());
+            case Kind::by_index: break;
+        }
+        return static_cast<std::size_t>(length_);
+    }
+
+    // block_ids[at] for 0 <= at < size(); `exact` receives the item when it is an exact int (reused as output).
+    int64_t at(int64_t at, py::object* exact) const {
+        if (kind_ == Kind::array) return array_[static_cast<std::size_t>(at)];
+        py::object item;
+        if (kind_ == Kind::fast) {
+            item = fast_->at(static_cast<Py_ssize_t>(at));
+        } else {
+            item = py::reinterpret_steal<py::object>(PySequence_GetItem(object_.ptr(), static_cast<Py_ssize_t>(at)));
+            if (!item) throw py::error_already_set();
+        }
+        const int64_t id = as_int64(item.ptr(), "block id");
+        if (PyLong_CheckExact(item.ptr())) *exact = std::move(item);
+        return id;
+    }
+
+private:
+    enum class Kind { array, fast, by_index };
+    Kind kind_ = Kind::array;
+    std::vector<int64_t> array_;
+    std::optional<FastSequence> fast_;
+    py::object object_;
+    Py_ssize_t length_ = 0;
+};
+
 class LayoutEngine {
 public:
+    // store_chunk_size 0: vLLM 0.33's rules; > 0 (TP-shared only): vLLM 0.34's store chunks.
     LayoutEngine(int64_t block_size, int64_t hash_block_size, bool tp_shared, int64_t first_shard,
-                 int64_t n_shards, std::size_t cache_bytes)
+                 int64_t n_shards, std::size_t cache_bytes, int64_t store_chunk_size)
         : block_size_(block_size),
           hash_block_size_(hash_block_size),
           tp_shared_(tp_shared),
           first_shard_(first_shard),
-          engine_(tp_shared, checked_shards(block_size, hash_block_size, tp_shared, first_shard, n_shards), cache_bytes,
-                  {false, "key"}) {}
+          n_shards_(checked_shards(block_size, hash_block_size, tp_shared, first_shard, n_shards)),
+          store_chunk_size_(store_chunk_size),
+          chunks_per_block_(checked_chunks_per_block(block_size, tp_shared, store_chunk_size)),
+          engine_(tp_shared, template_count(n_shards_, chunks_per_block_), cache_bytes, {false, "key"}) {}
     RowEngine& engine() noexcept { return engine_; }
 
-    // Rank-local: the caller's region lists, re-read (and compared) on every call, as vLLM reads them.
-    void set_region_sources(py::object base, py::object block_len) {
+    // Rank-local: the caller's region lists, re-read (and compared) on every call, as vLLM reads them;
+    // block_stride None for vLLM 0.33's rules, a list for 0.34's.
+    void set_region_sources(py::object base, py::object block_len, py::object block_stride) {
         require_rank_local("set_region_sources");
-        engine_.set_region_sources(std::move(base), std::move(block_len));
+        engine_.set_region_sources(std::move(base), std::move(block_len), std::move(block_stride));
     }
 
-    // TP-shared: one (bases, strides, sizes) triple per local shard, all of one width.
+    // TP-shared, vLLM 0.33: one (bases, strides, sizes) triple per local shard. vLLM 0.34 (store chunks):
+    // templates[chunk_index][local_shard] = (bases, strides, sizes). Every triple of one width.
     void set_templates(py::handle templates) {
         if (!tp_shared_) raise(PyExc_RuntimeError, "set_templates is for TP-shared layouts");
-        FastSequence seq(templates.ptr(), "templates");
         auto fresh = std::make_shared<Templates>();
-        if (static_cast<std::size_t>(seq.size()) != engine_.shards()) {
-            raise(PyExc_ValueError, "expected " + std::to_string(engine_.shards()) + " shard templates, got " +
-                                        std::to_string(seq.size()));
-        }
-        const Py_ssize_t n_templates = seq.size();
-        for (Py_ssize_t k = 0; k < n_templates; ++k) {
-            py::object triple = seq.at(k);
-            FastSequence parts(triple.ptr(), "template");
-            if (parts.size() != 3) raise(PyExc_ValueError, "a template is (bases, strides, sizes)");
-            Segments t;
-            t.base = int64_values(parts.at(0), "template base");
-            t.stride = int64_values(parts.at(1), "template stride");
-            t.size = int64_values(parts.at(2), "template size");
-            if (t.base.size() != t.stride.size() || t.base.size() != t.size.size()) {
-                raise(PyExc_ValueError, "template bases, strides and sizes must have one length");
+        fresh->reserve(engine_.template_count());
+        if (chunks_per_block_ == 0) {
+            read_shard_templates(templates, "shard templates", fresh.get());
+        } else {
+            FastSequence chunks(templates.ptr(), "templates");
+            if (static_cast<uint64_t>(chunks.size()) != static_cast<uint64_t>(chunks_per_block_)) {
+                raise(PyExc_ValueError, "expected " + std::to_string(chunks_per_block_) +
+                                            " store chunk templates (block_size // store_chunk_size), got " +
+                                            std::to_string(chunks.size()));
             }
-            if (!fresh->empty() && fresh->front().count() != t.count()) {
-                raise(PyExc_ValueError, "every shard template must have the same number of segments");
+            const Py_ssize_t n_chunks = chunks.size();
+            for (Py_ssize_t c = 0; c < n_chunks; ++c) {
+                read_shard_templates(chunks.at(c), "shard templates of a store chunk", fresh.get());
             }
-            t.size_scales = false;
-            t.finalize();
-            fresh->push_back(std::move(t));
         }
         engine_.set_templates(std::move(fresh));
     }
@@ -94,7 +168,8 @@ public:
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
         if (n == 0) return py::make_tuple(py::list(), py::list(), py::list());
-        Parsed parsed = parse(chunks, block_ids, shard_ids);
+        Parsed parsed = chunks_per_block_ != 0 ? parse_store_chunks(chunks, block_ids, shard_ids)
+                                               : parse(chunks, block_ids, shard_ids);
         return engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
     }
 
@@ -103,7 +178,8 @@ public:
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
         if (n == 0) return engine_.rows_as_arrays(engine_.snapshot(), {});
-        const Parsed parsed = parse(chunks, block_ids, shard_ids);
+        const Parsed parsed = chunks_per_block_ != 0 ? parse_store_chunks(chunks, block_ids, shard_ids)
+                                                     : parse(chunks, block_ids, shard_ids);
         return engine_.rows_as_arrays(parsed.snapshot, parsed.plans);
     }
 
@@ -122,17 +198,20 @@ public:
     py::tuple plan_load(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
                         py::handle mask_num_arg, py::handle load_mask, py::handle tail_tokens, py::handle block_ids,
                         py::handle arrays_arg) {
+        if (chunks_per_block_ != 0) {
+            raise(PyExc_RuntimeError, "plan_load does not support store chunks (store_chunk_size) yet: use "
+                                      "prepare_values or prepare_values_array");
+        }
         const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
         const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
         const bool arrays = as_flag(arrays_arg);
         refuse_non_sequence(shard_prefixes, "shard_prefixes");
         FastSequence prefix_seq(shard_prefixes.ptr(), "shard_prefixes");
-        if (static_cast<std::size_t>(prefix_seq.size()) != engine_.shards()) {
-            raise(PyExc_ValueError,
-                  "expected one key prefix per local shard (" + std::to_string(engine_.shards()) + ")");
+        if (static_cast<std::size_t>(prefix_seq.size()) != n_shards_) {
+            raise(PyExc_ValueError, "expected one key prefix per local shard (" + std::to_string(n_shards_) + ")");
         }
         std::vector<KeyWriter> writers;
-        writers.reserve(engine_.shards());
+        writers.reserve(n_shards_);
         for (Py_ssize_t k = 0; k < prefix_seq.size(); ++k) writers.emplace_back(prefix_seq.at(k));
         const bool has_tail = !tail_tokens.is_none();
         const int64_t tail = has_tail ? as_int64(tail_tokens.ptr(), "tail_tokens") : 0;
@@ -162,7 +241,7 @@ public:
                 }
                 hash_index = python_index(tail_index, static_cast<std::size_t>(source.size()), parsed.starts.size());
             }
-            for (std::size_t k = 0; k < engine_.shards(); ++k) {
+            for (std::size_t k = 0; k < n_shards_; ++k) {
                 parsed.starts.push_back(c.start);
                 parsed.ends.push_back(c.end);
                 parsed.shards.push_back(first_shard_ + static_cast<int64_t>(k));
@@ -195,6 +274,9 @@ public:
         return snapshot.templates->empty() ? 0 : static_cast<int64_t>(snapshot.templates->front().count());
     }
 
+    int64_t store_chunk_size() const { return store_chunk_size_; }
+    int64_t chunks_per_block() const { return chunks_per_block_; }
+
 private:
     // One call's inputs as C++ values. The snapshot is the templates and cache generation the call computes
     // on: a callback that re-registers the layout later in the call cannot make it read rows of the new
@@ -225,18 +307,120 @@ private:
                 if (s != 0) raise(PyExc_AssertionError, "rank-local layout: shard id " + std::to_string(s) + " is not 0");
             }
         }
-        p.snapshot = engine_.snapshot();
-        chunk_pairs(chunks, &p.starts, &p.ends);
-        if (p.starts.size() != shards.size()) {
-            if (PyList_CheckExact(chunks.ptr())) raise(PyExc_RuntimeError, "chunks changed size during the call");
-            // Not an exact list: nothing but its own __len__ can disagree with its items.
-            raise(PyExc_ValueError, "chunks reported " + std::to_string(n_chunks) + " items (__len__) but gave " +
-                                        std::to_string(p.starts.size()) + ": its __len__ does not match its items");
-        }
-        p.shards = std::move(shards);
+        read_chunks(chunks, n_chunks, std::move(shards), &p);
         validate(p);
         resolve(p, block_ids);
         return p;
+    }
+
+    // The snapshot, then every chunk's (start, end) as C++ values, with the shard ids already read.
+    void read_chunks(py::handle chunks, Py_ssize_t n_chunks, std::vector<int64_t> shards, Parsed* p) {
+        p->snapshot = engine_.snapshot();
+        chunk_pairs(chunks, &p->starts, &p->ends);
+        if (p->starts.size() != shards.size()) {
+            if (PyList_CheckExact(chunks.ptr())) raise(PyExc_RuntimeError, "chunks changed size during the call");
+            // Not an exact list: nothing but its own __len__ can disagree with its items.
+            raise(PyExc_ValueError, "chunks reported " + std::to_string(n_chunks) + " items (__len__) but gave " +
+                                        std::to_string(p->starts.size()) + ": its __len__ does not match its items");
+        }
+        p->shards = std::move(shards);
+    }
+
+    // vLLM 0.34's TPShardedStoreLayout.prepare_values (docs/vllm.md, "vLLM 0.34 rules"). Each chunk lies in one
+    // store chunk of one block: start a multiple of store_chunk_size, 0 < end - start <= store_chunk_size; its
+    // key's template is (start's store chunk within its block, local shard). vLLM checks up to 16 chunks one
+    // by one (boundary, shard, block index, block id) and more in phases (every boundary, every shard, every
+    // block index, then the block ids in order); the same order here, so the same error comes first.
+    Parsed parse_store_chunks(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
+        Parsed p;
+        std::vector<int64_t> shards = int64_values(shard_ids, "shard_ids");
+        const Py_ssize_t n_chunks = PyObject_Length(chunks.ptr());
+        if (n_chunks < 0) throw py::error_already_set();
+        if (static_cast<std::size_t>(n_chunks) != shards.size()) {
+            raise(PyExc_ValueError, "Each Store chunk must have one shard ID");
+        }
+        // vLLM reads its first shard id next: a rank that owns none (store TP < local TP) fails as it does.
+        if (n_shards_ == 0) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
+        read_chunks(chunks, n_chunks, std::move(shards), &p);
+        const std::size_t n = p.starts.size();
+        p.plans.assign(n, KeyPlan{0, 1, 0});
+        p.id_objects.resize(n);
+        std::vector<int64_t> block_index(n);
+        const auto boundary = [&](std::size_t k) {
+            int64_t span = 0;
+            // An end - start outside int64 is far outside (0, store_chunk_size]: the same error.
+            if (p.starts[k] % store_chunk_size_ != 0 || __builtin_sub_overflow(p.ends[k], p.starts[k], &span) ||
+                span <= 0 || span > store_chunk_size_) {
+                raise(PyExc_ValueError, "Invalid Store chunk boundary");
+            }
+            // divmod(start, block_size) with Python's floor (start - index * block_size could overflow).
+            block_index[k] = floor_div(p.starts[k], block_size_);
+            int64_t offset = p.starts[k] % block_size_;
+            if (offset < 0) offset += block_size_;
+            p.plans[k].shard = static_cast<std::size_t>(offset / store_chunk_size_) * n_shards_;
+        };
+        const auto owned = [&](std::size_t k) {
+            // first_shard_ >= 0: shards[k] - first_shard_ cannot overflow once shards[k] >= first_shard_.
+            if (p.shards[k] < first_shard_ || static_cast<uint64_t>(p.shards[k] - first_shard_) >= n_shards_) {
+                raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
+            }
+            p.plans[k].shard += static_cast<std::size_t>(p.shards[k] - first_shard_);
+        };
+        std::optional<BlockIds> ids;  // read where vLLM first calls len(block_ids)
+        const auto has_block = [&](std::size_t k) {
+            if (!ids) ids.emplace(block_ids);
+            if (block_index[k] >= 0 && static_cast<uint64_t>(block_index[k]) >= ids->size()) {
+                raise(PyExc_ValueError, "Store chunk has no local cache block");
+            }
+        };
+        const auto block_id = [&](std::size_t k) {
+            const int64_t at = python_index(block_index[k], ids->size(), k);
+            p.plans[k].block_id = ids->at(at, &p.id_objects[k]);
+            check_block_id(p.plans[k].block_id);
+        };
+        if (n > 16) {
+            for (std::size_t k = 0; k < n; ++k) boundary(k);
+            for (std::size_t k = 0; k < n; ++k) owned(k);
+            for (std::size_t k = 0; k < n; ++k) has_block(k);
+            for (std::size_t k = 0; k < n; ++k) block_id(k);
+        } else {
+            for (std::size_t k = 0; k < n; ++k) {
+                boundary(k);
+                owned(k);
+                has_block(k);
+                block_id(k);
+            }
+        }
+        return p;
+    }
+
+    // One (bases, strides, sizes) triple per local shard from `shard_templates`, appended to `out`; every
+    // template of `out` has one width.
+    void read_shard_templates(py::handle shard_templates, const char* what, Templates* out) const {
+        FastSequence seq(shard_templates.ptr(), what);
+        if (static_cast<std::size_t>(seq.size()) != n_shards_) {
+            raise(PyExc_ValueError, "expected " + std::to_string(n_shards_) + " " + what + ", got " +
+                                        std::to_string(seq.size()));
+        }
+        const Py_ssize_t n_templates = seq.size();
+        for (Py_ssize_t k = 0; k < n_templates; ++k) {
+            py::object triple = seq.at(k);
+            FastSequence parts(triple.ptr(), "template");
+            if (parts.size() != 3) raise(PyExc_ValueError, "a template is (bases, strides, sizes)");
+            Segments t;
+            t.base = int64_values(parts.at(0), "template base");
+            t.stride = int64_values(parts.at(1), "template stride");
+            t.size = int64_values(parts.at(2), "template size");
+            if (t.base.size() != t.stride.size() || t.base.size() != t.size.size()) {
+                raise(PyExc_ValueError, "template bases, strides and sizes must have one length");
+            }
+            if (!out->empty() && out->front().count() != t.count()) {
+                raise(PyExc_ValueError, "every shard template must have the same number of segments");
+            }
+            t.size_scales = false;
+            t.finalize();
+            out->push_back(std::move(t));
+        }
     }
 
     // Span rules and shard ownership → plans (block ids not yet resolved).
@@ -261,8 +445,8 @@ private:
         }
         if (tp_shared_) {
             // vLLM reads its first shard id here: a rank that owns none (store TP < local TP) fails as it does.
-            if (engine_.shards() == 0) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
-            const auto owned = static_cast<int64_t>(engine_.shards());
+            if (n_shards_ == 0) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
+            const auto owned = static_cast<int64_t>(n_shards_);
             for (std::size_t k = 0; k < n; ++k) {
                 // Compare before subtracting: a caller's shard id may be any int64 (first_shard_ >= 0, so
                 // shards[k] - first_shard_ cannot overflow once shards[k] >= first_shard_).
@@ -276,44 +460,13 @@ private:
 
     // block_ids[start // block_size] for every key (Python indexing), as C++ values.
     void resolve(Parsed& p, py::handle block_ids) const {
+        const BlockIds ids(block_ids);
         const std::size_t n = p.plans.size();
         p.id_objects.resize(n);
-        std::vector<int64_t> from_array;
-        if (int64_array_values(block_ids, "block_ids", &from_array)) {
-            for (std::size_t k = 0; k < n; ++k) {
-                p.plans[k].block_id = from_array[static_cast<std::size_t>(
-                    python_index(floor_div(p.starts[k], block_size_), from_array.size(), k))];
-                check_block_id(p.plans[k].block_id);
-            }
-            return;
-        }
-        require_id_container(block_ids.ptr(), "block_ids");
-        if (!PyList_CheckExact(block_ids.ptr()) && !PyTuple_CheckExact(block_ids.ptr())) {
-            // A list, tuple or ndarray subclass: its own __len__/__getitem__, as vLLM's block_ids[i].
-            resolve_by_index(p, block_ids);
-            return;
-        }
-        FastSequence ids(block_ids.ptr(), "block_ids");
         for (std::size_t k = 0; k < n; ++k) {
-            const int64_t at = python_index(floor_div(p.starts[k], block_size_), static_cast<std::size_t>(ids.size()), k);
-            py::object item = ids.at(static_cast<Py_ssize_t>(at));
-            p.plans[k].block_id = as_int64(item.ptr(), "block id");
+            const int64_t at = python_index(floor_div(p.starts[k], block_size_), ids.size(), k);
+            p.plans[k].block_id = ids.at(at, &p.id_objects[k]);
             check_block_id(p.plans[k].block_id);
-            if (PyLong_CheckExact(item.ptr())) p.id_objects[k] = std::move(item);
-        }
-    }
-
-    // resolve() for a list or tuple subclass: len() and block_ids[i] through the object's own methods.
-    void resolve_by_index(Parsed& p, py::handle block_ids) const {
-        const Py_ssize_t length = PyObject_Length(block_ids.ptr());
-        if (length < 0) throw py::error_already_set();
-        for (std::size_t k = 0; k < p.plans.size(); ++k) {
-            const int64_t at = python_index(floor_div(p.starts[k], block_size_), static_cast<std::size_t>(length), k);
-            py::object item = py::reinterpret_steal<py::object>(PySequence_GetItem(block_ids.ptr(), at));
-            if (!item) throw py::error_already_set();
-            p.plans[k].block_id = as_int64(item.ptr(), "block id");
-            check_block_id(p.plans[k].block_id);
-            if (PyLong_CheckExact(item.ptr())) p.id_objects[k] = std::move(item);
         }
     }
 
@@ -326,6 +479,9 @@ private:
     int64_t hash_block_size_;
     bool tp_shared_;
     int64_t first_shard_;
+    std::size_t n_shards_;        // owned store shards (1 for rank-local)
+    int64_t store_chunk_size_;    // 0: vLLM 0.33's rules
+    int64_t chunks_per_block_;    // block_size / store_chunk_size, or 0
     RowEngine engine_;
 };
 
@@ -336,18 +492,23 @@ void register_layout(py::module_& m) {
     // __init__ raises TypeError. Ints are converted with as_int64/as_size, never pybind11's int casters.
     py::class_<LayoutEngine> layout(m, "LayoutEngine", "Segment templates of one store layout → Mooncake descriptors.");
     layout.def(py::init([](py::handle block_size, py::handle hash_block_size, bool tp_shared, py::handle first_shard,
-                         py::handle n_shards, py::handle cache_bytes) {
+                         py::handle n_shards, py::handle cache_bytes, py::handle store_chunk_size) {
                  const int64_t bs = as_int64(block_size.ptr(), "block_size");
                  const int64_t hbs = as_int64(hash_block_size.ptr(), "hash_block_size");
                  const int64_t first = as_int64(first_shard.ptr(), "first_shard");
                  const int64_t count = as_int64(n_shards.ptr(), "n_shards");
                  const std::size_t cache = as_size(cache_bytes.ptr(), "cache_bytes");
-                 return std::make_unique<LayoutEngine>(bs, hbs, tp_shared, first, count, cache);
+                 int64_t chunk = 0;  // None: vLLM 0.33's rules
+                 if (!store_chunk_size.is_none()) {
+                     chunk = as_int64(store_chunk_size.ptr(), "store_chunk_size");
+                     if (chunk <= 0) throw py::value_error("Store chunk size must divide the local block size");
+                 }
+                 return std::make_unique<LayoutEngine>(bs, hbs, tp_shared, first, count, cache, chunk);
              }),
              py::arg("block_size"), py::arg("hash_block_size"), py::arg("tp_shared"), py::arg("first_shard"),
-             py::arg("n_shards"), py::arg("cache_bytes"))
+             py::arg("n_shards"), py::arg("cache_bytes"), py::arg("store_chunk_size") = py::none())
         .def("set_region_sources", checked(&LayoutEngine::set_region_sources), py::arg("kv_caches_base_addr"),
-             py::arg("block_len"))
+             py::arg("block_len"), py::arg("block_stride") = py::none())
         .def("set_templates", checked(&LayoutEngine::set_templates), py::arg("templates"))
         .def("prepare_values", checked(&LayoutEngine::prepare_values), py::arg("chunks"), py::arg("block_ids"),
              py::arg("shard_ids"))
@@ -357,7 +518,15 @@ void register_layout(py::module_& m) {
         .def("plan_load", checked(&LayoutEngine::plan_load), py::arg("shard_prefixes"), py::arg("hashes"),
              py::arg("hash_len"), py::arg("token_len"), py::arg("mask_num"), py::arg("load_mask"),
              py::arg("tail_tokens"), py::arg("block_ids"), py::arg("arrays") = false)
-        .def_property_readonly("segment_count", checked(&LayoutEngine::segment_count));
+        .def_property_readonly("segment_count", checked(&LayoutEngine::segment_count))
+        .def_property_readonly(
+            "store_chunk_size",
+            [](py::handle self) -> py::object {
+                const int64_t chunk = constructed<LayoutEngine>(self).store_chunk_size();
+                return chunk == 0 ? py::object(py::none()) : py::object(py::int_(chunk));
+            },
+            "The store chunk size (vLLM 0.34's TP-shared rules), or None (vLLM 0.33's rules).")
+        .def_property_readonly("chunks_per_block", checked(&LayoutEngine::chunks_per_block));
     bind_engine_methods(layout);
 }
 

@@ -54,8 +54,10 @@ PyObject* new_int_list(const int64_t* values, std::size_t count);
 // A fresh tuple of new ints, untracked by the cyclic GC.
 PyObject* new_int_tuple(const int64_t* values, std::size_t count);
 
-// A cached row's key: the layout's local shard (0 for rank-local) and the block id (or, for size rows, the
-// block count).
+// A cached row's key: the layout's template index (0 for rank-local; the local shard for a TP-shared layout,
+// or chunk_index * n_shards + local shard under vLLM 0.34's store chunks) and the block id (or, for size rows,
+// the block count). Everything else a row depends on (bases, strides, sizes, which rules) belongs to the
+// snapshot, whose change starts a new generation.
 struct RowKey {
     std::size_t shard;
     int64_t value;

@@ -3,10 +3,14 @@
 //
 // One key's value is a list of segments; segment s of a chunk whose first block is `block_id` covering
 // `count` blocks lives at
-//   addr[s] = base[s] + block_id * stride[s]        size[s] = size0[s] * (scales ? count : 1)
-// The rank-local layout (and the seed-era database, which is one) has one template: the regions, with
-// stride = size0 = block_len[r % L] and sizes scaling with the block count. A TP-shared layout has one
-// template per store shard it owns (fixed sizes, one block per key).
+//   addr[s] = base[s] + block_id * stride[s]
+//   size[s] = size0[s] + (count - 1) * stride[s]   when the sizes scale, else size0[s]
+// i.e. a multi-block chunk runs from its first block's start to the end of its last block's size0 bytes.
+// The rank-local layout (and the seed-era database, which is one) has one template: the regions. Under
+// vLLM 0.33's rules stride = size0 = block_len[r % L], so the size is block_len * count; under vLLM 0.34's
+// stride = block_stride[r % L] and size0 = block_len[r % L] (L = len(block_stride)), so a chunk also covers
+// the padding between its blocks. A TP-shared layout has one template per store shard it owns (0.33), or per
+// (store chunk of a block, owned shard) (0.34): fixed sizes, one block per key.
 #pragma once
 
 #include <algorithm>
@@ -28,10 +32,11 @@ struct Segments {
     std::vector<int64_t> base;
     std::vector<int64_t> stride;
     std::vector<int64_t> size;
-    bool size_scales = false;  // size × the chunk's block count (rank-local) or fixed (TP-shared)
-    // |block_id| (|count|) up to which no cell can overflow: those rows take the plain, vectorisable loop.
+    bool size_scales = false;  // size grows with the chunk's block count (rank-local) or is fixed (TP-shared)
+    // |block_id| up to which, and |count| below which, no cell can overflow: those rows take the plain,
+    // vectorisable loop.
     uint64_t unchecked_id_limit = 0;
-    uint64_t unchecked_count_limit = 0;
+    uint64_t unchecked_count_bound = 0;
 
     std::size_t count() const noexcept { return base.size(); }
 
@@ -46,7 +51,9 @@ struct Segments {
         constexpr auto kMax = static_cast<uint64_t>(INT64_MAX);
         // |base + id * stride| <= max_base + |id| * max_stride <= INT64_MAX whenever |id| <= the limit.
         unchecked_id_limit = max_base >= kMax ? 0 : (kMax - max_base) / max_stride;
-        unchecked_count_limit = kMax / max_size;
+        // |size0 + (count - 1) * stride| <= max_size + (|count| + 1) * max_stride <= INT64_MAX whenever
+        // |count| < the bound (so count - 1 cannot overflow either).
+        unchecked_count_bound = max_size >= kMax ? 0 : (kMax - max_size) / max_stride;
     }
 };
 
@@ -68,20 +75,31 @@ inline bool address_row(const Segments& t, int64_t block_id, int64_t* out) noexc
     return ok;
 }
 
-// out[s] = size[s] * count (or size[s] when sizes do not scale); false on overflow.
+// The one size rule: out[s] = size0[s] + (count - 1) * stride[s] when the sizes scale, else size0[s]; false
+// when a cell does not fit in int64. The checked path computes exactly (128-bit) and only then checks the
+// range, so with stride == size0 (vLLM 0.33) it overflows exactly where size0 * count does.
 inline bool size_row(const Segments& t, int64_t block_count, int64_t* out) noexcept {
     const std::size_t n = t.count();
     const int64_t* size = t.size.data();
+    const int64_t* stride = t.stride.data();
     if (!t.size_scales) {
         std::copy(size, size + n, out);
         return true;
     }
-    if (magnitude(block_count) <= t.unchecked_count_limit) {
-        for (std::size_t s = 0; s < n; ++s) out[s] = size[s] * block_count;
+    if (magnitude(block_count) < t.unchecked_count_bound) {
+        const int64_t steps = block_count - 1;
+        for (std::size_t s = 0; s < n; ++s) out[s] = size[s] + steps * stride[s];
         return true;
     }
+    __extension__ typedef __int128 wide;  // |size0| + (2^63 + 1) * 2^63 < 2^127: no intermediate overflow
+    const wide steps = static_cast<wide>(block_count) - 1;
     bool ok = true;
-    for (std::size_t s = 0; s < n; ++s) ok &= mul_checked(size[s], block_count, &out[s]);
+    for (std::size_t s = 0; s < n; ++s) {
+        const wide value = static_cast<wide>(size[s]) + steps * static_cast<wide>(stride[s]);
+        const bool fits = value >= static_cast<wide>(INT64_MIN) && value <= static_cast<wide>(INT64_MAX);
+        out[s] = fits ? static_cast<int64_t>(value) : 0;
+        ok &= fits;
+    }
     return ok;
 }
 
