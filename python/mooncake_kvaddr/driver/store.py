@@ -53,9 +53,9 @@ from mooncake_kvaddr.driver.store_setup import _CLIENT_PORT_RANGE as _CLIENT_POR
 from mooncake_kvaddr.driver.store_setup import _CLIENT_PORT_RANGE_ENV as _CLIENT_PORT_RANGE_ENV
 from mooncake_kvaddr.driver.store_setup import _EMBEDDED_SETUP_RETRIES as _EMBEDDED_SETUP_RETRIES
 from mooncake_kvaddr.driver.store_setup import _PAUSE_BETWEEN_ATTEMPTS_S as _PAUSE_BETWEEN_ATTEMPTS_S
+from mooncake_kvaddr.driver.store_setup import PROGRESS, connect, open_native
 from mooncake_kvaddr.driver.store_setup import _client_ports as _client_ports
 from mooncake_kvaddr.driver.store_setup import _has_port as _has_port
-from mooncake_kvaddr.driver.store_setup import connect, open_native
 
 __all__ = [
     "CODE_HAS_LEASE",
@@ -191,6 +191,8 @@ class MooncakeStore(StoreCalls):
             master: EmbeddedMaster | None = None
             try:
                 if config.embedded_master:
+                    logger.info("starting an embedded Mooncake master on 127.0.0.1: waiting up to %g s for it to be "
+                                "ready (master_start_timeout_s)", config.master_start_timeout_s, extra={PROGRESS: True})
                     master = EmbeddedMaster(
                         extra_args=config.master_args, start_timeout_s=config.master_start_timeout_s
                     ).start()
