@@ -213,6 +213,33 @@ def test_exit_on_interrupt_leaves_the_process_as_it_was() -> None:
         time.sleep(5)
 
 
+# Exit handlers (weakref.finalize clean-ups, such as the bench's network namespaces) run after the line, bounded:
+# one that hangs delays the end by at most _cli._EXIT_HANDLERS_S, and what they print is not shown.
+EXIT_HANDLERS = textwrap.dedent(
+    """
+    import atexit, sys, time
+    from pathlib import Path
+    from mooncake_kvaddr._cli import exit_on_interrupt
+
+    atexit.register(time.sleep, 600)  # runs last (handlers run in reverse order)
+    atexit.register(lambda: Path(sys.argv[1]).write_text("cleaned"))
+    atexit.register(lambda: print("noise from a clean-up", file=sys.stderr))
+    with exit_on_interrupt():
+        print("READY", flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_ctrl_c_runs_the_exit_clean_ups_bounded_and_silent(tmp_path: Path) -> None:
+    marker = tmp_path / "cleaned"
+    command = Command([sys.executable, "-c", EXIT_HANDLERS, str(marker)])
+    command.wait_for("READY")
+    command.interrupt()
+    command.ended_by_interrupt()
+    assert marker.read_text() == "cleaned"
+
+
 # The library without a command line: Python's own Ctrl-C (KeyboardInterrupt) reaches the caller at once.
 LIBRARY_WAIT = textwrap.dedent(
     """

@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "demo":
         from mooncake_kvaddr._cli import exit_on_interrupt
-        from mooncake_kvaddr.demo import main as demo_main
 
-        with exit_on_interrupt():
+        with exit_on_interrupt():  # before the demo's imports: Ctrl-C while they load is one line too
+            from mooncake_kvaddr.demo import main as demo_main
+
             return demo_main(rest)
     if command == "bench":
         # A child process, not an import: nothing outside the bench package imports it (docs/architecture.md).
