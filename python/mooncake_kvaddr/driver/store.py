@@ -177,8 +177,9 @@ class MooncakeStore(StoreCalls):
     def setup(self) -> MooncakeStore:
         """Start the embedded master if configured, connect the client, and return ``self``.
 
-        No-op when already ready. Raises :class:`StoreSetupError` (after bounded retries) if the client
-        cannot connect, :class:`StoreClosedError` after :meth:`close`, ``ImportError`` without Mooncake.
+        No-op when already ready. Raises :class:`StoreSetupError` if an external master does not answer
+        within ``config.connect_timeout_s`` or the client cannot connect after bounded retries,
+        :class:`StoreClosedError` after :meth:`close`, ``ImportError`` without Mooncake.
         """
         config = self._config
         with self._lifecycle:
