@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from mooncake_kvaddr.driver import store as store_module
-from mooncake_kvaddr.driver import store_calls
+from mooncake_kvaddr.driver import store_calls, store_setup
 from mooncake_kvaddr.driver.store import MooncakeStore
 
 #: Mooncake's fixed transfer timeout against a peer that hangs (docs/multihost.md).
@@ -154,13 +154,20 @@ class FakeMooncake:
         return [self._get(k, list(zip(row_a, row_s, strict=True))) for k, row_a, row_s in rows]
 
 
+def install_fake_module(monkeypatch: pytest.MonkeyPatch, module: Any) -> None:
+    """Make ``MooncakeStore.setup`` use ``module`` as Mooncake's, against a master nobody has to start: the
+    wait for an external master (``store_setup.wait_for_master``) returns at once."""
+    monkeypatch.setattr(store_module, "load_mooncake", lambda: module)
+    monkeypatch.setattr(store_setup, "wait_for_master", lambda config, address: None)
+
+
 @contextmanager
 def fake_store(monkeypatch: pytest.MonkeyPatch, **config: Any) -> Iterator[tuple[MooncakeStore, FakeMooncake]]:
     """A ready :class:`MooncakeStore` on a :class:`FakeMooncake` whose clock is the driver's clock."""
     clock = FakeClock()
     client = FakeMooncake(clock)
     module = SimpleNamespace(MooncakeDistributedStore=lambda: client, ReplicateConfig=lambda: None)
-    monkeypatch.setattr(store_module, "load_mooncake", lambda: module)
+    install_fake_module(monkeypatch, module)
     monkeypatch.setattr(store_calls, "_now", clock)
     config.setdefault("master_server_address", "127.0.0.1:1")
     with MooncakeStore(**config) as store:

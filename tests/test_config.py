@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import mooncake_kvaddr
 from mooncake_kvaddr.driver.config import (
     DEFAULT_CONFIG_ENV,
+    DEFAULT_CONNECT_TIMEOUT_S,
     VLLM_CONNECTOR_KEYS,
     StoreConfig,
     parse_address,
@@ -144,6 +145,10 @@ def test_size_fields_are_parsed_and_errors_name_the_field() -> None:
         ({"staging_buffer_size": "0MiB"}, ValueError, "staging_buffer_size: must be > 0"),
         ({"setup_retries": -1}, ValueError, "setup_retries"),
         ({"close_timeout_s": 0}, ValueError, "close_timeout_s"),
+        ({"connect_timeout_s": 0}, ValueError, "connect_timeout_s"),
+        ({"connect_timeout_s": float("inf")}, ValueError, "connect_timeout_s"),
+        ({"connect_timeout_s": "30"}, TypeError, "connect_timeout_s"),
+        ({"connect_timeout_s": True}, TypeError, "connect_timeout_s"),
         ({"max_abandoned_calls": -1}, ValueError, "max_abandoned_calls"),
         ({"max_abandoned_calls": 10**6}, ValueError, "max_abandoned_calls"),
         ({"max_abandoned_calls": True}, TypeError, "max_abandoned_calls"),
@@ -156,6 +161,14 @@ def test_size_fields_are_parsed_and_errors_name_the_field() -> None:
 def test_invalid_fields_are_rejected_by_name(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         StoreConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_connect_timeout_defaults_to_a_bound_under_30_s_and_loads_from_a_file(tmp_path: Path) -> None:
+    assert StoreConfig().connect_timeout_s == DEFAULT_CONNECT_TIMEOUT_S and 0 < DEFAULT_CONNECT_TIMEOUT_S <= 25
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "127.0.0.1:50051", "connect_timeout_s": 3}))
+    loaded = StoreConfig.from_json(path)
+    assert loaded.connect_timeout_s == 3.0 and isinstance(loaded.connect_timeout_s, float)
 
 
 def test_int_fields_accept_their_bounds() -> None:

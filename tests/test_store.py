@@ -6,7 +6,9 @@ Tests without the ``mooncake`` mark use a stand-in client and run without the Mo
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,13 +23,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fake_mooncake import FakeClock, fake_store
+from fake_mooncake import FakeClock, fake_store, install_fake_module
 from kvaddr_testing import wait_until
 from mooncake_kvaddr.driver import store as store_module
 from mooncake_kvaddr.driver import store_calls, store_setup
-from mooncake_kvaddr.driver.config import DEFAULT_REQUEST_TIMEOUT_S, StoreConfig
+from mooncake_kvaddr.driver.config import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, StoreConfig
 from mooncake_kvaddr.driver.master import MOONCAKE_VARIANTS, EmbeddedMaster, free_ports, process_is_running
 from mooncake_kvaddr.driver.store import (
+    CODE_MASTER_UNREACHABLE,
     BatchResult,
     Health,
     MooncakeStore,
@@ -203,7 +206,7 @@ class RecordingClient:
 def fake_mooncake(monkeypatch: pytest.MonkeyPatch, fail: int) -> type[RecordingClient]:
     RecordingClient.calls, RecordingClient.kwargs, RecordingClient.fail, RecordingClient.closed = [], [], fail, 0
     module = SimpleNamespace(MooncakeDistributedStore=RecordingClient)
-    monkeypatch.setattr(store_module, "load_mooncake", lambda: module)
+    install_fake_module(monkeypatch, module)
     return RecordingClient
 
 
@@ -340,7 +343,7 @@ class ShortAnswerClient:
 def test_short_answer_from_mooncake_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     # Fewer codes than keys: which key each code belongs to is unknown, so nothing may count as present.
     fake = SimpleNamespace(MooncakeDistributedStore=ShortAnswerClient)
-    monkeypatch.setattr(store_module, "load_mooncake", lambda: fake)
+    install_fake_module(monkeypatch, fake)
     store = MooncakeStore(master_server_address="127.0.0.1:1").setup()
     try:
         with pytest.raises(StoreError, match="1 results for 2 keys"):
@@ -352,7 +355,7 @@ def test_short_answer_from_mooncake_is_an_error(monkeypatch: pytest.MonkeyPatch)
 def test_close_waits_for_calls_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     client = BlockingClient()
     fake = SimpleNamespace(MooncakeDistributedStore=lambda: client)
-    monkeypatch.setattr(store_module, "load_mooncake", lambda: fake)
+    install_fake_module(monkeypatch, fake)
     store = MooncakeStore(master_server_address="127.0.0.1:1", close_timeout_s=0.3).setup()
 
     results: list[BatchResult] = []
@@ -1015,16 +1018,106 @@ def test_embedded_master_only_when_asked_and_stopped_at_close() -> None:
 @mooncake
 def test_setup_without_master_fails_fast_and_clearly() -> None:
     (port,) = free_ports(1)
-    store = MooncakeStore(master_server_address=f"127.0.0.1:{port}", setup_retries=1, global_segment_size=0)
+    store = MooncakeStore(master_server_address=f"127.0.0.1:{port}", connect_timeout_s=1.5, global_segment_size=0)
     started = time.monotonic()
-    with pytest.raises(StoreSetupError, match=f"127.0.0.1:{port}") as info:
+    with pytest.raises(StoreSetupError, match=f"127.0.0.1:{port}.*Connection refused.*connect_timeout_s") as info:
         store.setup()
-    assert time.monotonic() - started < 20
+    assert 1.2 < time.monotonic() - started < 5  # the bound, not Mooncake's ~90 s of retries
     assert info.value.code is not None and info.value.code != 0
     assert store.state == "new"
     with pytest.raises(StoreClosedError):
         store.batch_is_exist(["k"])
     store.close()
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[str]:
+    """``127.0.0.1:port`` of a listener that accepts connections (the kernel's backlog) and never answers."""
+    server = socket.create_server(("127.0.0.1", 0), backlog=16)
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+def test_waiting_for_a_silent_master_ends_at_the_bound_and_says_so(silent_listener: str) -> None:
+    config = StoreConfig(master_server_address=silent_listener, connect_timeout_s=0.6)
+    started = time.monotonic()
+    with pytest.raises(StoreSetupError, match=f"{silent_listener} accepted a TCP connection but did not answer a "
+                       r"request within 0\.6 s.*connect_timeout_s") as info:
+        store_setup.wait_for_master(config, silent_listener)
+    assert 0.5 < time.monotonic() - started < 3
+    assert info.value.code == CODE_MASTER_UNREACHABLE
+
+
+def test_waiting_for_a_master_where_nothing_listens_retries_until_the_bound() -> None:
+    (port,) = free_ports(1)
+    config = StoreConfig(master_server_address=f"127.0.0.1:{port}", connect_timeout_s=0.8)
+    started = time.monotonic()
+    with pytest.raises(StoreSetupError, match=rf"cannot reach the Mooncake master at 127\.0\.0\.1:{port}: (\d+) "
+                       r"TCP connection attempt\(s\) in 0\.8 s, none accepted \(last: .*refused") as info:
+        store_setup.wait_for_master(config, f"127.0.0.1:{port}")
+    assert 0.6 < time.monotonic() - started < 3
+    assert int(re.search(r": (\d+) TCP", str(info.value)).group(1)) >= 2  # type: ignore[union-attr]
+
+
+def test_a_master_that_comes_up_within_the_bound_is_waited_for() -> None:
+    (port,) = free_ports(1)
+    config = StoreConfig(master_server_address=f"127.0.0.1:{port}", connect_timeout_s=10)
+    answered = threading.Event()
+
+    def late_master() -> None:
+        time.sleep(0.6)
+        with socket.create_server(("127.0.0.1", port)) as server:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(20)
+                conn.sendall(b"\x15")  # any answer
+                answered.set()
+
+    thread = threading.Thread(target=late_master)
+    thread.start()
+    try:
+        store_setup.wait_for_master(config, f"127.0.0.1:{port}")
+    finally:
+        thread.join()
+    assert answered.is_set()
+
+
+def test_an_etcd_address_needs_one_endpoint_to_accept(silent_listener: str) -> None:
+    (dead,) = free_ports(1)
+    address = f"etcd://127.0.0.1:{dead};{silent_listener}"
+    store_setup.wait_for_master(StoreConfig(master_server_address=address, connect_timeout_s=5), address)
+
+
+@mooncake
+def test_a_real_master_answers_the_wait_at_once(master: EmbeddedMaster, caplog: pytest.LogCaptureFixture) -> None:
+    config = StoreConfig(master_server_address=master.rpc_address)
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="mooncake_kvaddr.driver.store"):
+        store_setup.wait_for_master(config, master.rpc_address)
+    assert time.monotonic() - started < 1
+    said = [r for r in caplog.records if getattr(r, store_setup.PROGRESS, False)]
+    assert [r.getMessage() for r in said] == [
+        f"connecting to the Mooncake master at {master.rpc_address}: waiting up to {DEFAULT_CONNECT_TIMEOUT_S:g} s "
+        "for it to accept a connection and answer (connect_timeout_s)"
+    ]
+
+
+def test_our_own_setup_attempts_stop_at_the_connect_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = fake_mooncake(monkeypatch, fail=100)
+    real_setup = client.setup
+
+    def slow_setup(self: Any, *args: Any, **kwargs: Any) -> int:
+        time.sleep(0.3)
+        return real_setup(self, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(client, "setup", slow_setup)
+    started = time.monotonic()
+    with pytest.raises(StoreSetupError, match=r"after [1-4] attempt\(s\)"):
+        MooncakeStore(master_server_address="127.0.0.1:1", setup_retries=50, connect_timeout_s=1).setup()
+    assert time.monotonic() - started < 2.5
+    assert len(client.calls) < 50
 
 
 @pytest.fixture

@@ -1,26 +1,44 @@
 """Helpers shared by the command lines (``python -m mooncake_kvaddr demo|bench``), never by the library.
 
-A command line owns its process, so it may do what the library must not: here, keep Mooncake's native log
-lines (glog/ylt on file descriptor 2, including an ``E… Local segment descriptor not found`` line that every
-successful setup prints) out of the terminal unless the user asks for them with ``--verbose`` or
-``MOONCAKE_KVADDR_VERBOSE=1``. See ``docs/configuration.md``, "Logs".
+A command line owns its process, so it may do what the library must not: keep Mooncake's native log lines
+(file descriptor 2) out of the terminal unless ``--verbose`` or ``MOONCAKE_KVADDR_VERBOSE=1`` asks for them
+(``docs/configuration.md``, "Logs"), and end the process on Ctrl-C at once, wherever the main thread is: one
+line, exit status 130, no child process left (``docs/configuration.md``, "Ctrl-C").
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import signal
+import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
 from typing import IO, Final
 
 from mooncake_kvaddr.core.flags import flag
 
-__all__ = ["VERBOSE_ENV", "NativeLog", "native_log", "verbose_requested"]
+__all__ = [
+    "INTERRUPTED_EXIT",
+    "INTERRUPTED_LINE",
+    "VERBOSE_ENV",
+    "NativeLog",
+    "exit_on_interrupt",
+    "native_log",
+    "verbose_requested",
+]
 
 #: Environment variable that turns on Mooncake's log lines in the command lines (``1``, ``true``, ``yes``).
 VERBOSE_ENV: Final = "MOONCAKE_KVADDR_VERBOSE"
+#: Exit status of a command line ended by Ctrl-C (128 + SIGINT, what a shell reports for it).
+INTERRUPTED_EXIT: Final = 128 + int(signal.SIGINT)
+#: The one line it prints on standard error.
+INTERRUPTED_LINE: Final = "interrupted"
 
 
 def verbose_requested(given: bool) -> bool:
@@ -83,3 +101,110 @@ def _is_fd2(stream: object) -> bool:
         return stream.fileno() == 2  # type: ignore[attr-defined, no-any-return]
     except (AttributeError, ValueError, OSError):
         return False
+
+
+@contextlib.contextmanager
+def exit_on_interrupt() -> Iterator[None]:
+    """For the block, SIGINT ends the process within moments: every child process is killed (an embedded
+    master, a ``mooncake_client``, a bench worker), :data:`INTERRUPTED_LINE` goes to the terminal's standard
+    error and the process exits with :data:`INTERRUPTED_EXIT`, skipping every clean-up that could wait.
+
+    The main thread takes the signal between two bytecodes; while it sits in a call that released the GIL (a
+    Mooncake transfer, a join), a watcher thread woken through :func:`signal.set_wakeup_fd` takes it instead.
+    A call that holds the GIL delays both until it returns (``docs/configuration.md``, "Ctrl-C"). Outside the
+    main thread, or nested, the block runs unchanged.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is _ending:
+        yield
+        return
+    terminal = os.dup(2)  # before any redirection of file descriptor 2 (native_log)
+    wake_read, wake_write = socket.socketpair()
+    wake_write.setblocking(False)
+    previous_handler = signal.signal(signal.SIGINT, _ending)
+    previous_fd = signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
+    _ENDING.terminal = terminal
+
+    def watch() -> None:
+        while True:
+            try:
+                data = wake_read.recv(64)
+            except OSError:
+                return
+            if not data:
+                return  # the block is over: its end closed the other side
+            if int(signal.SIGINT) in data:
+                _end()
+
+    watcher = threading.Thread(target=watch, name="mooncake-kvaddr-interrupt", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGINT, previous_handler)
+        wake_write.close()
+        watcher.join()
+        wake_read.close()
+        _ENDING.terminal = None
+        os.close(terminal)
+
+
+class _Ending:
+    """Where the interrupt line goes, and which thread took the signal first (it alone ends the process)."""
+
+    def __init__(self) -> None:
+        self.terminal: int | None = None
+        self.owner: int | None = None
+        self.guard = threading.RLock()  # re-entrant: a signal handler may run inside the guarded block
+
+
+_ENDING: Final = _Ending()
+# How long the interpreter's exit handlers (``weakref.finalize`` clean-ups: a network namespace of the bench)
+# may run before the process ends regardless.
+_EXIT_HANDLERS_S: Final = 2.0
+
+
+def _ending(signum: int, frame: FrameType | None) -> None:
+    _end()
+
+
+def _end() -> None:
+    with _ENDING.guard:
+        owner = _ENDING.owner
+        if owner is None:
+            _ENDING.owner = threading.get_ident()
+    if owner is not None:
+        if owner != threading.get_ident():
+            threading.Event().wait()  # the other taker ends the process; this thread must not run on meanwhile
+        return  # a second Ctrl-C inside the first one's clean-up
+    _kill_children()
+    terminal = _ENDING.terminal
+    with contextlib.suppress(OSError, TypeError):
+        os.write(terminal if terminal is not None else 2, f"{INTERRUPTED_LINE}\n".encode())
+    # Clean-ups registered for interpreter exit, bounded and silent (the line above is the only one).
+    sys.stderr = open(os.devnull, "w")
+    runner = threading.Thread(target=atexit._run_exitfuncs, name="mooncake-kvaddr-exit", daemon=True)
+    runner.start()
+    runner.join(_EXIT_HANDLERS_S)
+    os._exit(INTERRUPTED_EXIT)
+
+
+def _kill_children() -> None:
+    """SIGKILL every direct child of this process (found through ``/proc``; nothing without it)."""
+    me = os.getpid()
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name (which may hold spaces): state, ppid, ...
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1 and fields[1] == str(me):
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)

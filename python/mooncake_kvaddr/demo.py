@@ -1,18 +1,21 @@
 """End-to-end demo: store one request's KV cache in Mooncake, look it up, load it elsewhere, verify.
 
 ``python -m mooncake_kvaddr demo [--tokens N] [--regions R] [--block-size B] [--mode M] [--json PATH] [--verbose]``;
-what it runs and what its timings separate: docs/python-api.md, "The demo".
+what it runs, what it prints and which timings are re-measurements: docs/python-api.md, "The demo". It says what
+it waits for as it goes, and allocates only what the transfer paths it runs need.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import logging
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +26,30 @@ from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import chunk_hashes_for_block_size
 from mooncake_kvaddr.core.metadata import KeyMetadata
 from mooncake_kvaddr.driver.config import TRANSFER_MODES, StoreConfig
+from mooncake_kvaddr.driver.rules import choose_auto_mode, copies_in_memory
 from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore, StoreError
+from mooncake_kvaddr.driver.store_setup import PROGRESS
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "run"]
 
 _RESULT_TIMEOUT_S = 300.0
+_MODE_HELP = (
+    "transfer mode (docs/transfer-modes.md): staged (one contiguous staging slot per key, native gather/scatter), "
+    "multi_buffer (every region handed to Mooncake), auto (default: direct for one region per key; otherwise, "
+    "when Mooncake copies in memory - the demo's own embedded master - multi_buffer, except loads of keys with "
+    "at most 8 regions under 4 KiB, which are staged; over the network - a master named by --config - staged "
+    "for regions under 32 KiB or objects up to 512 KiB, else multi_buffer)"
+)
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's arguments (one function, so that a new option or mode is one more ``add_argument``)."""
     parser = argparse.ArgumentParser(
         prog="python -m mooncake_kvaddr demo",
         description="Store one request's KV cache in Mooncake, look it up, load it into a second cache, "
-        "verify every byte, and print where the time went.",
+        "verify every byte, and print where the time went. Ctrl-C ends it at any moment (exit status 130).",
     )
     parser.add_argument("--tokens", type=int, default=65_536, help="tokens in the request (default 65536)")
     parser.add_argument("--regions", type=int, default=64, help="KV-cache regions, K and V per layer (64)")
@@ -56,8 +69,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--mode",
         choices=TRANSFER_MODES,
         default="auto",
-        help="transfer mode: staged (one contiguous staging slot per key, native gather/scatter), multi_buffer "
-        "(every region handed to Mooncake), auto (staged for more than one region per key; default)",
+        help=_MODE_HELP,
     )
     parser.add_argument("--config", type=Path, default=None, help="StoreConfig JSON (else env / embedded)")
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
@@ -67,6 +79,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="show Mooncake's own log lines (also: MOONCAKE_KVADDR_VERBOSE=1); hidden by default",
     )
+    return parser
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("tokens", "regions", "block_size", "block_bytes", "recv_threads"):
         if getattr(args, name) <= 0:
@@ -110,6 +127,48 @@ def _config(args: argparse.Namespace, data_bytes: int) -> StoreConfig:
     return config
 
 
+def planned_modes(args: argparse.Namespace, config: StoreConfig) -> tuple[str, str]:
+    """(store mode, load mode) the demo's transfers will resolve to: the rule ``KVTransfer.register_kv_caches``
+    applies (docs/transfer-modes.md, "How auto chooses"), known before anything is allocated for it."""
+    if args.mode == "multi_buffer":
+        return "multi_buffer", "multi_buffer"
+    if args.regions == 1:
+        return "direct", "direct"
+    if args.mode == "staged":
+        return "staged", "staged"
+    local = copies_in_memory(config)
+    return (
+        choose_auto_mode(args.regions, args.block_bytes, local_copy=local, direction="store"),
+        choose_auto_mode(args.regions, args.block_bytes, local_copy=local, direction="load"),
+    )
+
+
+def _say(line: str) -> None:
+    """One progress line, out at once (it says what the demo now waits for)."""
+    print(line, flush=True)
+
+
+class _ProgressLines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, PROGRESS, False):
+            _say(f"{record.getMessage()} ...")
+
+
+@contextlib.contextmanager
+def _setup_progress() -> Iterator[None]:
+    """Print the store's set-up progress records (where it connects, what it waits for) for the block."""
+    source = logging.getLogger("mooncake_kvaddr.driver.store")
+    handler = _ProgressLines(logging.INFO)
+    level = source.level
+    source.addHandler(handler)
+    source.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        source.removeHandler(handler)
+        source.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo; returns the JSON report (``verified`` tells whether every byte matched)."""
     block_size = args.block_size
@@ -118,29 +177,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     chunks = token_len // block_size
     num_blocks = chunks + 1  # block 0 is vLLM's null block and is never used for data
     data_bytes = chunks * args.regions * args.block_bytes
-    timings: dict[str, float] = {}
-
-    rng = np.random.default_rng(args.seed)
-    started = time.perf_counter()
-    cache_a = _kv_cache(args.regions, num_blocks, args.block_bytes, rng)
-    cache_b = _kv_cache(args.regions, num_blocks, args.block_bytes, None)
-    ids_a = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
-    ids_b = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
-    hashes = _chained_hashes(token_len // hbs, args.seed)
-    timings["build_cache"] = time.perf_counter() - started
+    timings: dict[str, float] = {}  # the run's steps, in order
+    remeasured: dict[str, float] = {}  # parts of a step timed again on their own afterwards
 
     config = _config(args, data_bytes)
     metadata = KeyMetadata("demo-model", 0, 0, 0, 0)
     started = time.perf_counter()
-    store = MooncakeStore(config).setup()
+    with _setup_progress():
+        store = MooncakeStore(config).setup()
     timings["setup"] = time.perf_counter() - started
+    _say(f"store set up in {timings['setup']:.2f} s")
     pool = None
-    if args.mode != "multi_buffer" and args.regions > 1:
-        # One pool for both sides (as a worker's send and receive threads share one), pre-faulted here.
-        started = time.perf_counter()
-        pool = StagingPool(min(config.staging_buffer_size, data_bytes + chunks * SLOT_ALIGNMENT))
-        timings["staging_pool"] = time.perf_counter() - started
     try:
+        if "staged" in planned_modes(args, config):
+            # One pool for both sides (as a worker's send and receive threads share one), pre-faulted here.
+            started = time.perf_counter()
+            pool = StagingPool(min(config.staging_buffer_size, data_bytes + chunks * SLOT_ALIGNMENT))
+            timings["staging_pool"] = time.perf_counter() - started
+        # The caches are built once the store is up: a master that cannot be reached is reported first.
+        rng = np.random.default_rng(args.seed)
+        started = time.perf_counter()
+        cache_a = _kv_cache(args.regions, num_blocks, args.block_bytes, rng)
+        cache_b = _kv_cache(args.regions, num_blocks, args.block_bytes, None)
+        ids_a = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
+        ids_b = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
+        hashes = _chained_hashes(token_len // hbs, args.seed)
+        timings["build_cache"] = time.perf_counter() - started
         writer = KVTransfer(
             store, [ChunkedTokenDatabase(metadata, block_size, hbs)], transfer_mode=args.mode, staging_pool=pool
         )
@@ -156,6 +218,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             writer.register_kv_caches(cache_a, num_blocks)
             reader.register_kv_caches(cache_b, num_blocks)
+            _say(
+                f"storing {chunks} chunks x {args.regions} regions ({data_bytes / (1 << 20):.1f} MiB, store "
+                f"{writer.store_mode}), looking them up, loading them into a second cache ({reader.mode}), verifying"
+            )
 
             stored = writer.submit_store(TransferRequest("demo", token_len, hashes, [ids_a])).result(_RESULT_TIMEOUT_S)
             for phase, seconds in stored.timings.items():
@@ -171,21 +237,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for phase, seconds in loaded.timings.items():
                 timings[f"load_{phase}"] = seconds
 
-            # The load's fused plan split into its two halves, each timed on its own: keys, address rows.
-            started = time.perf_counter()
-            reader_db.keys_for(list(chunk_hashes_for_block_size(hashes, hbs, block_size))[:chunks])
-            timings["keys_only"] = time.perf_counter() - started
-            started = time.perf_counter()
-            addrs, sizes, _ = reader_db.prepare_values(
-                [(c * block_size, (c + 1) * block_size) for c in range(chunks)], ids_b
-            )
-            timings["address_rows_only"] = time.perf_counter() - started
-            if loaded.mode == "multi_buffer":
-                # Mooncake's own share of the get: converting the argument lists (GIL held), measured apart.
-                conversion = statistics.median(store.time_argument_conversion(addrs, sizes) for _ in range(3))
-                timings["mooncake_argument_conversion"] = conversion
-                timings["load_get_transfer_only"] = max(0.0, loaded.timings.get("get", 0.0) - conversion)
-
             started = time.perf_counter()
             verified = (
                 stored.ok
@@ -195,10 +246,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 and all(np.array_equal(a[ids_a], b[ids_b]) for a, b in zip(cache_a, cache_b, strict=True))
             )
             timings["verify"] = time.perf_counter() - started
+
+            # Re-measurements, after the run: the load's fused plan split into its two halves (keys, address
+            # rows), and in multi-buffer mode Mooncake's own share of the get (converting the argument lists,
+            # GIL held), each timed again on its own.
+            started = time.perf_counter()
+            reader_db.keys_for(list(chunk_hashes_for_block_size(hashes, hbs, block_size))[:chunks])
+            remeasured["load_plan_keys"] = time.perf_counter() - started
+            started = time.perf_counter()
+            addrs, sizes, _ = reader_db.prepare_values(
+                [(c * block_size, (c + 1) * block_size) for c in range(chunks)], ids_b
+            )
+            remeasured["load_plan_address_rows"] = time.perf_counter() - started
+            if loaded.mode == "multi_buffer":
+                conversion = statistics.median(store.time_argument_conversion(addrs, sizes) for _ in range(3))
+                remeasured["load_get_mooncake_argument_conversion"] = conversion
         finally:
             writer.close()
             reader.close()
     finally:
+        _say("closing the store (Mooncake's client takes about 2 s to stop)")
         started = time.perf_counter()
         store.close()
         timings["close"] = time.perf_counter() - started
@@ -206,11 +273,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def ms(seconds: float) -> float:
         return round(seconds * 1e3, 3)
 
+    # The native copy between the KV cache and staging, apart from Mooncake's transfer: only where a path staged.
+    copy = {name: ms(result.timings[name]) for name, result in (("gather", stored), ("scatter", loaded))
+            if name in result.timings}
     return {
         "verified": bool(verified),
         "mode": {"requested": args.mode, "store": stored.mode, "load": loaded.mode},
-        # The native copy between the KV cache and staging, apart from Mooncake's transfer (staged mode).
-        "copy_ms": {"gather": ms(stored.timings.get("gather", 0.0)), "scatter": ms(loaded.timings.get("scatter", 0.0))},
+        "copy_ms": copy,
         "transfer_ms": {"put": ms(stored.timings.get("put", 0.0)), "get": ms(loaded.timings.get("get", 0.0))},
         "staging_pool_bytes": pool.capacity if pool is not None else 0,
         "chunks": chunks,
@@ -226,6 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "master": "embedded" if config.embedded_master else config.master_server_address,
         "region_budget": config.region_budget,
         "timings_ms": {name: ms(seconds) for name, seconds in timings.items()},
+        "remeasured_ms": {name: ms(seconds) for name, seconds in remeasured.items()},
     }
 
 
@@ -240,18 +310,25 @@ def _print_report(report: dict[str, Any]) -> None:
     pool_mib = report["staging_pool_bytes"] / (1 << 20)
     staging = f", staging pool {pool_mib:.1f} MiB" if pool_mib else ""
     print(f"transfer mode: {mode['requested']} -> store {mode['store']}, load {mode['load']}{staging}")
-    timings = report["timings_ms"]
-    width = max(len(name) for name in timings)
-    for name, ms in timings.items():
-        rate = ""
-        if name in ("store_put", "load_get", "load_get_transfer_only", "store_gather", "load_scatter") and ms > 0:
-            rate = f"  ({mib / (ms / 1e3):.0f} MiB/s)"
+    rated = ("store_put", "load_get", "store_gather", "load_scatter")
+    timings, remeasured = report["timings_ms"], report["remeasured_ms"]
+    width = max(len(name) for name in (*timings, *remeasured))
+
+    def show(name: str, ms: float) -> None:
+        rate = f"  ({mib / (ms / 1e3):.0f} MiB/s)" if name in rated and ms > 0 else ""
         print(f"  {name:<{width}} {ms:10.2f} ms{rate}")
+
+    print("steps, in order:")
+    for name, ms in timings.items():
+        show(name, ms)
+    if remeasured:
+        print("re-measured after the run (parts of the steps above, each timed again on its own):")
+        for name, ms in remeasured.items():
+            show(name, ms)
     copy, transfer = report["copy_ms"], report["transfer_ms"]
-    print(
-        f"copy (native gather + scatter): {copy['gather'] + copy['scatter']:.2f} ms; "
-        f"Mooncake transfer (put + get): {transfer['put'] + transfer['get']:.2f} ms"
-    )
+    if copy:
+        print(f"copy (native {' + '.join(copy)}): {sum(copy.values()):.2f} ms")
+    print(f"Mooncake transfer (put + get): {transfer['put'] + transfer['get']:.2f} ms")
     print(f"lookup hit: {report['lookup_hit_tokens']} tokens; loaded {report['loaded_bytes']} bytes")
     print("verified: every byte identical" if report["verified"] else "NOT VERIFIED")
 

@@ -21,17 +21,21 @@ from mooncake_kvaddr.bench import (
 from mooncake_kvaddr.bench.harness import NO_MOONCAKE, Report, have_mooncake, skipped
 from mooncake_kvaddr.bench.workload import HEADLINE, Shape
 
-DESCRIPTION = """Side-by-side benchmark of mooncake_kvaddr against the code paths it replaces.
+DESCRIPTION = """Side-by-side benchmark of mooncake_kvaddr against the code paths it replaces: numpy address rows
+as vLLM 0.33 computes them, Python key strings, Mooncake's bound methods, vLLM 0.33's one-call multi-buffer
+transfers; with --vllm, vLLM 0.33.0's own layouts and send/receive threads with and without the plugin.
 
 Every table names its baseline. Variants of a section run interleaved in one process, so machine noise hits
-them alike: quote medians and ratios, not single absolute times (docs/benchmarks.md)."""
+them alike: quote medians and ratios, not single absolute times (docs/benchmarks.md). Ctrl-C ends the run
+with one line and exit status 130."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print (and optionally save) the results."""
     parser = argparse.ArgumentParser(prog="python -m mooncake_kvaddr.bench", description=DESCRIPTION)
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions: a smoke run (~1 min)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed repetitions per variant (default 30; 5 with --quick)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of speed-up vs request length (matplotlib)")
     parser.add_argument("--no-mooncake", action="store_true", help="skip the sections that need a Mooncake store")

@@ -29,6 +29,7 @@ from mooncake_kvaddr.driver.values import (
 
 __all__ = [
     "DEFAULT_CONFIG_ENV",
+    "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "MIN_GLOBAL_SEGMENT_SIZE",
     "MODES",
@@ -76,7 +77,7 @@ _DEFAULT_REGION_BUDGET: Final = {"tcp": 1000, "rdma": 1 << 20}
 
 #: How KVTransfer moves a key with several regions: ``"multi_buffer"`` hands Mooncake every region (its
 #: ``batch_*_multi_buffers`` calls), ``"staged"`` copies the regions natively through one contiguous staging
-#: slot per key, ``"auto"`` stages host-memory layouts with more than one region per key.
+#: slot per key, ``"auto"`` picks one of them per direction by region size and transport (``rules.choose_auto_mode``).
 TRANSFER_MODES: Final = ("auto", "staged", "multi_buffer")
 
 #: Default of :attr:`StoreConfig.request_timeout_s`. Generous: the longest healthy request over TCP (the
@@ -84,6 +85,10 @@ TRANSFER_MODES: Final = ("auto", "staged", "multi_buffer")
 #: so a loaded host does not hit it; a hung peer is cut short by the transfer-timeout rule first
 #: (docs/transfer-modes.md, "Deadlines").
 DEFAULT_REQUEST_TIMEOUT_S: Final = 120.0
+
+#: Default of :attr:`StoreConfig.connect_timeout_s`: a master on another host has time to start; one that
+#: cannot be reached is reported well before Mooncake's own retries would give up (~90 s, docs/configuration.md).
+DEFAULT_CONNECT_TIMEOUT_S: Final = 20.0
 
 #: Default of :attr:`StoreConfig.max_abandoned_calls`: a few hung staged calls, each holding one thread and
 #: its staging slots, before staged requests fail fast instead of piling up more.
@@ -141,6 +146,12 @@ class StoreConfig:
     environment variable is touched). ``None``: 3 with the embedded master, else one Mooncake setup call
     with Mooncake's own retry policy. How long a failed attempt takes: ``docs/configuration.md``, "Setup
     attempts, and how long a failure takes"."""
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    """How long setup waits for a master named by ``master_server_address`` to accept a TCP connection and
+    answer a request before it raises ``StoreSetupError`` naming the address: a master that is not up yet gets
+    this long, one where nothing listens or that never answers is reported after it. Mooncake's own setup call
+    runs only once the master answered. See ``docs/configuration.md``, "Setup attempts, and how long a failure
+    takes"."""
     close_timeout_s: float = 120.0
     """How long ``close()`` waits for calls in flight (a TCP transfer may take 60 s to time out)."""
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
@@ -233,6 +244,7 @@ class StoreConfig:
             check_int("max_regions_per_batch", self.max_regions_per_batch, low=1)
         if self.setup_retries is not None:
             check_int("setup_retries", self.setup_retries, low=1, high=_MAX_SETUP_RETRIES)
+        put("connect_timeout_s", check_timeout("connect_timeout_s", self.connect_timeout_s))
         put("close_timeout_s", check_timeout("close_timeout_s", self.close_timeout_s))
         if self.request_timeout_s is not None:
             put("request_timeout_s", check_timeout("request_timeout_s", self.request_timeout_s))

@@ -53,9 +53,9 @@ from mooncake_kvaddr.driver.store_setup import _CLIENT_PORT_RANGE as _CLIENT_POR
 from mooncake_kvaddr.driver.store_setup import _CLIENT_PORT_RANGE_ENV as _CLIENT_PORT_RANGE_ENV
 from mooncake_kvaddr.driver.store_setup import _EMBEDDED_SETUP_RETRIES as _EMBEDDED_SETUP_RETRIES
 from mooncake_kvaddr.driver.store_setup import _PAUSE_BETWEEN_ATTEMPTS_S as _PAUSE_BETWEEN_ATTEMPTS_S
+from mooncake_kvaddr.driver.store_setup import PROGRESS, connect, open_native
 from mooncake_kvaddr.driver.store_setup import _client_ports as _client_ports
 from mooncake_kvaddr.driver.store_setup import _has_port as _has_port
-from mooncake_kvaddr.driver.store_setup import connect, open_native
 
 __all__ = [
     "CODE_HAS_LEASE",
@@ -177,8 +177,9 @@ class MooncakeStore(StoreCalls):
     def setup(self) -> MooncakeStore:
         """Start the embedded master if configured, connect the client, and return ``self``.
 
-        No-op when already ready. Raises :class:`StoreSetupError` (after bounded retries) if the client
-        cannot connect, :class:`StoreClosedError` after :meth:`close`, ``ImportError`` without Mooncake.
+        No-op when already ready. Raises :class:`StoreSetupError` if an external master does not answer
+        within ``config.connect_timeout_s`` or the client cannot connect after bounded retries,
+        :class:`StoreClosedError` after :meth:`close`, ``ImportError`` without Mooncake.
         """
         config = self._config
         with self._lifecycle:
@@ -191,6 +192,8 @@ class MooncakeStore(StoreCalls):
             master: EmbeddedMaster | None = None
             try:
                 if config.embedded_master:
+                    logger.info("starting an embedded Mooncake master on 127.0.0.1: waiting up to %g s for it to be "
+                                "ready (master_start_timeout_s)", config.master_start_timeout_s, extra={PROGRESS: True})
                     master = EmbeddedMaster(
                         extra_args=config.master_args, start_timeout_s=config.master_start_timeout_s
                     ).start()

@@ -1,7 +1,8 @@
 """How :meth:`MooncakeStore.setup <mooncake_kvaddr.driver.store.MooncakeStore.setup>` connects its client.
 
-The attempts, their client ports (from Mooncake's own range) and the native client probe, apart from the
-store's state machine: ``driver.store`` keeps admission, set-up and close, and calls these.
+The wait for an external master (from Python, bounded and interruptible: Mooncake's setup holds the GIL for each
+of its attempts, up to 30 s against a silent listener), the attempts, their client ports (from Mooncake's own
+range) and the native client probe; ``driver.store`` keeps admission, set-up and close, and calls these.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.errors import StoreSetupError
 from mooncake_kvaddr.driver.master import EmbeddedMaster
 from mooncake_kvaddr.driver.native_client import NativeClient
+from mooncake_kvaddr.driver.outcomes import CODE_MASTER_UNREACHABLE
+from mooncake_kvaddr.driver.values import parse_address
 
 # The store's logger: set-up records keep the name they had when this code lived in driver.store.
 logger = logging.getLogger("mooncake_kvaddr.driver.store")
@@ -31,6 +34,14 @@ _EMBEDDED_SETUP_RETRIES: Final = 3
 _CLIENT_PORT_RANGE_ENV: Final = ("MC_STORE_CLIENT_MIN_PORT", "MC_STORE_CLIENT_MAX_PORT")
 _CLIENT_PORT_RANGE: Final = (12300, 14300)
 _PAUSE_BETWEEN_ATTEMPTS_S: Final = 0.1
+#: Attribute set on the log records that say what set-up is waiting for (a command line may show them).
+PROGRESS: Final = "mooncake_kvaddr_progress"
+# One coro_rpc request (Mooncake's RPC framing: magic 0x15, then a zeroed 19-byte header) for function id 0,
+# which no master registers: a master answers at once ("the rpc function not registered"); a listener that is
+# not one, or is hung, says nothing.
+_PROBE_REQUEST: Final = bytes([0x15]) + bytes(19)
+_PAUSE_AFTER_REFUSAL_S: Final = 0.25
+_CONNECT_SLICE_S: Final = 2.0
 
 
 def open_native(config: StoreConfig, client: Any) -> NativeClient | None:
@@ -47,8 +58,82 @@ def open_native(config: StoreConfig, client: Any) -> NativeClient | None:
     return native
 
 
+def wait_for_master(config: StoreConfig, address: str) -> None:
+    """Return once the master at ``address`` accepted a TCP connection and answered a request (for
+    ``etcd://`` addresses: once one etcd endpoint accepted a connection); :class:`StoreSetupError` naming the
+    address, what was tried and ``connect_timeout_s`` after ``config.connect_timeout_s`` seconds.
+
+    Refused connections are retried (a master may be starting). Every wait is a socket call with a timeout, so
+    Ctrl-C interrupts it at once.
+    """
+    timeout = config.connect_timeout_s
+    etcd = "://" in address
+    endpoints = [(host.strip("[]"), port) for host, port in parse_address(address)]
+    what = "one of its etcd endpoints to accept a connection" if etcd else "it to accept a connection and answer"
+    logger.info(
+        "connecting to the Mooncake master at %s: waiting up to %g s for %s (connect_timeout_s)",
+        address, timeout, what, extra={PROGRESS: True},
+    )
+    started = time.monotonic()
+    deadline = started + timeout
+    attempts, last_error = 0, "none made"
+    while True:
+        for host, port in endpoints:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            attempts += 1
+            try:
+                sock = socket.create_connection((host, port), timeout=min(remaining, _CONNECT_SLICE_S))
+            except OSError as exc:
+                last_error = f"{host}:{port}: {exc.strerror or exc}"
+                continue
+            with sock:
+                if etcd or _answers(sock, deadline):
+                    logger.debug("master %s answered after %.3f s", address, time.monotonic() - started)
+                    return
+            raise StoreSetupError(
+                f"the Mooncake master at {address} accepted a TCP connection but did not answer a request within "
+                f"{timeout:g} s: is a mooncake_master (and not something else) listening there, and is it hung? "
+                f"To wait longer, raise connect_timeout_s (StoreConfig field and config-file key; "
+                f"docs/configuration.md)",
+                code=CODE_MASTER_UNREACHABLE,
+            )
+        if time.monotonic() + _PAUSE_AFTER_REFUSAL_S >= deadline:
+            break
+        time.sleep(_PAUSE_AFTER_REFUSAL_S)
+    raise StoreSetupError(
+        f"cannot reach the Mooncake master at {address}: {attempts} TCP connection attempt(s) in {timeout:g} s, "
+        f"none accepted (last: {last_error}). Is mooncake_master running there, and is the address right? To "
+        f"wait longer, raise connect_timeout_s (StoreConfig field and config-file key; docs/configuration.md)",
+        code=CODE_MASTER_UNREACHABLE,
+    )
+
+
+def _answers(sock: socket.socket, deadline: float) -> bool:
+    """Whether the peer answers :data:`_PROBE_REQUEST` (any reply, or closing the connection) before ``deadline``."""
+    try:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        sock.sendall(_PROBE_REQUEST)
+        sock.recv(1)
+    except TimeoutError:
+        return False
+    except OSError:
+        pass  # reset by the peer: it reacted, so something alive is there; Mooncake's setup says what
+    return True
+
+
 def connect(config: StoreConfig, module: ModuleType, address: str, master: EmbeddedMaster | None) -> Any:
-    """A client set up against the master at ``address``; :class:`StoreSetupError` once no attempt is left."""
+    """A client set up against the master at ``address``; :class:`StoreSetupError` once no attempt is left.
+
+    An external master (``master`` is ``None``) is first waited for (:func:`wait_for_master`), and no attempt
+    of ours starts after ``config.connect_timeout_s``.
+    """
+    started = time.monotonic()
+    if master is None:
+        wait_for_master(config, address)
+    logger.info("setting up the Mooncake client at %s as %s over %s", address, config.local_hostname,
+                config.protocol, extra={PROGRESS: True})
     retries = config.setup_retries
     if retries is None and master is not None:
         retries = _EMBEDDED_SETUP_RETRIES
@@ -63,9 +148,11 @@ def connect(config: StoreConfig, module: ModuleType, address: str, master: Embed
         hosts = [f"{config.local_hostname}:{port}" for port in _client_ports(retries)]
     rc, tried = -1, 0
     for attempt, host in enumerate(hosts):
-        tried = attempt + 1
         if attempt:
+            if time.monotonic() - started + _PAUSE_BETWEEN_ATTEMPTS_S >= config.connect_timeout_s:
+                break
             time.sleep(_PAUSE_BETWEEN_ATTEMPTS_S)
+        tried = attempt + 1
         client = module.MooncakeDistributedStore()
         rc = _setup_once(config, client, host, address)
         if rc == 0:
