@@ -191,17 +191,14 @@ public:
     }
 
     // The receive thread's per-group work in one call (docs/vllm.md, "Fused plan"): walk
-    // [mask_num, token_len) with the 0.32+ start rule, keep chunks the absolute `load_mask` keeps, key the
+    // [mask_num, token_len) with the 0.32+ start rule (by store chunks when the engine has them), keep chunks
+    // the absolute `load_mask` keeps (per chunk, which is a block; per block with store chunks), key the
     // chunk ending at token_len by the tail-key boundary's hash when `tail_tokens` is given, expand each kept
     // chunk to one key per local shard (keyed under `shard_prefixes[k]`), then its descriptors.
     // Returns (keys, addr rows, size rows, block ids), index-aligned; int64 arrays for the rows when `arrays`.
     py::tuple plan_load(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
                         py::handle mask_num_arg, py::handle load_mask, py::handle tail_tokens, py::handle block_ids,
                         py::handle arrays_arg) {
-        if (chunks_per_block_ != 0) {
-            raise(PyExc_RuntimeError, "plan_load does not support store chunks (store_chunk_size) yet: use "
-                                      "prepare_values or prepare_values_array");
-        }
         const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
         const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
         const bool arrays = as_flag(arrays_arg);
@@ -221,12 +218,17 @@ public:
         // When first * block_size does not fit, the walk is empty in vLLM (the first chunk lies past every
         // chunk of token_len): the largest block multiple in int64 gives the same empty walk (walk() needs
         // token_len + block_size to fit, so its last chunk starts below it) after the same asserts.
+        // With store chunks (vLLM 0.34) the walk steps by the store chunk and the mask is read per physical
+        // block (start // block_size), after the walk; without, a chunk is a block and the walk applies it.
+        const int64_t step = chunks_per_block_ != 0 ? store_chunk_size_ : block_size_;
         int64_t aligned_mask = 0;
-        if (!mul_checked(layout::first_chunk_ceil(mask_num, block_size_), block_size_, &aligned_mask)) {
-            aligned_mask = INT64_MAX / block_size_ * block_size_;
+        if (!mul_checked(layout::first_chunk_ceil(mask_num, step), step, &aligned_mask)) {
+            aligned_mask = INT64_MAX / step * step;
         }
-        WalkParams params{token_len, block_size_, hash_block_size_, aligned_mask, 1, 0};
-        const std::vector<WalkedChunk> walked = walk(params, source.size(), load_mask, true);
+        WalkParams params{token_len, step, hash_block_size_, aligned_mask, 1, 0};
+        std::vector<WalkedChunk> walked =
+            walk(params, source.size(), chunks_per_block_ != 0 ? py::none() : load_mask, true);
+        if (chunks_per_block_ != 0 && !load_mask.is_none()) keep_masked_blocks(load_mask, &walked);
 
         Parsed parsed;
         std::vector<int64_t> hash_indices;
@@ -254,19 +256,42 @@ public:
             return py::make_tuple(py::list(), r[0], r[1], r[2]);
         }
         parsed.snapshot = engine_.snapshot();  // vLLM's prepare_values reads the regions after the walk
-        validate(parsed);
-        resolve(parsed, block_ids);
+        if (chunks_per_block_ != 0) {
+            validate_store_chunks(parsed, block_ids);
+        } else {
+            validate(parsed);
+            resolve(parsed, block_ids);
+        }
         // Keys last among the inputs: the hashes are read after every other argument was converted.
         py::list keys(static_cast<Py_ssize_t>(hash_indices.size()));
         for (std::size_t i = 0; i < hash_indices.size(); ++i) {
             std::size_t length = 0;
             const uint8_t* bytes = source.at(static_cast<Py_ssize_t>(hash_indices[i]), &length);
+            // A plan's shard is its template: (store chunk within the block) * n_shards + local shard.
             PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i),
-                            writers[static_cast<std::size_t>(parsed.plans[i].shard)].make(bytes, length));
+                            writers[parsed.plans[i].shard % n_shards_].make(bytes, length));
         }
         py::tuple rows = arrays ? engine_.rows_as_arrays(parsed.snapshot, parsed.plans)
                                 : engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
         return py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]);
+    }
+
+    // vLLM 0.34's receive rule: a walked chunk is kept when mask[start // block_size] is true (an index past
+    // the mask drops it); the mask is read in walk order, as vLLM reads it.
+    void keep_masked_blocks(py::handle mask, std::vector<WalkedChunk>* walked) const {
+        refuse_non_sequence(mask, "load mask");
+        FastSequence flags(mask.ptr(), "load mask");
+        std::vector<WalkedChunk> kept;
+        kept.reserve(walked->size());
+        for (const WalkedChunk& c : *walked) {
+            const int64_t block = floor_div(c.start, block_size_);
+            if (block < 0 || block >= static_cast<int64_t>(flags.size())) continue;
+            py::object flag = flags.at(static_cast<Py_ssize_t>(block));
+            const int truth = PyObject_IsTrue(flag.ptr());
+            if (truth < 0) throw py::error_already_set();
+            if (truth == 1) kept.push_back(c);
+        }
+        walked->swap(kept);
     }
 
     int64_t segment_count() {
@@ -342,6 +367,12 @@ private:
         // vLLM reads its first shard id next: a rank that owns none (store TP < local TP) fails as it does.
         if (n_shards_ == 0) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
         read_chunks(chunks, n_chunks, std::move(shards), &p);
+        validate_store_chunks(p, block_ids);
+        return p;
+    }
+
+    // parse_store_chunks' rules on chunks already read (p.starts, p.ends, p.shards): plans with block ids.
+    void validate_store_chunks(Parsed& p, py::handle block_ids) const {
         const std::size_t n = p.starts.size();
         p.plans.assign(n, KeyPlan{0, 1, 0});
         p.id_objects.resize(n);
@@ -391,7 +422,6 @@ private:
                 block_id(k);
             }
         }
-        return p;
     }
 
     // One (bases, strides, sizes) triple per local shard from `shard_templates`, appended to `out`; every

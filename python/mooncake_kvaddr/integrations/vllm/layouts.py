@@ -141,14 +141,20 @@ def _rank_local_plan_engine(layout: Any) -> tuple[Any, list[str]]:
     return _rank_local_engine(layout), [layout._key_prefix]
 
 
-def _sharded_plan_engine(layout: Any) -> tuple[Any, list[str]]:
-    """The receive handler's view of a TP-shared layout: its engine and the key prefix of each owned shard, in
-    ``local_shard_ids`` order (ValueError when the owned shards are not the consecutive run the engine keys)."""
+def shard_prefixes(layout: Any) -> list[str]:
+    """The key prefix of each shard a TP-shared layout owns, in ``local_shard_ids`` order (ValueError when the
+    owned shards are not the consecutive run an engine keys)."""
     ids = tuple(layout.store_shard_ids)
     first = ids[0] if ids else 0
     if ids != tuple(range(first, first + len(ids))) or len(ids) != max(int(layout.shards_per_rank), 0):
         raise ValueError("the owned store shards are not one consecutive run")
-    return _sharded_engine(layout), [layout._shard_key_prefixes[shard] for shard in ids]
+    return [layout._shard_key_prefixes[shard] for shard in ids]
+
+
+def _sharded_plan_engine(layout: Any) -> tuple[Any, list[str]]:
+    """The receive handler's view of a TP-shared layout: its engine and the key prefix of each owned shard."""
+    prefixes = shard_prefixes(layout)
+    return _sharded_engine(layout), prefixes
 
 
 OURS: dict[str, Any] = {

@@ -155,7 +155,7 @@ def _patch_receive(release: Release, data: ModuleType, worker: ModuleType, layou
     layouts must be patched already: the handler plans only layouts backed by our engine)."""
     from mooncake_kvaddr.integrations.vllm import receive, receive_check
 
-    problem = receive_check.check_shape(data, worker)
+    problem = receive_check.check_shape(data, worker, release.process_tokens)
     if problem:
         report.receive_reason = f"unexpected shape: {problem}"
         return
@@ -169,7 +169,9 @@ def _patch_receive(release: Release, data: ModuleType, worker: ModuleType, layou
         release.kinds(data, layout),
     )
     try:
-        receive_check.self_check(data, worker, handler)
+        if release.sample_layouts is None:
+            raise AssertionError("the release has no self-check layouts")
+        receive_check.self_check(data, worker, handler, layouts=layout, sample=release.sample_layouts)
     except Exception as exc:
         report.receive_reason = f"self-check failed: {exc}"
         return

@@ -40,9 +40,12 @@ def _params(func: Any) -> tuple[str, ...]:
     return tuple(inspect.signature(func).parameters)[1:]
 
 
-def check_shape(data: ModuleType, worker: ModuleType) -> str:
-    """Empty string when vLLM's receive thread and token database have the shape this module relies on;
-    otherwise the first mismatch."""
+def check_shape(
+    data: ModuleType, worker: ModuleType, process_tokens: tuple[str, ...] = _EXPECTED_PROCESS_TOKENS
+) -> str:
+    """Empty string when vLLM's receive thread and token database have the shape this module relies on
+    (``process_tokens``: the walk's parameters after self, as the release declares them); otherwise the first
+    mismatch."""
     cls = getattr(worker, "KVCacheStoreRecvingThread", None)
     if not isinstance(cls, type):
         return "KVCacheStoreRecvingThread is missing"
@@ -52,7 +55,7 @@ def check_shape(data: ModuleType, worker: ModuleType) -> str:
             return problem
     db = getattr(data, "ChunkedTokenDatabase", None)
     func = inspect.getattr_static(db, "process_tokens", None) if isinstance(db, type) else None
-    if not callable(func) or _params(func) != _EXPECTED_PROCESS_TOKENS:
+    if not callable(func) or _params(func) != process_tokens:
         return "ChunkedTokenDatabase.process_tokens is missing or has another signature"
     for name in ("envs", "logger"):
         if getattr(worker, name, None) is None:
@@ -131,17 +134,35 @@ def _run_once(
     )
 
 
+#: ``(layouts module, metadata, rng, case, block_size) -> (rank-local layout, TP-shared layout, its database's
+#: chunk size)``: the self-check's two layouts, as a release builds them without tensors.
+SampleLayouts = Callable[[ModuleType, Any, random.Random, int, int], tuple[Any, Any, int]]
+
+
+def sample_layouts_033(data: ModuleType, metadata: Any, rng: random.Random, case: int, block_size: int) -> Any:
+    """vLLM 0.32/0.33's layouts for the self-check: cycling region lengths, LBHNC with two local shards."""
+    rank_local = data.RankLocalStoreLayout(metadata, block_size, 16)
+    rank_local.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(3)])
+    rank_local.set_block_len([4096])
+    sharded = data.LBHNCStoreLayout(metadata, block_size, block_size, 2, 4, case % 2, 8)
+    sharded._set_segment_templates(
+        [([rng.randrange(1 << 20, 1 << 40)] * 2, [65536, 65536], [512, 512]) for _ in range(2)]
+    )
+    return rank_local, sharded, block_size
+
+
 def self_check(
-    data: ModuleType, worker: ModuleType, handler: Callable[[Any, Any], Any], *, seed: int = 0, cases: int = 8
-) -> None:
+    data: ModuleType, worker: ModuleType, handler: Callable[[Any, Any], Any], *, seed: int = 0, cases: int = 8,
+    layouts: ModuleType | None = None, sample: SampleLayouts = sample_layouts_033,
+) -> None:  # fmt: skip
     """vLLM's own handler and ``handler`` on small generated requests (two groups, masks, tail keys, rotation,
     failing and raising stores, plain and array stores): identical store calls and side effects, else
-    ``AssertionError``."""
+    ``AssertionError``. ``layouts``/``sample``: where the release keeps its layouts and how it builds them."""
     me = threading.get_ident()
     quiet = DropThread(me)
     worker.logger.addFilter(quiet)  # the failing-store cases log vLLM's warnings: not at start-up
     try:
-        _self_check(data, worker, handler, random.Random(seed), cases)
+        _self_check(data, worker, handler, random.Random(seed), cases, layouts or data, sample)
     finally:
         worker.logger.removeFilter(quiet)
 
@@ -157,7 +178,10 @@ class DropThread(logging.Filter):
         return record.thread != self.ident
 
 
-def _self_check(data: ModuleType, worker: ModuleType, handler: Any, rng: random.Random, cases: int) -> None:
+def _self_check(
+    data: ModuleType, worker: ModuleType, handler: Any, rng: random.Random, cases: int, layouts: ModuleType,
+    sample: SampleLayouts,
+) -> None:  # fmt: skip
     original = worker.KVCacheStoreRecvingThread._handle_request
     original = getattr(original, "__wrapped__", original)
     stats = getattr(handler, "stats", None)
@@ -165,16 +189,10 @@ def _self_check(data: ModuleType, worker: ModuleType, handler: Any, rng: random.
     metadata = data.KeyMetadata("self-check/recv", 1, 0, 0, 0)
     for case in range(cases):
         block_size = 64
-        rank_local = data.RankLocalStoreLayout(metadata, block_size, 16)
-        rank_local.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(3)])
-        rank_local.set_block_len([4096])
-        sharded = data.LBHNCStoreLayout(metadata, block_size, block_size, 2, 4, case % 2, 8)
-        sharded._set_segment_templates(
-            [([rng.randrange(1 << 20, 1 << 40)] * 2, [65536, 65536], [512, 512]) for _ in range(2)]
-        )
+        rank_local, sharded, sharded_chunk = sample(layouts, metadata, rng, case, block_size)
         dbs = [
             data.ChunkedTokenDatabase(metadata, block_size, 16, rank_local),
-            data.ChunkedTokenDatabase(metadata, block_size, block_size, sharded),
+            data.ChunkedTokenDatabase(metadata, sharded_chunk, sharded.hash_block_size, sharded),
         ]
         blocks = rng.randint(1, 6)
         token_len = blocks * block_size - 16 * rng.randrange(0, 3 if case % 2 == 0 else 1)

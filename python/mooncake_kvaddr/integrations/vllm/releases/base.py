@@ -47,6 +47,11 @@ class Release:
     db_chunk: str = "block_size"
     sharded_chunk: str = "block_size"
 
+    #: ``ChunkedTokenDatabase.process_tokens``'s parameters after self (the walk the handlers reproduce), and
+    #: how the handlers' self-checks build this release's layouts (``receive_check.SampleLayouts``).
+    process_tokens: tuple[str, ...] = ()
+    sample_layouts: Callable[..., Any] | None = None
+
     def kinds(self, data: ModuleType, layout: ModuleType) -> Kinds:
         """Which of this release's databases and layouts the handlers may plan (``plans.Kinds``)."""
         return Kinds(data, self.ours, layouts=layout, db_chunk=self.db_chunk, sharded_chunk=self.sharded_chunk)

@@ -7,6 +7,7 @@ wheel, not installed), so one table covers both.
 from __future__ import annotations
 
 from mooncake_kvaddr.integrations.vllm import layouts
+from mooncake_kvaddr.integrations.vllm.receive_check import sample_layouts_033
 from mooncake_kvaddr.integrations.vllm.registry import DATA_MODULE
 from mooncake_kvaddr.integrations.vllm.releases.base import PARTS, Release
 
@@ -80,4 +81,6 @@ RELEASE = Release(
     ported=frozenset(PARTS),
     ours=layouts.OURS,
     plan_engines=layouts.PLAN_ENGINES,
+    process_tokens=("token_len", "block_hashes", "mask_num", "chunk_mask", "put_step", "put_step_rank"),
+    sample_layouts=sample_layouts_033,
 )

@@ -22,6 +22,7 @@ from mooncake_kvaddr.integrations.vllm.layouts import (
     _rank_local_engine,
     _rank_local_key_for,
     _sharded_key_for,
+    shard_prefixes,
 )
 from mooncake_kvaddr.integrations.vllm.registry import original_of, signature_problem
 from mooncake_kvaddr.integrations.vllm.releases.base import NOT_PORTED, Release
@@ -116,6 +117,43 @@ def _sharded_prepare_values(
         return own
     result: tuple[list[list[int]], list[list[int]], list[int]] = engine.prepare_values(chunks, block_ids, shard_ids)
     return result
+
+
+def _rank_local_plan_engine(layout: Any) -> tuple[Any, list[str]]:
+    """The handlers' view of a rank-local layout: its engine (with strides) and its one key prefix."""
+    return _rank_local_engine(layout, layout.block_stride), [layout._key_prefix]
+
+
+def _sharded_plan_engine(layout: Any) -> tuple[Any, list[str]] | str:
+    """The handlers' view of a TP-shared layout: its engine and the key prefix of each owned shard, or why
+    vLLM's own handler must plan it."""
+    prefixes = shard_prefixes(layout)
+    engine = _chunked_engine(layout)
+    if engine is None:
+        return "TP-shared templates the engine cannot hold"
+    return engine, prefixes
+
+
+OURS: dict[str, Any] = {
+    "rank_local_prepare_values": _rank_local_prepare_values,
+    "rank_local_key_for": _rank_local_key_for,
+    "sharded_prepare_values": _sharded_prepare_values,
+    "sharded_key_for": _sharded_key_for,
+}
+PLAN_ENGINES: dict[str, Any] = {"rank_local": _rank_local_plan_engine, "sharded": _sharded_plan_engine}
+
+
+def sample_layouts(layout: ModuleType, metadata: Any, rng: random.Random, case: int, block_size: int) -> Any:
+    """vLLM 0.34's layouts for the handlers' self-checks: regions whose stride exceeds their length, and a
+    TP-shared layout with two local shards and Store chunks of a quarter, half or whole block."""
+    rank_local = layout.RankLocalStoreLayout(metadata, block_size, 16)
+    rank_local.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(3)])
+    rank_local.set_block_len([8192])
+    rank_local.block_len = [8192 - rng.choice([0, 512])]
+    store_chunk = block_size // (1, 2, 4)[case % 3]
+    sharded = layout.TPShardedStoreLayout(metadata, block_size, store_chunk, 2, 4, case % 2, store_chunk)
+    sharded._set_segment_templates(_templates(rng, block_size // store_chunk, sharded.shards_per_rank, 2))
+    return rank_local, sharded, store_chunk
 
 
 REPLACEMENTS: tuple[tuple[str, str, Any], ...] = (
@@ -215,6 +253,12 @@ def self_check(layout: ModuleType, *, seed: int = 0, cases: int = 8) -> None:
 
 
 FINGERPRINTED: dict[str, tuple[str, ...]] = {
+    "receive": (
+        "KVCacheStoreRecvingThread._handle_request",
+        "ChunkedTokenDatabase.process_tokens",
+        "_estimate_disk_offload_staging_bytes",
+        "_split_disk_offload_load_batches",
+    ),
     # The replaced methods, and the setters whose assignments the engines' identity checks rely on.
     "layouts": (
         "RankLocalStoreLayout.prepare_values",
@@ -231,6 +275,10 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
 
 FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.34.0": {
+        "KVCacheStoreRecvingThread._handle_request": "0b19240f13c5b4ae",
+        "ChunkedTokenDatabase.process_tokens": "8749f101117a163c",
+        "_estimate_disk_offload_staging_bytes": "1096992edcfb74ba",
+        "_split_disk_offload_load_batches": "0f7a2f3f89d959dc",
         "RankLocalStoreLayout.prepare_values": "836221e56e25cd76",
         "RankLocalStoreLayout.key_for": "2c426949ec2ea759",
         "RankLocalStoreLayout.set_block_len": "81020d83b1252565",
@@ -251,6 +299,14 @@ RELEASE = Release(
     self_check=self_check,
     fingerprinted=FINGERPRINTED,
     fingerprints=FINGERPRINTS,
-    ported=frozenset(),
-    not_ported=f"{NOT_PORTED} 0.34 yet (its send, receive and lookup paths and its worker changed)",
-)
+    ported=frozenset({"receive"}),
+    not_ported=f"{NOT_PORTED} 0.34 yet (its send and lookup paths and its worker changed)",
+    ours=OURS,
+    plan_engines=PLAN_ENGINES,
+    db_chunk="chunk_size",
+    sharded_chunk="store_chunk_size",
+    process_tokens=(
+        "token_len", "block_hashes", "mask_num", "chunk_mask", "tail_key_boundary", "put_step", "put_step_rank",
+    ),
+    sample_layouts=sample_layouts,
+)  # fmt: skip
