@@ -516,8 +516,13 @@ def test_store_chunk_size_construction_and_templates() -> None:
     # A key over a whole block is no longer one chunk: the 0.33 rule does not apply.
     with pytest.raises(ValueError, match="Invalid Store chunk boundary"):
         engine.prepare_values([(0, 32)], [5, 6], [2])
-    with pytest.raises(RuntimeError, match="store_chunk_size"):
-        engine.plan_load(["a", "b"], [b"x" * 4], 4, 32, 0, None, None, [1])
+    # The fused load plan walks by Store chunk (test_plan_load_034.py): tokens 0..16 of block 1 are two chunk
+    # keys per owned shard, each keyed by the hash ending its chunk.
+    fine = _native.LayoutEngine(32, 8, True, 2, 2, 0, store_chunk_size=8)
+    fine.set_templates([[([c * 10 + s], [1000], [c + 1]) for s in range(2)] for c in range(4)])
+    keys, addrs, sizes, ids = fine.plan_load(["a", "b"], [b"x", b"y"], None, 16, 0, None, None, [1], False)
+    assert keys == ["a@78", "b@78", "a@79", "b@79"] and ids == [1, 1, 1, 1]
+    assert addrs == [[1000], [1001], [1010], [1011]] and sizes == [[1], [1], [2], [2]]
 
 
 def test_chunked_negative_and_huge_block_ids() -> None:
