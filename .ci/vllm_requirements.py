@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--missing", action="store_true", help="only the requirements not satisfied here")
     parser.add_argument("--exclude", action="append", default=[], metavar="NAME", help="leave this name out")
     args = parser.parse_args(argv)
-    exclude = {canonicalize_name(name) for name in args.exclude}
+    exclude: set[str] = {canonicalize_name(name) for name in args.exclude}
     for req in requirements(exclude):
         if not (args.missing and satisfied(req)):
             print(req)
