@@ -1,14 +1,18 @@
 """Shared fixtures: an embedded Mooncake master per test module and a store client on it.
 
 Tests marked ``@pytest.mark.mooncake`` are skipped (with the import error as the reason) when
-``mooncake.store`` cannot be imported; everything else runs without Mooncake. Every master a test starts
-is stopped, and a session-wide check fails the run if a ``mooncake_master`` child outlives the tests.
+``mooncake.store`` cannot be imported. Tests marked ``vllm`` are for vLLM 0.32/0.33 unless
+``vllm_release(...)`` names their releases; those for another release than the installed one are deselected
+(docs/development.md, "Tests"). Every master a test starts is stopped, and a session-wide check fails the run
+if a ``mooncake_master`` child outlives the tests.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +41,65 @@ def mooncake_import_error() -> str | None:
     return None
 
 
+#: The vLLM release series a test marked ``vllm`` is for when it carries no ``vllm_release`` marker.
+DEFAULT_VLLM_SERIES = ("0.32", "0.33")
+_DESELECTED = pytest.StashKey[str]()
+
+
+@functools.cache
+def installed_vllm_series() -> str | None:
+    """The installed vLLM's release series ("0.34" for 0.34.0), read from its metadata (no import), or None."""
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return ".".join(version.split(".")[:2])
+
+
+def vllm_series_of(item: pytest.Item) -> tuple[str, ...] | None:
+    """The vLLM series a test is for (None: any, it does not compare against vLLM)."""
+    marker = item.get_closest_marker("vllm_release")
+    if marker is None:
+        return DEFAULT_VLLM_SERIES if item.get_closest_marker("vllm") is not None else None
+    if item.get_closest_marker("vllm") is None:
+        raise pytest.UsageError(f"{item.nodeid}: vllm_release without the vllm marker")
+    if not marker.args or not all(isinstance(a, str) and re.fullmatch(r"\d+\.\d+", a) for a in marker.args):
+        raise pytest.UsageError(f"{item.nodeid}: vllm_release takes series such as '0.34', got {marker.args!r}")
+    return tuple(marker.args)
+
+
+def _deselect_other_vllm_releases(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect (not skip) the tests written for other vLLM releases than the installed one."""
+    installed = installed_vllm_series()
+    kept: list[pytest.Item] = []
+    deselected: list[pytest.Item] = []
+    dropped: dict[tuple[str, ...], int] = {}
+    for item in items:
+        series = vllm_series_of(item)
+        if installed is None or series is None or installed in series:
+            kept.append(item)
+        else:
+            deselected.append(item)
+            dropped[series] = dropped.get(series, 0) + 1
+    if not deselected:
+        return
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = kept
+    version = importlib.metadata.version("vllm")
+    detail = ", ".join(f"{'/'.join(series)}: {count}" for series, count in sorted(dropped.items()))
+    config.stash[_DESELECTED] = (
+        f"vllm_release: {sum(dropped.values())} test(s) deselected, written for other vLLM releases than the "
+        f"installed {version} ({detail})"
+    )
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    line = config.stash.get(_DESELECTED, "")
+    return [line] if line else []
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_other_vllm_releases(config, items)
     marked = [item for item in items if item.get_closest_marker("mooncake") is not None]
     if not marked:
         return

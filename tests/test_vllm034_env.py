@@ -1,0 +1,85 @@
+"""vLLM 0.34's environment as the 0.34 test leg sees it (.ci/test runs the ``vllm`` tests there).
+
+The first tests of the vLLM 0.34 leg: the installed vLLM is a 0.34 release, its Mooncake store ``layout``
+module (new in 0.34) imports, and our plugin's entry point leaves vLLM 0.34 as it is, which it does not know
+yet. The conformance tests of the 0.34 port are marked ``vllm_release("0.34")`` like these.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_release("0.34")]
+
+STORE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"
+
+# Run in a fresh interpreter: imports vLLM, runs the plugin's entry point as vLLM's plugin loader does, records
+# which store modules that imported, then imports them itself and lists every class attribute that is ours.
+_PROBE = f"""
+import importlib, inspect, json, sys
+import vllm
+from mooncake_kvaddr.integrations.vllm import plugin
+plugin.register()
+after_register = sorted(m for m in sys.modules if m.startswith({STORE!r}))
+ours = []
+for name in ("layout", "data", "worker"):
+    module = importlib.import_module({STORE!r} + "." + name)
+    for cls_name, cls in inspect.getmembers(module, inspect.isclass):
+        for attr, value in vars(cls).items():
+            func = getattr(value, "__func__", value)
+            if (getattr(func, "__module__", None) or "").startswith("mooncake_kvaddr"):
+                ours.append(cls_name + "." + attr)
+print(json.dumps({{"version": vllm.__version__, "after_register": after_register, "ours": sorted(set(ours))}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe() -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MOONCAKE_KVADDR_VLLM_PLUGIN": "1"},
+        check=False,
+    )
+    if done.returncode != 0:  # not an AssertionError: the xfail below expects only its own assertion to fail
+        raise RuntimeError(f"the probe failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_installed_vllm_is_034() -> None:
+    import vllm
+
+    assert vllm.__version__.startswith("0.34."), vllm.__version__
+
+
+def test_store_layout_module_of_034_imports() -> None:
+    layout = importlib.import_module(f"{STORE}.layout")
+    # What the 0.34 port replaces first: both layouts' prepare_values and key_for.
+    for cls_name in ("RankLocalStoreLayout", "TPShardedStoreLayout"):
+        cls = getattr(layout, cls_name)
+        assert callable(cls.prepare_values) and callable(cls.key_for)
+    assert not hasattr(layout.RankLocalStoreLayout, "prepare_value_for_block")  # gone in 0.34
+
+
+def test_plugin_leaves_vllm_034_untouched(probe: dict[str, Any]) -> None:
+    assert probe["version"].startswith("0.34.")
+    assert probe["ours"] == []
+
+
+@pytest.mark.xfail(
+    reason="register() imports every Mooncake store module for a release it does not know (issue 38, item 1)",
+    raises=AssertionError,
+    strict=True,
+)
+def test_plugin_register_imports_no_store_module(probe: dict[str, Any]) -> None:
+    assert probe["after_register"] == []
