@@ -40,7 +40,7 @@ def _ours(value: Any) -> bool:
 def _patched_now() -> set[str]:
     """``Class.attr`` of every attribute of vLLM's imported Mooncake store modules that is the plugin's right now
     (read off vLLM's classes, not the plugin's state)."""
-    found = set()
+    found: set[str] = set()
     for name, module in list(sys.modules.items()):
         if module is None or not (name == STORE_PACKAGE or name.startswith(STORE_PACKAGE + ".")):
             continue
@@ -63,6 +63,7 @@ class _Counter:
         self.native: dict[str, dict[str, int]] = {}  # node id -> replaced name -> calls ours planned itself
         self.fallback: dict[str, dict[str, int]] = {}  # node id -> replaced name -> calls handed to vLLM's
         self.installed: dict[tuple[type, str], Any] = {}  # (class, attr) -> the plugin's function we wrapped
+        self.stats: dict[str, Any] = {}  # replaced name -> the ``stats`` of a handler or lookup
 
     def add(self, table: dict[str, dict[str, int]], name: str, count: int = 1) -> None:
         with self.lock:
@@ -74,9 +75,7 @@ def _stat_total(stats: Any, prefix: str) -> int:
     """Sum of a handler's or lookup's integer counters whose name starts with ``prefix`` (``fast``: planned by
     ours; ``fallback``: handed to vLLM's own function)."""
     fields = getattr(stats, "__dataclass_fields__", None) or vars(stats)
-    return sum(
-        value for name in fields if name.startswith(prefix) and isinstance(value := getattr(stats, name), int)
-    )
+    return sum(value for name in fields if name.startswith(prefix) and isinstance(value := getattr(stats, name), int))
 
 
 def _wrap(counter: _Counter, cls: type, attr: str, func: Any) -> None:
@@ -84,6 +83,8 @@ def _wrap(counter: _Counter, cls: type, attr: str, func: Any) -> None:
     lookup) counts as reached only when its fast counter moved; any other replacement is ours whenever called."""
     name = f"{cls.__name__}.{attr}"
     stats = getattr(func, "stats", None)
+    if stats is not None:
+        counter.stats[name] = stats
 
     @functools.wraps(func)
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -238,9 +239,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         native = sum(per_test.get(name, 0) for per_test in counter.native.values())
         fallback = sum(per_test.get(name, 0) for per_test in counter.fallback.values())
         calls = sum(per_test.get(name, 0) for per_test in counter.calls.values())
-        terminalreporter.write_line(
-            f"vllm-suite: {name}: {calls} call(s), {native} done by ours, {fallback} handed to vLLM's own"
-        )
+        line = f"vllm-suite: {name}: {calls} call(s) in the tests, {native} done by ours, {fallback} handed to vLLM's"
+        stats = counter.stats.get(name)
+        if stats is not None:  # the function's own counters also count the calls of its self-check at patch time
+            line += f" (its stats, self-check included: {_stat_total(stats, 'fast')} natively, "
+            line += f"{_stat_total(stats, 'fallback')} to vLLM's)"
+        terminalreporter.write_line(line)
 
 
 _MODE = pytest.StashKey[str]()
