@@ -1,8 +1,9 @@
 """vLLM 0.34's environment as the 0.34 test leg sees it (.ci/test runs the ``vllm`` tests there).
 
-The first tests of the vLLM 0.34 leg: the installed vLLM is a 0.34 release, its Mooncake store ``layout``
-module (new in 0.34) imports, and our plugin's entry point leaves vLLM 0.34 as it is, which it does not know
-yet. The conformance tests of the 0.34 port are marked ``vllm_release("0.34")`` like these.
+The environment checks of the vLLM 0.34 leg: the installed vLLM is a 0.34 release, its Mooncake store
+``layout`` module (new in 0.34) imports, our plugin's entry point imports no store module, and once they are
+imported exactly what its PatchReport names is ours on vLLM's classes. The 0.34 port's own tests are marked
+``vllm_release("0.34")`` like these.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.vllm_release("0.34")]
 STORE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"
 
 # Run in a fresh interpreter: imports vLLM, runs the plugin's entry point as vLLM's plugin loader does, records
-# which store modules that imported, then imports them itself and lists every class attribute that is ours.
+# which store modules that imported, then imports them itself, lists every class attribute that is ours and
+# what the plugin's PatchReport says it replaced.
 _PROBE = f"""
 import importlib, inspect, json, sys
 import vllm
@@ -36,7 +38,9 @@ for name in ("layout", "data", "worker"):
             func = getattr(value, "__func__", value)
             if (getattr(func, "__module__", None) or "").startswith("mooncake_kvaddr"):
                 ours.append(cls_name + "." + attr)
-print(json.dumps({{"version": vllm.__version__, "after_register": after_register, "ours": sorted(set(ours))}}))
+report = plugin.patch()
+print(json.dumps({{"version": vllm.__version__, "after_register": after_register, "ours": sorted(set(ours)),
+                  "patched": report.patched, "staged_hook": report.staged_hook}}))
 """
 
 
@@ -71,15 +75,14 @@ def test_store_layout_module_of_034_imports() -> None:
     assert not hasattr(layout.RankLocalStoreLayout, "prepare_value_for_block")  # gone in 0.34
 
 
-def test_plugin_leaves_vllm_034_untouched(probe: dict[str, Any]) -> None:
-    assert probe["version"].startswith("0.34.")
-    assert probe["ours"] == []
-
-
-@pytest.mark.xfail(
-    reason="register() imports every Mooncake store module for a release it does not know (issue 38, item 1)",
-    raises=AssertionError,
-    strict=True,
-)
 def test_plugin_register_imports_no_store_module(probe: dict[str, Any]) -> None:
+    assert probe["version"].startswith("0.34.")
     assert probe["after_register"] == []
+
+
+def test_what_is_ours_on_vllm_034_is_what_the_patch_report_names(probe: dict[str, Any]) -> None:
+    patched, ours = set(probe["patched"]), set(probe["ours"])
+    assert patched <= ours
+    # Beyond the report's list only the staged-transport hook's wrappers of the worker may be ours.
+    extra = ours - patched
+    assert not extra or (probe["staged_hook"] and all(name.startswith("MooncakeStoreWorker.") for name in extra))
