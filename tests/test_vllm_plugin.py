@@ -1281,3 +1281,35 @@ def test_the_entry_points_series_are_the_release_modules() -> None:
     assert len(set(claimed)) == len(claimed)
     assert releases.for_version("0.33.0") is not releases.for_version("0.34.0")
     assert releases.for_version("0.31.0") is None and releases.for_version("0.3.4") is None
+
+
+def test_vllm_release_modules_in_ci() -> None:
+    """Every release module in ``integrations/vllm/releases/`` is exercised by CI: ``.ci/setup`` installs a vLLM
+    of each module's series, vLLM's own store suite runs on it with the plugin on (``.ci/run`` calls
+    ``.ci/vllm-suite`` for it), and a release other than the main environment's has its test leg in
+    ``.ci/test`` over ``tests/test_vllm0XX*.py`` files that carry its ``vllm_release`` marker."""
+    import re
+    from pathlib import Path
+
+    from mooncake_kvaddr.integrations.vllm import releases
+
+    root = Path(__file__).resolve().parent.parent
+    setup = (root / ".ci" / "setup").read_text()
+    run = (root / ".ci" / "run").read_text()
+    legs = (root / ".ci" / "test").read_text()
+    installed = set(re.findall(r"^VLLM\w*_VERSION=(\d+\.\d+\.\d+)$", setup, re.M))
+    modules = sorted(p.stem for p in (root / "python/mooncake_kvaddr/integrations/vllm/releases").glob("v*.py"))
+    assert [f"v{r.series[-1].replace('.', '_').strip('_')}" for r in releases.releases()] == modules
+    main_env = re.search(r"^VLLM_VERSION=(\d+\.\d+)\.", setup, re.M)
+    assert main_env is not None
+    for release in releases.releases():
+        assert any(version.startswith(release.series) for version in installed), (release.series, installed)
+        series = release.series[-1].rstrip(".")
+        if series == main_env.group(1):
+            assert "bash .ci/vllm-suite" in run
+            continue
+        tag = series.replace(".", "")
+        assert f"tests/test_vllm{tag}*.py" in legs, series
+        files = sorted(root.glob(f"tests/test_vllm{tag}*.py"))
+        assert files and all(f'vllm_release("{series}")' in f.read_text() for f in files), files
+        assert re.search(rf"PYTHON=\S*{tag}\S* bash \.ci/vllm-suite", run), series
