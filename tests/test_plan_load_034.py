@@ -92,7 +92,7 @@ def test_plan_load_with_store_chunks_equals_the_walk_and_prepare_values(seed: in
 
 def test_plan_load_with_store_chunks_refuses_a_missing_block_and_a_bad_mask() -> None:
     rng = random.Random(7)
-    engine, block, chunk, hash_block, first, shards = _engine(rng)
+    engine, block, _, hash_block, _, shards = _engine(rng)
     hashes = [rng.randbytes(8) for _ in range(2 * block // hash_block)]
     prefixes = [f"p{k}" for k in range(shards)]
     with pytest.raises(ValueError, match="no local cache block"):
