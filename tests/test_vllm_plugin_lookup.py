@@ -355,3 +355,38 @@ def test_the_lookup_records_the_duration_of_its_existence_call_answered_or_raisi
     assert run(ours, stub, 12, hashes)[0] == "ok"
     assert [(op, kw.get("status")) for op, _, kw in durations] == [("lookup_exists", None), ("lookup_exists", "error")]
     assert all(0.0 <= seconds < 60.0 for _, seconds, _ in durations), durations
+
+
+class _OwnHex(bytes):
+    """A bytes subclass with its own ``.hex()``: vLLM keys it by that, not by its bytes."""
+
+    def hex(self, *args: Any) -> str:  # type: ignore[override]
+        return "own" + super().hex(*args)
+
+
+@pytest.mark.parametrize("odd", ["numpy", "own_hex", "bytearray"])
+def test_hash_types_vllm_keys_otherwise_get_vllms_answer(odd: str) -> None:
+    """A numpy-array hash (vLLM: AttributeError, no ``.hex()``), a bytes subclass with its own ``.hex()`` (vLLM:
+    other keys) and a bytearray: the same result, store calls and exception as vLLM's lookup (issue 39 item 2;
+    our native keys read any buffer before). Exact bytes and memoryviews stay on the fast path."""
+    ours = make_lookup(ORIGINAL, worker_module)
+    rng = random.Random(39)
+    sc = Scenario(2, [Group("full", 4)], None, 8, None)
+    store_lookup = build(sc)
+    hashes: list[Any] = list(hashes_for(sc.n_hashes, 6))
+    inner, _ = fill_store(rng, sc, store_lookup, hashes)
+    convert = {"numpy": lambda h: np.frombuffer(h, dtype=np.uint8), "own_hex": _OwnHex, "bytearray": bytearray}[odd]
+    hashes = [convert(h) for h in hashes]
+    (theirs_stub, theirs_store, theirs_records), (our_stub, our_store, our_records) = twins(
+        sc, store_lookup, inner, "list"
+    )
+    before = ours.stats.fallback  # type: ignore[attr-defined]
+    expected = run(ORIGINAL, theirs_stub, 12, hashes)
+    assert run(ours, our_stub, 12, hashes) == expected
+    assert expected[0] == ("raised" if odd == "numpy" else "ok")
+    assert our_store.asked == theirs_store.asked and our_records == theirs_records
+    assert ours.stats.fallback == before + 1  # type: ignore[attr-defined]
+    fast = ours.stats.fast  # type: ignore[attr-defined]
+    hashes = [memoryview(bytes(h)) for h in hashes]
+    assert run(ours, our_stub, 12, hashes) == run(ORIGINAL, theirs_stub, 12, hashes)
+    assert ours.stats.fast == fast + 1  # type: ignore[attr-defined]

@@ -1078,3 +1078,27 @@ def test_hash_source_reads_a_hash_blob_of_whole_hashes_and_nothing_else() -> Non
     for odd in (Blob(view, 12), Blob(view, 0), Blob(bytes(32), 16), Blob(view, 16.0)):
         assert plans.hash_source(odd, Blob) is None
     assert plans.hash_source(Blob(view, 16), type(None)) is None
+
+
+class _OwnHex(bytes):
+    """A bytes subclass with its own ``.hex()``: vLLM keys it by that, not by its bytes."""
+
+    def hex(self, *args: Any) -> str:  # type: ignore[override]
+        return "own" + super().hex(*args)
+
+
+@pytest.mark.parametrize("odd", ["numpy", "own_hex"])
+def test_hash_types_vllm_keys_otherwise_go_to_vllms_handler(vllm: tuple[Any, Any], odd: str) -> None:
+    """Numpy-array hashes (vLLM raises AttributeError: no ``.hex()``) and a bytes subclass with its own
+    ``.hex()`` (vLLM's keys differ from its bytes' hex): vLLM's handler decides, with its exception and its
+    keys (issue 39 item 2: our engine read any buffer and loaded under other keys)."""
+    data, worker = vllm
+    original, ours = _handlers(worker)
+    case = _simple_case(data)
+    convert = {"numpy": lambda h: np.frombuffer(h, dtype=np.uint8), "own_hex": _OwnHex}[odd]
+    case["meta"].block_hashes = [convert(h) for h in case["meta"].block_hashes]
+    before = ours.stats.fallback_requests
+    expected = run_handler(worker, original, ListStore("ok"), case)
+    assert run_handler(worker, ours, ArrayStore("ok"), case) == expected
+    assert (expected[0] is AttributeError) == (odd == "numpy")
+    assert ours.stats.fallback_requests == before + 1

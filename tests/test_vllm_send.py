@@ -396,3 +396,30 @@ def test_the_send_bench_section_runs_and_stores(master: Any) -> None:
     assert all(row["stored_ok"] and row["cpu_gil_ms"] > 0 and row["wall_ms"] > 0 for row in rows)
     assert [row["fast_path"] for row in rows] == [0, 2, 2, 2]
     assert not rows[2]["native_client"] and not rows[3]["native_client"]
+
+
+class _OwnHex(bytes):
+    """A bytes subclass with its own ``.hex()``: vLLM keys it by that, not by its bytes."""
+
+    def hex(self, *args: Any) -> str:  # type: ignore[override]
+        return "own" + super().hex(*args)
+
+
+@pytest.mark.parametrize("odd", ["numpy", "own_hex"])
+def test_hash_types_vllm_keys_otherwise_go_to_vllms_handler(handler: Any, odd: str) -> None:
+    """Numpy-array hashes (vLLM raises AttributeError) and bytes subclasses with their own ``.hex()`` (vLLM
+    stores under other keys): every store call, record and exception is vLLM's (issue 39 item 2)."""
+    convert = {"numpy": lambda h: np.frombuffer(h, dtype=np.uint8), "own_hex": _OwnHex}[odd]
+    rng = random.Random(39)
+    raised = 0
+    before = handler.stats.fallback_requests
+    for number in range(40):
+        case = send_check.make_case(data_module, rng, number)
+        case["meta"].block_hashes = [convert(h) for h in case["meta"].block_hashes]
+        plain, arrays = send_check.RecordingStore, send_check.ArrayRecordingStore
+        expected = send_check.run_once(worker_module, ORIGINAL, plain(case["answers"](1)), case)
+        actual = send_check.run_once(worker_module, handler, arrays(case["answers"](1)), case)
+        assert expected == actual, (number, expected, actual)
+        raised += "AttributeError" in repr(expected)
+    assert (raised > 0) == (odd == "numpy")
+    assert handler.stats.fallback_requests - before >= 20

@@ -13,14 +13,21 @@
 
 namespace kvaddr::py_bindings {
 
+// Which items of a hash sequence are read (docs/keys.md, "Which hash objects are read"). vLLM keys a hash by
+// its own `.hex()`, so its drop-in paths read natively only the types whose `.hex()` is their bytes' hex and
+// that vLLM's block hashes are (exact `bytes`, `memoryview`) and refuse any other with TypeError, which makes
+// the caller hand the call to vLLM's own function (a numpy array, a bytes subclass with its own `.hex()`).
+// The seed-era database and the driver read any buffer.
+enum class HashItems { block_hash, any_buffer };
+
 // The hashes of a request: either one flat bytes-like blob of n × hash_len bytes (the zero-copy lookup wire
-// format) or a sequence of bytes-like objects. Lengths always count bytes, whatever the buffer's item format
-// (a memoryview of 'I' items is read as its bytes). Every buffer export is released by a destructor, on
-// error paths too. Use with the GIL held.
+// format) or a sequence of hashes (`items` says which are read). Lengths always count bytes, whatever the
+// buffer's item format (a memoryview of 'I' items is read as its bytes). Every buffer export is released by
+// a destructor, on error paths too. Use with the GIL held.
 class HashSource {
 public:
     // `hash_len` is None or an int; required for a blob, a length check for a sequence.
-    HashSource(py::handle hashes, py::handle hash_len);
+    HashSource(py::handle hashes, py::handle hash_len, HashItems items = HashItems::block_hash);
     HashSource(const HashSource&) = delete;
     HashSource& operator=(const HashSource&) = delete;
 
@@ -34,6 +41,7 @@ private:
     Py_ssize_t count_ = 0;
     std::size_t hash_len_ = 0;  // 0: variable (sequence without hash_len)
     bool is_blob_ = false;
+    HashItems items_kind_ = HashItems::block_hash;
     py::object blob_owner_;
     BufferView blob_;
     std::unique_ptr<FastSequence> items_;

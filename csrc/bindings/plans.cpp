@@ -25,7 +25,7 @@ struct LoadChunks {
 LoadChunks walk_load(const AddressTable& table, py::handle prefix, py::handle hashes, py::handle hash_len,
                      int64_t token_len, int64_t mask_num, py::handle load_mask) {
     KeyWriter writer(prefix);
-    HashSource source(hashes, hash_len);
+    HashSource source(hashes, hash_len, HashItems::any_buffer);  // the seed-era database
     const WalkParams params{token_len, table.block_size(), table.hash_block_size(), mask_num, 1, 0};
     const std::vector<WalkedChunk> chunks = walk(params, source.size(), load_mask, true);
     LoadChunks out;
@@ -103,7 +103,7 @@ py::tuple plan_store(AddressTable& table, py::handle prefix, py::handle hashes, 
     const int64_t put_step_rank = as_int64(put_step_rank_arg.ptr(), "put_step_rank");
     const bool skip_null = as_flag(skip_null_arg);
     KeyWriter writer(prefix);
-    HashSource source(hashes, hash_len);
+    HashSource source(hashes, hash_len, HashItems::any_buffer);  // the seed-era database
     const WalkParams params{token_len, table.block_size(), table.hash_block_size(), mask_num, put_step, put_step_rank};
     const std::vector<WalkedChunk> walked = walk(params, source.size(), chunk_mask, false);
     BlockIdSource ids(block_ids);

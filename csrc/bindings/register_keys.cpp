@@ -24,7 +24,7 @@ bool is_blob(PyObject* obj) {
 
 }  // namespace
 
-HashSource::HashSource(py::handle hashes, py::handle hash_len) {
+HashSource::HashSource(py::handle hashes, py::handle hash_len, HashItems items) : items_kind_(items) {
     if (!hash_len.is_none()) {
         const int64_t n = as_int64(hash_len.ptr(), "hash_len");
         if (n <= 0) raise(PyExc_ValueError, "hash_len must be positive, got " + std::to_string(n));
@@ -68,6 +68,11 @@ const uint8_t* HashSource::at(Py_ssize_t i, std::size_t* length) {
         *length = static_cast<std::size_t>(PyBytes_GET_SIZE(item));
         data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(item));
     } else {
+        if (items_kind_ == HashItems::block_hash && !PyMemoryView_Check(item)) {
+            raise(PyExc_TypeError, "hash " + std::to_string(i) + " is a " + type_name(item) +
+                                       ": only bytes and memoryview hashes are keyed here (vLLM keys a hash by "
+                                       "its own .hex())");
+        }
         item_view_.acquire(item, "hash " + std::to_string(i));
         *length = item_view_.size();
         data = item_view_.data();
@@ -135,9 +140,10 @@ py::list build_key_list(const KeyWriter& writer, HashSource& hashes, const std::
 
 namespace {
 
+// The seed-era database's keys_for and the driver's build_keys: any buffer is a hash.
 py::list build_keys(py::handle prefix, py::handle hashes, py::handle hash_len) {
     KeyWriter writer(prefix);
-    HashSource source(hashes, hash_len);
+    HashSource source(hashes, hash_len, HashItems::any_buffer);
     py::list keys(source.size());
     for (Py_ssize_t i = 0; i < source.size(); ++i) {
         std::size_t length = 0;
@@ -161,7 +167,9 @@ py::str build_key(py::handle prefix, py::handle hash) {
 }
 
 // Hash-major, then prefix in the given order (docs/address-rows.md, "Keys"): hex is written once per hash per prefix.
-py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle hash_len) {
+// `any_buffer`: the driver's lookup (any buffer is a hash); without it, vLLM's rule (HashItems::block_hash).
+py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle hash_len, py::handle any_buffer_arg) {
+    const bool any_buffer = as_flag(any_buffer_arg);
     if (PyUnicode_Check(prefixes.ptr())) raise(PyExc_TypeError, "prefixes must be a sequence of str, not one str");
     // A set's order is arbitrary and a dict would be read by its keys: the key order must be the caller's.
     refuse_non_sequence(prefixes, "prefixes");
@@ -170,7 +178,7 @@ py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle ha
     writers.reserve(static_cast<std::size_t>(prefix_seq.size()));
     const Py_ssize_t n_prefixes = prefix_seq.size();
     for (Py_ssize_t p = 0; p < n_prefixes; ++p) writers.emplace_back(prefix_seq.at(p));
-    HashSource source(hashes, hash_len);
+    HashSource source(hashes, hash_len, any_buffer ? HashItems::any_buffer : HashItems::block_hash);
     const Py_ssize_t width = static_cast<Py_ssize_t>(writers.size());
     Py_ssize_t total = 0;
     if (__builtin_mul_overflow(source.size(), width, &total)) raise(PyExc_OverflowError, "too many lookup keys");
@@ -416,7 +424,9 @@ void register_keys(py::module_& m) {
     m.def("build_key", &build_key, py::arg("prefix"), py::arg("chunk_hash"));
     m.def("build_keys", &build_keys, py::arg("prefix"), py::arg("hashes"), py::arg("hash_len") = py::none());
     m.def("build_lookup_keys", &build_lookup_keys, py::arg("prefixes"), py::arg("hashes"),
-          py::arg("hash_len") = py::none());
+          py::arg("hash_len") = py::none(), py::kw_only(), py::arg("any_buffer") = false,
+          "Lookup keys, hash-major. Without any_buffer, a hash that is not bytes or a memoryview is a TypeError "
+          "(vLLM's rule: the plugin's lookup then runs vLLM's own).");
     m.def("lookup_key_blob", &lookup_key_blob, py::arg("prefixes"), py::arg("hashes"), py::arg("hash_len") = py::none(),
           "(blob, offsets): build_lookup_keys' keys as one UTF-8 bytes blob cut at n + 1 int64 offsets.");
     m.def("reduce_exists", &reduce_exists, py::arg("results"), py::arg("widths"));

@@ -38,9 +38,11 @@ def build_keys(prefix: str, hashes: Hashes, hash_len: int | None = None) -> list
 
 
 def build_lookup_keys(prefixes: Sequence[str], hashes: Hashes, hash_len: int | None = None) -> list[str]:
-    """Every hash under every prefix: hash-major, then prefixes in the given order (docs/address-rows.md, "Keys")."""
+    """Every hash under every prefix: hash-major, then prefixes in the given order (docs/address-rows.md, "Keys").
+    Any bytes-like hash is read, as by :func:`build_keys` (the vLLM plugin's lookup takes only vLLM's hash
+    types, docs/keys.md)."""
     data, length = _unwrap(hashes, hash_len)
-    return _native.build_lookup_keys(prefixes, data, length)
+    return _native.build_lookup_keys(prefixes, data, length, any_buffer=True)
 
 
 class SpecKind(str, Enum):
