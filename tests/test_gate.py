@@ -3,6 +3,7 @@ releases nothing under a call in flight."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -70,3 +71,36 @@ def test_close_in_one_call_is_true_once_and_false_for_every_later_caller() -> No
     gate = CallGate("test")
     assert gate.close(timeout=1.0) is True and gate.state is GateState.CLOSED
     assert gate.close(timeout=1.0) is False
+
+
+def test_a_forked_child_is_refused_at_once_and_releases_nothing() -> None:
+    """Issue 39 item 5: the gate notes the process that opened it; in a fork, a call and a close raise
+    StoreClosedError naming both processes (Mooncake's client would hang there, and a close would tear down
+    what the parent still uses). A gate never opened, or already closed, has nothing to refuse."""
+    opened, later, closed = CallGate("Thing"), CallGate("Later", ready=False), CallGate("Gone")
+    closed.close()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without any cleanup
+        lines = []
+        for what in (lambda: opened.admitted().__enter__(), opened.begin_close, closed.begin_close):
+            try:
+                lines.append(f"ok {what()}")
+            except StoreClosedError as exc:
+                lines.append(str(exc))
+        later.open()
+        with later.admitted():
+            lines.append(f"later {later.pid == os.getpid()}")
+        os.write(write, "\n".join(lines).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        lines = pipe.read().split("\n")
+    parent = os.getpid()
+    refusal = f"Thing was opened in process {parent}; this is process {pid}, a fork of it"
+    assert lines[0].startswith(refusal) and lines[1].startswith(refusal), lines
+    assert lines[2:] == ["ok False", "later True"], lines
+    assert opened.state is GateState.READY and opened.pid == parent
+    with opened.admitted():
+        assert opened.in_flight == 1

@@ -1265,3 +1265,68 @@ def test_a_pinned_port_is_read_after_an_ipv6_address() -> None:
     assert not store_module._has_port("10.0.0.1")
     assert not store_module._has_port("[::1]")
     assert not store_module._has_port("::1")
+
+
+def _in_a_fork(calls: Callable[[], list[str]], timeout: float = 20.0) -> list[str] | None:
+    """``calls()`` run in a forked child; what it returned (one line per call), or None when the child did not
+    answer within ``timeout`` (it is killed). The child leaves with ``os._exit``: no atexit, no finalizer."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        try:
+            lines = calls()
+        except BaseException as exc:  # reported to the parent
+            lines = [f"child raised {type(exc).__name__}: {exc}"]
+        os.write(write, json.dumps(lines).encode())
+        os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                with os.fdopen(read, "rb") as pipe:
+                    answer: list[str] = json.loads(pipe.read() or b"null")
+                return answer
+            time.sleep(0.05)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(read)
+        return None
+    except BaseException:
+        os.kill(pid, 9)
+        raise
+
+
+@pytest.mark.mooncake
+def test_a_store_used_in_a_forked_child_is_refused_at_once(store: MooncakeStore, key_prefix: str) -> None:
+    """Issue 39 item 5: Mooncake's client hangs in a fork of the process that set it up. The gate notes the pid
+    at set-up: every call, and close(), in another process is refused at once with StoreClosedError naming the
+    fork; health_check says NOT_READY; nothing reaches Mooncake, and the parent's store works on."""
+
+    def calls() -> list[str]:
+        lines = []
+        for name, call in (
+            ("batch_is_exist", lambda: store.batch_is_exist([f"{key_prefix}-a"])),
+            ("batch_remove", lambda: store.batch_remove([f"{key_prefix}-a"])),
+            ("close", store.close),
+        ):
+            try:
+                call()
+                lines.append(f"{name}: answered")
+            except StoreClosedError as exc:
+                lines.append(f"{name}: {exc}")
+        lines.append(f"health_check: {store.health_check().name}")
+        return lines
+
+    started = time.monotonic()
+    lines = _in_a_fork(calls)
+    assert lines is not None, "the forked child hung"
+    assert time.monotonic() - started < 10
+    parent = os.getpid()
+    for line in lines[:3]:
+        assert f"MooncakeStore was opened in process {parent}; this is process" in line, lines
+        assert "a fork of it" in line, lines
+    assert lines[3] == "health_check: NOT_READY", lines
+    assert store.ready and store.batch_is_exist([f"{key_prefix}-a"]).codes == (0,)

@@ -1,12 +1,15 @@
 """The one call gate: admits calls while open, and lets ``close`` release nothing under a call in flight.
 
 ``MooncakeStore``, ``KVTransfer`` and the vLLM plugin's store wrappers each hold one (docs/architecture.md).
+It notes the process that opened it: Mooncake's client hangs in a forked child, so a call or a close from
+another process is refused at once (docs/errors.md).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +37,7 @@ class CallGate:
         self._cond = threading.Condition(threading.Lock())
         self._in_flight = 0
         self._state = GateState.READY if ready else GateState.NEW
+        self._pid: int | None = os.getpid() if ready else None  # the process that opened the gate
 
     @property
     def state(self) -> GateState:
@@ -53,13 +57,32 @@ class CallGate:
         with self._cond:
             if self._state is GateState.NEW:
                 self._state = GateState.READY
+                self._pid = os.getpid()
+
+    @property
+    def pid(self) -> int | None:
+        """The process that opened the gate (``None`` before :meth:`open`)."""
+        return self._pid
+
+    def _refuse_forked(self) -> None:
+        # Held objects (Mooncake's client, its threads and sockets, a master) belong to the opening process: in
+        # a forked child a call hangs and a close would tear down the parent's master.
+        pid = os.getpid()
+        if self._pid is not None and pid != self._pid:
+            raise StoreClosedError(
+                f"{self._name} was opened in process {self._pid}; this is process {pid}, a fork of it: "
+                "Mooncake's client does not work after fork(), so nothing is called; set up a new one here"
+            )
 
     @contextmanager
     def admitted(self, *, queued: bool = False) -> Iterator[None]:
         """Hold an in-flight slot for one call. ``StoreClosedError`` before :meth:`open` and once closing began;
-        ``queued``: a job accepted before ``close`` began, which still runs until the gate is released."""
+        ``queued``: a job accepted before ``close`` began, which still runs until the gate is released. In a
+        process other than the one that opened the gate (a fork), ``StoreClosedError`` at once."""
         with self._cond:
             state = self._state
+            if state is not GateState.NEW and state is not GateState.CLOSED:
+                self._refuse_forked()
             if state is not GateState.READY and not (queued and state is GateState.CLOSING):
                 if state is GateState.NEW:
                     raise StoreClosedError(self._not_ready)
@@ -74,13 +97,15 @@ class CallGate:
                     self._cond.notify_all()
 
     def begin_close(self) -> bool:
-        """Admit no new call; False when the gate was already released (or never opened: then it is now)."""
+        """Admit no new call; False when the gate was already released (or never opened: then it is now).
+        ``StoreClosedError`` in a forked child of the process that opened it (nothing of it is released)."""
         with self._cond:
             if self._state is GateState.NEW:
                 self._state = GateState.CLOSED
                 return False
             if self._state is GateState.CLOSED:
                 return False
+            self._refuse_forked()
             self._state = GateState.CLOSING
             return True
 
