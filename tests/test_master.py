@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import re
 import signal
 import socket
 import stat
@@ -19,6 +20,7 @@ import pytest
 
 from kvaddr_testing import wait_until
 from mooncake_kvaddr.driver import master as master_module
+from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.master import (
     EmbeddedMaster,
     MasterError,
@@ -461,3 +463,47 @@ def test_threaded_start_stop_stress_leaves_no_master() -> None:
     assert not errors, errors
     assert all(not m.alive for m in masters)
     assert master_children() - before == set()
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "-rpc_address=0.0.0.0",
+        "--rpc_address=0.0.0.0",
+        "-rpc_interface=eth0",  # its IPv4 address would override rpc_address, wherever that flag stands
+        "-rpc_port=50051",
+        "--metrics_host=::",
+        "-metrics-port=9003",
+        "-http_metadata_server_host=0.0.0.0",
+        "-flagfile=/tmp/flags",  # could set any of the above
+        "--fromenv=rpc_address",
+    ],
+)
+def test_extra_flags_that_move_the_master_off_loopback_are_refused(arg: str) -> None:
+    """Issue 39 item 6: extra flags came after the loopback ones, so (gflags: the last one wins) an
+    ``-rpc_address=`` there made the embedded master listen elsewhere. Now refused, naming the argument, in
+    EmbeddedMaster and in StoreConfig.master_args alike."""
+    with pytest.raises(ValueError, match=rf"extra_args: '{re.escape(arg)}' sets "):
+        EmbeddedMaster(extra_args=[arg])
+    with pytest.raises(ValueError, match=rf"master_args: '{re.escape(arg)}' sets "):
+        StoreConfig(master_args=(arg,))
+
+
+@pytest.mark.parametrize("arg", ["--", "-enable_ha", "positional", "-=1", "---rpc_address=0.0.0.0"])
+def test_extra_arguments_must_each_be_one_name_value_flag(arg: str) -> None:
+    """``--`` or a positional argument ends gflags' flag parsing (the loopback flags after it would be
+    ignored), and a bare ``-name`` may take the next argument as its value."""
+    with pytest.raises(ValueError, match=r"is not one '-name=value' flag"):
+        EmbeddedMaster(extra_args=[arg])
+
+
+def test_the_loopback_flags_come_last() -> None:
+    master = EmbeddedMaster(rpc_port=50051, metrics_port=50052, extra_args=["-default_kv_lease_ttl=2000", "--a=b"])
+    command = master._command(Path("mooncake_master"))
+    assert command[-4:] == ["-rpc_address=127.0.0.1", "-rpc_port=50051", "-metrics_host=127.0.0.1",
+                            "-metrics_port=50052"]  # fmt: skip
+    assert command.index("--a=b") < len(command) - 4
+    assert StoreConfig(master_args=["-client_ttl=5", "--eviction_ratio=0.1"]).master_args == (
+        "-client_ttl=5",
+        "--eviction_ratio=0.1",
+    )

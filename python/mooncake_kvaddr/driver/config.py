@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from mooncake_kvaddr.driver.master import check_master_args
 from mooncake_kvaddr.driver.values import (
     check_bool,
     check_int,
@@ -174,7 +175,9 @@ class StoreConfig:
     build is verified for it; otherwise (or ``False``, or ``MOONCAKE_KVADDR_NATIVE_CLIENT=0``) the bound
     Python methods. Results are the same either way (``docs/native-client.md``, "In the driver")."""
     master_args: tuple[str, ...] = ()
-    """Extra command-line flags for the embedded master, e.g. ``("-default_kv_lease_ttl=2000",)``."""
+    """Extra command-line flags for the embedded master, e.g. ``("-default_kv_lease_ttl=2000",)``: each one
+    ``-name=value``, none that sets where the master listens (refused with ``ValueError``, see
+    :func:`~mooncake_kvaddr.driver.master.check_master_args`); the loopback flags come after them."""
     transfer_mode: str = "auto"
     """How KVTransfer moves keys with several regions: ``"auto"``, ``"staged"`` or ``"multi_buffer"``
     (see :data:`TRANSFER_MODES`). One-region layouts always use the contiguous calls unless
@@ -253,7 +256,7 @@ class StoreConfig:
         args = self.master_args
         if isinstance(args, str) or not isinstance(args, (list, tuple)):
             raise TypeError(f"master_args: expected a list of strings, got {type(args).__name__}")
-        put("master_args", tuple(check_str("master_args[]", a) for a in args))
+        put("master_args", check_master_args("master_args", tuple(check_str("master_args[]", a) for a in args)))
 
     # ------------------------------------------------------------------ derived values
 

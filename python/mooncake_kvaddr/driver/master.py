@@ -32,8 +32,10 @@ from mooncake_kvaddr.driver.process import (
 
 __all__ = [
     "MOONCAKE_VARIANTS",
+    "RESERVED_MASTER_FLAGS",
     "EmbeddedMaster",
     "MasterError",
+    "check_master_args",
     "find_master_binary",
     "free_ports",
     "mooncake_install_hint",
@@ -121,7 +123,9 @@ class EmbeddedMaster:
         Args:
             rpc_port, metrics_port: fixed ports (1..65535, different from each other); ``None`` picks free
                 ones on each start attempt.
-            extra_args: extra ``-flag=value`` arguments for the master.
+            extra_args: extra ``-flag=value`` arguments for the master, placed before the loopback flags. A
+                flag that decides where the master listens or loads flags from elsewhere is refused
+                (:func:`check_master_args`).
             start_timeout_s: bound on the wait for readiness.
             binary: master executable (default: the one in the Mooncake wheel).
             log_level: glog ``-minloglevel`` (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL); the log goes to a private
@@ -133,6 +137,7 @@ class EmbeddedMaster:
         for arg in extra_args:
             if not isinstance(arg, str):
                 raise TypeError(f"extra_args: expected strings, got {type(arg).__name__}")
+        check_master_args("extra_args", extra_args)
         _check_port("rpc_port", rpc_port)
         _check_port("metrics_port", metrics_port)
         if rpc_port is not None and rpc_port == metrics_port:
@@ -308,15 +313,16 @@ class EmbeddedMaster:
     def _command(self, binary: Path) -> list[str]:
         return [
             str(binary),
-            f"-rpc_address={LOOPBACK}",
-            f"-rpc_port={self.rpc_port}",
-            f"-metrics_host={LOOPBACK}",
-            f"-metrics_port={self.metrics_port}",
             # The default spawns one RPC thread per core; two suffice for a handful of local clients.
             "-rpc_thread_num=2",
             "-logtostderr=1",
             f"-minloglevel={self._log_level}",
             *self._extra_args,
+            # Last (gflags: the last one wins), and refused in extra_args anyway: the master listens on loopback.
+            f"-rpc_address={LOOPBACK}",
+            f"-rpc_port={self.rpc_port}",
+            f"-metrics_host={LOOPBACK}",
+            f"-metrics_port={self.metrics_port}",
         ]
 
     def _launch(self, binary: Path) -> None:
@@ -378,6 +384,46 @@ class EmbeddedMaster:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
+
+
+#: Master flags extra arguments may not set: where it listens (the embedded master is loopback only, on ports
+#: this package picks) and the gflags flags that load other flags from a file or the environment.
+RESERVED_MASTER_FLAGS: Final = frozenset(
+    {
+        "rpc_address",
+        "rpc_interface",
+        "rpc_port",
+        "port",
+        "metrics_host",
+        "metrics_port",
+        "enable_http_metadata_server",
+        "http_metadata_server_host",
+        "http_metadata_server_port",
+        "kv_events_bind_endpoint",
+        "flagfile",
+        "fromenv",
+        "tryfromenv",
+    }
+)
+
+
+def check_master_args(field: str, args: Sequence[str]) -> tuple[str, ...]:
+    """``args`` (strings, checked by the caller) if each is one ``-name=value`` (or ``--name=value``) flag the
+    embedded master may take; else ``ValueError`` naming ``field``. Refused: a bare ``-name`` (gflags may take
+    the next argument as its value), ``--`` or a positional argument (which end flag parsing), and the
+    :data:`RESERVED_MASTER_FLAGS`."""
+    for arg in args:
+        body = arg[2:] if arg.startswith("--") else arg[1:] if arg.startswith("-") else ""
+        name, equals, _ = body.partition("=")
+        if not name or not equals or name.startswith("-"):
+            raise ValueError(f"{field}: {arg!r} is not one '-name=value' flag (write booleans as -name=true)")
+        if name.replace("-", "_") in RESERVED_MASTER_FLAGS:
+            raise ValueError(
+                f"{field}: {arg!r} sets {name}, which the embedded master does not take: it listens on "
+                f"{LOOPBACK} only, on ports it picks, and reads no flags from elsewhere (a deployment that needs "
+                "another address runs its own mooncake_master)"
+            )
+    return tuple(args)
 
 
 def _check_port(name: str, port: object) -> None:
