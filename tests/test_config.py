@@ -595,13 +595,17 @@ def test_one_on_off_reader_for_every_switch() -> None:
     from mooncake_kvaddr.core.flags import flag
 
     for default in (False, True):
-        assert flag(None, default) is default
         for on in ("1", "true", "TRUE", " on ", "Yes", True, 1):
-            assert flag(on, default) is True
+            assert flag(on, default, "VAR") is True
         for off in ("0", "false", "Off", " no", False, 0):
-            assert flag(off, default) is False
-        for neither in ("", "2", "maybe", "enabled"):
-            assert flag(neither, default) is default
+            assert flag(off, default, "VAR") is False
+        for unset in (None, "", "  "):
+            assert flag(unset, default, "VAR") is default
+        # Neither on nor off: refused with the setting named (issue 39 item 4), never read as the default.
+        for neither in ("2", "maybe", "enabled", 2, 1.0):
+            with pytest.raises(ValueError, match=r"^VAR=.* is neither on nor off: use one of 1, on, true, yes"):
+                flag(neither, default, "VAR")
+            assert flag(neither, True, "VAR", or_off="mooncake_kvaddr.test") is False
 
 
 def test_an_int_field_out_of_range_names_its_bound_open_or_closed() -> None:

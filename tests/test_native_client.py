@@ -189,6 +189,20 @@ def test_turned_off_by_env(raw_store: Any, monkeypatch: pytest.MonkeyPatch, capl
     assert [r.getMessage() for r in caplog.records] == [f"native Mooncake client off: {reason}"]
 
 
+def test_a_switch_that_is_neither_on_nor_off_turns_it_off_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 39 item 4: ``disabled`` read as the default, on. Now off (the bound methods always work), with a
+    warning naming the variable; ``unverified`` stays a value of its own."""
+    monkeypatch.setenv(ENV_VAR, "disabled")
+    with caplog.at_level("WARNING", logger=nc_module.__name__):
+        native, reason = NativeClient.probe(object())
+    assert native is None and reason.startswith(f"{ENV_VAR}='disabled' is neither on nor off"), reason
+    assert [r.getMessage() for r in caplog.records] == [f"native Mooncake client off: {reason} (or unverified)"]
+    monkeypatch.setenv(ENV_VAR, " Unverified ")
+    assert "MooncakeDistributedStore" in NativeClient.probe(object())[1]  # past the switch
+
+
 def test_unverified_version_stays_off_unless_asked(raw_store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)  # the wheel matrix may run with it set to "unverified"
     monkeypatch.setattr(nc_module, "mooncake_distribution", lambda: ("mooncake-transfer-engine", "9.9.9"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -328,12 +329,82 @@ def test_restoring_puts_vllms_attributes_back_and_signature_checks_name_what_dif
 
 
 def test_staging_bytes_must_be_positive() -> None:
-    for raw in ("0", "-1"):
-        with pytest.raises(ValueError, match="must be > 0"):
-            transports.staged_settings({}, {transports.ENV_STAGING_BYTES: raw})
+    with pytest.raises(ValueError, match="must be > 0"):
+        transports.staged_settings({}, {transports.ENV_STAGING_BYTES: "0"})
+    with pytest.raises(ValueError, match=f"{transports.ENV_STAGING_BYTES}: cannot parse size '-1'"):
+        transports.staged_settings({}, {transports.ENV_STAGING_BYTES: "-1"})
     with pytest.raises(ValueError, match="must be > 0"):
         transports.staged_settings({transports.EXTRA_STAGING_BYTES: 0}, {})
     assert transports.staged_settings({}, {transports.ENV_STAGING_BYTES: "1"}) == (False, 1)
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        (True, TypeError),  # JSON true: was 1 byte, a pool of no slot and every put silently unstaged
+        (1.9, ValueError),  # was 1
+        ("\uff11\uff12\uff18", ValueError),  # full-width digits: int() read 128
+        (float("inf"), ValueError),  # was a bare OverflowError naming nothing
+        ("inf", ValueError),
+    ],
+)
+def test_staging_bytes_are_parsed_by_store_configs_size_parser(raw: object, error: type[Exception]) -> None:
+    """Issue 39 item 3: the one byte-count parser ``StoreConfig`` uses (driver/values.py ``parse_size``), with
+    the key or variable the value came from named; a unit is taken as there."""
+    key = f"kv_connector_extra_config['{transports.EXTRA_STAGING_BYTES}']"
+    with pytest.raises(error, match=re.escape(key)):
+        transports.staged_settings({transports.EXTRA_STAGING_BYTES: raw}, {})
+    if isinstance(raw, str):
+        with pytest.raises(error, match=transports.ENV_STAGING_BYTES):
+            transports.staged_settings({}, {transports.ENV_STAGING_BYTES: raw})
+    assert transports.staged_settings({transports.EXTRA_STAGING_BYTES: "64 MiB"}, {}) == (False, 64 << 20)
+    assert transports.staged_settings({transports.EXTRA_STAGING_BYTES: 4096.0}, {}) == (False, 4096)
+
+
+def test_on_off_settings_that_are_neither_are_refused_with_their_name() -> None:
+    """Issue 39 item 4: ``"enabled"`` left staging off and ``"disabled"`` the native client on, without a word."""
+    extra_staged = f"kv_connector_extra_config['{transports.EXTRA_STAGED}']"
+    with pytest.raises(ValueError, match=re.escape(f"{extra_staged}='enabled' is neither on nor off")):
+        transports.staged_settings({transports.EXTRA_STAGED: "enabled"}, {})
+    with pytest.raises(ValueError, match=f"{transports.ENV_STAGED}='2'"):
+        transports.staged_settings({transports.EXTRA_STAGED: True}, {transports.ENV_STAGED: "2"})
+    with pytest.raises(ValueError, match=f"{transports.ENV_NATIVE_CLIENT}='disabled'"):
+        transports.native_client_setting({}, {transports.ENV_NATIVE_CLIENT: "disabled"})
+    with pytest.raises(ValueError, match=re.escape(f"['{transports.EXTRA_NATIVE_CLIENT}']=2 is neither")):
+        transports.native_client_setting({transports.EXTRA_NATIVE_CLIENT: 2}, {})
+    assert transports.staged_settings({transports.EXTRA_STAGED: "Yes"}, {transports.ENV_STAGED: " "})[0] is True
+    assert transports.native_client_setting({transports.EXTRA_NATIVE_CLIENT: False}, {}) is False
+
+
+@pytest.mark.vllm
+def test_a_plugin_switch_that_is_neither_warns_once_and_stays_off(
+    data: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``MOONCAKE_KVADDR_VLLM_PLUGIN=disabled`` left the plugin on (issue 39 item 4). register() never raises
+    into vLLM: one warning naming the variable, and vLLM stays untouched (the safe side). The handlers' and the
+    lookup's switches likewise read off with one warning each."""
+    monkeypatch.setenv(plugin.ENV_PLUGIN, "disabled")
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
+        plugin.register()
+    assert not plugin.is_patched()
+    assert data.RankLocalStoreLayout.prepare_values is not vllm_layouts._rank_local_prepare_values
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"{plugin.ENV_PLUGIN}='disabled' is neither on nor off" in warnings[0], warnings
+    from mooncake_kvaddr.integrations.vllm import lookup, receive, send
+
+    for enabled, name in (
+        (receive.receive_enabled, receive.ENV_RECV),
+        (send.send_enabled, send.ENV_SEND),
+        (lookup.lookup_enabled, lookup.ENV_LOOKUP),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vllm.mooncake_kvaddr"):
+            assert enabled({name: "enabled"}) is False
+            assert enabled({name: "1"}) is True and enabled({}) is True
+        assert [r.getMessage() for r in caplog.records] == [
+            f"mooncake_kvaddr: {name}='enabled' is neither on nor off: use one of 1, on, true, yes or 0, false, "
+            "no, off; switched off"
+        ]
 
 
 def test_the_environments_staging_bytes_win_over_the_extra_config() -> None:
@@ -873,7 +944,7 @@ def test_device_caches_are_passed_through(monkeypatch: pytest.MonkeyPatch) -> No
     assert isinstance(plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, {plugin.EXTRA_STAGED: True}),
                       StagedMooncakeStore)  # fmt: skip
     assert plugin.maybe_stage_store(inner, {"a": tensor("cpu")}, {}) is inner
-    with pytest.raises(ValueError, match="byte count"):
+    with pytest.raises(ValueError, match="cannot parse size 'lots'"):
         plugin.staged_settings({plugin.EXTRA_STAGING_BYTES: "lots"}, {})
 
 

@@ -43,7 +43,7 @@ INTERRUPTED_LINE: Final = "interrupted"
 
 def verbose_requested(given: bool) -> bool:
     """True if ``--verbose`` was given or ``$MOONCAKE_KVADDR_VERBOSE`` is set to a true value."""
-    return given or flag(os.environ.get(VERBOSE_ENV), False)
+    return given or flag(os.environ.get(VERBOSE_ENV), False, VERBOSE_ENV)
 
 
 class NativeLog:

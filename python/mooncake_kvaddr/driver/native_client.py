@@ -219,9 +219,15 @@ class NativeClient:
 
     @classmethod
     def _open(cls, store: Any, symbol_overrides: dict[str, str] | None) -> NativeClient:
-        setting = os.environ.get(ENV_VAR, "").strip().lower()
-        if not flag(setting or None, True):
-            raise NativeClientUnavailable(f"disabled by {ENV_VAR}={os.environ[ENV_VAR]}")
+        raw = os.environ.get(ENV_VAR)
+        setting = (raw or "").strip().lower()
+        try:
+            wanted = setting == _UNVERIFIED or flag(raw, True, ENV_VAR)
+        except ValueError as exc:  # the bound methods always work: an unreadable switch is off, said loudly
+            logger.warning("native Mooncake client off: %s (or %s)", exc, _UNVERIFIED)
+            raise NativeClientUnavailable(str(exc)) from None
+        if not wanted:
+            raise NativeClientUnavailable(f"disabled by {ENV_VAR}={raw}")
         if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
             raise NativeClientUnavailable(
                 f"implemented for x86-64 Linux only (this is {sys.platform}/{platform.machine()})"

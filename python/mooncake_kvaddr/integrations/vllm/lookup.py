@@ -47,8 +47,9 @@ _MODULE_NAMES = ("MooncakeLookupResult", "ExternalCachedBlockPool", "cdiv", "log
 
 
 def lookup_enabled(environ: Mapping[str, str]) -> bool:
-    """False when :data:`ENV_LOOKUP` turns the replacement off (on by default with the plugin)."""
-    return flag(environ.get(ENV_LOOKUP), True)
+    """False when :data:`ENV_LOOKUP` turns the replacement off (on by default with the plugin), or spells
+    neither on nor off (one warning naming it)."""
+    return flag(environ.get(ENV_LOOKUP), True, ENV_LOOKUP, or_off="vllm.mooncake_kvaddr")
 
 
 def check_shape(worker: ModuleType) -> str:

@@ -112,7 +112,9 @@ class PatchReport:
 
 
 def _disabled_by_env(environ: Mapping[str, str]) -> bool:
-    return not flag(environ.get(ENV_PLUGIN), True)
+    """True when :data:`ENV_PLUGIN` turns the plugin off, or spells neither on nor off (one warning naming it:
+    register() never raises into vLLM, and a value it cannot read leaves vLLM untouched)."""
+    return not flag(environ.get(ENV_PLUGIN), True, ENV_PLUGIN, or_off=logger.name)
 
 
 # --- patching ---------------------------------------------------------------------------------------------------

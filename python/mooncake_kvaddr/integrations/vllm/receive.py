@@ -46,8 +46,9 @@ ENV_RECV = "MOONCAKE_KVADDR_VLLM_RECV"
 
 
 def receive_enabled(environ: Mapping[str, str]) -> bool:
-    """False when :data:`ENV_RECV` turns the replacement handler off (on by default with the plugin)."""
-    return flag(environ.get(ENV_RECV), True)
+    """False when :data:`ENV_RECV` turns the replacement handler off (on by default with the plugin), or spells
+    neither on nor off (one warning naming it)."""
+    return flag(environ.get(ENV_RECV), True, ENV_RECV, or_off="vllm.mooncake_kvaddr")
 
 
 # --- planning ----------------------------------------------------------------------------------------------

@@ -34,8 +34,9 @@ ENV_SEND = "MOONCAKE_KVADDR_VLLM_SEND"
 
 
 def send_enabled(environ: Mapping[str, str]) -> bool:
-    """False when :data:`ENV_SEND` turns the replacement send handler off (on by default with the plugin)."""
-    return flag(environ.get(ENV_SEND), True)
+    """False when :data:`ENV_SEND` turns the replacement send handler off (on by default with the plugin), or
+    spells neither on nor off (one warning naming it)."""
+    return flag(environ.get(ENV_SEND), True, ENV_SEND, or_off="vllm.mooncake_kvaddr")
 
 
 #: The send handler's counters (updated under a lock: several send threads may share the handler).

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mooncake_kvaddr.core.flags import flag
+from mooncake_kvaddr.driver.values import parse_size
 from mooncake_kvaddr.integrations.vllm.registry import replace_attribute, static_attribute
 
 __all__ = [
@@ -67,18 +68,29 @@ def staged_settings(
     extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
 ) -> tuple[bool, int]:
     """``(staged transport requested, staging bytes)`` from the environment (wins) and the connector's
-    ``kv_connector_extra_config``."""
+    ``kv_connector_extra_config``. A switch that is neither on nor off, or staging bytes that are not a byte
+    count (``StoreConfig``'s parser), raise ``ValueError``/``TypeError`` naming the variable or key."""
     env = os.environ if environ is None else environ
     extra = extra_config or {}
-    wanted = flag(env.get(ENV_STAGED, extra.get(EXTRA_STAGED)), False)
-    raw = env.get(ENV_STAGING_BYTES, extra.get(EXTRA_STAGING_BYTES, DEFAULT_STAGING_BYTES))
-    try:
-        nbytes = int(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{ENV_STAGING_BYTES}/{EXTRA_STAGING_BYTES} must be a byte count, got {raw!r}") from None
+    staged, staged_name = _setting(env, ENV_STAGED, extra, EXTRA_STAGED)
+    wanted = flag(staged, False, staged_name)
+    raw, name = _setting(env, ENV_STAGING_BYTES, extra, EXTRA_STAGING_BYTES)
+    # StoreConfig's own size parser: an int, a whole float or "256MiB"; a bool, 1.9, inf or non-ASCII digits
+    # are refused (TypeError/ValueError naming the variable or key).
+    nbytes = parse_size(DEFAULT_STAGING_BYTES if raw is None else raw, name)
     if nbytes <= 0:
-        raise ValueError(f"{ENV_STAGING_BYTES}/{EXTRA_STAGING_BYTES} must be > 0, got {nbytes}")
+        raise ValueError(f"{name} must be > 0, got {nbytes}")
     return wanted, nbytes
+
+
+def _setting(
+    env: Mapping[str, str], variable: str, extra: Mapping[str, Any], key: str
+) -> tuple[object, str]:
+    """``(value, where it came from)``: the environment variable when set and not blank (it wins), else the
+    extra-config key."""
+    if env.get(variable, "").strip():
+        return env[variable], variable
+    return extra.get(key), f"kv_connector_extra_config[{key!r}]"
 
 
 def native_client_setting(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
@@ -87,7 +99,8 @@ def native_client_setting(extra_config: Mapping[str, Any] | None, environ: Mappi
     wrapper only calls Mooncake's C++ client where that client was verified for the installed Mooncake, and
     passes every call to Mooncake's own method otherwise (docs/vllm-plugin.md, "Native-client transport")."""
     env = os.environ if environ is None else environ
-    return flag(env.get(ENV_NATIVE_CLIENT, (extra_config or {}).get(EXTRA_NATIVE_CLIENT)), True)
+    value, name = _setting(env, ENV_NATIVE_CLIENT, extra_config or {}, EXTRA_NATIVE_CLIENT)
+    return flag(value, True, name)
 
 
 def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any] | None) -> Any:
