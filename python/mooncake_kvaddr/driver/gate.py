@@ -2,7 +2,7 @@
 
 ``MooncakeStore``, ``KVTransfer`` and the vLLM plugin's store wrappers each hold one (docs/architecture.md).
 It notes the process that opened it: Mooncake's client hangs in a forked child, so a call or a close from
-another process is refused at once (docs/errors.md).
+another process is refused at once (docs/configuration.md, section 10).
 """
 
 from __future__ import annotations
