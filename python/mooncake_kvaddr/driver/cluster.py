@@ -1,0 +1,555 @@
+"""An embedded Mooncake HA cluster on loopback (:class:`EmbeddedCluster`): one etcd and several HA masters.
+
+Mooncake's masters elect their leader through etcd and clients name the cluster as ``etcd://host:port``.
+The failover tests, the failover benchmark and ``demo --cluster`` need such a cluster that they can start,
+ask who leads, break (SIGKILL the leader) and stop without leaking a process; this is it, everything on
+127.0.0.1 (docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Final
+
+from mooncake_kvaddr.driver.master import MasterError, find_master_binary, free_ports, pdeathsig_preexec
+from mooncake_kvaddr.driver.process import LOOPBACK, STDERR_TAIL_BYTES, ChildProcess, Spawner, owns_listener
+
+__all__ = [
+    "ETCD_PACKAGE",
+    "ClusterError",
+    "EmbeddedCluster",
+    "EmbeddedEtcd",
+    "HaMaster",
+    "MasterStatus",
+    "etcd_install_hint",
+    "find_etcd_binary",
+]
+
+#: The Debian/Ubuntu package that provides ``/usr/bin/etcd`` (3.4 on Debian 12).
+ETCD_PACKAGE: Final = "etcd-server"
+_ETCD_PATH: Final = "/usr/bin/etcd"
+_PORT_ATTEMPTS: Final = 3
+_POLL_S: Final = 0.05
+# A master the cluster stops goes down within about a second on SIGTERM; etcd within two.
+_STOP_GRACE_S: Final = 10.0
+
+
+class ClusterError(MasterError):
+    """etcd or a master of the cluster could not be found, started, or did not become ready."""
+
+
+def etcd_install_hint() -> str:
+    """How to get etcd: the Debian package and the binary it installs."""
+    return (
+        f"etcd is not installed (no 'etcd' on PATH): on Debian/Ubuntu run 'apt-get install {ETCD_PACKAGE}' "
+        f"(it provides {_ETCD_PATH}), or pass etcd_binary= the path of an etcd 3.4 or newer"
+    )
+
+
+def find_etcd_binary() -> Path:
+    """Path of the ``etcd`` server on ``PATH``; :class:`ClusterError` naming the package when there is none."""
+    found = shutil.which("etcd")
+    if found is None:
+        raise ClusterError(etcd_install_hint())
+    return Path(found)
+
+
+@dataclass(frozen=True)
+class MasterStatus:
+    """What an HA master's ``/health`` answers: its role, whether it serves, and whom it sees leading."""
+
+    role: str  # "leader" or "standby"
+    ha_state: str  # "serving", "standby", "leader_warmup", ...
+    service_ready: bool
+    leader_address: str  # "host:port" of the leader this master knows of ("" if none)
+    view_version: int  # bumped by every election
+
+    @property
+    def serving(self) -> bool:
+        """This master leads and answers clients."""
+        return self.role == "leader" and self.service_ready
+
+
+def _http_get(port: int, path: str, timeout: float = 0.5) -> tuple[int, bytes] | None:
+    # http.client, not urllib: urllib honours proxy variables, which must never see loopback probes.
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def _master_status(port: int) -> MasterStatus | None:
+    answer = _http_get(port, "/health")
+    if answer is None or answer[0] != 200:
+        return None
+    try:
+        body = json.loads(answer[1])
+        return MasterStatus(
+            role=str(body["role"]),
+            ha_state=str(body.get("ha_state", "")),
+            service_ready=bool(body.get("service_ready", False)),
+            leader_address=str(body.get("leader_address", "")),
+            view_version=int(body.get("view_version", 0)),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None  # a master without HA answers plain text, not this JSON
+
+
+class _Process:
+    """One child of the cluster: its command, log file and process, started and stopped on fixed ports."""
+
+    def __init__(self, name: str, state: ChildProcess) -> None:
+        self.name = name
+        self.state = state
+
+    @property
+    def pid(self) -> int | None:
+        popen = self.state.popen
+        return popen.pid if popen is not None and popen.poll() is None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.pid is not None
+
+    def spawn(self, command: Sequence[str]) -> None:
+        preexec = pdeathsig_preexec()
+        with self.state.lock:
+            if self.state.stderr is None:
+                # A file, not a pipe: nobody drains a pipe while the child runs.
+                self.state.stderr = tempfile.TemporaryFile(prefix=f"{self.name}_", suffix=".log")
+            else:
+                self.state.stderr.seek(0)
+                self.state.stderr.truncate()
+            log = self.state.stderr
+
+            def make() -> subprocess.Popen[bytes]:
+                return subprocess.Popen(
+                    list(command),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    close_fds=True,
+                    preexec_fn=preexec,
+                )
+
+            self.state.popen = Spawner.spawn(make)
+
+    def wait_ready(self, ready: Callable[[int], bool], timeout_s: float, what: str) -> None:
+        """Poll ``ready(pid)`` until true; :class:`_EarlyExit` if the child exits, ClusterError at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            popen = self.state.popen
+            assert popen is not None
+            if popen.poll() is not None:
+                raise _EarlyExit(
+                    f"{self.name} exited with code {popen.returncode} during startup ({what}); "
+                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
+                )
+            if ready(popen.pid):
+                return
+            if time.monotonic() >= deadline:
+                self.state.stop(kill=True)
+                raise ClusterError(
+                    f"{self.name} (pid {popen.pid}) not ready after {timeout_s:.1f} s ({what}); "
+                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
+                )
+            time.sleep(_POLL_S)
+
+    def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
+        return self.state.stderr_tail(limit)
+
+
+class EmbeddedEtcd:
+    """A single-member etcd on 127.0.0.1 with its data in a private temporary directory."""
+
+    def __init__(self, process: _Process, binary: Path, data_dir: Path) -> None:
+        self._process = process
+        self._binary = binary
+        self._data_dir = data_dir
+        self.client_port = 0
+        self.peer_port = 0
+
+    @property
+    def endpoint(self) -> str:
+        """``"127.0.0.1:<client port>"``: what the masters' ``-etcd_endpoints`` and clients' ``etcd://`` name."""
+        return f"{LOOPBACK}:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process.alive
+
+    def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
+        return self._process.stderr_tail(limit)
+
+    def healthy(self) -> bool:
+        """etcd answers ``{"health": "true"}`` on its client port."""
+        answer = _http_get(self.client_port, "/health")
+        if answer is None or answer[0] != 200:
+            return False
+        with contextlib.suppress(ValueError, AttributeError):
+            return str(json.loads(answer[1]).get("health")) == "true"
+        return False
+
+    def start(self, timeout_s: float) -> None:
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            self.client_port, self.peer_port = free_ports(2)
+            peer = f"http://{LOOPBACK}:{self.peer_port}"
+            client = f"http://{LOOPBACK}:{self.client_port}"
+            # A fresh member directory per attempt: a half-initialised one names the old peer URL.
+            shutil.rmtree(self._data_dir / "member", ignore_errors=True)
+            self._process.spawn(
+                [
+                    str(self._binary),
+                    "--name=mooncake-kvaddr",
+                    f"--data-dir={self._data_dir}",
+                    f"--listen-client-urls={client}",
+                    f"--advertise-client-urls={client}",
+                    f"--listen-peer-urls={peer}",
+                    f"--initial-advertise-peer-urls={peer}",
+                    f"--initial-cluster=mooncake-kvaddr={peer}",
+                    "--initial-cluster-state=new",
+                    "--logger=zap",
+                    "--log-level=warn",
+                ]
+            )
+            try:
+                self._process.wait_ready(
+                    lambda pid: self.healthy() and owns_listener(pid, self.client_port),
+                    timeout_s,
+                    f"client port {self.client_port}, peer port {self.peer_port}",
+                )
+                return
+            except _EarlyExit as exc:  # usually a port taken between free_ports() and etcd's bind: retry
+                if attempt == _PORT_ATTEMPTS:
+                    raise ClusterError(str(exc)) from None
+        raise AssertionError("unreachable")
+
+
+class HaMaster:
+    """One ``mooncake_master -enable_ha=true`` of an :class:`EmbeddedCluster`, on fixed loopback ports."""
+
+    def __init__(self, index: int, process: _Process, command: Callable[[int, int], list[str]]) -> None:
+        self.index = index
+        self._process = process
+        self._command = command
+        self.rpc_port = 0
+        self.metrics_port = 0
+
+    @property
+    def rpc_address(self) -> str:
+        """``"127.0.0.1:<rpc port>"``, as the masters publish the leader's address in etcd."""
+        return f"{LOOPBACK}:{self.rpc_port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running master, ``None`` when it is not running."""
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process.alive
+
+    def status(self) -> MasterStatus | None:
+        """Its ``/health`` answer, ``None`` when it does not answer (stopped, starting, killed)."""
+        if not self.alive:
+            return None
+        return _master_status(self.metrics_port)
+
+    def serving(self) -> bool:
+        """It leads, says it is ready, and its own process holds the RPC port clients are sent to."""
+        status = self.status()
+        pid = self.pid
+        return status is not None and status.serving and pid is not None and owns_listener(pid, self.rpc_port)
+
+    def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
+        """The last ``limit`` bytes this master logged."""
+        return self._process.stderr_tail(limit)
+
+    def start(self, timeout_s: float, *, new_ports: bool) -> None:
+        """Start and wait until it answers ``/health`` (as a standby or leader); ``new_ports`` picks ports."""
+        attempts = _PORT_ATTEMPTS if new_ports else 1
+        for attempt in range(1, attempts + 1):
+            if new_ports:
+                self.rpc_port, self.metrics_port = free_ports(2)
+            self._process.spawn(self._command(self.rpc_port, self.metrics_port))
+            try:
+                self._process.wait_ready(
+                    lambda pid: _master_status(self.metrics_port) is not None
+                    and owns_listener(pid, self.metrics_port),
+                    timeout_s,
+                    f"rpc port {self.rpc_port}, metrics port {self.metrics_port}",
+                )
+                return
+            except _EarlyExit as exc:
+                if attempt == attempts:
+                    raise ClusterError(str(exc)) from None
+        raise AssertionError("unreachable")
+
+    def kill(self) -> None:
+        """SIGKILL it (a crash) and reap it. Safe when it is not running."""
+        self._process.state.stop(kill=True)
+
+    def stop(self) -> None:
+        """SIGTERM it, SIGKILL after a bounded grace period."""
+        self._process.state.stop(grace_s=_STOP_GRACE_S)
+
+    def __repr__(self) -> str:
+        state = f"pid={self.pid}" if self.alive else "stopped"
+        return f"HaMaster(#{self.index}, rpc={self.rpc_port}, metrics={self.metrics_port}, {state})"
+
+
+class EmbeddedCluster:
+    """etcd plus ``masters`` HA ``mooncake_master`` processes, all children of this process, on 127.0.0.1.
+
+    Ports are picked free at :meth:`start`. Use as a context manager, or call :meth:`start` and
+    :meth:`close`::
+
+        with EmbeddedCluster(masters=2) as cluster:
+            config = StoreConfig(master_server_address=cluster.master_server_address)
+            killed = cluster.kill_leader()
+            cluster.wait_for_leader()
+            cluster.revive(killed)
+
+    Every process is stopped by :meth:`close`, by garbage collection, at interpreter exit, and when this
+    process dies (``PR_SET_PDEATHSIG``); etcd's data directory is removed with it.
+    """
+
+    def __init__(
+        self,
+        masters: int = 2,
+        *,
+        master_args: Sequence[str] = (),
+        start_timeout_s: float = 30.0,
+        master_binary: str | os.PathLike[str] | None = None,
+        etcd_binary: str | os.PathLike[str] | None = None,
+        log_level: int = 1,
+    ) -> None:
+        """Configure (nothing starts until :meth:`start` or ``with``); every argument is checked here.
+
+        Args:
+            masters: how many HA masters (2..8; one leads, the others stand by).
+            master_args: extra ``-flag=value`` arguments for every master (e.g. ``-enable_oplog=true``).
+            start_timeout_s: bound on each wait: etcd healthy, each master answering, a leader serving.
+            master_binary: ``mooncake_master`` (default: the one in the Mooncake wheel).
+            etcd_binary: ``etcd`` (default: the one on ``PATH``; Debian's ``etcd-server`` package).
+            log_level: the masters' glog ``-minloglevel`` (0 INFO .. 3 FATAL); logs go to private files.
+        """
+        if isinstance(masters, bool) or not isinstance(masters, int) or not 2 <= masters <= 8:
+            raise ValueError(f"masters: must be 2..8 (one leader and its standbys), got {masters!r}")
+        if isinstance(master_args, str) or not isinstance(master_args, Sequence):
+            raise TypeError("master_args: expected a sequence of strings, not one string")
+        for arg in master_args:
+            if not isinstance(arg, str):
+                raise TypeError(f"master_args: expected strings, got {type(arg).__name__}")
+        if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, (int, float)):
+            raise TypeError(f"start_timeout_s: expected seconds, got {type(start_timeout_s).__name__}")
+        if not math.isfinite(start_timeout_s) or start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
+        if isinstance(log_level, bool) or not isinstance(log_level, int) or not 0 <= log_level <= 3:
+            raise ValueError(f"log_level: must be 0..3 (glog INFO..FATAL), got {log_level!r}")
+        self._count = masters
+        self._master_args = tuple(master_args)
+        self._start_timeout_s = float(start_timeout_s)
+        self._master_binary = Path(master_binary) if master_binary is not None else None
+        self._etcd_binary = Path(etcd_binary) if etcd_binary is not None else None
+        self._log_level = log_level
+        self._lifecycle = threading.RLock()
+        self._closed = False
+        self._started = False
+        self._etcd: EmbeddedEtcd | None = None
+        self._masters: list[HaMaster] = []
+        # Everything the finalizer needs, never `self`: the children (masters first) and the data directory.
+        self._children: list[ChildProcess] = []
+        self._data_dir = Path(tempfile.mkdtemp(prefix="mooncake_kvaddr_etcd_"))
+        self._finalizer = weakref.finalize(self, _release, self._children, self._data_dir)
+
+    # ------------------------------------------------------------------ what clients and tests read
+
+    @property
+    def etcd(self) -> EmbeddedEtcd:
+        if self._etcd is None:
+            raise ClusterError("the cluster has not been started yet")
+        return self._etcd
+
+    @property
+    def etcd_endpoint(self) -> str:
+        """``"127.0.0.1:<port>"`` of the cluster's etcd."""
+        return self.etcd.endpoint
+
+    @property
+    def master_server_address(self) -> str:
+        """``"etcd://127.0.0.1:<port>"``: a client's ``master_server_address`` for this cluster."""
+        return f"etcd://{self.etcd_endpoint}"
+
+    @property
+    def masters(self) -> list[HaMaster]:
+        """The masters, in start order (a killed one stays in the list; :meth:`revive` restarts it)."""
+        return list(self._masters)
+
+    def statuses(self) -> list[MasterStatus | None]:
+        """Each master's ``/health`` answer, ``None`` for one that does not answer."""
+        return [m.status() for m in self._masters]
+
+    def leader(self) -> HaMaster | None:
+        """The master that serves now (leads, ready, holds its RPC port), or ``None`` during a failover."""
+        serving = [m for m in self._masters if m.serving()]
+        return serving[0] if len(serving) == 1 else None
+
+    def wait_for_leader(self, timeout_s: float | None = None, *, exclude: HaMaster | None = None) -> HaMaster:
+        """Wait until one master serves (not ``exclude``: the one just killed); ClusterError at the timeout."""
+        limit = self._start_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while True:
+            found = self.leader()
+            if found is not None and found is not exclude:
+                return found
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"no master serves after {limit:.1f} s: statuses {self.statuses()}; "
+                    f"etcd alive={self._etcd is not None and self._etcd.alive}"
+                )
+            time.sleep(_POLL_S)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> EmbeddedCluster:
+        """Start etcd, then the masters, and wait until a leader serves; returns ``self``. Thread-safe."""
+        with self._lifecycle:
+            if self._closed or not self._finalizer.alive:
+                raise ClusterError("this EmbeddedCluster was closed; create a new one")
+            if self._started:
+                return self
+            master_binary = self._master_binary or find_master_binary()
+            etcd_binary = self._etcd_binary or find_etcd_binary()
+            try:
+                etcd = EmbeddedEtcd(self._child("etcd"), etcd_binary, self._data_dir)
+                self._etcd = etcd
+                etcd.start(self._start_timeout_s)
+                for index in range(self._count):
+                    command = self._master_command(master_binary)
+                    master = HaMaster(index, self._child(f"mooncake_master_{index}"), command)
+                    self._masters.append(master)
+                    master.start(self._start_timeout_s, new_ports=True)
+                self.wait_for_leader()
+            except BaseException:
+                self._stop_children()
+                raise
+            self._started = True
+            return self
+
+    def kill_leader(self) -> HaMaster:
+        """SIGKILL the serving master (a crash) and return it; ClusterError when none serves."""
+        with self._lifecycle:
+            leader = self.leader()
+            if leader is None:
+                raise ClusterError(f"no master serves, nothing to kill: statuses {self.statuses()}")
+            leader.kill()
+            return leader
+
+    def revive(self, master: HaMaster) -> None:
+        """Start a stopped master again on its ports; it joins as a standby. No-op if it runs."""
+        with self._lifecycle:
+            if self._closed:
+                raise ClusterError("this EmbeddedCluster was closed")
+            if master not in self._masters:
+                raise ValueError(f"{master!r} is not a master of this cluster")
+            if master.alive:
+                return
+            deadline = time.monotonic() + self._start_timeout_s
+            while True:
+                try:
+                    master.start(self._start_timeout_s, new_ports=False)
+                    return
+                except ClusterError:
+                    # The killed process's sockets may linger for a moment.
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
+
+    def close(self) -> None:
+        """Stop every master, then etcd, and remove etcd's data. Idempotent."""
+        with self._lifecycle:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> EmbeddedCluster:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        etcd = f"etcd={self._etcd.endpoint}" if self._etcd is not None and self._etcd.client_port else "etcd=?"
+        return f"EmbeddedCluster({etcd}, masters={self._masters})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _child(self, name: str) -> _Process:
+        state = ChildProcess()
+        # Masters are stopped before etcd: a master that loses etcd first only logs about it.
+        if name == "etcd":
+            self._children.append(state)
+        else:
+            self._children.insert(0, state)
+        return _Process(name, state)
+
+    def _master_command(self, binary: Path) -> Callable[[int, int], list[str]]:
+        endpoint = self.etcd_endpoint
+
+        def command(rpc_port: int, metrics_port: int) -> list[str]:
+            return [
+                str(binary),
+                "-enable_ha=true",
+                f"-etcd_endpoints={endpoint}",
+                f"-rpc_address={LOOPBACK}",
+                f"-rpc_port={rpc_port}",
+                f"-metrics_host={LOOPBACK}",
+                f"-metrics_port={metrics_port}",
+                "-rpc_thread_num=2",
+                "-logtostderr=1",
+                f"-minloglevel={self._log_level}",
+                *self._master_args,
+            ]
+
+        return command
+
+    def _stop_children(self) -> None:
+        for state in list(self._children):
+            state.stop(grace_s=_STOP_GRACE_S)
+
+
+def _release(children: list[ChildProcess], data_dir: Path) -> None:
+    """Stop every child (masters first, then etcd), close their logs and remove etcd's data directory."""
+    for state in list(children):
+        with contextlib.suppress(Exception):
+            state.release()
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+class _EarlyExit(ClusterError):
+    """A child exited before it was ready (typically a port race); its start may retry with new ports."""
