@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -130,8 +130,9 @@ class _Process:
     def alive(self) -> bool:
         return self.pid is not None
 
-    def spawn(self, command: Sequence[str]) -> None:
+    def spawn(self, command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         preexec = pdeathsig_preexec()
+        child_env = None if not env else {**os.environ, **env}
         with self.state.lock:
             if self.state.stderr is None:
                 # A file, not a pipe: nobody drains a pipe while the child runs.
@@ -149,6 +150,7 @@ class _Process:
                     stderr=log,
                     close_fds=True,
                     preexec_fn=preexec,
+                    env=child_env,
                 )
 
             self.state.popen = Spawner.spawn(make)
@@ -251,10 +253,13 @@ class EmbeddedEtcd:
 class HaMaster:
     """One ``mooncake_master -enable_ha=true`` of an :class:`EmbeddedCluster`, on fixed loopback ports."""
 
-    def __init__(self, index: int, process: _Process, command: Callable[[int, int], list[str]]) -> None:
+    def __init__(
+        self, index: int, process: _Process, command: Callable[[int, int], list[str]], env: Mapping[str, str]
+    ) -> None:
         self.index = index
         self._process = process
         self._command = command
+        self._env = dict(env)
         self.rpc_port = 0
         self.metrics_port = 0
 
@@ -294,7 +299,7 @@ class HaMaster:
         for attempt in range(1, attempts + 1):
             if new_ports:
                 self.rpc_port, self.metrics_port = free_ports(2)
-            self._process.spawn(self._command(self.rpc_port, self.metrics_port))
+            self._process.spawn(self._command(self.rpc_port, self.metrics_port), self._env)
             try:
                 self._process.wait_ready(
                     lambda pid: _master_status(self.metrics_port) is not None
@@ -342,6 +347,7 @@ class EmbeddedCluster:
         masters: int = 2,
         *,
         master_args: Sequence[str] = (),
+        master_env: Mapping[str, str] | None = None,
         start_timeout_s: float = 30.0,
         master_binary: str | os.PathLike[str] | None = None,
         etcd_binary: str | os.PathLike[str] | None = None,
@@ -352,6 +358,8 @@ class EmbeddedCluster:
         Args:
             masters: how many HA masters (2..8; one leads, the others stand by).
             master_args: extra ``-flag=value`` arguments for every master (e.g. ``-enable_oplog=true``).
+            master_env: variables added to the masters' environment only (Mooncake's snapshots read
+                ``MOONCAKE_SNAPSHOT_LOCAL_PATH``); this process's environment is never changed.
             start_timeout_s: bound on each wait: etcd healthy, each master answering, a leader serving.
             master_binary: ``mooncake_master`` (default: the one in the Mooncake wheel).
             etcd_binary: ``etcd`` (default: the one on ``PATH``; Debian's ``etcd-server`` package).
@@ -364,6 +372,10 @@ class EmbeddedCluster:
         for arg in master_args:
             if not isinstance(arg, str):
                 raise TypeError(f"master_args: expected strings, got {type(arg).__name__}")
+        env = dict(master_env or {})
+        for name, value in env.items():
+            if not isinstance(name, str) or not isinstance(value, str) or not name or "=" in name:
+                raise TypeError(f"master_env: expected variable names and string values, got {name!r}={value!r}")
         if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, (int, float)):
             raise TypeError(f"start_timeout_s: expected seconds, got {type(start_timeout_s).__name__}")
         if not math.isfinite(start_timeout_s) or start_timeout_s <= 0:
@@ -372,6 +384,7 @@ class EmbeddedCluster:
             raise ValueError(f"log_level: must be 0..3 (glog INFO..FATAL), got {log_level!r}")
         self._count = masters
         self._master_args = tuple(master_args)
+        self._master_env = env
         self._start_timeout_s = float(start_timeout_s)
         self._master_binary = Path(master_binary) if master_binary is not None else None
         self._etcd_binary = Path(etcd_binary) if etcd_binary is not None else None
@@ -427,9 +440,10 @@ class EmbeddedCluster:
             if found is not None and found is not exclude:
                 return found
             if time.monotonic() >= deadline:
+                logs = "".join(f"\nmaster #{m.index} log tail:\n{m.stderr_tail(1500) or '-'}" for m in self._masters)
                 raise ClusterError(
                     f"no master serves after {limit:.1f} s: statuses {self.statuses()}; "
-                    f"etcd alive={self._etcd is not None and self._etcd.alive}"
+                    f"etcd alive={self._etcd is not None and self._etcd.alive}{logs}"
                 )
             time.sleep(_POLL_S)
 
@@ -450,7 +464,7 @@ class EmbeddedCluster:
                 etcd.start(self._start_timeout_s)
                 for index in range(self._count):
                     command = self._master_command(master_binary)
-                    master = HaMaster(index, self._child(f"mooncake_master_{index}"), command)
+                    master = HaMaster(index, self._child(f"mooncake_master_{index}"), command, self._master_env)
                     self._masters.append(master)
                     master.start(self._start_timeout_s, new_ports=True)
                 self.wait_for_leader()
