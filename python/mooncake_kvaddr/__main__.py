@@ -21,6 +21,7 @@ USAGE: Final = """usage: python -m mooncake_kvaddr {demo,bench} [options]
        python -m mooncake_kvaddr --version
   demo   store one request's KV cache in a real Mooncake store, look it up, load it into a second cache and
          verify every byte (an embedded master on loopback unless --config / $MOONCAKE_CONFIG_PATH names one)
+  demo --cluster  the same through etcd and two HA masters on loopback, killing the leader mid-run
   bench  benchmark against what this package replaces: numpy address rows as vLLM 0.33 computes them, Python
          key strings, Mooncake's bound methods, vLLM's one-call transfers; --vllm adds vLLM 0.33.0's own
          layouts and send/receive threads. Every table names its baseline
@@ -45,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         from mooncake_kvaddr._cli import exit_on_interrupt
 
         with exit_on_interrupt():  # before the demo's imports: Ctrl-C while they load is one line too
+            if "--cluster" in rest:
+                from mooncake_kvaddr.demo_cluster import main as cluster_main
+
+                return cluster_main([arg for arg in rest if arg != "--cluster"])
             from mooncake_kvaddr.demo import main as demo_main
 
             return demo_main(rest)
