@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
-from mooncake_kvaddr.driver.cluster import EmbeddedCluster, HaMaster
+from mooncake_kvaddr.driver.cluster import ClusterError, EmbeddedCluster, HaMaster
 from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
@@ -194,6 +194,7 @@ class KillResult:
     fresh_survived: int  # of CHUNKS chunks stored just before the kill (acknowledged, then SIGKILL at once)
     settled_hit: int  # lookup hit of the settled request after the failover (tokens)
     settled_hit_loadable: bool  # every block of that hit loaded
+    stuck: str = ""  # no standby took over within the timeout: what the cluster said (the killed one was revived)
 
 
 def kill_and_measure(
@@ -216,11 +217,24 @@ def kill_and_measure(
     if not probe.store(fresh).ok:
         raise AssertionError("the fresh request was not stored before the kill")
     killed_at = time.monotonic()
+    workload.kills.append(killed_at)  # before the kill: a call the workload finishes during it knows of it
     leader.kill()
-    workload.kills.append(killed_at)
-    new_leader: HaMaster = cluster.wait_for_leader(service_timeout_s, exclude=leader)
+    stuck = ""
+    try:
+        new_leader: HaMaster = cluster.wait_for_leader(service_timeout_s, exclude=leader)
+    except ClusterError as exc:
+        # Seen once in 40 kills: the standby kept naming the dead leader. Record it, restart the killed
+        # master (it may win the election) and measure the time to service all the same.
+        stuck = "; ".join(
+            line for line in str(exc).splitlines()[:1] + _log_lines(cluster) if line
+        )
+        cluster.revive(leader)
+        new_leader = cluster.wait_for_leader(service_timeout_s)
+        deadline_extra = service_timeout_s
+    else:
+        deadline_extra = 0.0
     leader_s = time.monotonic() - killed_at
-    deadline = killed_at + service_timeout_s
+    deadline = killed_at + service_timeout_s + deadline_extra
     service_s = -1.0
     while time.monotonic() < deadline:
         done = [c for c in list(workload.stats.calls) if c.kind == "store" and c.start > killed_at and c.ok]
@@ -241,7 +255,20 @@ def kill_and_measure(
     workload.stats.wrong_blocks += wrong_a + wrong_b
     if revive:
         cluster.revive(leader)
-    return KillResult(leader.index, service_s, leader_s, settled_right, fresh_right, hit, hit_loadable)
+    return KillResult(leader.index, service_s, leader_s, settled_right, fresh_right, hit, hit_loadable, stuck)
+
+
+def _log_lines(cluster: EmbeddedCluster) -> list[str]:
+    """The HA state lines each master logged last (what a stuck election looked like)."""
+    out = []
+    for master in cluster.masters:
+        lines = [
+            line[:200]
+            for line in master.stderr_tail(20000).splitlines()
+            if "Admin Metrics" not in line and ("state" in line or "leader" in line.lower() or line.startswith("E"))
+        ]
+        out.append(f"master #{master.index}: " + " | ".join(lines[-4:]))
+    return out
 
 
 def summary(kills: list[KillResult], stats: WorkloadStats, request_timeout_s: float) -> dict[str, Any]:
@@ -272,5 +299,6 @@ def summary(kills: list[KillResult], stats: WorkloadStats, request_timeout_s: fl
         "settled_survived": [k.settled_survived for k in kills],
         "fresh_survived": [k.fresh_survived for k in kills],
         "chunks_per_request": CHUNKS,
+        "stuck_failovers": [k.stuck for k in kills if k.stuck],
         "calls": by_kind,
     }
