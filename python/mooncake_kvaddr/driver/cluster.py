@@ -469,7 +469,9 @@ class EmbeddedCluster:
                     master.start(self._start_timeout_s, new_ports=True)
                 self.wait_for_leader()
             except BaseException:
-                self._stop_children()
+                # Nothing half-started stays behind, and this object is spent (a retry gets a clear error).
+                self._closed = True
+                self._finalizer()
                 raise
             self._started = True
             return self
@@ -551,10 +553,6 @@ class EmbeddedCluster:
             ]
 
         return command
-
-    def _stop_children(self) -> None:
-        for state in list(self._children):
-            state.stop(grace_s=_STOP_GRACE_S)
 
 
 def _release(children: list[ChildProcess], data_dir: Path) -> None:
