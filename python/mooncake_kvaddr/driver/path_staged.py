@@ -24,6 +24,7 @@ from mooncake_kvaddr.driver.path_base import (
     TransferPath,
     rows_bounded,
 )
+from mooncake_kvaddr.driver.per_key import config_for
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import rotate
 from mooncake_kvaddr.driver.staging import (
@@ -295,8 +296,9 @@ class StagedPath(TransferPath):
             return True
 
         def put(start: int, end: int, ptrs: list[int], object_sizes: list[int]) -> tuple[int, ...] | None:
-            call = partial(self.ctx.store.batch_put_from, keys[start:end], ptrs, object_sizes,
-                           self.ctx.replicate_config, check_values=False, deadline=deadline)  # fmt: skip
+            config = config_for(self.ctx.replicate_config, range(start, end), len(keys))  # per-key fields cut
+            call = partial(self.ctx.store.batch_put_from, keys[start:end], ptrs, object_sizes, config,
+                           check_values=False, deadline=deadline)  # fmt: skip
             got = self._call("save_put", call, lease, ptrs[-1] - lease.ptr + object_sizes[-1], end - start,
                              sum(object_sizes), deadline, made)  # fmt: skip
             clock.lap("put")
