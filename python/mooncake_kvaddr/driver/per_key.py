@@ -66,7 +66,7 @@ def _copy(config: Any) -> Any:
     """A new config equal to ``config``: its type's no-argument constructor, then every read-write property (a
     pybind11 class such as ``ReplicateConfig``: it cannot be pickled or copied) and the instance dict; checked by
     ``str`` where the type defines it (Mooncake's lists every field). Other objects: ``copy.copy``."""
-    cls = type(config)
+    cls: Any = type(config)
     try:
         fresh = cls()
     except Exception:
@@ -76,9 +76,14 @@ def _copy(config: Any) -> Any:
     state = getattr(config, "__dict__", None)
     if isinstance(state, dict) and state:
         fresh.__dict__.update(state)
-    if cls.__str__ is not object.__str__ and str(fresh) != str(config):
+    if _own_str(cls) and str(fresh) != str(config):
         raise TypeError(f"cannot copy this {cls.__qualname__} field by field (its str differs): not split")
     return fresh
+
+
+def _own_str(cls: type) -> bool:
+    """Whether ``cls`` writes its own ``str`` (not ``object``'s)."""
+    return getattr(cls, "__str__", None) is not object.__str__
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr import _native
-from mooncake_kvaddr.driver.per_key import config_for, configs_for
+from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.integrations.vllm.guard_methods import (
     _RANGES_NAMES,
     CONFIG,
@@ -242,7 +242,7 @@ class StoreGuard:
         self.note_refused(check.refused, name)
         results: list[Any] = [INVALID_PARAMS] * check.count
         if good:
-            part = configs_for(config, good, check.count)
+            part = per_key.configs_for(config, good, check.count)
             answers = list(func([keys[i] for i in good], np.asarray(addrs)[good], np.asarray(sizes)[good], *part))
             if len(answers) != len(good):
                 raise RuntimeError(f"Mooncake returned {len(answers)} results for {len(good)} keys")
@@ -333,7 +333,7 @@ class StoreGuard:
             at = order.index(CONFIG)
             value = args[at] if at < len(args) else kwargs.get(CONFIG)
             if value is not None:
-                values[CONFIG] = config_for(value, good, check.count)
+                values[CONFIG] = per_key.config_for(value, good, check.count)
         new_args, new_kwargs = _rebind(order, args, kwargs, values)
         answered = func(*new_args, **new_kwargs)
         answers = list(answered)
