@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 
+from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.errors import StoreClosedError, StoreError
 from mooncake_kvaddr.driver.outcomes import (
     CODE_MASTER_UNREACHABLE,
@@ -23,7 +24,6 @@ from mooncake_kvaddr.driver.outcomes import (
     Outcome,
     _Op,
 )
-from mooncake_kvaddr.driver.per_key import configs_for
 from mooncake_kvaddr.driver.store_args import (
     _check_address,
     _check_flat,
@@ -429,7 +429,7 @@ class StoreCalls:
             if len(spans) == 1:
                 part = self._invoke(call, keys, addrs, sizes, 0, n, config)  # no slicing: the arguments as given
             else:
-                own = configs_for(config, range(start, end), n)
+                own = per_key.configs_for(config, range(start, end), n)
                 part = self._invoke(call, keys[start:end], addrs[start:end], sizes[start:end], start, end, own)
             elapsed = _now() - t0
             codes.extend(part)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_kvaddr.driver.per_key import configs_for
+from mooncake_kvaddr.driver import per_key
 
 __all__ = [
     "ARRAY_ENTRY",
@@ -74,7 +74,7 @@ def ragged_calls(
     results: list[Any] = [None] * len(keys)
     for width in dict.fromkeys(widths.tolist()):
         picks = np.flatnonzero(widths == width)
-        part = configs_for(config, picks.tolist(), len(keys))
+        part = per_key.configs_for(config, picks.tolist(), len(keys))
         answers = list(call([keys[i] for i in picks], addrs[picks, :width], sizes[picks, :width], *part))
         if len(answers) != len(picks):
             raise RuntimeError(f"the store returned {len(answers)} results for {len(picks)} keys")

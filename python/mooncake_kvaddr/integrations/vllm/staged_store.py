@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.plan import KeyPlan
-from mooncake_kvaddr.driver.per_key import configs_for
+from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.staging import (
     StagingLease,
     StagingPool,
@@ -285,7 +285,7 @@ class StagedMooncakeStore(StoreWrapper):
             return True
 
         def put(start: int, end: int, ptrs: list[int], sizes: list[int]) -> Any:
-            part = configs_for(config, range(start, end), len(keys))
+            part = per_key.configs_for(config, range(start, end), len(keys))
             return self._store.batch_put_from(keys[start:end], ptrs, sizes, *part)
 
         try:
