@@ -100,6 +100,41 @@ def test_store_then_load_with_vllms_threads(
             rig.close()
 
 
+@pytest.mark.parametrize("mode", ["vllm", "recv_native", "recv_staged", "recv_staged_native", "recv_bound"])
+def test_a_hybrid_model_with_group_semantics_stores_every_key(
+    bench: Any, master: Any, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's ``"enable_group_semantics": "true"``: its send thread sets one group id per key on its
+    ReplicateConfig and makes one put. A model of two groups with rows of different widths makes that put two
+    puts through our wrappers (one per width): each must carry its own keys' group ids, or Mooncake answers -600
+    for every key and the request's KV cache is never stored (issue #39). Stored, loaded, byte for byte."""
+    from mooncake_kvaddr.driver.native_client import NativeClient
+
+    if mode == "recv_bound":
+        monkeypatch.setattr(NativeClient, "from_store", classmethod(lambda cls, store: None))
+    shape = bench.RigShape(blocks=8, regions=6, region_bytes=2048)
+    native = mode not in ("vllm", "recv_staged")
+    with bench.plugin_mode("vllm" if mode == "vllm" else "recv"):
+        rig = bench.VllmStoreRig(master.rpc_address, shape, staged="staged" in mode, native=native, groups=2,
+                                 staging_bytes=1 << 20, model=f"e2e/groups-{mode}")  # fmt: skip
+        try:
+            rig.sender.enable_group_semantics = True
+            rig.sender.supports_group_ids = True
+            sender = rig._worker.KVCacheStoreSendingThread._handle_request
+            stored = sender.stats.fast_requests if mode != "vllm" else 0
+            hashes = rig.hashes(17, shape.blocks)
+            rig.fill(7)
+            expected = rig.snapshot()
+            rig.store_request(f"groups-{mode}", hashes, timeout=30)
+            if mode != "vllm":
+                assert sender.stats.fast_requests == stored + 1  # our handler made the put
+            rig.zero()
+            assert rig.load_requests([f"groups-load-{mode}"], hashes) == set()
+            assert rig.verify(expected)
+        finally:
+            rig.close()
+
+
 @pytest.mark.parametrize(("first", "second"), [("vllm", "staged"), ("vllm", "native"), ("native", "staged_native")])
 def test_objects_interoperate_between_modes(bench: Any, master: Any, first: str, second: str) -> None:
     """Stored by one mode, loaded through the other (and the other way): same bytes."""

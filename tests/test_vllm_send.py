@@ -229,24 +229,54 @@ def test_shape_check_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> N
 def test_recording_store_records_group_ids_trimmed_rows_and_ragged_puts() -> None:
     """The self-check's recording store keeps what a put hands Mooncake: keys, rows (a ragged put's rows trimmed
     to their widths, as the one put vLLM makes), the replicate config's group ids at the call (none: an empty
-    list), and counts ragged puts only."""
+    list), and counts ragged puts only. A ragged put is split as our wrappers split it (one put per width, each
+    with its keys' group ids: ``puts``), and a put whose group ids are not one per key gets -600 for every key,
+    as from Mooncake."""
     store = send_check.ArrayRecordingStore(lambda call, keys: [0] * len(keys))
     assert store.ragged == 0
+    config = send_check._Config()
+    assert config.group_ids is None  # unset, as in Mooncake's ReplicateConfig
+    config.group_ids = ["g1", "g2", "g3"]
+    addrs = np.array([[11, 12], [13, 0], [14, 15]], np.int64)
+    sizes = np.array([[4, 8], [16, 0], [32, 64]], np.int64)
+    widths = np.array([2, 1, 2], np.int64)
+    assert store.batch_put_from_multi_buffers_ragged(["a", "b", "e"], addrs, sizes, widths, config) == [0, 0, 0]
+    assert store.ragged == 1 and config.group_ids == ["g1", "g2", "g3"]  # the caller's config unchanged
+    assert store.puts == [(["a", "e"], ["g1", "g3"]), (["b"], ["g2"])]
+    config.group_ids = None
+    assert store.batch_put_from_multi_buffers_arrays(["c"], addrs[:1], sizes[:1], config) == [0]
+    assert store.batch_put_from_multi_buffers(["d"], [[7]], [[9]], object()) == [0]
+    config.group_ids = []
+    assert store.batch_put_from_multi_buffers(["f"], [[7]], [[9]], config) == [-600]  # as Mooncake answers
+    assert store.ragged == 1
+    assert store.calls == [
+        ("put", ["a", "b", "e"], [[11, 12], [13], [14, 15]], [[4, 8], [16], [32, 64]], ["g1", "g2", "g3"]),
+        ("put", ["c"], [[11, 12]], [[4, 8]], []),
+        ("put", ["d"], [[7]], [[9]], []),
+        ("put", ["f"], [[7]], [[9]], []),
+    ]
+
+
+def test_recording_store_answers_a_ragged_put_whose_parts_lost_their_group_ids_as_mooncake_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A split that hands every part the whole list of group ids (the defect of issue #39) is seen: each part is
+    answered -600 and the recorded put names no group id for its keys, so the comparison with vLLM's put fails."""
+    from mooncake_kvaddr.integrations.vllm import plans
+
+    whole = plans.ragged_calls
+
+    def uncut(call: Any, keys: Any, addrs: Any, sizes: Any, widths: Any, *config: Any) -> Any:
+        return whole(lambda k, a, s: call(k, a, s, *config), keys, addrs, sizes, widths)
+
+    monkeypatch.setattr(plans, "ragged_calls", uncut)
+    store = send_check.ArrayRecordingStore(lambda call, keys: [0] * len(keys))
     config = send_check._Config()
     config.group_ids = ["g1", "g2"]
     addrs, sizes = np.array([[11, 12], [13, 0]], np.int64), np.array([[4, 8], [16, 0]], np.int64)
     widths = np.array([2, 1], np.int64)
-    assert store.batch_put_from_multi_buffers_ragged(["a", "b"], addrs, sizes, widths, config) == [0, 0]
-    assert store.ragged == 1
-    config.group_ids = []
-    assert store.batch_put_from_multi_buffers_arrays(["c"], addrs[:1], sizes[:1], config) == [0]
-    assert store.batch_put_from_multi_buffers(["d"], [[7]], [[9]], object()) == [0]
-    assert store.ragged == 1
-    assert store.calls == [
-        ("put", ["a", "b"], [[11, 12], [13]], [[4, 8], [16]], ["g1", "g2"]),
-        ("put", ["c"], [[11, 12]], [[4, 8]], []),
-        ("put", ["d"], [[7]], [[9]], []),
-    ]
+    assert store.batch_put_from_multi_buffers_ragged(["a", "b"], addrs, sizes, widths, config) == [-600, -600]
+    assert store.calls == [("put", ["a", "b"], [[11, 12], [13]], [[4, 8], [16]], [None, None])]
 
 
 # --- the store wrappers' array put ------------------------------------------------------------------------------

@@ -190,12 +190,18 @@ public:
         auto client = live();
         Problem problem;
         std::vector<int> codes;
+        py::object kept_config;  // the kept keys' config when the guard refused some (freed with the GIL held)
         {
             TimedRelease release;
             mc::Keys k = source.build();
             mc::PtrRows ptrs;
             mc::SizeRows sz;
             rows.materialise(ptrs, sz, problem);
+            if (!problem.found() && partly_kept(rows.keep())) {
+                py::gil_scoped_acquire gil;  // only when the guard refused some keys, not all
+                kept_config = config_for_kept(held_config, rows.keep());
+                cfg = config_pointer(kept_config);
+            }
             if (!problem.found()) codes = call_kept(rows.keep(), k, ptrs, sz, [&] {
                 return fns_.put_multi(client.get(), k, ptrs, sz, cfg);
             });
@@ -234,8 +240,12 @@ public:
         mc::Ptrs p;
         mc::Sizes s;
         convert_flat(ptrs, sizes, n, p, s, guard ? &*guard : nullptr, &keep);
-        const py::object held_config = config.is_none() ? default_config_ : config;
+        py::object held_config = config.is_none() ? default_config_ : config;
         const void* cfg = config_pointer(held_config);
+        if (partly_kept(keep)) {  // the guard refused some keys: the others go on with their own config
+            held_config = config_for_kept(held_config, keep);
+            cfg = config_pointer(held_config);
+        }
         if (n == 0) return py::list();
         auto client = live();
         std::vector<int> codes;
@@ -292,6 +302,25 @@ private:
     static std::optional<RangeSet> guard_of(py::handle ranges) {
         if (ranges.is_none()) return std::nullopt;
         return guard_ranges(ranges);
+    }
+
+    // True when the guard refused some keys but not all: the call goes on with the others.
+    static bool partly_kept(const std::vector<char>& keep) {
+        const auto kept = static_cast<std::size_t>(std::count(keep.begin(), keep.end(), 1));
+        return kept > 0 && kept < keep.size();
+    }
+
+    // The ReplicateConfig of the keys `keep` marks (docs/native-client.md, "Per-key config fields"): the one
+    // routine that cuts every split put's config builds it (mooncake_kvaddr.driver.per_key.config_for: a copy
+    // whose per-key fields, such as group ids, hold the kept keys' values; `config` itself when none is set),
+    // so that a filtered put is not refused by Mooncake for group ids that no longer match its keys. Needs the
+    // GIL; its errors are raised.
+    static py::object config_for_kept(const py::object& config, const std::vector<char>& keep) {
+        py::list picks;
+        for (std::size_t i = 0; i < keep.size(); ++i) {
+            if (keep[i]) picks.append(i);
+        }
+        return py::module_::import("mooncake_kvaddr.driver.per_key").attr("config_for")(config, picks, keep.size());
     }
 
     // Mooncake's call `fn` on the kept keys only (no Python API: runs without the GIL). Refused keys are dropped

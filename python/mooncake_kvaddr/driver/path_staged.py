@@ -14,6 +14,7 @@ import numpy as np
 
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.plan import KeyPlan
+from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.bounds import Screened
 from mooncake_kvaddr.driver.config import DEFAULT_MAX_ABANDONED_CALLS
 from mooncake_kvaddr.driver.path_base import (
@@ -295,8 +296,9 @@ class StagedPath(TransferPath):
             return True
 
         def put(start: int, end: int, ptrs: list[int], object_sizes: list[int]) -> tuple[int, ...] | None:
-            call = partial(self.ctx.store.batch_put_from, keys[start:end], ptrs, object_sizes,
-                           self.ctx.replicate_config, check_values=False, deadline=deadline)  # fmt: skip
+            config = per_key.config_for(self.ctx.replicate_config, range(start, end), len(keys))  # per-key fields cut
+            call = partial(self.ctx.store.batch_put_from, keys[start:end], ptrs, object_sizes, config,
+                           check_values=False, deadline=deadline)  # fmt: skip
             got = self._call("save_put", call, lease, ptrs[-1] - lease.ptr + object_sizes[-1], end - start,
                              sum(object_sizes), deadline, made)  # fmt: skip
             clock.lap("put")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 
+from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.errors import StoreClosedError, StoreError
 from mooncake_kvaddr.driver.outcomes import (
     CODE_MASTER_UNREACHABLE,
@@ -227,12 +228,13 @@ class StoreCalls:
         with self._admitted_batch() as clients:
             config = replicate_config if replicate_config is not None else self._replicate_default()
             codes = self._split_call(
-                lambda k, a, s: clients.call("batch_put_from_multi_buffers", k, a, s, config),
+                lambda k, a, s, c: clients.call("batch_put_from_multi_buffers", k, a, s, c),
                 keys,
                 addrs,
                 sizes,
                 counts,
                 deadline,
+                config=(config,),
             )
         return self._result(_Op.PUT, codes, n)
 
@@ -284,8 +286,9 @@ class StoreCalls:
         with self._admitted_batch() as clients:
             config = replicate_config if replicate_config is not None else self._replicate_default()
             codes = self._split_call(
-                lambda k, p, s: clients.call("batch_put_from", k, p, s, config), keys, ptrs, sizes, [1] * n, deadline
-            )
+                lambda k, p, s, c: clients.call("batch_put_from", k, p, s, c), keys, ptrs, sizes, [1] * n, deadline,
+                config=(config,),
+            )  # fmt: skip
         return self._result(_Op.PUT, codes, n)
 
     def batch_get_into(
@@ -388,7 +391,7 @@ class StoreCalls:
 
     def _split_call(
         self,
-        call: Callable[[Any, Any, Any], Sequence[int]],
+        call: Callable[..., Sequence[int]],
         keys: Any,
         addrs: Any,
         sizes: Any,
@@ -396,10 +399,13 @@ class StoreCalls:
         deadline: RequestDeadline | None,
         *,
         unique_keys: bool = False,
+        config: tuple[Any, ...] = (),
     ) -> list[int]:
         """Call Mooncake once per sub-batch of the region budget; the codes of every key, in key order.
 
-        ``unique_keys`` (gets): a sub-batch never names one key twice (see :func:`_unique_spans`).
+        ``unique_keys`` (gets): a sub-batch never names one key twice (see :func:`_unique_spans`). ``config``
+        (puts: the ReplicateConfig, passed to ``call`` after the rows): each sub-batch gets it with its per-key
+        fields cut to the sub-batch's keys (:func:`~mooncake_kvaddr.driver.per_key.config_for`).
 
         Before each sub-batch: past the request's deadline (or after a hung call of the same request), the
         remaining keys get ``TRANSFER_FAILED`` and Mooncake is not called again. After one: a
@@ -421,9 +427,10 @@ class StoreCalls:
                 break
             t0 = _now()
             if len(spans) == 1:
-                part = self._invoke(call, keys, addrs, sizes, 0, n)  # no slicing: the arguments as given
+                part = self._invoke(call, keys, addrs, sizes, 0, n, config)  # no slicing: the arguments as given
             else:
-                part = self._invoke(call, keys[start:end], addrs[start:end], sizes[start:end], start, end)
+                own = per_key.configs_for(config, range(start, end), n)
+                part = self._invoke(call, keys[start:end], addrs[start:end], sizes[start:end], start, end, own)
             elapsed = _now() - t0
             codes.extend(part)
             if end < n and CODE_MASTER_UNREACHABLE in part:
@@ -443,15 +450,16 @@ class StoreCalls:
 
     @staticmethod
     def _invoke(
-        call: Callable[[Any, Any, Any], Sequence[int]],
+        call: Callable[..., Sequence[int]],
         keys: Any,
         addrs: Any,
         sizes: Any,
         start: int,
         end: int,
+        config: tuple[Any, ...] = (),
     ) -> Sequence[int]:
         try:
-            part = call(keys, addrs, sizes)
+            part = call(keys, addrs, sizes, *config)
         except TypeError as exc:
             # pybind11 rejected an element (float, numpy float, > 2**64, ...) while converting.
             note = f" (keys {start}..{end - 1}; earlier keys were already processed)" if start else ""

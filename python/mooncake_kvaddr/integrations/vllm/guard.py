@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr import _native
+from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.integrations.vllm.guard_methods import (
     _RANGES_NAMES,
+    CONFIG,
     FLAT_METHODS,
     INVALID_PARAMS,
     MULTI_METHODS,
@@ -212,13 +214,16 @@ class StoreGuard:
         keys: list[str],
         addrs: Int64Array,
         sizes: Int64Array,
-        func: Callable[[Any, Any, Any], Any],
+        func: Callable[..., Any],
         name: str = "batch_get_into_multi_buffers_arrays",
+        *,
+        config: tuple[Any, ...] = (),
     ) -> Any:
-        """The ``..._arrays`` entries (``name``): ``func(keys, addrs, sizes)`` for the keys whose slices are all
-        inside (matrices of the good rows), -600 for the others."""
+        """The ``..._arrays`` entries (``name``): ``func(keys, addrs, sizes[, config])`` for the keys whose slices
+        are all inside (matrices of the good rows, a put's ``config``, none or one, with its per-key fields cut
+        to them: :func:`~mooncake_kvaddr.driver.per_key.config_for`), -600 for the others."""
         if not self.table.armed:
-            return func(keys, addrs, sizes)
+            return func(keys, addrs, sizes, *config)
         if (
             not isinstance(addrs, np.ndarray)
             or not isinstance(sizes, np.ndarray)
@@ -232,12 +237,13 @@ class StoreGuard:
         else:
             check = self.check_matrices(addrs, sizes)
         if check.good is None:
-            return func(keys, addrs, sizes)
+            return func(keys, addrs, sizes, *config)
         good = check.good
         self.note_refused(check.refused, name)
         results: list[Any] = [INVALID_PARAMS] * check.count
         if good:
-            answers = list(func([keys[i] for i in good], np.asarray(addrs)[good], np.asarray(sizes)[good]))
+            part = per_key.configs_for(config, good, check.count)
+            answers = list(func([keys[i] for i in good], np.asarray(addrs)[good], np.asarray(sizes)[good], *part))
             if len(answers) != len(good):
                 raise RuntimeError(f"Mooncake returned {len(answers)} results for {len(good)} keys")
             for i, value in zip(good, answers, strict=True):
@@ -323,6 +329,11 @@ class StoreGuard:
             value = args[at] if at < len(args) else kwargs.get(extra)
             if value is not None and _sized(value, check.count):
                 values[extra] = _pick(value, good)
+        if CONFIG in order:  # a put's ReplicateConfig: its per-key fields go with the kept keys
+            at = order.index(CONFIG)
+            value = args[at] if at < len(args) else kwargs.get(CONFIG)
+            if value is not None:
+                values[CONFIG] = per_key.config_for(value, good, check.count)
         new_args, new_kwargs = _rebind(order, args, kwargs, values)
         answered = func(*new_args, **new_kwargs)
         answers = list(answered)

@@ -13,6 +13,7 @@ from typing import Any
 from mooncake_kvaddr.driver.outcomes import CODE_INVALID_PARAMS
 
 __all__ = [
+    "CONFIG",
     "FLAT_METHODS",
     "INVALID_PARAMS",
     "MULTI_METHODS",
@@ -106,12 +107,20 @@ def takes_pointers(value: Any) -> bool:
     return _POINTER_PARAM.search(first) is not None
 
 
+#: The parameter that holds a put's ``ReplicateConfig`` (its per-key fields are cut with the keys a split keeps).
+CONFIG = "config"
+#: The batch methods that take a ``config`` right after their rows (Mooncake 0.3.13).
+_CONFIG_AFTER_ROWS = frozenset({"batch_put_from_multi_buffers", "batch_put_from", "batch_upsert_from"})
+
+
 def _positional(name: str, names: Sequence[str], extras: Sequence[str]) -> list[str]:
-    """Parameter names in positional order (after self) for the methods with per-key extras."""
+    """Parameter names in positional order (after self), as far as the per-key extras and the config reach."""
     if name in ("batch_get_into_multi_buffer_ranges", "batch_put_from_multi_buffer_ranges"):
         return [*names, *extras]
     if name == "batch_get_tensor_with_parallelism_into":
         return [*names, "targets"]
     if name in ("batch_put_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism_from"):
-        return [*names, "parallelisms", "config", "writer_partitions"]
+        return [*names, "parallelisms", CONFIG, "writer_partitions"]
+    if name in _CONFIG_AFTER_ROWS:
+        return [*names, CONFIG]
     return list(names)

@@ -268,7 +268,7 @@ class NativeMooncakeStore(StoreWrapper):
                 if done:
                     return result
             return self.guard.call_arrays(
-                keys, addrs, sizes, lambda k, a, s: self._put_arrays(k, a, s, config), "batch_put_from_multi_buffers"
+                keys, addrs, sizes, self._put_arrays, "batch_put_from_multi_buffers", config=(config,)
             )
 
     def _put_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_kvaddr.driver import per_key
+
 __all__ = [
     "ARRAY_ENTRY",
     "ArrayStore",
@@ -55,23 +57,25 @@ class ArrayStore(abc.ABC):
     def batch_put_from_multi_buffers_ragged(
         self, keys: list[str], addrs: Any, sizes: Any, widths: Any, config: Any
     ) -> Any:
-        """The array put for rows of different widths (as :meth:`batch_get_into_multi_buffers_ragged`)."""
-        put = self.batch_put_from_multi_buffers_arrays
-        return ragged_calls(lambda k, a, s: put(k, a, s, config), keys, addrs, sizes, widths)
+        """The array put for rows of different widths (as :meth:`batch_get_into_multi_buffers_ragged`; each put
+        gets ``config`` cut to its keys)."""
+        return ragged_calls(self.batch_put_from_multi_buffers_arrays, keys, addrs, sizes, widths, config)
 
 
 def ragged_calls(
-    call: Callable[[list[str], Any, Any], Any], keys: list[str], addrs: Any, sizes: Any, widths: Any
+    call: Callable[..., Any], keys: list[str], addrs: Any, sizes: Any, widths: Any, *config: Any
 ) -> list[Any]:
-    """One ``call(keys, addrs, sizes)`` per row width, for (keys x max width) matrices whose row ``i`` holds
-    ``widths[i]`` regions (the rest padding): each call gets the keys of one width, in their order, and
-    matrices trimmed to that width; the per-key answers come back in the keys' order (docs/vllm-plugin.md,
-    "The receive handler": hybrid models whose groups have different row widths)."""
+    """One ``call(keys, addrs, sizes[, config])`` per row width, for (keys x max width) matrices whose row ``i``
+    holds ``widths[i]`` regions (the rest padding): each call gets the keys of one width, in their order,
+    matrices trimmed to that width and a put's ``config`` with its per-key fields cut to those keys
+    (:func:`~mooncake_kvaddr.driver.per_key.config_for`); the per-key answers come back in the keys' order
+    (docs/vllm-plugin.md, "The receive handler": hybrid models whose groups have different row widths)."""
     widths = np.asarray(widths)
     results: list[Any] = [None] * len(keys)
     for width in dict.fromkeys(widths.tolist()):
         picks = np.flatnonzero(widths == width)
-        answers = list(call([keys[i] for i in picks], addrs[picks, :width], sizes[picks, :width]))
+        part = per_key.configs_for(config, picks.tolist(), len(keys))
+        answers = list(call([keys[i] for i in picks], addrs[picks, :width], sizes[picks, :width], *part))
         if len(answers) != len(picks):
             raise RuntimeError(f"the store returned {len(answers)} results for {len(picks)} keys")
         for i, answer in zip(picks.tolist(), answers, strict=True):

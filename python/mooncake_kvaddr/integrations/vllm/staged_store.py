@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.plan import KeyPlan
+from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.staging import (
     StagingLease,
     StagingPool,
@@ -252,8 +253,9 @@ class StagedMooncakeStore(StoreWrapper):
         matrices (the send handler's entry, docs/vllm-plugin.md): staged without building a Python row; a call
         staging does not take goes on as :meth:`batch_get_into_multi_buffers_arrays` describes."""
         with self._gate.admitted():
-            put = lambda k, a, s: self._put_multi_arrays(k, a, s, config)  # noqa: E731
-            return self.guard.call_arrays(keys, addrs, sizes, put, "batch_put_from_multi_buffers")
+            return self.guard.call_arrays(
+                keys, addrs, sizes, self._put_multi_arrays, "batch_put_from_multi_buffers", config=(config,)
+            )
 
     def _put_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
         staged = self._plan_arrays(keys, addrs, sizes)
@@ -266,7 +268,8 @@ class StagedMooncakeStore(StoreWrapper):
         return self._staged_put(keys, staged, (config,), _matrix_rows(staged))
 
     def _staged_put(self, keys: list[str], staged: KeyPlan, config: tuple[Any, ...], rows_of: Any) -> list[int]:
-        """Gather ``keys`` into staging slots and put them (:func:`run_staged`); ``rows_of`` as for
+        """Gather ``keys`` into staging slots and put them (:func:`run_staged`), each round with ``config`` cut
+        to its keys (:func:`~mooncake_kvaddr.driver.per_key.config_for`); ``rows_of`` as for
         :meth:`_staged_get` (used when no staging span came free in time)."""
         lease = self._lease(staged)
         if lease is None:
@@ -282,7 +285,8 @@ class StagedMooncakeStore(StoreWrapper):
             return True
 
         def put(start: int, end: int, ptrs: list[int], sizes: list[int]) -> Any:
-            return self._store.batch_put_from(keys[start:end], ptrs, sizes, *config)
+            part = per_key.configs_for(config, range(start, end), len(keys))
+            return self._store.batch_put_from(keys[start:end], ptrs, sizes, *part)
 
         try:
             run = run_staged(False, staged.slot_plan(), lease, put, fill)
