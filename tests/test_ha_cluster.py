@@ -97,6 +97,11 @@ def test_a_missing_etcd_names_the_debian_package(monkeypatch: pytest.MonkeyPatch
         ({"masters": True}, ValueError),
         ({"master_args": "-enable_oplog=true"}, TypeError),
         ({"master_args": [1]}, TypeError),
+        ({"master_args": ["-rpc_address=0.0.0.0"]}, ValueError),
+        ({"master_args": ["-metrics_host=0.0.0.0"]}, ValueError),
+        ({"master_args": ["-etcd_endpoints=10.0.0.1:2379"]}, ValueError),
+        ({"master_args": ["--enable-ha=false"]}, ValueError),
+        ({"master_args": ["-enable_oplog"]}, ValueError),
         ({"master_env": {"A=B": "1"}}, TypeError),
         ({"master_env": {"A": 1}}, TypeError),
         ({"start_timeout_s": 0}, ValueError),
@@ -335,3 +340,17 @@ def test_twenty_kills_meet_the_targets() -> None:
         _check_targets(report, 15.0)
     assert sum(settings["none"]["settled_survived"]) == 0
     assert settings["oplog"]["settled_survived"] == [CHUNKS] * 20
+
+
+def test_the_clusters_own_flags_come_last() -> None:
+    """gflags takes a flag's last occurrence: the loopback and HA flags follow every extra flag."""
+    from pathlib import Path
+
+    from mooncake_kvaddr.driver.cluster import EmbeddedCluster
+
+    cluster = EmbeddedCluster(master_args=["-enable_oplog=true"])
+    cluster._etcd = type("Etcd", (), {"endpoint": "127.0.0.1:2379"})()
+    argv = cluster._master_command(Path("mooncake_master"))(50051, 9003)
+    assert argv.index("-enable_oplog=true") < min(i for i, a in enumerate(argv) if a.startswith("-rpc_address="))
+    assert argv[-1].startswith("-minloglevel=") and "-rpc_address=127.0.0.1" in argv
+

@@ -25,7 +25,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final
 
-from mooncake_kvaddr.driver.master import MasterError, find_master_binary, free_ports, pdeathsig_preexec
+from mooncake_kvaddr.driver.master import (
+    MasterError,
+    check_master_args,
+    find_master_binary,
+    free_ports,
+    pdeathsig_preexec,
+)
 from mooncake_kvaddr.driver.process import LOOPBACK, STDERR_TAIL_BYTES, ChildProcess, Spawner, owns_listener
 
 __all__ = [
@@ -383,7 +389,12 @@ class EmbeddedCluster:
         if isinstance(log_level, bool) or not isinstance(log_level, int) or not 0 <= log_level <= 3:
             raise ValueError(f"log_level: must be 0..3 (glog INFO..FATAL), got {log_level!r}")
         self._count = masters
-        self._master_args = tuple(master_args)
+        # The embedded master's rules (loopback only, one -name=value flag each), and the HA flags are ours too.
+        self._master_args = check_master_args("master_args", master_args)
+        for arg in self._master_args:
+            name = arg.lstrip("-").partition("=")[0].replace("-", "_")
+            if name in ("enable_ha", "etcd_endpoints"):
+                raise ValueError(f"master_args: {arg!r} sets {name}, which the cluster sets (HA over its own etcd)")
         self._master_env = env
         self._start_timeout_s = float(start_timeout_s)
         self._master_binary = Path(master_binary) if master_binary is not None else None
@@ -538,8 +549,10 @@ class EmbeddedCluster:
         endpoint = self.etcd_endpoint
 
         def command(rpc_port: int, metrics_port: int) -> list[str]:
+            # Extra flags first: gflags takes the last occurrence, so the cluster's own flags always win.
             return [
                 str(binary),
+                *self._master_args,
                 "-enable_ha=true",
                 f"-etcd_endpoints={endpoint}",
                 f"-rpc_address={LOOPBACK}",
@@ -549,7 +562,6 @@ class EmbeddedCluster:
                 "-rpc_thread_num=2",
                 "-logtostderr=1",
                 f"-minloglevel={self._log_level}",
-                *self._master_args,
             ]
 
         return command
