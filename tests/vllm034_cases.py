@@ -61,7 +61,9 @@ def _short(value: Any) -> str:
 # --- rank-local layouts (regions set directly) -------------------------------------------------------------------
 
 
-def rank_local_case(rng: random.Random, layout_mod: ModuleType, metadata: Any) -> tuple[Any, list[tuple[str, tuple]]]:
+def rank_local_case(
+    rng: random.Random, layout_mod: ModuleType, metadata: Any
+) -> tuple[Any, list[tuple[str, tuple[Any, ...]]]]:
     """A ``RankLocalStoreLayout`` whose ``block_stride`` and ``block_len`` lists are set directly (stride apart
     from length, lists of other lengths than the regions), and ``(label, (chunks, block_ids, shard_ids))``
     batches for it: multi-block chunks, partial tails, gaps, any order, empty, and every error vLLM raises."""
@@ -103,8 +105,8 @@ def rank_local_case(rng: random.Random, layout_mod: ModuleType, metadata: Any) -
     error = rng.choice(
         ["unaligned", "shard", "count", "past", "negative start", "negative span", "negative id", "empty", "tuple"]
     )
-    bad = list(chunks)
-    shards = [0] * len(chunks)
+    bad: list[Any] = list(chunks)
+    shards: Any = [0] * len(chunks)
     at = rng.randrange(len(bad))
     start, end = bad[at]
     ids = block_ids
@@ -125,9 +127,9 @@ def rank_local_case(rng: random.Random, layout_mod: ModuleType, metadata: Any) -
         ids = [-rng.randint(1, 9) if i == start // block else b for i, b in enumerate(block_ids)]
     elif error == "empty":
         bad, shards = [], []
-    elif error == "tuple":
-        bad = [tuple(c) for c in bad]
-        shards = tuple(shards)  # type: ignore[assignment]
+    elif error == "tuple":  # chunks as lists, shard ids as a tuple
+        bad = [list(c) for c in bad]
+        shards = tuple(shards)
     batches.append((error, (bad, ids, shards)))
     return layout, batches
 
@@ -334,7 +336,8 @@ class ListStore:
         self.calls: list[tuple[Any, ...]] = []
 
     def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any) -> Any:
-        self.calls.append((list(keys), [list(r) for r in addrs], [list(r) for r in sizes], types_of(keys, addrs, sizes)))
+        rows = [list(r) for r in addrs], [list(r) for r in sizes]
+        self.calls.append((list(keys), *rows, types_of(keys, addrs, sizes)))
         return _answer(self.behaviour, list(keys))
 
 
@@ -450,7 +453,14 @@ class LayoutPool:
         return layout, chunk
 
 
-def receive_case(rng: random.Random, data: ModuleType, layout_mod: ModuleType, pool: LayoutPool | None) -> dict[str, Any]:
+#: Raw budgets equal to one key's staging estimate (its bytes rounded up to 4096, plus 8192 of padding): a key
+#: exactly at the budget is loaded alone, one byte over it skips the request.
+EXACT_BUDGETS = (12_288, 16_384, 20_480)
+
+
+def receive_case(
+    rng: random.Random, data: ModuleType, layout_mod: ModuleType, pool: LayoutPool | None
+) -> dict[str, Any]:
     """One load request for vLLM 0.34's receive thread: 1-3 KV-cache groups (rank-local with chunks of a block;
     TP-shared with Store chunks below a block, masks read per physical block; tensor-built layouts from
     ``pool``), sometimes a database whose chunk is not its layout's (vLLM's handler then plans it)."""
@@ -536,5 +546,5 @@ def receive_case(rng: random.Random, data: ModuleType, layout_mod: ModuleType, p
         "meta": meta,
         # Disk-offload staging budgets: none, one that holds everything, ones that split the load, one below a
         # single key's estimate (vLLM skips the request).
-        "budget": rng.choice([None, None, None, 1 << 30, 13_000, 30_000, 60_000, 120_000, 5_000]),
+        "budget": rng.choice([None, None, None, 1 << 30, 13_000, 30_000, 60_000, 120_000, 5_000, *EXACT_BUDGETS]),
     }
