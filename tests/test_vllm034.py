@@ -340,6 +340,57 @@ def test_where_vllm_wraps_a_64_bit_address_ours_raises_overflow(patched: plugin.
         ours(sharded, chunks, ids, [0] * 17)
 
 
+def _tp_one_segment(base: int) -> Any:
+    layout = LAYOUT.TPShardedStoreLayout(LAYOUT.KeyMetadata("m", 0, 0, 0, 0), 16, 16, 1, 1, 0, 16)
+    layout._set_segment_templates([[([base], [4096], [64])]])
+    return layout
+
+
+def _rank_local_one_region() -> Any:
+    layout = LAYOUT.RankLocalStoreLayout(LAYOUT.KeyMetadata("m", 0, 0, 0, 0), 16, 16)
+    layout.kv_caches_base_addr, layout.block_stride, layout.block_len = [1 << 30], [4096], [100]
+    return layout
+
+
+_CHUNKS = [(16 * i, 16 * i + 16) for i in range(20)]  # more than 16: vLLM's vectorised path, our engine
+_DIFFERENCES: dict[str, tuple[Any, ...]] = {
+    # (layout class, layout, chunks, block ids, shard ids), why it differs
+    "tp-shared address in [2**63, 2**64)": (
+        "TPShardedStoreLayout", lambda: _tp_one_segment((1 << 63) - 10), _CHUNKS, list(range(20)), [0] * 20,
+        "vLLM's uint64 arithmetic gives the exact address (no wrap); ours raises OverflowError (int64 engine)",
+    ),
+    "tp-shared float block ids": (
+        "TPShardedStoreLayout", lambda: _tp_one_segment(5), _CHUNKS, [float(i) for i in range(20)], [0] * 20,
+        "vLLM's np.fromiter casts float block ids; ours raises TypeError",
+    ),
+    "tp-shared float chunk bounds": (
+        "TPShardedStoreLayout", lambda: _tp_one_segment(5), [(float(a), float(b)) for a, b in _CHUNKS],
+        list(range(20)), [0] * 20, "vLLM's np.asarray casts float bounds; ours raises TypeError",
+    ),
+    "tp-shared three-item chunk": (
+        "TPShardedStoreLayout", lambda: _tp_one_segment(5), [(0, 16, 3), *_CHUNKS[1:]], list(range(20)), [0] * 20,
+        "vLLM's np.asarray refuses a ragged chunk list (ValueError); ours reads the first two items",
+    ),
+    "rank-local float block id": (
+        "RankLocalStoreLayout", _rank_local_one_region, [(0, 16)], [1.0], [0],
+        "vLLM's np.fromiter casts a float block id; ours raises TypeError",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=case[-1]))
+     for name, case in _DIFFERENCES.items()],
+)  # fmt: skip
+def test_inputs_vllm_never_builds_where_ours_differs(patched: plugin.PatchReport, name: str) -> None:
+    """Differences found by probing past what vLLM's callers pass (int block ids and bounds from its token walk,
+    user-space addresses): kept here, expected to fail, until the lead decides (see each reason)."""
+    cls_name, build, chunks, block_ids, shard_ids, _why = _DIFFERENCES[name]
+    theirs, ours, _, _ = _methods(cls_name)
+    compare(name, theirs, ours, build(), chunks, block_ids, shard_ids)
+
+
 # --- the receive handler ---------------------------------------------------------------------------------------
 
 

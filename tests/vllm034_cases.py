@@ -521,9 +521,13 @@ def receive_case(
     for layout, chunk, group_hbs in groups:
         dbs.append(data.ChunkedTokenDatabase(metadata, chunk, group_hbs, layout))
         physical = -(-token_len // layout.block_size)
-        masks.append([rng.random() < 0.8 for _ in range(max(0, physical + rng.randint(-2, 2)))])
+        mask: Any = [rng.random() < 0.8 for _ in range(max(0, physical + rng.randint(-2, 2)))]
+        if rng.random() < 0.05:  # truthy values other than bools, or a tuple (vLLM reads each item's truth)
+            mask = [rng.choice([1, 0, 2, None, True]) for _ in mask] if rng.random() < 0.5 else tuple(mask)
+        masks.append(mask)
         ids_len = max(0, physical - (1 if rng.random() < 0.03 else 0))
-        block_ids.append([rng.randrange(0, 2000) for _ in range(ids_len)])
+        ids: Any = [rng.randrange(0, 2000) for _ in range(ids_len)]
+        block_ids.append(tuple(ids) if rng.random() < 0.05 else ids)
     tails = []
     for g in range(len(groups) + 1):  # a boundary for a group that does not exist is ignored
         if token_len >= hbs and rng.random() < 0.35:
