@@ -39,6 +39,27 @@ HEAD_MAJOR_LOCAL_HEADS = 4
 HEAD_MAJOR_HEAD_SIZE = 8
 HEAD_MAJOR_LOCAL_TP = 2
 HEAD_MAJOR_STORE_TP = 4
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The requests and default timed rounds of one run: :data:`FULL`, :data:`QUICK` or :data:`TINY` (tests)."""
+
+    chunks: int = HEADLINE_CHUNKS  # rank-local
+    regions: int = HEADLINE_REGIONS
+    lbnhc_layers: int = LBNHC_LAYERS
+    lbnhc_chunks: int = 32
+    head_major_layers: int = HEAD_MAJOR_LAYERS
+    head_major_blocks: int = HEADLINE_CHUNKS
+    rank_local_rounds: int = 15
+    tp_shared_rounds: int = 9
+
+
+FULL = Sizes()
+QUICK = Sizes(lbnhc_chunks=16, head_major_blocks=256, rank_local_rounds=5, tp_shared_rounds=3)
+TINY = Sizes(chunks=40, regions=6, lbnhc_layers=2, lbnhc_chunks=17, head_major_layers=3, head_major_blocks=12,
+             rank_local_rounds=1, tp_shared_rounds=1)
+
 #: The drop-in's variant name in every case (the plugin's replacement, on vLLM's own class and objects).
 DROP_IN = "mooncake_kvaddr drop-in (plugin on vLLM's class)"
 
@@ -176,18 +197,18 @@ def _enter_drop_in(stack: contextlib.ExitStack) -> str:
     return ""
 
 
-def _rank_local(quick: bool, ref: _Vllm | None, rounds: int | None) -> list[dict[str, Any]]:
+def _rank_local(sizes: Sizes, ref: _Vllm | None, rounds: int | None) -> list[dict[str, Any]]:
     """The headline request on vLLM's rank-local layout (0.34: block stride 2,304 B, 2,048 B stored per block),
     plus, where its regions' stride is their length (0.33, or no vLLM), our own layout classes' forms."""
     rng = random.Random(0)
-    bases = [0x7F00_0000_0000 + r * (1 << 32) for r in range(HEADLINE_REGIONS)]
-    lens = [REGION_BLOCK_LEN] * HEADLINE_REGIONS
-    n = HEADLINE_CHUNKS
+    bases = [0x7F00_0000_0000 + r * (1 << 32) for r in range(sizes.regions)]
+    lens = [REGION_BLOCK_LEN] * sizes.regions
+    n = sizes.chunks
     chunks = [(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE) for i in range(n)]
     shard_ids = [0] * n
-    rounds = rounds or (5 if quick else 15)
+    rounds = rounds or sizes.rank_local_rounds
     ref_name = ref.reference if ref is not None else "numpy reference"
-    extra: dict[str, Any] = {"chunks": n, "segments": HEADLINE_REGIONS, "reference": ref_name,
+    extra: dict[str, Any] = {"chunks": n, "segments": sizes.regions, "reference": ref_name,
                              "release": ref.version if ref is not None else None}
     variants: dict[str, Callable[[Any], object]] = {}
     warm_layouts: list[Any] = []
@@ -201,7 +222,7 @@ def _rank_local(quick: bool, ref: _Vllm | None, rounds: int | None) -> list[dict
                                                            BLOCK_SIZE)
             vllm_layout.set_kv_caches_base_addr(list(bases))
             strided = hasattr(vllm_layout, "block_stride")  # 0.34: the stride is set, the stored length apart
-            vllm_layout.set_block_len([REGION_BLOCK_LEN + 256] * HEADLINE_REGIONS if strided else list(lens))
+            vllm_layout.set_block_len([REGION_BLOCK_LEN + 256] * sizes.regions if strided else list(lens))
             if strided:
                 vllm_layout.block_len = list(lens)
                 extra["block_stride"] = REGION_BLOCK_LEN + 256
@@ -249,7 +270,7 @@ def _check(variants: dict[str, Callable[[Any], object]], ref_name: str, ids: Any
             if name != ref_name and "arrays" not in name}
 
 
-def _lbnhc(quick: bool, ref: _Vllm | None, rounds: int | None) -> list[dict[str, Any]]:
+def _lbnhc(sizes: Sizes, ref: _Vllm | None, rounds: int | None) -> list[dict[str, Any]]:
     """vLLM 0.32/0.33's TP-shared LBNHC layout (or its numpy stand-in without vLLM)."""
     rng = random.Random(1)
     local_tp, store_tp, tp_rank = 2, 4, 0
@@ -259,7 +280,7 @@ def _lbnhc(quick: bool, ref: _Vllm | None, rounds: int | None) -> list[dict[str,
     token_stride = local_heads * content
     block_stride = BLOCK_SIZE * token_stride
     # Templates as register_kv_caches builds them for 2 x 61 token-major caches (no tensors needed).
-    cache_bases = [0x7E00_0000_0000 + c * (1 << 34) for c in range(2 * LBNHC_LAYERS)]
+    cache_bases = [0x7E00_0000_0000 + c * (1 << 34) for c in range(2 * sizes.lbnhc_layers)]
     templates: list[tuple[list[int], list[int], list[int]]] = []
     for local in range(store_tp // local_tp):
         head_start = local * per_shard
@@ -289,10 +310,10 @@ def _lbnhc(quick: bool, ref: _Vllm | None, rounds: int | None) -> list[dict[str,
         own = _own(reference)
     else:
         own = _NumpyTemplates(templates, layout.local_shard_ids[0]).prepare_values
-    n_chunks = 16 if quick else 32
+    n_chunks = sizes.lbnhc_chunks
     chunks = [(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE) for i in range(n_chunks) for _ in layout.local_shard_ids]
     shard_ids = [shard for _ in range(n_chunks) for shard in layout.local_shard_ids]
-    rounds = rounds or (3 if quick else 9)
+    rounds = rounds or sizes.tp_shared_rounds
     extra: dict[str, Any] = {"chunks": n_chunks, "keys": len(chunks), "segments": len(templates[0][0]),
                              "reference": ref_name, "release": ref.version if ref is not None else None}
 
@@ -326,7 +347,7 @@ def _lbnhc(quick: bool, ref: _Vllm | None, rounds: int | None) -> list[dict[str,
     return rows
 
 
-def _head_major(quick: bool, ref: _Vllm, rounds: int | None) -> list[dict[str, Any]]:
+def _head_major(sizes: Sizes, ref: _Vllm, rounds: int | None) -> list[dict[str, Any]]:
     """vLLM 0.34's ``HeadMajorStoreLayout`` registered over real CPU tensors (one per layer, shaped blocks x heads
     x states x content, as vLLM's own layout tests build them): a request of the headline's tokens (2,258
     blocks of 128) in Store chunks of 64 tokens, local TP 2 over Store TP 4, every chunk for both owned shards."""
@@ -334,11 +355,11 @@ def _head_major(quick: bool, ref: _Vllm, rounds: int | None) -> list[dict[str, A
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     rng = random.Random(2)
-    blocks = 256 if quick else HEADLINE_CHUNKS
+    blocks = sizes.head_major_blocks
     store_chunk = BLOCK_SIZE // 2
     specs = [FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEAD_MAJOR_LOCAL_HEADS,
                                head_size=HEAD_MAJOR_HEAD_SIZE, dtype=torch.float16)
-             for _ in range(HEAD_MAJOR_LAYERS)]  # fmt: skip
+             for _ in range(sizes.head_major_layers)]  # fmt: skip
     content = specs[0].state_content_size_bytes // 2  # fp16 elements per (head, token)
     num_blocks = blocks + 1  # block 0 is vLLM's null block
     # Never written or read: prepare_values computes addresses only (torch.empty touches no page).
@@ -352,7 +373,7 @@ def _head_major(quick: bool, ref: _Vllm, rounds: int | None) -> list[dict[str, A
     shards = list(layout.local_shard_ids)
     chunks = [(s, s + store_chunk) for s in range(0, blocks * BLOCK_SIZE, store_chunk) for _ in shards]
     shard_ids = [shard for _ in range(0, blocks * BLOCK_SIZE, store_chunk) for shard in shards]
-    rounds = rounds or (3 if quick else 9)
+    rounds = rounds or sizes.tp_shared_rounds
     ref_name = ref.reference
     own = _own(layout)
     extra: dict[str, Any] = {
@@ -383,15 +404,16 @@ def _head_major(quick: bool, ref: _Vllm, rounds: int | None) -> list[dict[str, A
 
 
 
-def run(quick: bool = False, *, rounds: int | None = None) -> list[dict[str, Any]]:
-    """All rows of this section for the installed vLLM (``quick``: fewer rounds, smaller TP-shared requests;
-    ``rounds``: timed rounds per variant instead of the defaults)."""
+def run(quick: bool = False, *, rounds: int | None = None, sizes: Sizes | None = None) -> list[dict[str, Any]]:
+    """All rows of this section for the installed vLLM (``quick``: :data:`QUICK`'s fewer rounds and smaller
+    TP-shared requests; ``sizes`` overrides both; ``rounds``: timed rounds per variant instead of the sizes')."""
+    sizes = sizes or (QUICK if quick else FULL)
     ref = _reference()
-    rows = _rank_local(quick, ref, rounds)
+    rows = _rank_local(sizes, ref, rounds)
     if ref is not None and hasattr(ref.layouts, "HeadMajorStoreLayout"):
-        rows += _head_major(quick, ref, rounds)
+        rows += _head_major(sizes, ref, rounds)
     elif ref is None or hasattr(ref.layouts, "LBNHCStoreLayout"):
-        rows += _lbnhc(quick, ref, rounds)
+        rows += _lbnhc(sizes, ref, rounds)
     return rows
 
 

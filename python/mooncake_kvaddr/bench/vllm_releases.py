@@ -113,7 +113,7 @@ def _part_rows(release: str, section: str, metric: str, rows: Sequence[dict[str,
                reason: str, describe: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
     """Send or lookup rows (``vllm`` and ``plugin`` variants), or one "not ported" row with the reason."""
     if rows is None:
-        return [_row(release, section, "headline", metric, PLUGIN, None, f"not measured: {reason}")]
+        return [_row(release, section, section, metric, PLUGIN, None, f"no figure: {reason}")]
     out = []
     for row in rows:
         if row["variant"] not in ("vllm", "plugin"):
@@ -133,16 +133,18 @@ def lookup_rows(release: str, rows: Sequence[dict[str, Any]] | None, reason: str
                       lambda r: f"lookup, {r['units']} units x {r['keys'] // r['units']} ranks")
 
 
-def measure(quick: bool, reps: int | None, *, mooncake: bool = True) -> dict[str, Any]:
+def measure(quick: bool, reps: int | None, *, mooncake: bool = True, tiny: bool = False) -> dict[str, Any]:
     """Every side-by-side row for the installed vLLM, measured here: layouts, and with ``mooncake`` the receive
-    thread, and send and lookup where the plugin patches them (else "not ported" rows)."""
+    thread, and send and lookup where the plugin patches them (else "not ported" rows). ``tiny``: the tests'
+    smallest layouts (:data:`vllm_layouts.TINY`) and the quick thread requests."""
     import vllm
 
     from mooncake_kvaddr.bench import vllm_layouts
 
     release = str(vllm.__version__)
     parts = plugin_parts()
-    rows = layout_rows(release, vllm_layouts.run(quick, rounds=reps))
+    rows = layout_rows(release, vllm_layouts.run(quick, rounds=reps, sizes=vllm_layouts.TINY if tiny else None))
+    quick = quick or tiny
     if mooncake:
         from mooncake_kvaddr.bench import vllm_lookup, vllm_plugin, vllm_send
 
@@ -171,7 +173,8 @@ def other_python() -> tuple[str | None, str]:
     return str(python), ""
 
 
-def run_child(python: str, quick: bool, reps: int | None, mooncake: bool, timeout: float = 3600.0) -> dict[str, Any]:
+def run_child(python: str, quick: bool, reps: int | None, mooncake: bool, *, tiny: bool = False,
+              timeout: float = 3600.0) -> dict[str, Any]:
     """:func:`measure` under ``python`` (this package's tree first on its path); its result, or ``{"error"}``."""
     import mooncake_kvaddr
 
@@ -182,6 +185,7 @@ def run_child(python: str, quick: bool, reps: int | None, mooncake: bool, timeou
         out = Path(tmp) / "rows.json"
         command = [python, "-m", "mooncake_kvaddr.bench.vllm_releases", "--child", "--json", str(out)]
         command += ["--quick"] if quick else []
+        command += ["--tiny"] if tiny else []
         command += ["--reps", str(reps)] if reps is not None else []
         command += [] if mooncake else ["--no-mooncake"]
         sys.stdout.flush()
@@ -219,11 +223,11 @@ def summarise(results: Sequence[dict[str, Any]], notes: Sequence[str] = ()) -> d
                  releases=[r["vllm"] for r in results], parts={r["vllm"]: r["parts"] for r in results})
 
 
-def side_by_side(quick: bool, reps: int | None, *, mooncake: bool = True,
+def side_by_side(quick: bool, reps: int | None, *, mooncake: bool = True, tiny: bool = False,
                  installed: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure the installed vLLM (unless ``installed`` holds its result already) and vLLM 0.34 in its own
     environment, and print one table; a release that was not measured is one note saying why."""
-    results = [installed if installed is not None else measure(quick, reps, mooncake=mooncake)]
+    results = [installed if installed is not None else measure(quick, reps, mooncake=mooncake, tiny=tiny)]
     notes: list[str] = []
     if _series(results[0]["vllm"]) == OTHER_SERIES:
         notes.append(f"the installed vLLM is {results[0]['vllm']}: no second release to run")
@@ -232,7 +236,7 @@ def side_by_side(quick: bool, reps: int | None, *, mooncake: bool = True,
         if python is None:
             notes.append(f"vLLM {OTHER_SERIES} not measured: {reason}")
         else:
-            child = run_child(python, quick, reps, mooncake)
+            child = run_child(python, quick, reps, mooncake, tiny=tiny)
             if "error" in child:
                 notes.append(f"vLLM {OTHER_SERIES} not measured: {child['error']}")
             elif _series(child["vllm"]) != OTHER_SERIES:
@@ -244,6 +248,10 @@ def side_by_side(quick: bool, reps: int | None, *, mooncake: bool = True,
     return summarise(results, notes)
 
 
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - manual runs
     import argparse
 
@@ -251,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - manual run
 
     parser = argparse.ArgumentParser(prog="python -m mooncake_kvaddr.bench.vllm_releases", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small requests")
+    parser.add_argument("--tiny", action="store_true", help="the tests' smallest requests (a smoke run)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant")
     parser.add_argument("--no-mooncake", action="store_true", help="the layouts only (no Mooncake master)")
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
@@ -258,13 +267,16 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - manual run
     args = parser.parse_args(argv)
     mooncake = not args.no_mooncake and have_mooncake()
     if args.child:
-        result = measure(args.quick, args.reps, mooncake=mooncake)
+        result = measure(args.quick, args.reps, mooncake=mooncake, tiny=args.tiny)
     else:
         info = machine()
-        print(f"vLLM releases side by side on {info['cpu']} ({info['cores']} cores, load average "
-              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}), Python {info['python']}", flush=True)
+        print(f"vLLM releases side by side on {info['cpu']} ({info['cores']} cores, {info['platform']}), Python "
+              f"{info['python']}; load average at start {_load()} (other processes share the machine)", flush=True)
         result = {"machine": info, "reps": args.reps, "quick": args.quick,
-                  "side_by_side": side_by_side(args.quick, args.reps, mooncake=mooncake)}
+                  "load_average": os.getloadavg(),
+                  "side_by_side": side_by_side(args.quick, args.reps, mooncake=mooncake, tiny=args.tiny)}
+    if not args.child:
+        print(f"\nload average at the end {_load()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
