@@ -1,7 +1,9 @@
-"""vLLM 0.33's real Mooncake store threads on CPU torch caches (:class:`VllmStoreRig`), and the transfer modes and
-request shapes it runs under. Split out of :mod:`~mooncake_kvaddr.bench.vllm_plugin` (which re-exports its public
-names): the plugin, send and receive-case benchmarks and the end-to-end tests all drive this one rig. Needs vLLM,
-torch and Mooncake; imports them only when a rig is built.
+"""The installed vLLM's real Mooncake store threads on CPU torch caches (:class:`VllmStoreRig`), and the transfer
+modes and request shapes it runs under. Split out of :mod:`~mooncake_kvaddr.bench.vllm_plugin` (which re-exports
+its public names): the plugin, send and receive-case benchmarks and the end-to-end tests all drive this one rig.
+vLLM 0.33's and 0.34's threads take the same constructor arguments and request records. The rig wraps the store
+itself (as the plugin's worker hook would): it builds the threads, never vLLM's worker. Needs vLLM, torch and
+Mooncake; imports them only when a rig is built.
 """
 
 from __future__ import annotations
