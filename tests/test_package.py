@@ -290,6 +290,27 @@ def test_bench_tables_name_their_baseline(capsys: pytest.CaptureFixture[str]) ->
     assert f"baseline: {NUMPY_BASELINE}" in capsys.readouterr().out
 
 
+def test_bench_vllm_releases_table_names_its_baseline_per_release(capsys: pytest.CaptureFixture[str]) -> None:
+    # The side-by-side of vLLM releases: every ratio is against the same release's vLLM alone on the same case
+    # and metric, never across releases; a part with no figure has no ratio.
+    from mooncake_kvaddr.bench.vllm_releases import ALONE, PLUGIN, _row, summarise
+
+    def result(release: str, alone: float, plugin: float | None) -> dict[str, object]:
+        rows = [_row(release, "receive thread", "receive", "GIL ms", ALONE, alone),
+                _row(release, "receive thread", "receive", "GIL ms", PLUGIN, plugin, "" if plugin else "not ported")]
+        return {"vllm": release, "parts": {}, "rows": rows}
+
+    out = summarise([result("0.33.0", 40.0, 2.0), result("0.34.0", 50.0, None)], ["a note"])
+    rows = out["rows"]
+    assert rows["0.33.0 / receive / GIL ms / with the plugin"]["ratio"] == pytest.approx(20.0)
+    assert rows["0.34.0 / receive / GIL ms / vLLM alone"]["ratio"] == pytest.approx(1.0)
+    assert rows["0.34.0 / receive / GIL ms / with the plugin"]["ratio"] is None
+    assert rows["0.34.0 / receive / GIL ms / with the plugin"]["baseline"] == "vLLM 0.34.0 alone"
+    assert out["releases"] == ["0.33.0", "0.34.0"] and out["notes"] == ["a note"]
+    printed = capsys.readouterr().out
+    assert "baseline: the same release's vLLM alone on the same case and metric" in printed
+
+
 def test_bench_timing_table_rejects_an_unknown_baseline() -> None:
     from mooncake_kvaddr.bench.harness import Result, timing_table
 

@@ -6,10 +6,12 @@ without them: skipped there).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,3 +88,108 @@ def test_every_listed_mutant_still_applies() -> None:
     changed must be updated with the code it mutates."""
     out = _run("tools/mutation_run.py", "tools/mutants.json", "--check")
     assert "0 no longer apply" in out, out
+
+
+# --- python -m mooncake_kvaddr.bench.vllm_releases (docs/benchmarks.md, "vLLM 0.34") ----------------------------
+
+
+def _side_by_side(tmp_path: Path, env_update: dict[str, str], *args: str) -> tuple[str, dict[str, Any]]:
+    """Run the releases' side-by-side on the tiny shapes; its stdout and its JSON document."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("vLLM is not installed")
+    pytest.importorskip("torch", reason="torch is not installed (comes with vLLM)")
+    import mooncake_kvaddr
+
+    package_root = Path(mooncake_kvaddr.__file__).resolve().parent.parent
+    env = {**os.environ, **env_update}
+    env["PYTHONPATH"] = os.pathsep.join([str(package_root), env.get("PYTHONPATH", "")])
+    out = tmp_path / "side.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "mooncake_kvaddr.bench.vllm_releases", "--tiny", "--reps", "1", "--json", str(out),
+         *args],
+        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout, json.loads(out.read_text())
+
+
+def _rows(result: dict[str, Any], release: str) -> list[dict[str, Any]]:
+    return [row for row in result["side_by_side"]["rows"].values() if row["release"] == release]
+
+
+def _check_release(result: dict[str, Any], release: str) -> None:
+    """A measured release's rows: each layout case and the receive thread alone and with the plugin (figures,
+    same values), and send and lookup either measured or "not ported" with the PatchReport's reason."""
+    rows = _rows(result, release)
+    parts = result["side_by_side"]["parts"][release]
+    layouts = [r for r in rows if r["section"] == "layouts"]
+    cases = {r["case"] for r in layouts}
+    assert len(cases) == 4, cases  # rank-local and the TP-shared layout, cold and warm
+    for case in cases:
+        pair = {r["variant"]: r for r in layouts if r["case"] == case}
+        assert set(pair) == {"vLLM alone", "with the plugin"}, pair
+        assert all(r["median"] > 0 and r["ratio"] > 0 for r in pair.values()), pair
+        assert "same values, Python ints: True" in pair["with the plugin"]["note"], pair
+    receive = [r for r in rows if r["section"] == "receive thread"]
+    assert {(r["metric"], r["variant"]) for r in receive} == {
+        (m, v) for m in ("GIL ms/request (thread CPU)", "wall ms/request") for v in ("vLLM alone", "with the plugin")
+    }, receive
+    assert all(r["median"] > 0 for r in receive), receive
+    assert all("bytes ok: True" in r["note"] for r in receive if r["metric"].startswith("GIL")), receive
+    assert "to vLLM's handler: 0" in next(r["note"] for r in receive if r["variant"] == "with the plugin")
+    for section, part in (("send thread", "send"), ("lookup", "lookup")):
+        got = [r for r in rows if r["section"] == section]
+        if parts[part]:  # not patched on this release: one row, no figure, the report's reason
+            assert [(r["variant"], r["median"]) for r in got] == [("with the plugin", None)], got
+            assert parts[part] in got[0]["note"], got
+        else:
+            assert {r["variant"] for r in got} == {"vLLM alone", "with the plugin"}, got
+            assert all(r["median"] > 0 for r in got), got
+
+
+@pytest.mark.vllm
+def test_vllm_releases_side_by_side_runs_vllm_034_in_its_environment(tmp_path: Path) -> None:
+    """With vLLM 0.34's environment present, one run measures the installed vLLM here and 0.34 in a child, and
+    prints one table naming its baseline."""
+    import importlib.metadata
+
+    from mooncake_kvaddr.bench.vllm_releases import other_python
+
+    pytest.importorskip("mooncake.store")
+    python, reason = other_python()
+    if python is None:
+        pytest.skip(reason)
+    stdout, result = _side_by_side(tmp_path, {})
+    installed = importlib.metadata.version("vllm")
+    assert "baseline: the same release's vLLM alone on the same case and metric" in stdout
+    assert "load average at start" in stdout and "load average at the end" in stdout
+    _check_release(result, installed)
+    if installed.startswith("0.34."):
+        assert result["side_by_side"]["releases"] == [installed], result["side_by_side"]
+    else:
+        assert result["side_by_side"]["releases"] == [installed, "0.34.0"], result["side_by_side"]
+        _check_release(result, "0.34.0")
+        # On 0.34 the receive rows say how the store was wrapped (the worker hook is the plugin's only where ported).
+        plugin_note = next(r["note"] for r in _rows(result, "0.34.0")
+                           if r["section"] == "receive thread" and r["variant"] == "with the plugin")
+        assert "store wrapped by the bench rig" in plugin_note, plugin_note
+
+
+@pytest.mark.vllm
+def test_vllm_releases_side_by_side_says_why_034_was_not_measured(tmp_path: Path) -> None:
+    """Without vLLM 0.34's environment the table has the installed release only, and one line says why."""
+    import importlib.metadata
+
+    if importlib.metadata.version("vllm").startswith("0.34."):
+        pytest.skip("the installed vLLM is 0.34 itself")
+    missing = tmp_path / "no-venv"
+    stdout, result = _side_by_side(tmp_path, {"MOONCAKE_KVADDR_VLLM034_VENV": str(missing)}, "--no-mooncake")
+    line = f"vLLM 0.34 not measured: no vLLM 0.34 environment at {missing}"
+    assert line in stdout, stdout
+    assert result["side_by_side"]["releases"] == [importlib.metadata.version("vllm")]
+    assert any(note.startswith(line) for note in result["side_by_side"]["notes"]), result["side_by_side"]
+    assert {r["section"] for r in result["side_by_side"]["rows"].values()} == {"layouts"}

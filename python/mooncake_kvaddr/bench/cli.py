@@ -23,7 +23,8 @@ from mooncake_kvaddr.bench.workload import HEADLINE, Shape
 
 DESCRIPTION = """Side-by-side benchmark of mooncake_kvaddr against the code paths it replaces: numpy address rows
 as vLLM 0.33 computes them, Python key strings, Mooncake's bound methods, vLLM 0.33's one-call multi-buffer
-transfers; with --vllm, vLLM 0.33.0's own layouts and send/receive threads with and without the plugin.
+transfers; with --vllm, the installed vLLM's own layouts and send/receive threads with and without the plugin,
+and vLLM 0.33 and 0.34 side by side (0.34 in its own environment, $MOONCAKE_KVADDR_VLLM034_VENV).
 
 Every table names its baseline. Variants of a section run interleaved in one process, so machine noise hits
 them alike: quote medians and ratios, not single absolute times (docs/benchmarks.md). Ctrl-C ends the run
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of speed-up vs request length (matplotlib)")
     parser.add_argument("--no-mooncake", action="store_true", help="skip the sections that need a Mooncake store")
     parser.add_argument("--vllm", action="store_true",
-                        help="add the vLLM 0.33 sections (layouts vs vLLM's own, vLLM's real threads with the plugin)")
+                        help="add the vLLM sections (layouts vs vLLM's own, vLLM's real threads with the plugin) and "
+                             "the releases side by side (vLLM 0.34 in a child process when its environment exists)")
     parser.add_argument("--multihost", action="store_true",
                         help="add the cross-namespace TCP section (root; builds network namespaces; minutes)")
     parser.add_argument("--verbose", action="store_true", help="let Mooncake's own log lines through")
@@ -96,11 +98,13 @@ def _run(args: argparse.Namespace) -> int:
         report.add("native_client", external.native_client(quick))
     if args.vllm:
         report.add("layouts", external.layouts(quick))
-        if not args.no_mooncake:
+        mooncake = not args.no_mooncake and have_mooncake()
+        if mooncake:
             report.add("vllm_threads", external.vllm_threads(quick))
             report.add("vllm_lookup", external.vllm_lookup(quick))
             report.add("vllm_send", external.vllm_send(quick))
             report.add("vllm_receive_cases", external.vllm_receive_cases(quick))
+        report.add("vllm_releases", external.vllm_releases(report.sections, quick, args.reps, mooncake))
     if args.multihost:
         report.add("multihost", external.multihost(quick))
     if args.plot:

@@ -1,5 +1,5 @@
-"""vLLM 0.33's own Mooncake store threads, without the plugin, with it, and with the staged transport
-(docs/vllm-plugin.md, "Measured").
+"""The installed vLLM's own Mooncake store threads (0.33 or 0.34), without the plugin, with it, and with the
+staged transport (docs/vllm-plugin.md, "Measured").
 
 :class:`VllmStoreRig` runs vLLM's real ``KVCacheStoreSendingThread`` and ``KVCacheStoreRecvingThread`` on CPU
 torch KV caches (one MLA-style tensor per layer, registered through vLLM's layout) against a real Mooncake

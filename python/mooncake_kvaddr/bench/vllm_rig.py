@@ -1,7 +1,9 @@
-"""vLLM 0.33's real Mooncake store threads on CPU torch caches (:class:`VllmStoreRig`), and the transfer modes and
-request shapes it runs under. Split out of :mod:`~mooncake_kvaddr.bench.vllm_plugin` (which re-exports its public
-names): the plugin, send and receive-case benchmarks and the end-to-end tests all drive this one rig. Needs vLLM,
-torch and Mooncake; imports them only when a rig is built.
+"""The installed vLLM's real Mooncake store threads on CPU torch caches (:class:`VllmStoreRig`), and the transfer
+modes and request shapes it runs under. Split out of :mod:`~mooncake_kvaddr.bench.vllm_plugin` (which re-exports
+its public names): the plugin, send and receive-case benchmarks and the end-to-end tests all drive this one rig.
+vLLM 0.33's and 0.34's threads take the same constructor arguments and request records. The rig wraps the store
+itself (as the plugin's worker hook would): it builds the threads, never vLLM's worker. Needs vLLM, torch and
+Mooncake; imports them only when a rig is built.
 """
 
 from __future__ import annotations
@@ -84,9 +86,10 @@ def native_off(mode: str) -> bool:
 @contextlib.contextmanager
 def plugin_mode(mode: str) -> Iterator[None]:
     """vLLM untouched (``vllm``), patched without the receive and send handlers (``plugin``, ``staged``,
-    ``native``, ``staged_native``) or with both (``recv*``) for the duration of the block; the previous state
-    afterwards."""
+    ``native``, ``staged_native``) or with both (``recv*``; the send handler only where the installed release
+    has it ported) for the duration of the block; the previous state afterwards."""
     from mooncake_kvaddr.integrations.vllm import plugin
+    from mooncake_kvaddr.integrations.vllm.releases import NOT_PORTED
 
     was = plugin.is_patched()
     had_receive = was and plugin.is_receive_patched()
@@ -95,8 +98,12 @@ def plugin_mode(mode: str) -> Iterator[None]:
     if mode != "vllm":
         receive = mode_flags(mode)[0]
         report = plugin.patch(receive=receive, send=receive)
-        if not report.active or plugin.is_receive_patched() != receive or plugin.is_send_patched() != receive:
-            raise RuntimeError(f"plugin not active as {mode!r}: {report.reason or report.receive_reason}")
+        # A send handler the installed release's module has not ported stays vLLM's (the PatchReport says so).
+        send_expected = receive and not report.send_reason.startswith(NOT_PORTED)
+        if not report.active or plugin.is_receive_patched() != receive or plugin.is_send_patched() != send_expected:
+            raise RuntimeError(
+                f"plugin not active as {mode!r}: {report.reason or report.receive_reason or report.send_reason}"
+            )
     try:
         yield
     finally:

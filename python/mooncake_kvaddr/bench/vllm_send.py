@@ -1,10 +1,10 @@
-"""vLLM 0.33's own send thread storing the headline request through a real Mooncake master, with and without
-the plugin: vLLM alone; the plugin's default (its send handler, int64 matrices to the native client); the
-plugin where no native client can be built (the store wrapper hands Mooncake's bound method lists); and the
-plugin with ``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=0`` (a plain store: list rows from the handler). Per store
-(medians, ms, beside a busy Python thread): wall time, the send thread's CPU, its time with the GIL held (CPU
-less the native client's GIL-released part), the busy thread's stall. Every store writes new keys (the
-segment is emptied between stores), and every key is checked present afterwards. docs/benchmarks.md quotes it.
+"""The installed vLLM's own send thread (0.33; a release whose send handler the plugin ports) storing the
+headline request through a real Mooncake master, with and without the plugin: vLLM alone; the plugin's default
+(its send handler, int64 matrices to the native client); the plugin where no native client can be built (the
+store wrapper hands Mooncake's bound method lists); and the plugin with ``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=0``
+(a plain store: list rows from the handler). Per store (medians, ms, beside a busy Python thread): wall time,
+the send thread's CPU, its GIL-held time, the busy thread's stall. Every store writes new keys, each checked
+present afterwards. docs/benchmarks.md quotes it.
 """
 
 from __future__ import annotations
@@ -99,8 +99,14 @@ def _measure(master: str, shape: RigShape, variant: str, reps: int) -> dict[str,
     return row
 
 
-def run(quick: bool = True, *, reps: int | None = None, master_address: str | None = None) -> list[dict[str, Any]]:
-    """One row per variant (times in ms; ``cpu_gil_x``/``stall_x``: vLLM alone's value / the variant's)."""
+def run(
+    quick: bool = True, *, reps: int | None = None, master_address: str | None = None,
+    variants: tuple[str, ...] = tuple(VARIANTS),
+) -> list[dict[str, Any]]:
+    """One row per variant of ``variants`` ("vllm" first; times in ms; ``cpu_gil_x``/``stall_x``: vLLM alone's
+    value / the variant's)."""
+    if not variants or variants[0] != "vllm" or any(v not in VARIANTS for v in variants):
+        raise ValueError(f"variants must start with 'vllm' and be among {list(VARIANTS)}, got {variants}")
     from mooncake_kvaddr.driver.master import EmbeddedMaster
 
     shape = QUICK if quick else HEADLINE
@@ -108,7 +114,7 @@ def run(quick: bool = True, *, reps: int | None = None, master_address: str | No
     with contextlib.ExitStack() as stack:
         if master_address is None:
             master_address = stack.enter_context(EmbeddedMaster()).rpc_address
-        rows = [_measure(master_address, shape, variant, reps) for variant in VARIANTS]
+        rows = [_measure(master_address, shape, variant, reps) for variant in variants]
     base = rows[0]
     for row in rows:
         for key in ("cpu_gil_ms", "stall_ms"):
