@@ -535,3 +535,18 @@ def test_chunked_negative_and_huge_block_ids() -> None:
         engine.prepare_values([(-10, -9)], [7, 9], [0])  # block -3 of 2
     with pytest.raises(OverflowError):
         engine.prepare_values([(0, 2)], [1 << 23], [0])  # 2**63: the address leaves int64
+
+
+def test_store_chunk_engines_take_exact_start_end_pairs() -> None:
+    """vLLM 0.34's TP-shared rule unpacks each chunk: a chunk of three items (or an array of three columns) is a
+    ValueError there, where the 0.33 rules read items 0 and 1 only."""
+    engine = _native.LayoutEngine(32, 8, True, 0, 1, 0, store_chunk_size=8)
+    engine.set_templates([[([c], [100], [1])] for c in range(4)])
+    with pytest.raises(ValueError, match="more than"):
+        engine.prepare_values([(0, 8), (8, 16, 3)], [5], [0, 0])
+    with pytest.raises(ValueError, match=r"\(n, 2\)"):
+        engine.prepare_values(np.array([[0, 8, 1]], dtype=np.int64), [5], [0])
+    assert engine.prepare_values([(0, 8), [8, 16]], [5], [0, 0]) == ([[500], [501]], [[1], [1]], [5, 5])
+    plain = _native.LayoutEngine(32, 32, True, 0, 1, 0)
+    plain.set_templates([([7], [100], [1])])
+    assert plain.prepare_values([(0, 32, 3)], [5], [0]) == ([[507]], [[1]], [5])

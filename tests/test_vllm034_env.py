@@ -31,8 +31,8 @@ from mooncake_kvaddr.integrations.vllm import plugin
 plugin.register()
 after_register = sorted(m for m in sys.modules if m.startswith({STORE!r}))
 ours = []
-for name in ("layout", "data", "worker"):
-    module = importlib.import_module({STORE!r} + "." + name)
+modules = [importlib.import_module({STORE!r} + "." + name) for name in ("layout", "data", "worker")]
+for module in modules:  # listed after all three are imported: the deferred patch runs at the data module's import
     for cls_name, cls in inspect.getmembers(module, inspect.isclass):
         for attr, value in vars(cls).items():
             func = getattr(value, "__func__", value)

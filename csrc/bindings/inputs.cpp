@@ -286,14 +286,16 @@ std::vector<int64_t> int64_values(py::handle obj, const char* what) {
 }
 
 // (start, end) of every chunk: a list/tuple of tuples/lists (only items 0 and 1 are read, as vLLM does), or
-// an (n, 2) integer array.
-void chunk_pairs(py::handle chunks, std::vector<int64_t>* starts, std::vector<int64_t>* ends) {
+// an (n, 2) integer array. `exact_pairs` (vLLM 0.34's TP-shared rule, which unpacks each chunk) refuses a
+// chunk of more than two items, or an array of more than two columns, with ValueError.
+void chunk_pairs(py::handle chunks, std::vector<int64_t>* starts, std::vector<int64_t>* ends, bool exact_pairs) {
     if (is_exact_ndarray(chunks)) {
         py::array arr = py::reinterpret_borrow<py::array>(chunks);
         const char kind = arr.dtype().kind();
         if (arr.ndim() != 2 || arr.shape(1) < 2 || !(kind == 'i' || (kind == 'u' && arr.itemsize() < 8))) {
             raise(PyExc_TypeError, "chunks must be an (n, 2) signed integer array");
         }
+        if (exact_pairs && arr.shape(1) != 2) raise(PyExc_ValueError, "chunks must be an (n, 2) array");
         auto view = py::array_t<int64_t, py::array::forcecast>::ensure(arr);
         if (!view) throw py::error_already_set();
         auto cells = view.unchecked<2>();
@@ -315,6 +317,11 @@ void chunk_pairs(py::handle chunks, std::vector<int64_t>* starts, std::vector<in
         // Hold both items: converting the first can run __index__, which may shrink a list chunk. A subclass
         // (say a named tuple with its own __getitem__) is read through c[0] and c[1], as vLLM reads it.
         py::object start, end;
+        if (exact_pairs) {
+            const Py_ssize_t items = PySequence_Size(p);
+            if (items < 0) throw py::error_already_set();
+            if (items > 2) raise(PyExc_ValueError, "chunk " + std::to_string(c) + " has more than (start, end)");
+        }
         if (PyTuple_CheckExact(p) || PyList_CheckExact(p)) {
             if (PySequence_Fast_GET_SIZE(p) < 2) {
                 raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple");

@@ -73,7 +73,8 @@ bool int64_array_values(py::handle obj, const char* what, std::vector<int64_t>* 
 std::vector<int64_t> int64_values(py::handle obj, const char* what);
 // (start, end) of every chunk: a list/tuple of tuples/lists (items 0 and 1, as vLLM reads them) or an (n, 2)
 // signed integer array.
-void chunk_pairs(py::handle chunks, std::vector<int64_t>* starts, std::vector<int64_t>* ends);
+void chunk_pairs(py::handle chunks, std::vector<int64_t>* starts, std::vector<int64_t>* ends,
+                 bool exact_pairs = false);
 // Python list indexing of `available` items at `index` (negative wraps; IndexError naming key `key` outside).
 int64_t python_index(int64_t index, std::size_t available, std::size_t key);
 

@@ -341,7 +341,7 @@ private:
     // The snapshot, then every chunk's (start, end) as C++ values, with the shard ids already read.
     void read_chunks(py::handle chunks, Py_ssize_t n_chunks, std::vector<int64_t> shards, Parsed* p) {
         p->snapshot = engine_.snapshot();
-        chunk_pairs(chunks, &p->starts, &p->ends);
+        chunk_pairs(chunks, &p->starts, &p->ends, chunks_per_block_ != 0);
         if (p->starts.size() != shards.size()) {
             if (PyList_CheckExact(chunks.ptr())) raise(PyExc_RuntimeError, "chunks changed size during the call");
             // Not an exact list: nothing but its own __len__ can disagree with its items.

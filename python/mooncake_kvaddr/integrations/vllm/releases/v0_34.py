@@ -64,9 +64,22 @@ def _rank_local_prepare_values(
     """mooncake_kvaddr's ``RankLocalStoreLayout.prepare_values`` for vLLM 0.34 (stride apart from length)."""
     if not chunks:
         return [], [], []
-    result: tuple[list[list[int]], list[list[int]], list[int]] = _rank_local_engine(
-        self, self.block_stride
-    ).prepare_values(chunks, block_ids, shard_ids)
+    try:
+        result: tuple[list[list[int]], list[list[int]], list[int]] = _rank_local_engine(
+            self, self.block_stride
+        ).prepare_values(chunks, block_ids, shard_ids)
+    except TypeError:  # an int-like vLLM's numpy casts (a float id, say): its own answer, or its own error
+        return _vllm_own(self, chunks, block_ids, shard_ids)
+    return result
+
+
+_Rows = tuple[list[list[int]], list[list[int]], list[int]]
+
+
+def _vllm_own(layout: Any, chunks: Any, block_ids: Any, shard_ids: Any) -> _Rows:
+    """vLLM's own ``prepare_values`` of ``layout``'s class (the original where we replaced it)."""
+    own: Any = original_of(type(layout), "prepare_values")
+    result: _Rows = own(layout, chunks, block_ids, shard_ids)
     return result
 
 
@@ -112,10 +125,13 @@ def _sharded_prepare_values(
         return [], [], []
     engine = _chunked_engine(self) if len(chunks) > _LOOP_CHUNKS else None
     if engine is None:
-        vllm_own: Any = original_of(type(self), "prepare_values")
-        own: tuple[list[list[int]], list[list[int]], list[int]] = vllm_own(self, chunks, block_ids, shard_ids)
-        return own
-    result: tuple[list[list[int]], list[list[int]], list[int]] = engine.prepare_values(chunks, block_ids, shard_ids)
+        return _vllm_own(self, chunks, block_ids, shard_ids)
+    try:
+        result: tuple[list[list[int]], list[list[int]], list[int]] = engine.prepare_values(
+            chunks, block_ids, shard_ids
+        )
+    except TypeError:  # int-likes vLLM's numpy casts (float ids or bounds): its own answer, or its own error
+        return _vllm_own(self, chunks, block_ids, shard_ids)
     return result
 
 
