@@ -312,6 +312,47 @@ def test_plan_load_arrays_refuses_a_slot_alignment_of_zero_or_below() -> None:
         assert len(set(plan.offsets.tolist())) == len(plan.keys) == 4
 
 
+class _OwnHex(bytes):
+    def hex(self, *args: Any) -> str:  # vLLM would key this hash by it; the seed-era database does not
+        return "ff"
+
+
+def test_the_seed_era_database_keys_any_bytes_like_hash_by_its_bytes_in_every_plan() -> None:
+    """docs/keys.md, "Which hash objects are read": vLLM's rule (exact ``bytes`` or ``memoryview``) is the
+    plugin's; the seed-era database's ``key_for``, ``keys_for``, ``plan_load``, ``plan_load_arrays`` and
+    ``plan_store`` read any bytes-like hash by its bytes (a bytearray, numpy arrays, a strided view, a ``bytes``
+    subclass with its own ``hex``) and give the plans of the same hashes as ``bytes``."""
+    native, _ = paired(*oracle_regions(4, 2), 32, 16)
+    raw = [bytes([i + 1]) * 8 for i in range(8)]  # 128 tokens: four 32-token chunks, eight 16-token hashes
+    block_ids = [5, 6, 7, 8]
+
+    def strided(h: bytes) -> np.ndarray:
+        wide = np.zeros(2 * len(h), dtype=np.uint8)
+        wide[::2] = np.frombuffer(h, dtype=np.uint8)
+        return wide[::2]
+
+    forms = {
+        "bytearray": [bytearray(h) for h in raw],
+        "numpy": [np.frombuffer(h, dtype=np.uint8).copy() for h in raw],
+        "numpy_u64": [np.frombuffer(h, dtype=np.uint64).copy() for h in raw],
+        "strided": [strided(h) for h in raw],
+        "own_hex": [_OwnHex(h) for h in raw],
+    }
+    keys = native.keys_for(raw)
+    load = tuple(native.plan_load(128, raw, block_ids))
+    arrays = native.plan_load_arrays(128, raw, block_ids)
+    store = tuple(native.plan_store(128, raw, block_ids))
+    assert len(load[0]) == 4 and len(store[0]) == 4
+    for name, hashes in forms.items():
+        assert [native.key_for(h) for h in hashes] == keys, name
+        assert native.keys_for(hashes) == keys, name
+        assert tuple(native.plan_load(128, hashes, block_ids)) == load, name
+        got = native.plan_load_arrays(128, hashes, block_ids)
+        assert got.keys == arrays.keys, name
+        assert got.addrs.tolist() == arrays.addrs.tolist() and got.sizes.tolist() == arrays.sizes.tolist(), name
+        assert tuple(native.plan_store(128, hashes, block_ids)) == store, name
+
+
 @settings(max_examples=400, deadline=None)
 @given(walks, st.booleans())
 def test_plan_store_matches_composition(w: dict[str, Any], skip_null: bool) -> None:

@@ -3,9 +3,9 @@ filtered (issue #39; docs/native-client.md, "Per-key config fields").
 
 Mooncake answers -600 for every key of a put whose group ids are not one per key. On a real master, with vLLM's
 group semantics (one group id per key), every split kind stores every key and hands each part exactly its own
-keys' ids: the driver's region-budget sub-batches, the wrappers' one put per row width, the range guard's kept
-keys (in Python and in the native client's C++) and the staged wrapper's staging rounds. The routine itself
-(:func:`~mooncake_kvaddr.driver.per_key.config_for`) is checked without Mooncake too.
+keys' ids: the driver's region-budget sub-batches and staged transfer rounds, the wrappers' one put per row width,
+the range guard's kept keys (in Python and in the native client's C++) and the staged wrapper's staging rounds.
+The routine itself (:func:`~mooncake_kvaddr.driver.per_key.config_for`) is checked without Mooncake too.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvaddr_testing import Cache, assert_blocks_equal, hashes, make_transfer
+from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.master import EmbeddedMaster
 from mooncake_kvaddr.driver.native_client import NativeClient
-from mooncake_kvaddr.driver.staging import StagingBuffer
+from mooncake_kvaddr.driver.staging import StagingBuffer, StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.transfer import TransferRequest
 from mooncake_kvaddr.integrations.vllm.guard import INVALID_PARAMS
 from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
 from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
@@ -284,6 +287,39 @@ def test_group_ids_not_one_per_key_fail_every_sub_batch_as_the_whole_put_would(
         result = store.batch_put_from(keys, [int(data.ctypes.data) + 64 * k for k in range(100)], [64] * 100, config)
         assert result.codes == (INVALID_PARAMS,) * 100, count
     assert store.batch_is_exist(keys).present == [False] * 100
+
+
+# --- the driver's staged transfer: staging rounds -----------------------------------------------------------------
+
+
+@mooncake
+def test_a_kvtransfer_store_staged_in_several_rounds_gives_each_round_its_keys_group_ids(
+    store: MooncakeStore, model: str, cuts: list[Cut]
+) -> None:
+    """``KVTransfer`` in staged mode with a ``ReplicateConfig`` holding one group id per key of the request:
+    40 keys through a pool of 16 keys each round are three ``batch_put_from`` calls, each with its own keys'
+    ids cut from the whole request (``driver/path_staged.py``); every block stored and loaded back."""
+    bs, chunks, regions, block_bytes = 16, 40, 4, 256
+    src, dst = Cache(regions, chunks + 1, block_bytes, seed=9), Cache(regions, chunks + 1, block_bytes)
+    h = hashes(model, chunks)
+    block_ids = list(range(1, chunks + 1))
+    pool = StagingPool(16 * regions * block_bytes)  # 16 keys per round
+    keys = ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0, group_id=0), bs).keys_for(h)
+    ids = _ids(keys)
+    config = _config(ids)
+    with (
+        make_transfer(store, model, src, bs, staging_pool=pool, replicate_config=config) as writer,
+        make_transfer(store, model, dst, bs, staging_pool=pool) as reader,
+    ):
+        assert writer.mode == "staged"
+        assert writer.store(TransferRequest("r", chunks * bs, h, [block_ids])).ok
+        assert config.group_ids == ids
+        rounds = [cut for cut in cuts if cut.n == chunks]
+        assert [cut.picks for cut in rounds] == [list(range(0, 16)), list(range(16, 32)), list(range(32, 40))]
+        assert all(cut.ids == [ids[i] for i in cut.picks] for cut in rounds)
+        assert store.batch_is_exist(keys).present == [True] * chunks
+        assert reader.load(TransferRequest("r", chunks * bs, h, [block_ids])).ok
+        assert_blocks_equal(src, block_ids, dst, block_ids)
 
 
 # --- the wrappers: one put per row width ---------------------------------------------------------------------------
