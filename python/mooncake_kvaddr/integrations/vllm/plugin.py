@@ -207,7 +207,11 @@ def _patch_send(release: Release, data: ModuleType, worker: ModuleType, layout: 
     (the layouts must be patched already, as for the receive handler)."""
     from mooncake_kvaddr.integrations.vllm import send, send_check
 
-    problem = send_check.check_shape(data, worker) or _fingerprint_problem(
+    rules = release.send_rules
+    if rules is None:
+        report.send_reason = "the release has no send rules"
+        return
+    problem = send_check.check_shape(data, worker, rules) or _fingerprint_problem(
         report, release, "send", data, worker, layout
     )
     if problem:
@@ -216,10 +220,12 @@ def _patch_send(release: Release, data: ModuleType, worker: ModuleType, layout: 
     cls = worker.KVCacheStoreSendingThread
     handler = send.make_handler(
         static_attribute(cls, "_handle_request"), data, worker, release.ours, release.plan_engines,
-        release.kinds(data, layout),
+        release.kinds(data, layout), rules,
     )
     try:
-        send_check.self_check(data, worker, handler)
+        if release.sample_layouts is None:
+            raise AssertionError("the release has no self-check layouts")
+        send_check.self_check(data, worker, handler, layouts=layout, sample=release.sample_layouts)
     except Exception as exc:
         report.send_reason = f"self-check failed: {exc}"
         return

@@ -1,26 +1,29 @@
 """The send handler's start-up checks (docs/vllm-plugin.md, "What ``register()`` does"): the shape of vLLM's send
-thread and worker module, and a self-check of vLLM's handler and ours on small generated store jobs. The case
-generator and the recording store are shared with the differential test.
+thread and worker module, and a self-check of vLLM's handler and ours on small generated store jobs (the layouts
+built by the release's ``sample_layouts``). The case generator and the recording store are shared with the
+differential tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 from mooncake_kvaddr.driver.outcomes import CODE_INVALID_PARAMS as INVALID_PARAMS
 from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
-from mooncake_kvaddr.integrations.vllm.receive_check import DropThread
+from mooncake_kvaddr.integrations.vllm.receive_check import DropThread, SampleLayouts, sample_layouts_033
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 
-__all__ = ["RecordingStore", "check_shape", "make_case", "run_once", "self_check"]
+__all__ = ["THREAD_METHODS_033", "RecordingStore", "check_shape", "make_case", "run_once", "self_check"]
 
-# Parameters (after self) of what the send handler relies on, as vLLM 0.32/0.33 declare them.
-_EXPECTED_THREAD: dict[str, tuple[str, ...]] = {
+#: Parameters (after self) of what the send handler relies on, as vLLM 0.32/0.33 declare them (a release's
+#: ``SendRules.thread_methods``).
+THREAD_METHODS_033: dict[str, tuple[str, ...]] = {
     "_handle_request": ("req_meta",),
     "_maybe_offload_boundary_states": ("req_meta",),
     "_record_saved": ("req_meta", "token_len"),
@@ -41,18 +44,23 @@ _EXPECTED_THREAD: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
-def check_shape(data: ModuleType, worker: ModuleType) -> str:
-    """Empty string when vLLM's send thread and worker module have the shape the send handler relies on;
-    otherwise the first mismatch (the receive handler's check covers the token database and hashes)."""
+def check_shape(data: ModuleType, worker: ModuleType, rules: Any = None) -> str:
+    """Empty string when vLLM's send thread and worker module have the shape the send handler relies on (the
+    methods and ``ReqMeta`` fields of ``rules``, a ``send.SendRules``; vLLM 0.33's when None); otherwise the
+    first mismatch (the receive handler's check covers the token database and hashes)."""
+    methods: Mapping[str, tuple[str, ...]] = THREAD_METHODS_033 if rules is None else rules.thread_methods
     cls = getattr(worker, "KVCacheStoreSendingThread", None)
     if not isinstance(cls, type):
         return "KVCacheStoreSendingThread is missing"
-    for method, params in _EXPECTED_THREAD.items():
+    for method, params in methods.items():
         problem = signature_problem(cls, method, params)
         if problem:
             return problem
     if type(worker.__dict__.get("MOONCAKE_NO_AVAILABLE_HANDLE")) is not int:
         return f"{worker.__name__}.MOONCAKE_NO_AVAILABLE_HANDLE is not an int"
+    null = worker.__dict__.get("NULL_BLOCK_ID", 0)
+    if type(null) is not int or null != 0:
+        return f"{worker.__name__}.NULL_BLOCK_ID is not 0"
     for name in ("_make_mooncake_group_id", "maybe_convert_block_hash", "BlockStored"):
         if not callable(worker.__dict__.get(name)):
             return f"{worker.__name__}.{name} is missing"
@@ -61,6 +69,10 @@ def check_shape(data: ModuleType, worker: ModuleType) -> str:
     for name in ("ReqMeta", "KeyMetadata", "ChunkedTokenDatabase"):
         if not isinstance(getattr(data, name, None), type):
             return f"{data.__name__}.{name} is missing"
+    fields = {f.name for f in dataclasses.fields(data.ReqMeta)} if dataclasses.is_dataclass(data.ReqMeta) else set()
+    for name in () if rules is None else rules.req_meta_fields:
+        if name not in fields:
+            return f"{data.__name__}.ReqMeta has no field {name}"
     return ""
 
 
@@ -168,42 +180,52 @@ class _Config:
 
 
 class _Coord:
-    def __init__(self, masks: tuple[Any, ...], lcm_block_size: int) -> None:
+    """vLLM's coordinator as the send thread reads it. With a ``seed``, the store masks depend on every argument
+    of ``store_mask`` (each of the given masks with a few flags flipped, by a generator seeded with the
+    arguments): a handler that asks for other masks than vLLM's stores other keys."""
+
+    def __init__(self, masks: tuple[Any, ...], lcm_block_size: int, seed: int | None = None) -> None:
         self.masks = masks
         self.lcm_block_size = lcm_block_size
         self.hash_block_size = 16
+        self.seed = seed
 
     def store_mask(self, token_len: int, start: int = 0, num_prompt_tokens: int | None = None) -> tuple[Any, ...]:
-        return self.masks
+        if self.seed is None:
+            return self.masks
+        rng = random.Random(f"{self.seed}/{token_len}/{start}/{num_prompt_tokens}")
+        return tuple(
+            None if mask is None else [bool(flag) != (rng.random() < 0.15) for flag in mask] for mask in self.masks
+        )
 
 
-def make_case(data: ModuleType, rng: random.Random, case: int) -> dict[str, Any]:
-    """One generated store job: two or three groups (rank-local and TP-shared, mixed widths), store masks (lists
-    or None), put steps, saved offsets, null and missing block ids, boundary puts, group semantics, kv events
-    (token ids, retry ids), and a script of store answers (present keys, failed and raising puts, pressure
-    codes)."""
+def make_case(
+    data: ModuleType, rng: random.Random, case: int, layouts: ModuleType | None = None,
+    sample: SampleLayouts = sample_layouts_033,
+) -> dict[str, Any]:  # fmt: skip
+    """One generated store job: two or three groups (rank-local and TP-shared as the release's ``sample`` builds
+    them from ``layouts``, mixed widths, Store chunks below a block where the release has them), store masks
+    (lists or None, depending on every argument vLLM passes), put steps, saved offsets, null and missing block
+    ids, boundary puts, group semantics, kv roles, kv events (token ids past the job, lookahead where
+    ``ReqMeta`` has it, retry ids adjacent, overlapping or apart), and a script of store answers (present keys,
+    failed, short and raising calls, pressure codes)."""
     metadata = data.KeyMetadata(f"send/{case % 3}", 1, case % 2, 0, 0, cache_prefix="p" if case % 4 == 1 else "")
     # (vLLM's group ids name the model, prefix and namespace; the key's hash part is what differs.)
     block_size = rng.choice((16, 32))
-    rank_local = data.RankLocalStoreLayout(metadata, block_size, 16)
-    rank_local.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(rng.randint(1, 3))])
-    rank_local.set_block_len([4096] if rng.random() < 0.5 else [4096, 2048, 1024][: rng.randint(1, 3)])
-    tp_rank = rng.randrange(0, 4)
-    sharded = data.LBHNCStoreLayout(metadata, block_size, block_size, 2, 4, tp_rank % 2, 8)
-    sharded._set_segment_templates(
-        [([rng.randrange(1 << 20, 1 << 40)] * 2, [65536, 65536], [512, 512]) for _ in range(2)]
-    )
+    rank_local, sharded, sharded_chunk = sample(layouts or data, metadata, rng, case, block_size)
     dbs = [
         data.ChunkedTokenDatabase(metadata, block_size, 16, rank_local),
-        data.ChunkedTokenDatabase(metadata, block_size, block_size, sharded),
+        data.ChunkedTokenDatabase(metadata, sharded_chunk, sharded.hash_block_size, sharded),
     ][: rng.randint(1, 2)]
     if rng.random() < 0.3:
         dbs.append(data.ChunkedTokenDatabase(metadata, block_size, 16, rank_local))
+    tp_rank = rng.randrange(0, 4)
     blocks = rng.randint(1, 7)
     token_len = blocks * block_size - 16 * rng.randrange(0, block_size // 16)
     if any(db.store_layout is sharded for db in dbs) and rng.random() < 0.7:
         token_len = blocks * block_size  # TP-shared stores take full blocks only (else vLLM raises: also covered)
-    hashes = [rng.randbytes(rng.choice((8, 32))) for _ in range(token_len // 16 + rng.randrange(0, 3))]
+    step = min(16, *(db.hash_block_size for db in dbs))
+    hashes = [rng.randbytes(rng.choice((8, 32))) for _ in range(token_len // step + rng.randrange(0, 3))]
     save_start = rng.choice((0, 0, 16 * rng.randrange(0, token_len // 16 + 1), rng.randrange(0, token_len + 1)))
     first = -(-save_start // block_size)
     masks = tuple(
@@ -214,18 +236,25 @@ def make_case(data: ModuleType, rng: random.Random, case: int) -> dict[str, Any]
         [0 if rng.random() < 0.15 else rng.randrange(1, 400) for _ in range(blocks + rng.randint(-2, 0))] for _ in dbs
     )
     boundary = [(0, rng.randrange(1, 400), 16 * rng.randrange(1, token_len // 16 + 1))] if rng.random() < 0.2 else None
-    # kv events: the step's token ids (none, all, or a suffix), and a failed job's retry ids (adjacent or not).
+    # kv events: the step's token ids (none, all, or a suffix; some past the job), and a failed job's retry ids.
     ids_start = rng.choice((0, save_start, 16 * rng.randrange(0, token_len // 16 + 1)))
-    token_ids = None if rng.random() < 0.2 else [rng.randrange(50_000) for _ in range(token_len - ids_start)]
+    past = rng.choice((0, 0, 3, 16))
+    token_ids = None if rng.random() < 0.2 else [rng.randrange(50_000) for _ in range(token_len - ids_start + past)]
     retry_start = rng.randrange(0, ids_start + 1)
-    retry = (retry_start, list(range(ids_start - retry_start + rng.choice((0, 0, 1))))) if rng.random() < 0.3 else None
+    retry_len = max(0, ids_start - retry_start + rng.choice((0, 0, 1, 5, -1)))
+    retry = (retry_start, list(range(retry_len))) if rng.random() < 0.3 else None
+    extra: dict[str, Any] = {}
+    fields = {f.name for f in dataclasses.fields(data.ReqMeta)}
+    if "num_hash_lookahead_tokens" in fields:
+        extra["num_hash_lookahead_tokens"] = rng.choice((0, 0, 1, 4))
     meta = data.ReqMeta(
         req_id=f"req-{case % 5}", token_len_chunk=token_len + rng.randrange(0, 16), block_ids=block_ids,
-        block_hashes=hashes, store_job_id=case, boundary_puts=boundary, prefill_end_tokens=token_len,
-        token_ids=token_ids, token_ids_start=ids_start,
+        block_hashes=hashes, store_job_id=case, boundary_puts=boundary,
+        prefill_end_tokens=rng.choice((token_len, token_len, None, 16 * rng.randrange(0, blocks + 1))),
+        token_ids=token_ids, token_ids_start=ids_start, **extra,
     )  # fmt: skip
     present = rng.random()
-    mode = rng.randrange(8)
+    mode = rng.randrange(10)
 
     def answers(seed: int) -> Callable[[str, list[str]], Any]:
         """A fresh script of store answers (each run of the job gets the same one)."""
@@ -235,22 +264,24 @@ def make_case(data: ModuleType, rng: random.Random, case: int) -> dict[str, Any]
             if call == "exist":
                 if mode == 6:
                     return RuntimeError("exist down")
-                return [1 if script.random() < present * 0.5 else 0 for _ in keys]
+                codes = [1 if script.random() < present * 0.5 else 0 for _ in keys]
+                return codes[: len(codes) // 2] if mode == 8 else codes  # short: the rest counts as present
             if mode == 5:
                 return RuntimeError("put down")
-            codes = (0, -704, -200) if mode in (3, 4) else (0,)
-            return [script.choice(codes) for _ in keys]
+            codes = [script.choice((0, -704, -200) if mode in (3, 4, 9) else (0,)) for _ in keys]
+            return codes[: len(codes) // 2] if mode == 9 else codes  # short: the rest counts as stored
 
         return answer
 
     return {
         "dbs": dbs,
-        "coord": _Coord(masks, 16),
+        "coord": _Coord(masks, 16, rng.randrange(1 << 30)),
         "block_size": block_size,
         "tp_rank": tp_rank,
         "put_steps": tuple(rng.choice((1, 1, 2, 3)) for _ in dbs),
         "participates": [rng.random() < 0.9 for _ in dbs],
         "semantics": rng.random() < 0.3,
+        "kv_role": rng.choice(("kv_both", "kv_both", "kv_producer", "kv_consumer")),
         "meta": meta,
         "save_start": save_start,
         "answers": answers,
@@ -277,7 +308,8 @@ def run_once(
 
     meta = case["meta"]
     thread = worker.KVCacheStoreSendingThread(
-        store, case["coord"], case["dbs"], case["block_size"], case["tp_rank"], case["put_steps"], "kv_both",
+        store, case["coord"], case["dbs"], case["block_size"], case["tp_rank"], case["put_steps"],
+        case.get("kv_role", "kv_both"),
         threading.Event(), enable_kv_event=case.get("kv_event", False), replicate_config=_Config(),
         enable_group_semantics=case["semantics"], supports_group_ids=True, record_operation=record,
         group_participates=case["participates"],
@@ -314,13 +346,17 @@ def run_once(
     )
 
 
-def self_check(data: ModuleType, worker: ModuleType, handler: Callable[[Any, Any], Any], *, cases: int = 24) -> None:
-    """vLLM's own handler and ``handler`` on generated jobs (plain and array stores): identical observable
-    behaviour, else ``AssertionError``; at least one job must take the fast path."""
+def self_check(
+    data: ModuleType, worker: ModuleType, handler: Callable[[Any, Any], Any], *, cases: int = 24,
+    layouts: ModuleType | None = None, sample: SampleLayouts = sample_layouts_033,
+) -> None:  # fmt: skip
+    """vLLM's own handler and ``handler`` on generated jobs (plain and array stores; ``layouts``/``sample``: where
+    the release keeps its layouts and how it builds them): identical observable behaviour, else
+    ``AssertionError``; at least one job must take the fast path."""
     quiet = DropThread(threading.get_ident())
     worker.logger.addFilter(quiet)  # the failing-store cases log vLLM's warnings: not at start-up
     try:
-        compare(data, worker, handler, random.Random(0), cases)
+        compare(data, worker, handler, random.Random(0), cases, layouts=layouts, sample=sample)
     finally:
         worker.logger.removeFilter(quiet)
 
@@ -332,15 +368,18 @@ def compare(
     rng: random.Random,
     cases: int,
     transform: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    layouts: ModuleType | None = None,
+    sample: SampleLayouts = sample_layouts_033,
 ) -> int:
-    """:func:`self_check`'s loop (the differential test runs it with many cases, ``transform`` editing each
+    """:func:`self_check`'s loop (the differential tests run it with many cases, ``transform`` editing each
     generated job in place); returns how many jobs took the fast path."""
     original = worker.KVCacheStoreSendingThread._handle_request
     original = getattr(original, "__wrapped__", original)
     stats = getattr(handler, "stats", None)
     fast_before = stats.fast_requests if stats is not None else 0
     for number in range(cases):
-        case = make_case(data, rng, number)
+        case = make_case(data, rng, number, layouts, sample)
         if transform is not None:
             transform(case)
         answers, seed = case["answers"], case["answer_seed"]

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncake_kvaddr.integrations.vllm.plans import Kinds
+
+if TYPE_CHECKING:
+    from mooncake_kvaddr.integrations.vllm.send import SendRules
 
 __all__ = ["NOT_PORTED", "PARTS", "Release"]
 
@@ -51,6 +54,8 @@ class Release:
     #: how the handlers' self-checks build this release's layouts (``receive_check.SampleLayouts``).
     process_tokens: tuple[str, ...] = ()
     sample_layouts: Callable[..., Any] | None = None
+    #: What the send handler does this release's own way (``send.SendRules``; None where it is not ported).
+    send_rules: SendRules | None = None
 
     def kinds(self, data: ModuleType, layout: ModuleType) -> Kinds:
         """Which of this release's databases and layouts the handlers may plan (``plans.Kinds``)."""

@@ -6,12 +6,16 @@ wheel, not installed), so one table covers both.
 
 from __future__ import annotations
 
-from mooncake_kvaddr.integrations.vllm import layouts
+from types import ModuleType
+from typing import Any
+
+from mooncake_kvaddr.integrations.vllm import layouts, send
 from mooncake_kvaddr.integrations.vllm.receive_check import sample_layouts_033
 from mooncake_kvaddr.integrations.vllm.registry import DATA_MODULE
 from mooncake_kvaddr.integrations.vllm.releases.base import PARTS, Release
+from mooncake_kvaddr.integrations.vllm.send_check import THREAD_METHODS_033
 
-__all__ = ["FINGERPRINTED", "FINGERPRINTS", "RELEASE"]
+__all__ = ["FINGERPRINTED", "FINGERPRINTS", "RELEASE", "SEND"]
 
 #: The vLLM functions each part was checked against: the layouts (replaced), the receive handler (replaced;
 #: ``process_tokens`` is the chunk walk it reproduces), the worker's transport hook (``register_kv_caches``/
@@ -70,6 +74,68 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
     for release in ("0.32.0", "0.33.0")
 }
 
+# --- the send handler's rules (docs/vllm-plugin.md, "The send handler") -----------------------------------------
+
+
+def _send_prepare(thread: Any, req_meta: Any) -> send.Job | str:
+    """vLLM 0.33's lengths and masks: the token length floored to the lcm block size (none: vLLM's handler), a
+    live job not skipped for pressure, the store masks from the saved offset with the prefill end."""
+    lcm_block_size = thread.coord.lcm_block_size
+    token_len = req_meta.token_len_chunk // lcm_block_size * lcm_block_size
+    if type(token_len) is not int or token_len <= 0:
+        return "no token to store"
+    if not thread.is_live_store_job(req_meta) or thread._should_skip_request(req_meta.req_id):
+        return "a job vLLM skips"
+    save_start = thread._saved_offset.get(req_meta.req_id, 0)
+    if type(save_start) is not int or save_start < 0:
+        return "a saved offset that is not a non-negative int"
+    masks = thread.coord.store_mask(token_len, save_start, num_prompt_tokens=req_meta.prefill_end_tokens)
+    return send.Job(token_len, save_start, tuple(masks), available=token_len)
+
+
+def _send_merge_retry(retry_start: int, retry_ids: list[int], start: int, ids: list[int]) -> tuple[int, Any] | None:
+    """vLLM 0.33 puts a failed job's retry ids in front only when they end where this job's ids start."""
+    return (retry_start, retry_ids + ids) if retry_start + len(retry_ids) == start else None
+
+
+def _send_run(thread: Any, req_meta: Any, plan: send.SendPlan, job: send.Job, worker: ModuleType) -> None:
+    """vLLM 0.33's job from the boundary-state puts on: the saved offset recorded at each success (no key, every
+    key present, every put ok), the retry ids and the completion in the ``finally``."""
+    ids = send.EventIds(thread, req_meta, _send_merge_retry)
+    save_completed = False
+    try:
+        if not thread._maybe_offload_boundary_states(req_meta):
+            return
+        send.log_skipped(worker, req_meta.req_id, plan)
+        if not plan.rows.keys:
+            thread._record_saved(req_meta, job.token_len)
+            save_completed = True
+            return
+        missing = send.missing_keys(thread, plan.rows.keys)
+        if not missing:
+            thread._record_saved(req_meta, job.token_len)
+            save_completed = True
+            return
+        rows, groups, chunks = send.narrow(plan, missing, ids.on)
+        send.before_put(thread, req_meta, rows.keys, groups, worker)
+        failed = send.put_and_record(thread, req_meta, rows, worker)
+        if failed is not None and not failed:
+            thread._record_saved(req_meta, job.token_len)
+            save_completed = True
+            send.clear_pressure(thread, worker)
+        if ids.on and failed is not None:
+            stored = send.stored_events(thread, req_meta, groups, chunks, failed, ids, worker, SEND)
+            if stored:
+                thread.update_kv_event(stored)
+    finally:
+        if ids.on and job.available:
+            thread._update_retry_token_ids(req_meta, save_completed, ids.start, ids.token_ids)
+        thread.finish_store_job(req_meta)
+        thread.request_queue.task_done()
+
+
+SEND = send.SendRules(prepare=_send_prepare, run=_send_run, thread_methods=THREAD_METHODS_033)
+
 RELEASE = Release(
     series=("0.32.", "0.33."),
     layout_module=DATA_MODULE,
@@ -83,4 +149,5 @@ RELEASE = Release(
     plan_engines=layouts.PLAN_ENGINES,
     process_tokens=("token_len", "block_hashes", "mask_num", "chunk_mask", "put_step", "put_step_rank"),
     sample_layouts=sample_layouts_033,
+    send_rules=SEND,
 )

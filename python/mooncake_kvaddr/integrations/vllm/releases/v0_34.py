@@ -16,6 +16,7 @@ import numpy as np
 
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.layouts import DEFAULT_ROW_CACHE_BYTES
+from mooncake_kvaddr.integrations.vllm import send
 from mooncake_kvaddr.integrations.vllm.layouts import (
     ENGINE_ATTR,
     _compare,
@@ -26,8 +27,9 @@ from mooncake_kvaddr.integrations.vllm.layouts import (
 )
 from mooncake_kvaddr.integrations.vllm.registry import original_of, signature_problem
 from mooncake_kvaddr.integrations.vllm.releases.base import NOT_PORTED, Release
+from mooncake_kvaddr.integrations.vllm.send_check import THREAD_METHODS_033
 
-__all__ = ["FINGERPRINTED", "FINGERPRINTS", "LAYOUT_MODULE", "RELEASE", "check_shape", "self_check"]
+__all__ = ["FINGERPRINTED", "FINGERPRINTS", "LAYOUT_MODULE", "RELEASE", "SEND", "check_shape", "self_check"]
 
 LAYOUT_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.layout"
 #: The native module, untyped here: the layout engine's stubs belong to the layouts (docs/architecture.md).
@@ -268,6 +270,89 @@ def self_check(layout: ModuleType, *, seed: int = 0, cases: int = 8) -> None:
                      _sharded_key_for, sharded, shard, chunk_hash)
 
 
+# --- the send handler's rules (docs/vllm-plugin.md, "The send handler", vLLM 0.34) ------------------------------
+
+
+def _send_prepare(thread: Any, req_meta: Any) -> send.Job | str:
+    """vLLM 0.34's lengths and masks: the checkpoint (the available length floored to the lcm block size), a live
+    job not skipped for pressure, nothing to plan when the checkpoint is not past the saved offset, else the
+    store masks from the saved offset with the replay boundary (past the checkpoint for a consumer that replays
+    beyond its prefill end)."""
+    available = req_meta.token_len_chunk
+    lcm_block_size = thread.coord.lcm_block_size
+    if type(available) is not int or type(lcm_block_size) is not int or lcm_block_size <= 0:
+        return "a token length or lcm block size that is not an int"
+    checkpoint = available // lcm_block_size * lcm_block_size
+    if not thread.is_live_store_job(req_meta) or thread._should_skip_request(req_meta.req_id):
+        return "a job vLLM skips"
+    save_start = thread._saved_offset.get(req_meta.req_id, 0)
+    if type(save_start) is not int or save_start < 0:
+        return "a saved offset that is not a non-negative int"
+    if checkpoint <= save_start:
+        return send.Job(checkpoint, save_start, available=available, stale=True)
+    replay_boundary = req_meta.prefill_end_tokens
+    if thread.kv_role == "kv_consumer" and replay_boundary is not None and checkpoint > replay_boundary:
+        replay_boundary = checkpoint + 1
+    masks = thread.coord.store_mask(checkpoint, save_start, num_prompt_tokens=replay_boundary)
+    return send.Job(checkpoint, save_start, tuple(masks), available=available)
+
+
+def _send_merge_retry(retry_start: int, retry_ids: list[int], start: int, ids: list[int]) -> tuple[int, Any] | None:
+    """vLLM 0.34 merges a failed job's retry ids that reach this job's start: their part before it, then these."""
+    if retry_start <= start <= retry_start + len(retry_ids):
+        return retry_start, retry_ids[: start - retry_start] + ids
+    return None
+
+
+def _send_run(thread: Any, req_meta: Any, plan: send.SendPlan, job: send.Job, worker: ModuleType) -> None:
+    """vLLM 0.34's job from the liveness check on: a save with an unavailable source block is incomplete; a
+    complete one records the checkpoint as the saved offset in the ``finally``, before the retry ids and the
+    completion."""
+    ids = send.EventIds(thread, req_meta, _send_merge_retry)
+    save_completed = False
+    try:
+        if not thread._maybe_offload_boundary_states(req_meta) or job.stale:
+            return
+        send.log_skipped(worker, req_meta.req_id, plan)
+        if not plan.rows.keys:
+            save_completed = not plan.missing
+            return
+        missing = send.missing_keys(thread, plan.rows.keys)
+        if not missing:
+            save_completed = not plan.missing
+            return
+        rows, groups, chunks = send.narrow(plan, missing, ids.on)
+        send.before_put(thread, req_meta, rows.keys, groups, worker)
+        failed = send.put_and_record(thread, req_meta, rows, worker)
+        if failed is not None and not failed and not plan.missing:
+            save_completed = True
+            send.clear_pressure(thread, worker)
+        if ids.on and failed is not None:
+            stored = send.stored_events(thread, req_meta, groups, chunks, failed, ids, worker, SEND)
+            if stored:
+                thread.update_kv_event(stored)
+    finally:
+        if save_completed:
+            thread._record_saved_offset(req_meta, job.token_len)
+        if ids.on and job.available:
+            thread._update_retry_token_ids(req_meta, save_completed, ids.start, ids.token_ids)
+        thread.finish_store_job(req_meta)
+        thread.request_queue.task_done()
+
+
+_SEND_THREAD_METHODS = {name: params for name, params in THREAD_METHODS_033.items() if name != "_record_saved"}
+_SEND_THREAD_METHODS["_record_saved_offset"] = ("req_meta", "offset")
+
+SEND = send.SendRules(
+    prepare=_send_prepare,
+    run=_send_run,
+    thread_methods=_SEND_THREAD_METHODS,
+    req_meta_fields=("prefill_end_tokens", "num_hash_lookahead_tokens"),
+    db_chunk="chunk_size",
+    lookahead=True,
+)
+
+
 FINGERPRINTED: dict[str, tuple[str, ...]] = {
     "receive": (
         "KVCacheStoreRecvingThread._handle_request",
@@ -287,6 +372,12 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
         "TPShardedStoreLayout._set_segment_templates",
         "TPShardedStoreLayout.__init__",
     ),
+    # The send handler (replaced; the walk and the byte sum are what it reproduces).
+    "send": (
+        "KVCacheStoreSendingThread._handle_request",
+        "ChunkedTokenDatabase.process_tokens",
+        "_sum_batch_bytes",
+    ),
 }
 
 FINGERPRINTS: dict[str, dict[str, str]] = {
@@ -304,6 +395,8 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "TPShardedStoreLayout.key_for": "998e0f8942fb19c0",
         "TPShardedStoreLayout._set_segment_templates": "2078348eb1958f4d",
         "TPShardedStoreLayout.__init__": "c867c33cd493f0ba",
+        "KVCacheStoreSendingThread._handle_request": "eef9f0a3c019beb5",
+        "_sum_batch_bytes": "3e69ccacfd52a5c3",
     },
 }
 
@@ -315,8 +408,8 @@ RELEASE = Release(
     self_check=self_check,
     fingerprinted=FINGERPRINTED,
     fingerprints=FINGERPRINTS,
-    ported=frozenset({"receive"}),
-    not_ported=f"{NOT_PORTED} 0.34 yet (its send and lookup paths and its worker changed)",
+    ported=frozenset({"receive", "send"}),
+    not_ported=f"{NOT_PORTED} 0.34 yet (its lookup path and its worker changed)",
     ours=OURS,
     plan_engines=PLAN_ENGINES,
     db_chunk="chunk_size",
@@ -325,4 +418,5 @@ RELEASE = Release(
         "token_len", "block_hashes", "mask_num", "chunk_mask", "tail_key_boundary", "put_step", "put_step_rank",
     ),
     sample_layouts=sample_layouts,
+    send_rules=SEND,
 )  # fmt: skip
