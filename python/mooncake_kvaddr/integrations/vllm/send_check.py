@@ -275,7 +275,7 @@ def make_case(
 
     return {
         "dbs": dbs,
-        "coord": _Coord(masks, 16, rng.randrange(1 << 30)),
+        "coord": _Coord(masks, rng.choice((16, 16, block_size, 2 * block_size)), rng.randrange(1 << 30)),
         "block_size": block_size,
         "tp_rank": tp_rank,
         "put_steps": tuple(rng.choice((1, 1, 2, 3)) for _ in dbs),
