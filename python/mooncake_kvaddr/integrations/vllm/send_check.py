@@ -112,7 +112,8 @@ class ArrayRecordingStore(RecordingStore, ArrayStore):
     put is split as the wrappers split it (the inherited :meth:`ArrayStore.batch_put_from_multi_buffers_ragged`:
     one array put per width, each with the config cut to its keys; each part in ``puts`` and answered as Mooncake
     answers it), and recorded in ``calls`` as the one put vLLM makes: rows trimmed to their widths, each key's
-    group id as its part carried it (None where the part's group ids were not one per key)."""
+    group id as its part carried it (None where the part's group ids were not one per key). A short answer of
+    the script to that one put comes back short, as vLLM's one put would get it."""
 
     def __init__(self, answer: Callable[[str, list[str]], Any]) -> None:
         super().__init__(answer)
@@ -157,7 +158,10 @@ class ArrayRecordingStore(RecordingStore, ArrayStore):
         codes = self._reply("put", keys)  # the script answers the one put vLLM makes (or raises, as vLLM's does)
         answers: list[Any] = [None] * len(keys)
         for i, fits in where:
-            answers[i] = codes[i] if fits else INVALID_PARAMS
+            answers[i] = INVALID_PARAMS if not fits else codes[i] if i < len(codes) else None
+        # A script that answers the one put short leaves its last keys unanswered, as vLLM's one put would.
+        while answers and answers[-1] is None:
+            answers.pop()
         return answers
 
 
