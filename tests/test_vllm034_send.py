@@ -245,3 +245,15 @@ def test_patch_replaces_the_send_handler_and_a_failing_self_check_keeps_vllms(
         assert SENDER.__dict__["_handle_request"] is ORIGINAL
     finally:
         plugin.unpatch()
+
+
+@pytest.mark.mooncake
+def test_the_send_bench_section_runs_and_stores(master: Any) -> None:
+    """The bench's send section on vLLM 0.34 through a real master: every variant stores every key, the
+    plugin's variants through our handler (both of the quick request's jobs on the fast path)."""
+    from mooncake_kvaddr.bench import vllm_send
+
+    rows = vllm_send.run(quick=True, reps=1, master_address=master.rpc_address)
+    assert [row["variant"] for row in rows] == list(vllm_send.VARIANTS)
+    assert all(row["stored_ok"] and row["cpu_gil_ms"] > 0 and row["wall_ms"] > 0 for row in rows)
+    assert [row["fast_path"] for row in rows] == [0, 2, 2, 2]

@@ -40,7 +40,7 @@ def _store_once(
     end = time.perf_counter()
     if last:  # an existence check leases the keys (no removal after it)
         db: Any = rig.db  # vLLM types its hashes as BlockHash (bytes at run time)
-        keys = [db.key_for(h) for h in hashes]
+        keys = [db.store_layout.key_for(0, h) for h in hashes]  # (rank-local: shard 0; 0.34's db has no key_for)
         present = list(rig.raw_store.batch_is_exist(keys))
         if present != [1] * len(keys):
             raise RuntimeError(f"{tag}: {present.count(1)} of {len(keys)} keys stored")
