@@ -72,7 +72,7 @@ def scaled(n: int) -> int:
     return max(20, int(n * SCALE))
 
 
-#: What patching vLLM 0.34 replaces: the four layout methods and the receive handler (send, lookup and the
+#: What patching vLLM 0.34 replaces: the four layout methods, the receive and the send handler (lookup and the
 #: worker hooks are not ported to 0.34).
 EXPECTED_PATCHED = [
     "RankLocalStoreLayout.prepare_values",
@@ -80,6 +80,7 @@ EXPECTED_PATCHED = [
     "TPShardedStoreLayout.prepare_values",
     "TPShardedStoreLayout.key_for",
     "KVCacheStoreRecvingThread._handle_request",
+    "KVCacheStoreSendingThread._handle_request",
 ]
 
 
