@@ -93,9 +93,31 @@ def _deselect_other_vllm_releases(config: pytest.Config, items: list[pytest.Item
     )
 
 
+#: Test files written for one release series: ``test_vllm034*.py`` is for 0.34 (its tests carry the marker too).
+_RELEASE_FILE = re.compile(r"test_vllm(\d)(\d\d)\w*\.py")
+_IGNORED_FILES: list[str] = []
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A release's own test files are not even imported under another installed release: importing them there
+    could only skip at module level (the marker's deselection acts on collected tests)."""
+    match = _RELEASE_FILE.fullmatch(collection_path.name)
+    installed = installed_vllm_series()
+    if match is None or installed is None:
+        return None
+    if f"{int(match.group(1))}.{int(match.group(2))}" == installed:
+        return None
+    _IGNORED_FILES.append(collection_path.name)
+    return True
+
+
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
     line = config.stash.get(_DESELECTED, "")
-    return [line] if line else []
+    lines = [line] if line else []
+    if _IGNORED_FILES:
+        names = ", ".join(sorted(_IGNORED_FILES))
+        lines.append(f"vllm_release: not collected under vLLM {installed_vllm_series()}: {names}")
+    return lines
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
