@@ -5,8 +5,8 @@ failed (killed) or passed (survived). The tree you run it from is never modified
     python3 tools/mutation_run.py tools/mutants.json --work /tmp/mutation [--only ID ...]
 
 Each entry of the JSON list: ``id``, ``file`` (repository path), ``old`` (text that occurs exactly once),
-``new`` (its replacement), ``tests`` (pytest arguments), optionally ``why`` and ``equivalent`` (a reason the
-mutant cannot change behaviour; such a mutant is reported, not counted).
+``new`` (its replacement), ``tests`` (pytest arguments), optionally ``why``, ``equivalent`` (why the mutant
+cannot change behaviour: reported, not counted) and ``retired`` (why its code is gone, with the commit: skipped).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="only check that every mutant applies to this tree")
     args = parser.parse_args()
     mutants = json.loads(args.mutants.read_text())
+    mutants = [m for m in mutants if not m.get("retired")]  # nothing left to mutate (see the docstring)
     if args.only:
         mutants = [m for m in mutants if m["id"] in args.only]
     if args.check:
