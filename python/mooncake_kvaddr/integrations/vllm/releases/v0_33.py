@@ -79,6 +79,7 @@ RELEASE = Release(
     fingerprinted=FINGERPRINTED,
     fingerprints=FINGERPRINTS,
     ported=frozenset(PARTS),
+    worker_methods={"register_kv_caches": ("kv_caches",), "close": ()},
     ours=layouts.OURS,
     plan_engines=layouts.PLAN_ENGINES,
     process_tokens=("token_len", "block_hashes", "mask_num", "chunk_mask", "put_step", "put_step_rank"),

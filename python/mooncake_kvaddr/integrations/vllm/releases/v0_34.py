@@ -27,7 +27,7 @@ from mooncake_kvaddr.integrations.vllm.layouts import (
 from mooncake_kvaddr.integrations.vllm.registry import original_of, signature_problem
 from mooncake_kvaddr.integrations.vllm.releases.base import NOT_PORTED, Release
 
-__all__ = ["FINGERPRINTED", "FINGERPRINTS", "LAYOUT_MODULE", "RELEASE", "check_shape", "self_check"]
+__all__ = ["FINGERPRINTED", "FINGERPRINTS", "LAYOUT_MODULE", "RELEASE", "WORKER_METHODS", "check_shape", "self_check"]
 
 LAYOUT_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.layout"
 #: The native module, untyped here: the layout engine's stubs belong to the layouts (docs/architecture.md).
@@ -268,7 +268,17 @@ def self_check(layout: ModuleType, *, seed: int = 0, cases: int = 8) -> None:
                      _sharded_key_for, sharded, shard, chunk_hash)
 
 
+#: The worker's transport hook: the methods that run with our store wrapper as ``self.store`` (sleep mode's
+#: ``unregister_kv_caches``/``restore_kv_caches`` call the store directly), with their parameters after self.
+WORKER_METHODS: dict[str, tuple[str, ...]] = {
+    "register_kv_caches": ("kv_caches",),
+    "unregister_kv_caches": (),
+    "restore_kv_caches": (),
+    "close": (),
+}
+
 FINGERPRINTED: dict[str, tuple[str, ...]] = {
+    "worker": tuple(f"MooncakeStoreWorker.{name}" for name in WORKER_METHODS),
     "receive": (
         "KVCacheStoreRecvingThread._handle_request",
         "ChunkedTokenDatabase.process_tokens",
@@ -291,6 +301,10 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
 
 FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.34.0": {
+        "MooncakeStoreWorker.register_kv_caches": "1fc544d33a5bde1e",
+        "MooncakeStoreWorker.close": "b9b831fa3647518f",
+        "MooncakeStoreWorker.unregister_kv_caches": "42b19e63061d90dc",
+        "MooncakeStoreWorker.restore_kv_caches": "6f3e54d820772d8c",
         "KVCacheStoreRecvingThread._handle_request": "0b19240f13c5b4ae",
         "ChunkedTokenDatabase.process_tokens": "8749f101117a163c",
         "_estimate_disk_offload_staging_bytes": "1096992edcfb74ba",
@@ -315,8 +329,9 @@ RELEASE = Release(
     self_check=self_check,
     fingerprinted=FINGERPRINTED,
     fingerprints=FINGERPRINTS,
-    ported=frozenset({"receive"}),
-    not_ported=f"{NOT_PORTED} 0.34 yet (its send and lookup paths and its worker changed)",
+    ported=frozenset({"receive", "worker"}),
+    not_ported=f"{NOT_PORTED} 0.34 yet (its send and lookup paths changed)",
+    worker_methods=WORKER_METHODS,
     ours=OURS,
     plan_engines=PLAN_ENGINES,
     db_chunk="chunk_size",
