@@ -187,14 +187,17 @@ def _patch_lookup(release: Release, data: ModuleType, worker: ModuleType, layout
     """Replace ``MooncakeStoreWorker.lookup`` after its own shape check, fingerprint and self-check."""
     from mooncake_kvaddr.integrations.vllm import lookup
 
-    problem = lookup.check_shape(worker) or _fingerprint_problem(report, release, "lookup", data, worker, layout)
+    rules = release.lookup_rules
+    problem = lookup.check_shape(worker, rules) or _fingerprint_problem(
+        report, release, "lookup", data, worker, layout
+    )
     if problem:
         report.lookup_reason = problem
         return
     cls = worker.MooncakeStoreWorker
-    replacement = lookup.make_lookup(static_attribute(cls, "lookup"), worker)
+    replacement = lookup.make_lookup(static_attribute(cls, "lookup"), worker, rules)
     try:
-        lookup.self_check(worker, replacement)
+        lookup.self_check(worker, replacement, rules=rules)
     except Exception as exc:
         report.lookup_reason = f"self-check failed: {exc}"
         return

@@ -6,7 +6,7 @@ wheel, not installed), so one table covers both.
 
 from __future__ import annotations
 
-from mooncake_kvaddr.integrations.vllm import layouts
+from mooncake_kvaddr.integrations.vllm import layouts, lookup
 from mooncake_kvaddr.integrations.vllm.receive_check import sample_layouts_033
 from mooncake_kvaddr.integrations.vllm.registry import DATA_MODULE
 from mooncake_kvaddr.integrations.vllm.releases.base import PARTS, Release
@@ -80,6 +80,7 @@ RELEASE = Release(
     fingerprints=FINGERPRINTS,
     ported=frozenset(PARTS),
     worker_methods={"register_kv_caches": ("kv_caches",), "close": ()},
+    lookup_rules=lookup.RULES_033,
     ours=layouts.OURS,
     plan_engines=layouts.PLAN_ENGINES,
     process_tokens=("token_len", "block_hashes", "mask_num", "chunk_mask", "put_step", "put_step_rank"),
