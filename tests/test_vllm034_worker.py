@@ -286,3 +286,25 @@ def test_real_mooncake_register_sleep_wake_close(patched: Any, master: Any, monk
     assert worker.store is None
     with pytest.raises(StoreClosedError):
         transport.batch_get_into_multi_buffers([key], [[addr]], [[block]])
+
+
+@pytest.mark.parametrize("change", ["params", "missing"])
+def test_a_worker_whose_sleep_methods_differ_keeps_vllms(change: str) -> None:
+    """A ``MooncakeStoreWorker`` whose ``restore_kv_caches`` takes other parameters (or has none) gets no hook:
+    the report says why, and no method of it is wrapped."""
+    restore = (lambda self, force: None) if change == "params" else None
+    changed = type("MooncakeStoreWorker", (worker_module.MooncakeStoreWorker,), {"restore_kv_caches": restore})
+    fake = types.ModuleType(worker_module.__name__)
+    fake.__dict__.update({k: v for k, v in vars(worker_module).items() if not k.startswith("__")})
+    fake.MooncakeStoreWorker = changed  # type: ignore[attr-defined]
+    plugin.unpatch()
+    try:
+        report = plugin.patch(worker=fake, receive=False, lookup=False, send=False)
+        assert report.active and not report.staged_hook
+        expected = "takes ('force',), expected ()" if change == "params" else "restore_kv_caches is missing"
+        assert report.hook_reason.startswith("unexpected shape: MooncakeStoreWorker.restore_kv_caches")
+        assert expected in report.hook_reason
+        assert not any(hasattr(changed.__dict__.get(name), "__wrapped__") for name in vars(changed))
+        assert "register_kv_caches" not in changed.__dict__
+    finally:
+        plugin.unpatch()

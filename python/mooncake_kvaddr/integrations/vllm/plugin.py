@@ -26,7 +26,6 @@ from mooncake_kvaddr.integrations.vllm.registry import (
     fingerprint_source,
     replace_attribute,
     restore_all,
-    signature_problem,
     static_attribute,
     vllm_functions,
 )
@@ -40,6 +39,7 @@ from mooncake_kvaddr.integrations.vllm.transports import (
     EXTRA_STAGED,
     EXTRA_STAGING_BYTES,
     TRANSPORT_ATTR,
+    hook_shape_problem,
     maybe_stage_store,
     native_client_setting,
     staged_settings,
@@ -231,25 +231,6 @@ def _patch_send(release: Release, data: ModuleType, worker: ModuleType, layout: 
     report.patched.append("KVCacheStoreSendingThread._handle_request")
 
 
-def _patch_worker(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType,
-                  report: PatchReport) -> None:
-    """Install the worker's transport hook on the methods the release names (``Release.worker_methods``), after
-    their shape check and fingerprints; otherwise the worker stays vLLM's, the reason on the report."""
-    cls = worker.__dict__.get("MooncakeStoreWorker")
-    if not isinstance(cls, type):
-        report.hook_reason = "MooncakeStoreWorker is missing"
-        return
-    for name, params in release.worker_methods.items():
-        problem = signature_problem(cls, name, params)
-        if problem:
-            report.hook_reason = f"unexpected shape: {problem}"
-            return
-    report.hook_reason = _fingerprint_problem(report, release, "worker", data, worker, layout)
-    if not report.hook_reason:
-        wrap_worker(cls, through=[name for name in release.worker_methods if name != "register_kv_caches"])
-        report.staged_hook = True
-
-
 def _patch_parts(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType, report: PatchReport,
                  receive: bool | None, lookup: bool | None, send: bool | None) -> None:
     """The worker's transport hook and the handlers, each where the release has it ported and it is not turned
@@ -257,7 +238,13 @@ def _patch_parts(release: Release, data: ModuleType, worker: ModuleType, layout:
     if "worker" not in release.ported:
         report.hook_reason = release.not_ported
     else:
-        _patch_worker(release, data, worker, layout, report)
+        methods = release.worker_methods
+        report.hook_reason = hook_shape_problem(worker, methods) or _fingerprint_problem(
+            report, release, "worker", data, worker, layout
+        )
+        if not report.hook_reason:
+            wrap_worker(worker.MooncakeStoreWorker, through=[m for m in methods if m != "register_kv_caches"])
+            report.staged_hook = True
     from mooncake_kvaddr.integrations.vllm.lookup import lookup_enabled
     from mooncake_kvaddr.integrations.vllm.receive import receive_enabled
     from mooncake_kvaddr.integrations.vllm.send import send_enabled

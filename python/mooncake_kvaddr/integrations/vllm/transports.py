@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.driver.values import parse_size
-from mooncake_kvaddr.integrations.vllm.registry import replace_attribute, static_attribute
+from mooncake_kvaddr.integrations.vllm.registry import replace_attribute, signature_problem, static_attribute
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -23,6 +24,7 @@ __all__ = [
     "EXTRA_STAGED",
     "EXTRA_STAGING_BYTES",
     "TRANSPORT_ATTR",
+    "hook_shape_problem",
     "maybe_stage_store",
     "native_client_setting",
     "staged_settings",
@@ -131,6 +133,19 @@ def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any
         return store
     logger.info("mooncake_kvaddr: staged transport on (%d MiB staging buffer)", nbytes >> 20)
     return StagedMooncakeStore(store, staging_bytes=nbytes, armed=True)
+
+
+def hook_shape_problem(worker: ModuleType, methods: Mapping[str, tuple[str, ...]]) -> str:
+    """Empty string when the worker module's ``MooncakeStoreWorker`` has every method the hook wraps
+    (``Release.worker_methods``: name -> parameters after self); otherwise the first mismatch."""
+    cls = worker.__dict__.get("MooncakeStoreWorker")
+    if not isinstance(cls, type):
+        return "MooncakeStoreWorker is missing"
+    for name, params in methods.items():
+        problem = signature_problem(cls, name, params)
+        if problem:
+            return f"unexpected shape: {problem}"
+    return ""
 
 
 #: The worker method that drops the wrapper: run with it as the store, then the pair is forgotten.
