@@ -1,12 +1,13 @@
-"""A replacement for vLLM 0.32/0.33's ``MooncakeStoreWorker.lookup`` (docs/vllm-plugin.md, "The lookup").
+"""A replacement for vLLM's ``MooncakeStoreWorker.lookup`` (docs/vllm-plugin.md, "The lookup").
 
 The candidate keys are built natively per KV-cache group (one UTF-8 blob for the native client, else the list of
-str vLLM builds) instead of one Python str per key; which units are asked for, the hit and the tail boundaries
-stay vLLM's code.
+str vLLM builds) instead of one Python str per key; the hit and the tail boundaries stay vLLM's code. Which units
+are asked for and how answers count differ per release: a :class:`LookupRules` from the release module.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import random
@@ -29,7 +30,9 @@ from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
 
 __all__ = [
     "ENV_LOOKUP",
+    "RULES_033",
     "LookupPlan",
+    "LookupRules",
     "LookupStats",
     "check_shape",
     "lookup_enabled",
@@ -52,16 +55,19 @@ def lookup_enabled(environ: Mapping[str, str]) -> bool:
     return flag(environ.get(ENV_LOOKUP), True, ENV_LOOKUP, or_off="vllm.mooncake_kvaddr")
 
 
-def check_shape(worker: ModuleType) -> str:
-    """Empty string when vLLM's worker module has the lookup this module replaces; else the first mismatch."""
+def check_shape(worker: ModuleType, rules: LookupRules | None = None) -> str:
+    """Empty string when vLLM's worker module has the lookup this module replaces, with the helpers the release's
+    lookup calls (``rules``, 0.32/0.33's by default); else the first mismatch."""
+    rules = rules or RULES_033
     cls = worker.__dict__.get("MooncakeStoreWorker")
     if not isinstance(cls, type):
         return "MooncakeStoreWorker is missing"
     problem = signature_problem(cls, "lookup", _EXPECTED_PARAMS)
     if problem:
         return problem
-    if not callable(inspect.getattr_static(cls, "_tail_key_boundaries", None)):
-        return "MooncakeStoreWorker._tail_key_boundaries is missing"
+    for helper in rules.helpers:
+        if not callable(inspect.getattr_static(cls, helper, None)):
+            return f"MooncakeStoreWorker.{helper} is missing"
     for name in _MODULE_NAMES:
         if worker.__dict__.get(name) is None:
             return f"{worker.__name__}.{name} is missing"
@@ -80,9 +86,12 @@ class LookupStats:
 
 @dataclass
 class LookupPlan:
-    """What one lookup asks the store: per prefix-cacheable group, its unit hashes and key prefixes."""
+    """What one lookup asks the store: per prefix-cacheable group, its unit hashes and key prefixes; with
+    ``pages`` (vLLM 0.34), per group each unit's physical block and whether it ends a Store chunk, for the
+    page-prefix rule (a unit counts only when every chunk before it in its block was present)."""
 
     groups: list[tuple[int, list[Any], tuple[str, ...]]]
+    pages: list[tuple[Any, Any]] | None = None
 
     @property
     def key_count(self) -> int:
@@ -108,34 +117,66 @@ class LookupPlan:
         return KeyBlob(b"".join(blob for blob, _ in parts), np.concatenate(cuts))
 
     def present(self, results: Any) -> dict[int, set[bytes]]:
-        """Per group, the hash bytes of the units whose every prefix answered exactly 1 (vLLM's rule)."""
+        """Per group, the hash bytes of the units whose every prefix answered exactly 1 (vLLM's rule), and with
+        ``pages`` only those whose block's earlier chunks were present too."""
         widths: list[int] = []
         for _, hashes, prefixes in self.groups:
             widths += [len(prefixes)] * len(hashes)
         try:
-            flags = _native.reduce_exists(results, widths)
+            flags: Any = _native.reduce_exists(results, widths)
         except (TypeError, ValueError, OverflowError):
-            return self._present_by_items(results)  # not a list of ints of the right length: vLLM's loop
+            flags = self._flags_by_items(results)  # not a list of ints of the right length: vLLM's loop
         found: dict[int, set[bytes]] = {}
         start = 0
-        for g, hashes, _ in self.groups:
+        for i, (g, hashes, _) in enumerate(self.groups):
             units = found.setdefault(g, set())
-            units.update(map(bytes, itertools.compress(hashes, flags[start : start + len(hashes)])))
+            kept = flags[start : start + len(hashes)]
+            if self.pages is not None and kept:
+                kept = page_prefix(np.asarray(kept, dtype=bool), *self.pages[i]).tolist()
+            units.update(map(bytes, itertools.compress(hashes, kept)))
             start += len(hashes)
         return found
 
-    def _present_by_items(self, results: Any) -> dict[int, set[bytes]]:
+    def _flags_by_items(self, results: Any) -> list[bool]:
         # Item by item, as vLLM reads them: the same answers and the same exceptions for any result object.
-        found: dict[int, set[bytes]] = {}
+        flags: list[bool] = []
         pos = 0
-        for g, hashes, prefixes in self.groups:
+        for _, hashes, prefixes in self.groups:
             count = len(prefixes)
-            units = found.setdefault(g, set())
-            for h in hashes:
-                if all(results[pos + j] == 1 for j in range(count)):
-                    units.add(bytes(h))
+            for _h in hashes:
+                flags.append(all(results[pos + j] == 1 for j in range(count)))
                 pos += count
-        return found
+        return flags
+
+
+def page_prefix(present: Any, pages: Any, closes: Any) -> Any:
+    """vLLM 0.34's page-prefix rule over one group's units in lookup order: a unit counts when it is present and
+    no unit before it in the same run of its physical block (``pages``) that ends a Store chunk (``closes``)
+    was absent. Boolean arrays in, one out."""
+    pages = np.asarray(pages, dtype=np.int64)
+    closes = np.asarray(closes, dtype=bool)
+    count = len(present)
+    failed = (closes & ~present).astype(np.int64)
+    before = np.cumsum(failed) - failed  # absent chunk ends strictly before each unit
+    starts = np.ones(count, dtype=bool)
+    starts[1:] = pages[1:] != pages[:-1]
+    run_start = np.maximum.accumulate(np.where(starts, np.arange(count), 0))
+    result: Any = present & (before == before[run_start])
+    return result
+
+
+@dataclass(frozen=True)
+class LookupRules:
+    """What one release's ``MooncakeStoreWorker.lookup`` does its own way (the release module's record).
+
+    ``plan(worker, token_len, block_hashes, cdiv)``: the units vLLM's lookup asks for. ``helpers``: the
+    worker's methods it calls (vLLM's own, checked present). ``longest_hit``: the hit is vLLM 0.34's
+    ``_longest_hit`` (tail boundaries given the load masks; the worker's ``_selective_lease``, when set,
+    probes and leases as vLLM does)."""
+
+    plan: Callable[[Any, int, Sequence[Any], Callable[[int, int], int]], LookupPlan]
+    helpers: tuple[str, ...] = ("_tail_key_boundaries",)
+    longest_hit: bool = False
 
 
 def plan_lookup(
@@ -169,6 +210,10 @@ def plan_lookup(
 def _first(hashes: Sequence[Any], limit: int) -> list[Any]:
     """``hashes[0:limit]`` read as vLLM reads it, item by item, except from a plain list (one slice)."""
     return hashes[:limit] if type(hashes) is list else [hashes[i] for i in range(limit)]
+
+
+#: vLLM 0.32/0.33's lookup: units per group from ``block_hashes_for_spec``, masks per unit, no page rule.
+RULES_033 = LookupRules(plan=plan_lookup)
 
 
 def _native_transport(worker: Any) -> Any:
@@ -218,8 +263,14 @@ def fast_pool_class(pool_cls: type) -> type:
     return FastPool
 
 
-def make_lookup(original: Callable[..., Any], worker_module: ModuleType) -> Callable[..., Any]:
-    """The replacement ``MooncakeStoreWorker.lookup``; ``original`` is vLLM's (run for anything unusual)."""
+def make_lookup(
+    original: Callable[..., Any], worker_module: ModuleType, rules: LookupRules | None = None
+) -> Callable[..., Any]:
+    """The replacement ``MooncakeStoreWorker.lookup`` under the release's ``rules`` (0.32/0.33's by default);
+    ``original`` is vLLM's (run for anything unusual)."""
+    rules = rules or RULES_033
+    plan_units = rules.plan
+    with_masks = rules.longest_hit
     result_cls = worker_module.MooncakeLookupResult
     pool_cls = fast_pool_class(worker_module.ExternalCachedBlockPool)
     cdiv = worker_module.cdiv
@@ -240,10 +291,11 @@ def make_lookup(original: Callable[..., Any], worker_module: ModuleType) -> Call
         token_len = self.coord.align_lookup_length(num_tokens)
         if not block_hashes or token_len <= 0:
             return result_cls(0)
+        lease = getattr(self, "_selective_lease", None) if with_masks else None
         try:
-            plan = plan_lookup(self, token_len, block_hashes, cdiv)
+            plan = plan_units(self, token_len, block_hashes, cdiv)
             n_keys = plan.key_count
-            transport = _native_transport(self) if n_keys else None
+            transport = _native_transport(self) if n_keys and lease is None else None
             keys: Any = plan.key_blob() if transport is not None else plan.key_list()
         except Exception as exc:  # vLLM's method raises its own error, or accepts what we refuse
             return fallback(self, num_tokens, block_hashes, f"planning raised {type(exc).__name__}")
@@ -252,9 +304,11 @@ def make_lookup(original: Callable[..., Any], worker_module: ModuleType) -> Call
             stats.blob_calls += transport is not None
         if not n_keys:
             return result_cls(0)
+        # vLLM 0.34's selective lease probes lease-free through its own object (Mooncake's batch_probe_key).
+        exists = lease.probe if lease is not None else (transport or self.store).batch_is_exist
         started = time.perf_counter()
         try:
-            results = (transport if transport is not None else self.store).batch_is_exist(keys)
+            results = exists(keys)
             self._record_kv_connector_operation("lookup_exists", time.perf_counter() - started, n_keys)
         except Exception as e:
             self._record_kv_connector_operation(
@@ -262,14 +316,23 @@ def make_lookup(original: Callable[..., Any], worker_module: ModuleType) -> Call
             )
             log.error("Remote connection failed in lookup: %s", e)
             return result_cls(0)
-        pool = pool_cls(self.hash_block_size, plan.present(results))
-        _, hit = self.coord.find_longest_cache_hit(block_hashes, token_len, pool)
+        found = plan.present(results)
+        if lease is not None:
+            # vLLM's own hit and lease rounds, over the (group, hash) pairs its lookup would have found.
+            pairs = {(g, h) for g, units in found.items() for h in units}
+            hit, masks = self._longest_hit(num_tokens, token_len, block_hashes, pairs)
+            longest = functools.partial(self._longest_hit, num_tokens, token_len, block_hashes)
+            return lease.lease_hit(block_hashes, hit, masks, pairs, longest)
+        pool = pool_cls(self.hash_block_size, found)
+        masks, hit = self.coord.find_longest_cache_hit(block_hashes, token_len, pool)
         if hit >= num_tokens:
             # A full hit is cut below the request's end: its last token is computed again for sampling.
             usable = self.coord.align_lookup_length(num_tokens - 1)
             if usable <= 0:
                 return result_cls(0)
-            _, hit = self.coord.find_longest_cache_hit(block_hashes, usable, pool)
+            masks, hit = self.coord.find_longest_cache_hit(block_hashes, usable, pool)
+        if with_masks:  # vLLM 0.34's _longest_hit
+            return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool, masks))
         return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool))
 
     lookup.stats = stats  # type: ignore[attr-defined]
@@ -297,9 +360,10 @@ class _Recorder:
 
 
 def _stand_in(worker_module: ModuleType, coord: Any, groups: list[Any], dbs: list[Any], prefixes: Any, hbs: int,
-              store: Any, records: list[Any]) -> Any:  # fmt: skip
+              store: Any, records: list[Any], helpers: tuple[str, ...] = ("_tail_key_boundaries",)) -> Any:  # fmt: skip
     stub = types.SimpleNamespace(
         _capacity_only=False,
+        _selective_lease=None,
         coord=coord,
         token_dbs=dbs,
         _kv_cache_groups=groups,
@@ -308,14 +372,17 @@ def _stand_in(worker_module: ModuleType, coord: Any, groups: list[Any], dbs: lis
         store=store,
         _record_kv_connector_operation=lambda op, _s, n, **kw: records.append((op, n, sorted(kw.items()))),
     )
-    stub._tail_key_boundaries = types.MethodType(worker_module.MooncakeStoreWorker._tail_key_boundaries, stub)
+    for helper in helpers:
+        setattr(stub, helper, types.MethodType(getattr(worker_module.MooncakeStoreWorker, helper), stub))
     return stub
 
 
-def self_check(worker_module: ModuleType, lookup: Callable[..., Any], *, seed: int = 0, cases: int = 8) -> None:
+def self_check(worker_module: ModuleType, lookup: Callable[..., Any], *, seed: int = 0, cases: int = 8,
+               rules: LookupRules | None = None) -> None:  # fmt: skip
     """vLLM's own lookup and ``lookup`` on small generated requests (one or two full-attention groups, coarse and
-    fine-grained, partial stores, a failing store): equal results, store calls and records, else
-    ``AssertionError``."""
+    fine-grained, partial stores, a failing store; Store chunks of half a block where the release's ``rules``
+    have them): equal results, store calls and records, else ``AssertionError``."""
+    rules = rules or RULES_033
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
@@ -341,13 +408,15 @@ def self_check(worker_module: ModuleType, lookup: Callable[..., Any], *, seed: i
             every = [f"{p}@{h.hex()}" for ps in prefixes for p in ps for h in hashes]
             present = {k for k in every if rng.random() < 0.85}
             num_tokens = rng.randint(1, len(hashes) * hbs + 8)
+            # Store chunks (0.34): half a block where that is whole hash blocks, so the page-prefix rule applies.
+            chunks = [b // 2 if rules.longest_hit and b > hbs and case % 3 else b for b in sizes]
             outcomes = []
             for func in (original, lookup):
                 coord = MooncakeStoreCoordinator(groups, max(sizes), hbs, enable_partial_hash_hits=fine)
                 store = _Recorder(present, fail=case == cases - 1)
                 records: list[Any] = []
-                dbs = [types.SimpleNamespace(block_size=b) for b in sizes]
-                stub = _stand_in(worker_module, coord, groups, dbs, prefixes, hbs, store, records)
+                dbs = [types.SimpleNamespace(block_size=b, chunk_size=c) for b, c in zip(sizes, chunks)]
+                stub = _stand_in(worker_module, coord, groups, dbs, prefixes, hbs, store, records, rules.helpers)
                 try:
                     got: Any = func(stub, num_tokens, hashes)
                 except Exception as exc:

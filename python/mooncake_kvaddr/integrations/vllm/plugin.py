@@ -39,6 +39,7 @@ from mooncake_kvaddr.integrations.vllm.transports import (
     EXTRA_STAGED,
     EXTRA_STAGING_BYTES,
     TRANSPORT_ATTR,
+    hook_shape_problem,
     maybe_stage_store,
     native_client_setting,
     staged_settings,
@@ -186,14 +187,17 @@ def _patch_lookup(release: Release, data: ModuleType, worker: ModuleType, layout
     """Replace ``MooncakeStoreWorker.lookup`` after its own shape check, fingerprint and self-check."""
     from mooncake_kvaddr.integrations.vllm import lookup
 
-    problem = lookup.check_shape(worker) or _fingerprint_problem(report, release, "lookup", data, worker, layout)
+    rules = release.lookup_rules
+    problem = lookup.check_shape(worker, rules) or _fingerprint_problem(
+        report, release, "lookup", data, worker, layout
+    )
     if problem:
         report.lookup_reason = problem
         return
     cls = worker.MooncakeStoreWorker
-    replacement = lookup.make_lookup(static_attribute(cls, "lookup"), worker)
+    replacement = lookup.make_lookup(static_attribute(cls, "lookup"), worker, rules)
     try:
-        lookup.self_check(worker, replacement)
+        lookup.self_check(worker, replacement, rules=rules)
     except Exception as exc:
         report.lookup_reason = f"self-check failed: {exc}"
         return
@@ -240,9 +244,12 @@ def _patch_parts(release: Release, data: ModuleType, worker: ModuleType, layout:
     if "worker" not in release.ported:
         report.hook_reason = release.not_ported
     else:
-        report.hook_reason = _fingerprint_problem(report, release, "worker", data, worker, layout)
+        methods = release.worker_methods
+        report.hook_reason = hook_shape_problem(worker, methods) or _fingerprint_problem(
+            report, release, "worker", data, worker, layout
+        )
         if not report.hook_reason:
-            wrap_worker(worker.MooncakeStoreWorker)
+            wrap_worker(worker.MooncakeStoreWorker, through=[m for m in methods if m != "register_kv_caches"])
             report.staged_hook = True
     from mooncake_kvaddr.integrations.vllm.lookup import lookup_enabled
     from mooncake_kvaddr.integrations.vllm.receive import receive_enabled

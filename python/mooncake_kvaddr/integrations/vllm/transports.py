@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.driver.values import parse_size
-from mooncake_kvaddr.integrations.vllm.registry import replace_attribute, static_attribute
+from mooncake_kvaddr.integrations.vllm.registry import replace_attribute, signature_problem, static_attribute
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
@@ -23,6 +24,7 @@ __all__ = [
     "EXTRA_STAGED",
     "EXTRA_STAGING_BYTES",
     "TRANSPORT_ATTR",
+    "hook_shape_problem",
     "maybe_stage_store",
     "native_client_setting",
     "staged_settings",
@@ -133,17 +135,36 @@ def maybe_stage_store(store: Any, kv_caches: Any, extra_config: Mapping[str, Any
     return StagedMooncakeStore(store, staging_bytes=nbytes, armed=True)
 
 
-def wrap_worker(worker_cls: type) -> None:
+def hook_shape_problem(worker: ModuleType, methods: Mapping[str, tuple[str, ...]]) -> str:
+    """Empty string when the worker module's ``MooncakeStoreWorker`` has every method the hook wraps
+    (``Release.worker_methods``: name -> parameters after self); otherwise the first mismatch."""
+    cls = worker.__dict__.get("MooncakeStoreWorker")
+    if not isinstance(cls, type):
+        return "MooncakeStoreWorker is missing"
+    for name, params in methods.items():
+        problem = signature_problem(cls, name, params)
+        if problem:
+            return f"unexpected shape: {problem}"
+    return ""
+
+
+#: The worker method that drops the wrapper: run with it as the store, then the pair is forgotten.
+_FINAL = "close"
+
+
+def wrap_worker(worker_cls: type, through: Iterable[str] = (_FINAL,)) -> None:
     """Thin wrappers on ``MooncakeStoreWorker``: ``__init__`` keeps the connector's extra config, and
     ``register_kv_caches`` runs vLLM's with the transport wrapper (:func:`maybe_stage_store`) as the worker's
     store for the duration of the call, so that vLLM registers its KV caches through the wrapper (the
     registered-range guard's table) and hands the wrapper to the transfer threads it starts there. Afterwards
-    ``worker.store`` is vLLM's own object again (vLLM and its tests use it directly). ``close`` (when vLLM
-    has it) runs vLLM's with the wrapper as the store again, so the store is closed through the wrapper, which
-    first refuses new calls and waits for those in flight (docs/vllm-plugin.md)."""
+    ``worker.store`` is vLLM's own object again (vLLM and its tests use it directly).
+
+    Each method in ``through`` (the release's, those of them the class has) runs vLLM's with the wrapper as the
+    store again, so that its Mooncake calls go through the wrapper too: vLLM 0.34's sleep mode
+    (``unregister_kv_caches``/``restore_kv_caches``) keeps the guard's table in step, and ``close`` closes the
+    store through the wrapper, which first refuses new calls and waits for those in flight (docs/vllm-plugin.md)."""
     original_init = static_attribute(worker_cls, "__init__")
     original_register = static_attribute(worker_cls, "register_kv_caches")
-    original_close = static_attribute(worker_cls, "close")
 
     def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, vllm_config, kv_cache_config, *args, **kwargs)
@@ -163,20 +184,38 @@ def wrap_worker(worker_cls: type) -> None:
             if self.store is transport:
                 self.store = store
 
-    def close(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pair = self.__dict__.pop(TRANSPORT_ATTR, None)
-        if pair is not None and pair[0] is not None and self.store is pair[0]:
-            self.store = pair[1]
-        return original_close(self, *args, **kwargs)
-
     wrappers: list[tuple[str, Any, Any]] = [
         ("__init__", __init__, original_init),
         ("register_kv_caches", register_kv_caches, original_register),
     ]
-    if callable(original_close):
-        wrappers.append(("close", close, original_close))
+    for name in dict.fromkeys(through):
+        original = static_attribute(worker_cls, name)
+        if callable(original):
+            wrappers.append((name, _through_transport(original, final=name == _FINAL), original))
     for name, func, original in wrappers:
         wrapper: Any = func
         wrapper.__wrapped__ = original
         wrapper.__qualname__ = f"{worker_cls.__qualname__}.{name}"
         replace_attribute(worker_cls, name, wrapper)
+
+
+def _through_transport(original: Any, *, final: bool) -> Any:
+    """``original`` (a worker method) run with the wrapper that ``register_kv_caches`` made as ``self.store``,
+    while the worker still holds vLLM's store that the wrapper wraps (else as it is). ``final`` (``close``): the
+    pair is dropped and vLLM's method lets the store go itself; otherwise vLLM's store is put back afterwards."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pair = self.__dict__.pop(TRANSPORT_ATTR, None) if final else self.__dict__.get(TRANSPORT_ATTR)
+        if pair is None or pair[0] is None or self.store is not pair[0]:
+            return original(self, *args, **kwargs)
+        store, transport = pair
+        self.store = transport
+        if final:
+            return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if self.store is transport:
+                self.store = store
+
+    return method

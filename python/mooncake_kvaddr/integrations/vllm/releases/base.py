@@ -46,6 +46,12 @@ class Release:
     #: per local shard)`` (or why not).
     ours: Mapping[str, Any] = field(default_factory=dict)
     plan_engines: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    #: The worker's transport hook: the ``MooncakeStoreWorker`` methods (name -> parameters after self) it wraps.
+    #: ``register_kv_caches`` wraps the store and runs with the wrapper as ``self.store``; each of the others runs
+    #: with that wrapper as ``self.store`` again (``close`` last: it drops the pair). A missing one is a mismatch.
+    worker_methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The lookup's release-specific rules (``lookup.LookupRules``: the candidate units, the hit's helpers).
+    lookup_rules: Any = None
     #: A token database's chunk-size attribute, and the TP-shared layout's attribute it must equal.
     db_chunk: str = "block_size"
     sharded_chunk: str = "block_size"

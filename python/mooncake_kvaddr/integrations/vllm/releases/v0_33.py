@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from mooncake_kvaddr.integrations.vllm import layouts, send
+from mooncake_kvaddr.integrations.vllm import layouts, lookup, send
 from mooncake_kvaddr.integrations.vllm.receive_check import sample_layouts_033
 from mooncake_kvaddr.integrations.vllm.registry import DATA_MODULE
 from mooncake_kvaddr.integrations.vllm.releases.base import PARTS, Release
@@ -145,6 +145,8 @@ RELEASE = Release(
     fingerprinted=FINGERPRINTED,
     fingerprints=FINGERPRINTS,
     ported=frozenset(PARTS),
+    worker_methods={"register_kv_caches": ("kv_caches",), "close": ()},
+    lookup_rules=lookup.RULES_033,
     ours=layouts.OURS,
     plan_engines=layouts.PLAN_ENGINES,
     process_tokens=("token_len", "block_hashes", "mask_num", "chunk_mask", "put_step", "put_step_rank"),

@@ -25,11 +25,23 @@ from mooncake_kvaddr.integrations.vllm.layouts import (
     _sharded_key_for,
     shard_prefixes,
 )
+from mooncake_kvaddr.integrations.vllm.lookup import LookupPlan, LookupRules
 from mooncake_kvaddr.integrations.vllm.registry import original_of, signature_problem
-from mooncake_kvaddr.integrations.vllm.releases.base import NOT_PORTED, Release
+from mooncake_kvaddr.integrations.vllm.releases.base import Release
 from mooncake_kvaddr.integrations.vllm.send_check import THREAD_METHODS_033
 
-__all__ = ["FINGERPRINTED", "FINGERPRINTS", "LAYOUT_MODULE", "RELEASE", "SEND", "check_shape", "self_check"]
+__all__ = [
+    "FINGERPRINTED",
+    "FINGERPRINTS",
+    "LAYOUT_MODULE",
+    "LOOKUP_RULES",
+    "RELEASE",
+    "SEND",
+    "WORKER_METHODS",
+    "check_shape",
+    "plan_lookup",
+    "self_check",
+]
 
 LAYOUT_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.layout"
 #: The native module, untyped here: the layout engine's stubs belong to the layouts (docs/architecture.md).
@@ -352,8 +364,65 @@ SEND = send.SendRules(
     lookahead=True,
 )
 
+# --- the lookup's rules (lookup.py runs them) -------------------------------------------------------------------
+
+
+def plan_lookup(worker: Any, token_len: int, block_hashes: Any, cdiv: Any) -> LookupPlan:
+    """The units vLLM 0.34's lookup asks for, read from the worker as vLLM reads them: per prefix-cacheable group,
+    every hash block (partial-hash mode) or Store chunk (``db.chunk_size``) whose end lies within ``token_len``
+    and the hashes, on a physical block the lookup mask keeps; each unit keyed by the hash at its end. With the
+    page-prefix rule's data: each unit's physical block and whether it ends a Store chunk."""
+    coord = worker.coord
+    fine = coord.enable_partial_hash_hits
+    masks = None if fine else coord.lookup_mask(token_len)
+    hbs = worker.hash_block_size
+    reach = min(token_len, len(block_hashes) * hbs)
+    groups: list[tuple[int, list[Any], tuple[str, ...]]] = []
+    pages: list[tuple[Any, Any]] = []
+    for g, db in enumerate(worker.token_dbs):
+        spec = worker._kv_cache_groups[g].kv_cache_spec
+        if not spec.prefix_cacheable:
+            continue
+        page_size = spec.block_size
+        prefixes = tuple(worker._lookup_key_prefixes[g])
+        chunk = db.chunk_size
+        unit = hbs if fine else chunk
+        ends = np.arange(1, reach // unit + 1, dtype=np.int64) * unit
+        blocks = (ends - unit) // page_size
+        mask = None if masks is None else masks[g]
+        if mask is not None:
+            kept = np.zeros(len(ends), dtype=bool)
+            inside = blocks < len(mask)
+            kept[inside] = np.asarray([bool(mask[b]) for b in blocks[inside].tolist()], dtype=bool)
+            ends = ends[kept]
+        hashes = [block_hashes[i] for i in (ends // hbs - 1).tolist()]
+        groups.append((g, hashes, prefixes))
+        pages.append(((ends - 1) // page_size, ends % chunk == 0))
+    return LookupPlan(groups, pages)
+
+
+#: The lookup's per-release rules: 0.34's units, ``_longest_hit``'s helpers and the selective lease.
+LOOKUP_RULES = LookupRules(plan=plan_lookup, helpers=("_tail_key_boundaries", "_longest_hit"), longest_hit=True)
+
+#: The worker's transport hook: the methods that run with our store wrapper as ``self.store`` (sleep mode's
+#: ``unregister_kv_caches``/``restore_kv_caches`` call the store directly), with their parameters after self.
+WORKER_METHODS: dict[str, tuple[str, ...]] = {
+    "register_kv_caches": ("kv_caches",),
+    "unregister_kv_caches": (),
+    "restore_kv_caches": (),
+    "close": (),
+}
 
 FINGERPRINTED: dict[str, tuple[str, ...]] = {
+    "worker": tuple(f"MooncakeStoreWorker.{name}" for name in WORKER_METHODS),
+    # The replaced lookup, the hit it reproduces (``_longest_hit``) and the pool its faster pool stands in for.
+    "lookup": (
+        "MooncakeStoreWorker.lookup",
+        "MooncakeStoreWorker._longest_hit",
+        "ExternalCachedBlockPool.__init__",
+        "ExternalCachedBlockPool.get_cached_block",
+        "ExternalCachedBlockPool.contains",
+    ),
     "receive": (
         "KVCacheStoreRecvingThread._handle_request",
         "ChunkedTokenDatabase.process_tokens",
@@ -382,6 +451,15 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
 
 FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.34.0": {
+        "MooncakeStoreWorker.register_kv_caches": "1fc544d33a5bde1e",
+        "MooncakeStoreWorker.close": "b9b831fa3647518f",
+        "MooncakeStoreWorker.unregister_kv_caches": "42b19e63061d90dc",
+        "MooncakeStoreWorker.restore_kv_caches": "6f3e54d820772d8c",
+        "MooncakeStoreWorker.lookup": "380e1d1302c2f4af",
+        "MooncakeStoreWorker._longest_hit": "f38cf917b935f6ea",
+        "ExternalCachedBlockPool.__init__": "8812d6d330d5298f",
+        "ExternalCachedBlockPool.get_cached_block": "58a17cb93531b829",
+        "ExternalCachedBlockPool.contains": "84d038552e03ec9e",
         "KVCacheStoreRecvingThread._handle_request": "0b19240f13c5b4ae",
         "ChunkedTokenDatabase.process_tokens": "8749f101117a163c",
         "_estimate_disk_offload_staging_bytes": "1096992edcfb74ba",
@@ -408,8 +486,9 @@ RELEASE = Release(
     self_check=self_check,
     fingerprinted=FINGERPRINTED,
     fingerprints=FINGERPRINTS,
-    ported=frozenset({"receive", "send"}),
-    not_ported=f"{NOT_PORTED} 0.34 yet (its lookup path and its worker changed)",
+    ported=frozenset({"receive", "send", "worker", "lookup"}),
+    worker_methods=WORKER_METHODS,
+    lookup_rules=LOOKUP_RULES,
     ours=OURS,
     plan_engines=PLAN_ENGINES,
     db_chunk="chunk_size",
