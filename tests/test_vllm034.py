@@ -80,6 +80,7 @@ EXPECTED_PATCHED = [
     "TPShardedStoreLayout.prepare_values",
     "TPShardedStoreLayout.key_for",
     "KVCacheStoreRecvingThread._handle_request",
+    "MooncakeStoreWorker.lookup",
     "KVCacheStoreSendingThread._handle_request",
 ]
 
