@@ -257,3 +257,39 @@ def test_the_send_bench_section_runs_and_stores(master: Any) -> None:
     assert [row["variant"] for row in rows] == list(vllm_send.VARIANTS)
     assert all(row["stored_ok"] and row["cpu_gil_ms"] > 0 and row["wall_ms"] > 0 for row in rows)
     assert [row["fast_path"] for row in rows] == [0, 2, 2, 2]
+
+
+def test_a_job_handed_to_vllm_asks_for_its_store_masks_once(handler: Any) -> None:
+    """A layout class whose ``prepare_values`` someone else replaced is not ours to plan: the job goes to vLLM's
+    handler before vLLM's coordinator is asked for the store masks, so they are asked for once (vLLM's own
+    test_store_sending_thread_delta_saves_only_new_masked_chunks counts the calls)."""
+    import threading
+    from unittest.mock import MagicMock
+
+    class Overridden(layout_module.TPShardedStoreLayout):  # type: ignore[misc, name-defined]
+        def prepare_values(self, chunks: Any, block_ids: Any, shard_ids: Any) -> Any:
+            return super().prepare_values(chunks, block_ids, shard_ids)
+
+    metadata = layout_module.KeyMetadata("m", 0, 0, 0, 0)
+    layout = Overridden(metadata, 16, 8, 1, 1, 0, 8)
+    layout._set_segment_templates([[([1 << 20], [4096], [64])], [([1 << 21], [4096], [64])]])
+    db = data_module.ChunkedTokenDatabase(metadata, 8, store_layout=layout)
+    store = MagicMock()
+    store.batch_is_exist.side_effect = lambda keys: [0] * len(keys)
+    store.batch_put_from_multi_buffers.side_effect = lambda keys, addrs, sizes, config: [64] * len(keys)
+    coord = MagicMock(lcm_block_size=16)
+    coord.store_mask.side_effect = lambda token_len, start, num_prompt_tokens=None: (None,)
+    thread = SENDER(store=store, token_databases=[db], block_size=16, coord=coord, tp_rank=0, group_put_steps=[1],
+                    kv_role="kv_producer", ready_event=threading.Event(), enable_kv_event=False,
+                    replicate_config=None, enable_group_semantics=False, supports_group_ids=False)  # fmt: skip
+    thread.request_queue.task_done = MagicMock()
+    meta = data_module.ReqMeta(req_id="r", token_len_chunk=32, block_ids=([1, 2],),
+                               block_hashes=[f"h{i}".encode() for i in range(4)], can_save=True)  # fmt: skip
+    meta.store_job_id = 1
+    thread.add_request(meta)
+    fallbacks = handler.stats.fallback_requests
+    handler(thread, thread.request_queue.get())
+    assert handler.stats.fallback_requests == fallbacks + 1
+    assert handler.stats.last_fallback == "a layout not backed by our engine"
+    assert coord.store_mask.call_count == 1
+    assert store.batch_put_from_multi_buffers.call_count == 1

@@ -458,6 +458,15 @@ def make_handler(
     release = rules
 
     def _plan(self: Any, req_meta: Any) -> tuple[SendPlan, Job] | str:
+        # What refuses a job without reading it comes first: the release's prepare asks vLLM's coordinator for
+        # the store masks, and vLLM's own handler (where we hand the job) asks again.
+        if hash_source(req_meta.block_hashes, blob_type) is None:
+            return "block hashes of another type"
+        for g, db in enumerate(self.token_databases):
+            if self.group_participates[g]:
+                planner = kinds.engine_of(db, engines)
+                if isinstance(planner, str):
+                    return planner
         job = release.prepare(self, req_meta)
         if isinstance(job, str):
             return job

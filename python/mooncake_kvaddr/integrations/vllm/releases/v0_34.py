@@ -83,16 +83,18 @@ def _rank_local_prepare_values(
             self, self.block_stride
         ).prepare_values(chunks, block_ids, shard_ids)
     except TypeError:  # an int-like vLLM's numpy casts (a float id, say): its own answer, or its own error
-        return _vllm_own(self, chunks, block_ids, shard_ids)
+        return _vllm_own(self, chunks, block_ids, shard_ids, "RankLocalStoreLayout")
     return result
 
 
 _Rows = tuple[list[list[int]], list[list[int]], list[int]]
 
 
-def _vllm_own(layout: Any, chunks: Any, block_ids: Any, shard_ids: Any) -> _Rows:
-    """vLLM's own ``prepare_values`` of ``layout``'s class (the original where we replaced it)."""
-    own: Any = original_of(type(layout), "prepare_values")
+def _vllm_own(layout: Any, chunks: Any, block_ids: Any, shard_ids: Any, replaced_on: str) -> _Rows:
+    """vLLM's own ``prepare_values`` of the class ``replaced_on`` in ``layout``'s MRO (the class this release
+    patches): never a subclass's override, which may call ``super()`` and so reach us again."""
+    cls = next(klass for klass in type(layout).__mro__ if klass.__name__ == replaced_on)
+    own: Any = original_of(cls, "prepare_values")
     result: _Rows = own(layout, chunks, block_ids, shard_ids)
     return result
 
@@ -139,13 +141,13 @@ def _sharded_prepare_values(
         return [], [], []
     engine = _chunked_engine(self) if len(chunks) > _LOOP_CHUNKS else None
     if engine is None:
-        return _vllm_own(self, chunks, block_ids, shard_ids)
+        return _vllm_own(self, chunks, block_ids, shard_ids, "TPShardedStoreLayout")
     try:
         result: tuple[list[list[int]], list[list[int]], list[int]] = engine.prepare_values(
             chunks, block_ids, shard_ids
         )
     except TypeError:  # int-likes vLLM's numpy casts (float ids or bounds): its own answer, or its own error
-        return _vllm_own(self, chunks, block_ids, shard_ids)
+        return _vllm_own(self, chunks, block_ids, shard_ids, "TPShardedStoreLayout")
     return result
 
 
