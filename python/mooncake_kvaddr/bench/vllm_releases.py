@@ -176,11 +176,17 @@ def other_python() -> tuple[str | None, str]:
 def run_child(python: str, quick: bool, reps: int | None, mooncake: bool, *, tiny: bool = False,
               timeout: float = 3600.0) -> dict[str, Any]:
     """:func:`measure` under ``python`` (this package's tree first on its path); its result, or ``{"error"}``."""
+    import site
+
     import mooncake_kvaddr
 
     package_root = str(Path(mooncake_kvaddr.__file__).resolve().parent.parent)
+    # A source tree goes first on the child's path; an installed package's site-packages must not (it would
+    # shadow the child environment's own vLLM): the child's venv sees it after its own packages.
+    installed = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    if package_root not in installed:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory(prefix="mooncake-kvaddr-bench-") as tmp:
         out = Path(tmp) / "rows.json"
         command = [python, "-m", "mooncake_kvaddr.bench.vllm_releases", "--child", "--json", str(out)]
