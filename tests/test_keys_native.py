@@ -353,6 +353,24 @@ def test_the_seed_era_database_keys_any_bytes_like_hash_by_its_bytes_in_every_pl
         assert tuple(native.plan_store(128, hashes, block_ids)) == store, name
 
 
+@pytest.mark.parametrize("odd", ["own_hex", "bytearray", "numpy"])
+def test_the_plugins_key_paths_refuse_hashes_vllm_keys_otherwise(odd: str) -> None:
+    """docs/keys.md, "Which hash objects are read": without ``any_buffer`` (the vLLM plugin's lookup keys and key
+    blob), only exact ``bytes`` and ``memoryview`` hashes are keyed natively; any other, a ``bytes`` subclass with
+    its own ``hex`` included, is a ``TypeError`` naming it (the plugin then hands the call to vLLM). The driver's
+    rule (``any_buffer=True``) keys the same hashes by their bytes."""
+    raw = [b"\x01" * 8, b"\x02" * 8]
+    convert = {"own_hex": _OwnHex, "bytearray": bytearray, "numpy": lambda h: np.frombuffer(h, dtype=np.uint8)}[odd]
+    hashes = [raw[0], convert(raw[1])]
+    prefixes = ["p", "q"]
+    for build in (_native.build_lookup_keys, _native.lookup_key_blob):
+        with pytest.raises(TypeError, match=r"hash 1 is a .*: only bytes and memoryview hashes"):
+            build(prefixes, hashes)
+    expected = _native.build_lookup_keys(prefixes, raw)
+    assert _native.build_lookup_keys(prefixes, hashes, any_buffer=True) == expected
+    assert _native.build_lookup_keys(prefixes, [raw[0], memoryview(raw[1])]) == expected
+
+
 @settings(max_examples=400, deadline=None)
 @given(walks, st.booleans())
 def test_plan_store_matches_composition(w: dict[str, Any], skip_null: bool) -> None:
