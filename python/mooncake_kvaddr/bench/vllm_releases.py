@@ -150,15 +150,21 @@ def measure(quick: bool, reps: int | None, *, mooncake: bool = True, tiny: bool 
 
         rows += receive_rows(release, vllm_plugin.run(quick, reps=reps, modes=RECEIVE_MODES, thread_counts=()),
                              parts)
-        rows += send_rows(release, _if_ported(parts["send"], lambda: vllm_send.run(
-            quick, reps=reps, variants=SEND_VARIANTS)), parts["send"])  # fmt: skip
-        rows += lookup_rows(release, _if_ported(parts["lookup"], lambda: vllm_lookup.run(quick, reps=reps)),
-                            parts["lookup"])
+        rows += send_rows(release, *_if_ported(parts["send"], lambda: vllm_send.run(
+            quick, reps=reps, variants=SEND_VARIANTS)))  # fmt: skip
+        rows += lookup_rows(release, *_if_ported(parts["lookup"], lambda: vllm_lookup.run(quick, reps=reps)))
     return {"vllm": release, "parts": parts, "rows": rows}
 
 
-def _if_ported(reason: str, run: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]] | None:
-    return run() if not reason else None
+def _if_ported(reason: str, run: Callable[[], list[dict[str, Any]]]) -> tuple[list[dict[str, Any]] | None, str]:
+    """The section's rows where the part is patched (else none, with the plugin's reason); a section whose rig
+    cannot drive this release's vLLM gives no figure and says why, instead of ending the run."""
+    if reason:
+        return None, reason
+    try:
+        return run(), ""
+    except Exception as exc:  # a rig built for another release's worker: no figure, never a made-up one
+        return None, f"the bench's rig could not run this release ({type(exc).__name__}: {exc})"
 
 
 # --- the second release, in a child process ----------------------------------------------------------------------
