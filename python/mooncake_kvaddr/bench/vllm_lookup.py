@@ -75,11 +75,15 @@ def _timed_native(base: type) -> type:
 
 def _worker(worker_module: Any, coord: Any, group: Any, prefixes: tuple[str, ...], store: Any) -> Any:
     stub = types.SimpleNamespace(
-        _capacity_only=False, coord=coord, token_dbs=[types.SimpleNamespace(block_size=BLOCK)],
+        _capacity_only=False, coord=coord, token_dbs=[types.SimpleNamespace(block_size=BLOCK, chunk_size=BLOCK)],
         _kv_cache_groups=[group], _lookup_key_prefixes=(prefixes,), hash_block_size=BLOCK, store=store,
-        _record_kv_connector_operation=lambda *args, **kwargs: None,
+        _record_kv_connector_operation=lambda *args, **kwargs: None, _selective_lease=None,
     )  # fmt: skip
-    stub._tail_key_boundaries = types.MethodType(worker_module.MooncakeStoreWorker._tail_key_boundaries, stub)
+    # The worker methods its lookup calls on itself (vLLM 0.34 added _longest_hit), bound to the stand-in.
+    for name in ("_tail_key_boundaries", "_longest_hit"):
+        method = worker_module.MooncakeStoreWorker.__dict__.get(name)
+        if method is not None:
+            setattr(stub, name, types.MethodType(method, stub))
     return stub
 
 
@@ -103,7 +107,12 @@ def run(quick: bool = True, *, reps: int | None = None) -> list[dict[str, Any]]:
     reps = reps if reps is not None else (3 if quick else 9)
     original = worker_module.MooncakeStoreWorker.__dict__["lookup"]
     original = getattr(original, "__wrapped__", original)
-    ours = make_lookup(original, worker_module)
+    import vllm
+
+    from mooncake_kvaddr.integrations.vllm.releases import for_version
+
+    release = for_version(str(vllm.__version__))
+    ours = make_lookup(original, worker_module, release.lookup_rules if release is not None else None)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16)
     group = KVCacheGroupSpec(["layer.0"], spec)
     coord = coordinator.MooncakeStoreCoordinator([group], scheduler_block_size=BLOCK, hash_block_size=BLOCK)

@@ -191,8 +191,9 @@ def run_child(python: str, quick: bool, reps: int | None, mooncake: bool, *, tin
     # shadow the child environment's own vLLM): the child's venv sees it after its own packages.
     installed = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
     env = dict(os.environ)
-    if package_root not in installed:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    inherited = env.get("PYTHONPATH", "").split(os.pathsep)
+    paths = [p for p in (package_root, *inherited) if p and str(Path(p).resolve()) not in installed]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     with tempfile.TemporaryDirectory(prefix="mooncake-kvaddr-bench-") as tmp:
         out = Path(tmp) / "rows.json"
         command = [python, "-m", "mooncake_kvaddr.bench.vllm_releases", "--child", "--json", str(out)]
