@@ -441,16 +441,12 @@ def make_handler(
     worker: ModuleType,
     ours: Mapping[str, Any],
     engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]],
-    kinds: Kinds | None = None,
-    rules: SendRules | None = None,
+    kinds: Kinds | None,
+    rules: SendRules,
 ) -> Callable[[Any, Any], Any]:
     """The replacement ``_handle_request``; ``original`` is vLLM's (run for everything off the fast path).
     ``ours`` and ``engines`` as for the receive handler's :func:`~.receive.make_handler`; ``rules``: the
-    release's (vLLM 0.32/0.33's when None)."""
-    if rules is None:
-        from mooncake_kvaddr.integrations.vllm.releases.v0_33 import SEND
-
-        rules = SEND
+    release module's (``SEND`` in ``releases/v0_33.py``, ``v0_34.py``)."""
     kinds = kinds if kinds is not None else Kinds(data, ours)
     blob_type = data.BlobBlockHashes
     stats = SendStats()
