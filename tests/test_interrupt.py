@@ -19,13 +19,15 @@ from pathlib import Path
 
 import pytest
 
+import mooncake_kvaddr
 from mooncake_kvaddr._cli import INTERRUPTED_EXIT, exit_on_interrupt
 from mooncake_kvaddr.driver.master import process_is_running
 
 SMALL = ["--tokens", "512", "--regions", "4", "--block-size", "64", "--block-bytes", "512"]
 # Ctrl-C must end a command within this (the target is 5 s, from a fresh clone, on any machine).
 ENDS_WITHIN_S = 5.0
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[1] / "python")
+# The children import the package this test process imported (the installed one in CI, not the source tree).
+PACKAGE_ROOT = str(Path(mooncake_kvaddr.__file__).resolve().parent.parent)
 
 
 class Command:
