@@ -41,6 +41,7 @@ class Command:
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=group
         )
         self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr = ""
         self.seen: list[str] = []
         assert self.proc.stdout is not None
         self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
@@ -64,7 +65,7 @@ class Command:
             if marker in line:
                 return
         self.kill()
-        pytest.fail(f"no {marker!r} line; output so far: {self.seen}; stderr: {self.proc.stderr.read()!r}")
+        pytest.fail(f"no {marker!r} line; output so far: {self.seen}; stderr: {self.stderr}")
 
     def children(self) -> list[int]:
         """The child's own children (an embedded master, a bench child)."""
@@ -95,9 +96,17 @@ class Command:
         return err
 
     def kill(self) -> None:
+        """Kill the child, keep its standard error in ``self.stderr`` and close its pipes (an unclosed pipe's
+        ResourceWarning would otherwise fail whichever test the garbage collector happens to run in)."""
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+        self.proc.wait()
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        if not self.proc.stderr.closed:
+            self.stderr = self.proc.stderr.read()
+            self.proc.stderr.close()
+        self._reader.join(timeout=5)  # the reader meets the end of the killed child's output
+        self.proc.stdout.close()
 
 
 def assert_gone(pids: list[int]) -> None:
