@@ -49,7 +49,9 @@ ORIGINAL = original_of(WORKER, "lookup")
 LOOKUPS = 10_000
 
 #: How a store answers an existence call: vLLM's list, or forms vLLM reads item by item, or raising.
-FORMS = ("list",) * 10 + ("raise", "mock", "short", "long", "numpy", "tuple", "floats", "bools", "negative")
+#: ``once``: a key repeated in one call is present only the first time (a repeated hash then differs by position).
+FORMS = ("list",) * 10 + ("raise", "mock", "short", "long", "numpy", "tuple", "floats", "bools", "negative", "once",
+                          "once")  # fmt: skip
 
 
 class Store:
@@ -88,6 +90,8 @@ class Store:
             return [c == 1 for c in codes]
         if form == "negative":
             return [c if c else -704 for c in codes]
+        if form == "once":
+            return [c if k not in keys[:i] else 0 for i, (k, c) in enumerate(zip(keys, codes))]
         return codes
 
     def batch_is_exist(self, keys: Any) -> Any:
@@ -126,10 +130,14 @@ class Case:
             self.hbs = rng.choice([4, 8, 16])
             self.drop_tail = rng.random() < 0.2
             self.fine = rng.random() < 0.35
+            self.eagle = rng.random() < 0.15  # Eagle's last-block drop
             count = rng.choice([1, 1, 2, 2, 3])
             kinds = ["full"] + [rng.choice(["full", "window", "mamba"]) for _ in range(count - 1)]
             rng.shuffle(kinds)
             blocks = [self.hbs * rng.choice([1, 2, 4]) for _ in kinds]
+            if rng.random() < 0.3:  # the headline's shape: full attention only, a block a hash block (at most)
+                kinds = ["full"] * min(count, 2)
+                blocks = [self.hbs] * len(kinds)
             self.groups = [KVCacheGroupSpec([f"layer.{g}"], _spec(rng, k, b)) for g, (k, b) in enumerate(zip(kinds,
                                                                                                            blocks))]
             # Store chunks: whole hash blocks dividing the group's block.
@@ -137,7 +145,8 @@ class Case:
                            for b in blocks]  # fmt: skip
             self.blocks = blocks
             try:
-                self.coord_args = (self.groups, math.lcm(*blocks), self.hbs)
+                # The scheduler block: the blocks' least common multiple, or twice it (hits round down to it).
+                self.coord_args = (self.groups, math.lcm(*blocks) * rng.choice([1, 1, 2]), self.hbs)
                 self.coordinator()
             except (AssertionError, ValueError, NotImplementedError):
                 continue
@@ -163,7 +172,7 @@ class Case:
 
     def coordinator(self) -> Any:
         cls = TailDroppingCoordinator if self.drop_tail else coordinator_module.MooncakeStoreCoordinator
-        return cls(*self.coord_args, enable_partial_hash_hits=self.fine)
+        return cls(*self.coord_args, enable_partial_hash_hits=self.fine, use_eagle=self.eagle)
 
     def worker(self, store: Store, lease: bool) -> tuple[Any, list[Any]]:
         """A stand-in with what vLLM 0.34's lookup reads, and the list its records go to."""
@@ -253,6 +262,33 @@ def test_lookup_matches_vllm_034(ours: Any) -> None:
     assert seen["groups"] == {1, 2, 3}
     assert seen["hit"] > LOOKUPS // 5 and seen["page_rule"] > 100 and seen["evicted"] > 100, seen
     assert ours.stats.fast > ours.stats.fallback
+    # The hit read off the flags (one full-attention spec, a unit a block) ran often, and so did vLLM's.
+    assert LOOKUPS // 20 < ours.stats.direct < ours.stats.fast // 2, ours.stats
+
+
+def test_a_repeated_hash_counts_as_in_vllms_set(ours: Any) -> None:
+    """One full-attention group, a unit a block (the hit read off the flags): a store that answers a key repeated
+    in the call only the first time leaves the later unit absent by position, yet vLLM's set of present hashes
+    counts it. The hit must still be vLLM's."""
+    rng = random.Random(11)
+    beyond = 0
+    for _ in range(300):
+        case = Case.__new__(Case)
+        case.hbs, case.drop_tail, case.fine, case.eagle = 8, False, False, False
+        case.blocks, case.chunks = [8], [8]
+        case.groups = [KVCacheGroupSpec(["layer.0"], _spec(rng, "full", 8))]
+        case.coord_args = (case.groups, 8, 8)
+        case.prefixes = (tuple(f"m@0@tp{r}" for r in range(rng.randint(1, 3))),)
+        n = rng.randint(2, 12)
+        case.hashes = [rng.randbytes(8) for _ in range(n)]
+        later = rng.randrange(1, n)
+        case.hashes[later] = case.hashes[rng.randrange(later)]
+        case.present = {f"{p}@{h.hex()}" for p in case.prefixes[0] for h in case.hashes}
+        stores = [Store(case.present, "once", 0, 0.0) for _ in range(2)]
+        expected = _run(ORIGINAL, case.worker(stores[0], False)[0], n * 8 + 1, case.hashes)
+        assert _run(ours, case.worker(stores[1], False)[0], n * 8 + 1, case.hashes) == expected, case.__dict__
+        beyond += expected[1].hit_length > later * 8
+    assert beyond > 100, beyond
 
 
 def _page_rule_matters(case: Case, stub: Any, num_tokens: int) -> bool:

@@ -1,8 +1,9 @@
 """A replacement for vLLM's ``MooncakeStoreWorker.lookup`` (docs/vllm-plugin.md, "The lookup").
 
 The candidate keys are built natively per KV-cache group (one UTF-8 blob for the native client, else the list of
-str vLLM builds) instead of one Python str per key; the hit and the tail boundaries stay vLLM's code. Which units
-are asked for and how answers count differ per release: a :class:`LookupRules` from the release module.
+str vLLM builds) instead of one Python str per key. The tail boundaries stay vLLM's code, and so does the hit,
+except where the release reads it off the answers (:class:`DirectHit`). Which units are asked for and how answers
+count differ per release: a :class:`LookupRules` from the release module.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
 __all__ = [
     "ENV_LOOKUP",
     "RULES_033",
+    "DirectHit",
     "LookupPlan",
     "LookupRules",
     "LookupStats",
@@ -76,10 +78,12 @@ def check_shape(worker: ModuleType, rules: LookupRules | None = None) -> str:
 
 @dataclass
 class LookupStats:
-    """Counters of the replacement lookup: by our plan, by vLLM's method, and store calls with a key blob."""
+    """Counters of the replacement lookup: by our plan, by vLLM's method, hits read off the flags
+    (:class:`DirectHit`), and store calls with a key blob."""
 
     fast: int = 0
     fallback: int = 0
+    direct: int = 0
     blob_calls: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
 
@@ -88,10 +92,13 @@ class LookupStats:
 class LookupPlan:
     """What one lookup asks the store: per prefix-cacheable group, its unit hashes and key prefixes; with
     ``pages`` (vLLM 0.34), per group each unit's physical block and whether it ends a Store chunk, for the
-    page-prefix rule (a unit counts only when every chunk before it in its block was present)."""
+    page-prefix rule (a unit counts only when every chunk before it in its block was present; None where a
+    unit is a whole block, so the rule keeps every flag)."""
 
     groups: list[tuple[int, list[Any], tuple[str, ...]]]
-    pages: list[tuple[Any, Any]] | None = None
+    pages: list[tuple[Any, Any] | None] | None = None
+    #: Per group, after :meth:`present`: each unit's flag (page-prefix rule applied), in lookup order.
+    kept: dict[int, list[bool]] = field(default_factory=dict)
 
     @property
     def key_count(self) -> int:
@@ -131,11 +138,33 @@ class LookupPlan:
         for i, (g, hashes, _) in enumerate(self.groups):
             units = found.setdefault(g, set())
             kept = flags[start : start + len(hashes)]
-            if self.pages is not None and kept:
-                kept = page_prefix(np.asarray(kept, dtype=bool), *self.pages[i]).tolist()
+            page = self.pages[i] if self.pages is not None else None
+            if page is not None and kept:
+                kept = page_prefix(np.asarray(kept, dtype=bool), *page).tolist()
+            self.kept[g] = kept
             units.update(map(bytes, itertools.compress(hashes, kept)))
             start += len(hashes)
         return found
+
+    def leading_run(self, group_ids: Sequence[int], units: int, found: Mapping[int, set[bytes]]) -> int | None:
+        """After :meth:`present`: how many units from the start every group of ``group_ids`` has (the hit
+        vLLM's coordinator finds when a unit is a block), or None where these flags cannot tell: a group not
+        planned unit by unit, or a unit absent here whose hash is present elsewhere in the group (a repeated
+        hash: vLLM's set of hashes counts it present)."""
+        run = units
+        hashes_of = {g: hashes for g, hashes, _ in self.groups}
+        for g in group_ids:
+            kept = self.kept.get(g)
+            if kept is None or len(kept) != units:
+                return None
+            try:
+                first = kept.index(False)
+            except ValueError:
+                first = units
+            if first < units and bytes(hashes_of[g][first]) in found.get(g, ()):
+                return None
+            run = min(run, first)
+        return run
 
     def _flags_by_items(self, results: Any) -> list[bool]:
         # Item by item, as vLLM reads them: the same answers and the same exceptions for any result object.
@@ -177,6 +206,27 @@ class LookupRules:
     plan: Callable[[Any, int, Sequence[Any], Callable[[int, int], int]], LookupPlan]
     helpers: tuple[str, ...] = ("_tail_key_boundaries",)
     longest_hit: bool = False
+    #: ``direct_hit(worker_module)(worker)``: the worker's :class:`DirectHit` when its coordinator's hit is the
+    #: leading run of present units (one unit per block), else None (vLLM's coordinator computes it).
+    direct_hit: Callable[[ModuleType], Callable[[Any], DirectHit | None]] | None = None
+
+
+@dataclass(frozen=True)
+class DirectHit:
+    """A coordinator whose hit is the leading run of units every group of ``group_ids`` has, ``block`` tokens
+    a unit, rounded down to ``align`` tokens; its masks list ``groups`` groups (present blocks True)."""
+
+    group_ids: tuple[int, ...]
+    block: int
+    align: int
+    groups: int
+
+    def hit(self, run: int, max_length: int) -> tuple[tuple[list[bool], ...], int]:
+        """``(masks, hit_length)`` as the coordinator returns them for ``max_length`` tokens."""
+        tokens = min(run, max_length // self.block) * self.block
+        tokens -= tokens % self.align
+        blocks = -(-tokens // self.block)
+        return tuple([True] * blocks if g in self.group_ids else [] for g in range(self.groups)), tokens
 
 
 def plan_lookup(
@@ -275,6 +325,7 @@ def make_lookup(
     pool_cls = fast_pool_class(worker_module.ExternalCachedBlockPool)
     cdiv = worker_module.cdiv
     log = worker_module.logger
+    direct_of = rules.direct_hit(worker_module) if rules.direct_hit is not None else None
     stats = LookupStats()
     lock = threading.Lock()
 
@@ -324,13 +375,27 @@ def make_lookup(
             longest = functools.partial(self._longest_hit, num_tokens, token_len, block_hashes)
             return lease.lease_hit(block_hashes, hit, masks, pairs, longest)
         pool = pool_cls(self.hash_block_size, found)
-        masks, hit = self.coord.find_longest_cache_hit(block_hashes, token_len, pool)
+        direct = direct_of(self) if direct_of is not None else None
+        run = None
+        if direct is not None:
+            run = plan.leading_run(direct.group_ids, min(token_len // direct.block, len(block_hashes)), found)
+        if run is not None:
+            assert direct is not None
+            find: Callable[[int], Any] = functools.partial(direct.hit, run)
+            with lock:
+                stats.direct += 1
+        else:
+
+            def find(length: int) -> Any:
+                return self.coord.find_longest_cache_hit(block_hashes, length, pool)
+
+        masks, hit = find(token_len)
         if hit >= num_tokens:
             # A full hit is cut below the request's end: its last token is computed again for sampling.
             usable = self.coord.align_lookup_length(num_tokens - 1)
             if usable <= 0:
                 return result_cls(0)
-            masks, hit = self.coord.find_longest_cache_hit(block_hashes, usable, pool)
+            masks, hit = find(usable)
         if with_masks:  # vLLM 0.34's _longest_hit
             return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool, masks))
         return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool))

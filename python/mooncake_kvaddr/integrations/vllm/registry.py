@@ -148,6 +148,7 @@ _WORKER_CLASSES = (
     "KVCacheStoreSendingThread",
     "MooncakeStoreWorker",
     "ExternalCachedBlockPool",
+    "MooncakeStoreCoordinator",
 )
 
 

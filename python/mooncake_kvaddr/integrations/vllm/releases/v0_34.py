@@ -9,6 +9,7 @@ loop (16 chunks or fewer, or templates of unequal widths) and templates the engi
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -25,7 +26,7 @@ from mooncake_kvaddr.integrations.vllm.layouts import (
     _sharded_key_for,
     shard_prefixes,
 )
-from mooncake_kvaddr.integrations.vllm.lookup import LookupPlan, LookupRules
+from mooncake_kvaddr.integrations.vllm.lookup import DirectHit, LookupPlan, LookupRules
 from mooncake_kvaddr.integrations.vllm.registry import original_of, signature_problem
 from mooncake_kvaddr.integrations.vllm.releases.base import Release
 from mooncake_kvaddr.integrations.vllm.send_check import THREAD_METHODS_033
@@ -380,7 +381,7 @@ def plan_lookup(worker: Any, token_len: int, block_hashes: Any, cdiv: Any) -> Lo
     hbs = worker.hash_block_size
     reach = min(token_len, len(block_hashes) * hbs)
     groups: list[tuple[int, list[Any], tuple[str, ...]]] = []
-    pages: list[tuple[Any, Any]] = []
+    pages: list[tuple[Any, Any] | None] = []
     for g, db in enumerate(worker.token_dbs):
         spec = worker._kv_cache_groups[g].kv_cache_spec
         if not spec.prefix_cacheable:
@@ -399,12 +400,41 @@ def plan_lookup(worker: Any, token_len: int, block_hashes: Any, cdiv: Any) -> Lo
             ends = ends[kept]
         hashes = [block_hashes[i] for i in (ends // hbs - 1).tolist()]
         groups.append((g, hashes, prefixes))
-        pages.append(((ends - 1) // page_size, ends % chunk == 0))
+        # A unit of a whole block is a run of one: the page-prefix rule keeps every flag.
+        pages.append(None if unit == page_size else ((ends - 1) // page_size, ends % chunk == 0))
     return LookupPlan(groups, pages)
 
 
-#: The lookup's per-release rules: 0.34's units, ``_longest_hit``'s helpers and the selective lease.
-LOOKUP_RULES = LookupRules(plan=plan_lookup, helpers=("_tail_key_boundaries", "_longest_hit"), longest_hit=True)
+def direct_hit(worker_module: ModuleType) -> Callable[[Any], DirectHit | None]:
+    """The check that a worker's hit can be read off the lookup's flags: vLLM 0.34's own coordinator with one
+    spec group, plain full attention through ``FullAttentionManager`` without Eagle's last-block drop, whole
+    blocks (not partial hashes), each block one hash block and one Store chunk. Its hit is then the leading
+    run of blocks every group has, rounded down to the scheduler block (``find_longest_cache_hit``)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    coordinator_cls = worker_module.MooncakeStoreCoordinator
+
+    def check(worker: Any) -> DirectHit | None:
+        coord = worker.coord
+        if type(coord) is not coordinator_cls or coord.enable_partial_hash_hits or len(coord.attention_groups) != 1:
+            return None
+        spec, group_ids, manager_cls, eagle = coord.attention_groups[0]
+        block = spec.block_size
+        if eagle or type(spec) is not FullAttentionSpec or manager_cls is not FullAttentionManager:
+            return None
+        if block != coord.hash_block_size or any(worker.token_dbs[g].chunk_size != block for g in group_ids):
+            return None
+        return DirectHit(tuple(group_ids), block, coord.lcm_block_size, len(coord.kv_cache_groups))
+
+    return check
+
+
+#: The lookup's per-release rules: 0.34's units, ``_longest_hit``'s helpers, the selective lease, and the hit
+#: read off the flags where the coordinator's hit is their leading run.
+LOOKUP_RULES = LookupRules(
+    plan=plan_lookup, helpers=("_tail_key_boundaries", "_longest_hit"), longest_hit=True, direct_hit=direct_hit
+)
 
 #: The worker's transport hook: the methods that run with our store wrapper as ``self.store`` (sleep mode's
 #: ``unregister_kv_caches``/``restore_kv_caches`` call the store directly), with their parameters after self.
@@ -417,10 +447,13 @@ WORKER_METHODS: dict[str, tuple[str, ...]] = {
 
 FINGERPRINTED: dict[str, tuple[str, ...]] = {
     "worker": tuple(f"MooncakeStoreWorker.{name}" for name in WORKER_METHODS),
-    # The replaced lookup, the hit it reproduces (``_longest_hit``) and the pool its faster pool stands in for.
+    # The replaced lookup, the hit it reproduces (``_longest_hit``; the coordinator's where ``direct_hit`` reads
+    # it off the flags) and the pool its faster pool stands in for.
     "lookup": (
         "MooncakeStoreWorker.lookup",
         "MooncakeStoreWorker._longest_hit",
+        "MooncakeStoreCoordinator.find_longest_cache_hit",
+        "MooncakeStoreCoordinator._find_hit_blocks",
         "ExternalCachedBlockPool.__init__",
         "ExternalCachedBlockPool.get_cached_block",
         "ExternalCachedBlockPool.contains",
@@ -459,6 +492,8 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "MooncakeStoreWorker.restore_kv_caches": "6f3e54d820772d8c",
         "MooncakeStoreWorker.lookup": "380e1d1302c2f4af",
         "MooncakeStoreWorker._longest_hit": "f38cf917b935f6ea",
+        "MooncakeStoreCoordinator.find_longest_cache_hit": "f669295b2baff614",
+        "MooncakeStoreCoordinator._find_hit_blocks": "f79f9bdabc779583",
         "ExternalCachedBlockPool.__init__": "8812d6d330d5298f",
         "ExternalCachedBlockPool.get_cached_block": "58a17cb93531b829",
         "ExternalCachedBlockPool.contains": "84d038552e03ec9e",
