@@ -188,6 +188,8 @@ def vllm_releases(sections: dict[str, Any], quick: bool, reps: int | None, moonc
                                    parts["send"] or "no rows")
         rows += producer.lookup_rows(release, None if parts["lookup"] else rows_of("vllm_lookup"),
                                      parts["lookup"] or "no rows")
+        if producer.release_series(release) in producer.HETERO_SERIES:
+            rows += producer.hetero_rows(release, quick, reps, parts)
     installed = {"vllm": release, "parts": parts, "rows": rows}
     return producer.side_by_side(quick, reps, mooncake=mooncake, installed=installed)
 

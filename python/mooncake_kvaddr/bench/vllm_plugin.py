@@ -139,7 +139,9 @@ def _conversion_ms(rig: VllmStoreRig, reps: int) -> float | None:
     rows as lists of Python ints (what vLLM hands it), with the GIL held and nothing transferred: called with no
     key, the binding converts every argument, then answers ``[]`` (``MooncakeStore.time_argument_conversion``).
     Part of vLLM alone's GIL time that its ``cpu_*`` split counts in the store call; None when the binding
-    answered anything else."""
+    answered anything else, or for the head-major rig (its rows are not one region per cache)."""
+    if rig.shape.layout != "mla":
+        return None
     regions = [cache.untyped_storage().data_ptr() for cache in rig.caches]
     stride = rig.shape.region_bytes
     addrs = [[base + block * stride for base in regions] for block in rig.block_ids()]
@@ -159,7 +161,8 @@ def _measure_mode(
 ) -> dict[str, Any]:
     import os
 
-    row: dict[str, Any] = {"mode": mode, "tokens": shape.tokens, "regions": shape.regions, "remote": remote}
+    row: dict[str, Any] = {"mode": mode, "tokens": shape.tokens, "regions": shape.regions, "remote": remote,
+                           "layout": shape.layout}
     receive_handler, staged, native = mode_flags(mode)
     with contextlib.ExitStack() as stack:
         if native_off(mode):  # read when the wrapper first probes for its native client (its first batch call)
@@ -174,7 +177,7 @@ def _measure_mode(
         stack.callback(rig.close)
         if remote:
             _wait_for_segment(rig)
-        hashes = rig.hashes(MODES.index(mode) + 1, shape.blocks)
+        hashes = rig.hashes(MODES.index(mode) + 1, shape.units)
         rig.fill(7)
         expected = rig.snapshot()
         rig.store_request(f"store-{mode}", hashes)
@@ -219,6 +222,7 @@ def run(
     modes: tuple[str, ...] = MODES,
     remote: bool = False,
     thread_counts: tuple[int, ...] = (1, 2, 4),
+    shape: RigShape | None = None,
 ) -> list[dict[str, Any]]:
     """Measure ``modes`` (default all of :data:`MODES`); one dict per mode, times in ms, ``bytes_ok`` per mode.
 
@@ -229,12 +233,13 @@ def run(
     processes (request :data:`REMOTE`, or :data:`QUICK` with ``quick``; Mooncake's TCP queue limits raised as
     in :data:`REMOTE_TCP_ENV`, set in this process's environment for the run and restored after).
     ``thread_counts``: the receive-thread counts of the 4-request rows (empty: single requests only).
+    ``shape`` overrides the request.
     """
     import os
 
     from mooncake_kvaddr.driver.master import EmbeddedMaster
 
-    shape = QUICK if quick else (REMOTE if remote else HEADLINE)
+    shape = shape or (QUICK if quick else (REMOTE if remote else HEADLINE))
     reps = reps if reps is not None else (3 if quick else 5)
     with contextlib.ExitStack() as stack:
         if remote:

@@ -19,7 +19,8 @@ from typing import Any
 
 from mooncake_kvaddr.bench.harness import Col, table
 
-__all__ = ["DEFAULT_VENV", "ENV_VENV", "measure", "other_python", "side_by_side", "summarise"]
+__all__ = ["DEFAULT_VENV", "ENV_VENV", "HETERO_SERIES", "hetero_rows", "measure", "other_python", "release_series",
+           "side_by_side", "summarise"]
 
 #: vLLM 0.34's environment: the one CI's setup builds (``.ci/setup``), or where this variable points.
 ENV_VENV = "MOONCAKE_KVADDR_VLLM034_VENV"
@@ -27,15 +28,24 @@ DEFAULT_VENV = "/opt/mooncake_kvaddr/vllm-0.34"
 OTHER_SERIES = "0.34"
 ALONE = "vLLM alone"
 PLUGIN = "with the plugin"
+NATIVE_OFF = "plugin, native client off"
 #: The rig's modes the receive rows compare: vLLM untouched; the plugin's default (receive handler, layouts,
-#: the store wrapped with the native client).
-RECEIVE_MODES = ("vllm", "recv_native")
-SEND_VARIANTS = ("vllm", "plugin")
+#: the store wrapped with the native client); the same with the native client switched off.
+RECEIVE_MODES = ("vllm", "recv_native", "recv_native_off")
+SEND_VARIANTS = ("vllm", "plugin", "plugin_native_off")
+#: The producers' variant names -> the table's.
+_VARIANTS = {"vllm": ALONE, "plugin": PLUGIN, "plugin_native_off": NATIVE_OFF, "recv_native": PLUGIN,
+             "recv_native_off": NATIVE_OFF}  # fmt: skip
 #: Layout cases whose rows the side-by-side carries (the section prints every variant).
 _LAYOUT_METRIC = "prepare_values ms/request"
+#: Releases whose threads also run the heterogeneous-TP request (``vllm_rig.HETERO``: head-major layout, local TP
+#: 2 over Store TP 4, half-block Store chunks; vLLM 0.33 has no such layout).
+HETERO_SERIES = ("0.34",)
+_HETERO_CASE = "head-major TP 2 over 4, half-block Store chunks"
 
 
-def _series(version: str) -> str:
+def release_series(version: str) -> str:
+    """``"0.34"`` of ``"0.34.0"``."""
     return ".".join(version.split(".")[:2])
 
 
@@ -96,8 +106,8 @@ def receive_rows(release: str, rows: Sequence[dict[str, Any]], parts: dict[str, 
         row = by_mode.get(mode)
         if row is None:
             continue
-        case = f"receive, {row['tokens'] // 128} chunks x {row['regions']} regions"
-        variant = ALONE if mode == "vllm" else PLUGIN
+        case = f"receive, {_shape(row['tokens'] // 128, row['regions'], row.get('layout', 'mla'))}"
+        variant = _VARIANTS[mode]
         note = f"bytes ok: {row.get('bytes_ok')}"
         if mode != "vllm":
             hook = "installed by the plugin" if not parts.get("worker") else f"not installed ({parts['worker']})"
@@ -111,21 +121,28 @@ def receive_rows(release: str, rows: Sequence[dict[str, Any]], parts: dict[str, 
 
 def _part_rows(release: str, section: str, metric: str, rows: Sequence[dict[str, Any]] | None,
                reason: str, describe: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
-    """Send or lookup rows (``vllm`` and ``plugin`` variants), or one "not ported" row with the reason."""
+    """Send or lookup rows (``vllm``, ``plugin`` and ``plugin_native_off`` variants), or one "not ported" row
+    with the reason."""
     if rows is None:
         return [_row(release, section, section, metric, PLUGIN, None, f"no figure: {reason}")]
     out = []
     for row in rows:
-        if row["variant"] not in ("vllm", "plugin"):
+        variant = _VARIANTS.get(row["variant"])
+        if variant is None:
             continue
-        variant = ALONE if row["variant"] == "vllm" else PLUGIN
         out.append(_row(release, section, describe(row), metric, variant, row["cpu_gil_ms"]))
     return out
 
 
+def _shape(blocks: int, regions: int, layout: str) -> str:
+    if layout == "mla":
+        return f"{blocks} chunks x {regions} regions"
+    return f"{_HETERO_CASE}, {2 * blocks} chunks x 2 shards x {regions} segments"
+
+
 def send_rows(release: str, rows: Sequence[dict[str, Any]] | None, reason: str) -> list[dict[str, Any]]:
     return _part_rows(release, "send thread", "GIL ms/store (thread CPU)", rows, reason,
-                      lambda r: f"store, {r['blocks']} chunks x {r['regions']} regions")
+                      lambda r: f"store, {_shape(r['blocks'], r['regions'], r.get('layout', 'mla'))}")
 
 
 def lookup_rows(release: str, rows: Sequence[dict[str, Any]] | None, reason: str) -> list[dict[str, Any]]:
@@ -153,7 +170,21 @@ def measure(quick: bool, reps: int | None, *, mooncake: bool = True, tiny: bool 
         rows += send_rows(release, *_if_ported(parts["send"], lambda: vllm_send.run(
             quick, reps=reps, variants=SEND_VARIANTS)))  # fmt: skip
         rows += lookup_rows(release, *_if_ported(parts["lookup"], lambda: vllm_lookup.run(quick, reps=reps)))
+        if release_series(release) in HETERO_SERIES:
+            rows += hetero_rows(release, quick, reps, parts)
     return {"vllm": release, "parts": parts, "rows": rows}
+
+
+def hetero_rows(release: str, quick: bool, reps: int | None, parts: dict[str, str]) -> list[dict[str, Any]]:
+    """The receive and send threads on the heterogeneous-TP request (``vllm_rig.HETERO``, or its quick form)."""
+    from mooncake_kvaddr.bench import vllm_plugin, vllm_send
+    from mooncake_kvaddr.bench.vllm_rig import HETERO, HETERO_QUICK
+
+    shape = HETERO_QUICK if quick else HETERO
+    rows = receive_rows(release, vllm_plugin.run(quick, reps=reps, modes=RECEIVE_MODES, thread_counts=(),
+                                                 shape=shape), parts)  # fmt: skip
+    return rows + send_rows(release, *_if_ported(parts["send"], lambda: vllm_send.run(
+        quick, reps=reps, variants=SEND_VARIANTS, shape=shape)))  # fmt: skip
 
 
 def _if_ported(reason: str, run: Callable[[], list[dict[str, Any]]]) -> tuple[list[dict[str, Any]] | None, str]:
@@ -242,7 +273,7 @@ def side_by_side(quick: bool, reps: int | None, *, mooncake: bool = True, tiny: 
     environment, and print one table; a release that was not measured is one note saying why."""
     results = [installed if installed is not None else measure(quick, reps, mooncake=mooncake, tiny=tiny)]
     notes: list[str] = []
-    if _series(results[0]["vllm"]) == OTHER_SERIES:
+    if release_series(results[0]["vllm"]) == OTHER_SERIES:
         notes.append(f"the installed vLLM is {results[0]['vllm']}: no second release to run")
     else:
         python, reason = other_python()
@@ -252,7 +283,7 @@ def side_by_side(quick: bool, reps: int | None, *, mooncake: bool = True, tiny: 
             child = run_child(python, quick, reps, mooncake, tiny=tiny)
             if "error" in child:
                 notes.append(f"vLLM {OTHER_SERIES} not measured: {child['error']}")
-            elif _series(child["vllm"]) != OTHER_SERIES:
+            elif release_series(child["vllm"]) != OTHER_SERIES:
                 notes.append(f"vLLM {OTHER_SERIES} not measured: {python} has vLLM {child['vllm']}")
             else:
                 results.append(child)

@@ -19,6 +19,9 @@ from typing import Any
 __all__ = [
     "BLOCK",
     "HEADLINE",
+    "HEAD_MAJOR",
+    "HETERO",
+    "HETERO_QUICK",
     "MODES",
     "QUICK",
     "REMOTE",
@@ -45,18 +48,41 @@ NATIVE_OFF_SUFFIX = "_native_off"
 BLOCK = 128
 
 
+#: The heterogeneous-TP layout (vLLM 0.34): head-major caches of this rank of local TP 2 (4 KV heads) stored
+#: as Store TP 4 shards (2 heads each, both owned here) in Store chunks of half a block.
+HEAD_MAJOR = "head_major"
+HEAD_MAJOR_HEADS = 4
+HEAD_MAJOR_LOCAL_TP = 2
+HEAD_MAJOR_STORE_TP = 4
+
+
 @dataclass(frozen=True)
 class RigShape:
-    """One request: ``blocks`` chunks of 128 tokens, ``regions`` layers of ``region_bytes`` per block."""
+    """One request: ``blocks`` blocks of 128 tokens, ``regions`` regions of ``region_bytes`` per block.
+
+    ``layout`` "mla": one MLA-style cache per region, a Store chunk a block. :data:`HEAD_MAJOR`: one head-major
+    cache per two regions (layer), each key a half-block Store chunk of one shard: ``regions`` segments of
+    ``region_bytes / 4`` (the same bytes as "mla", twice the keys per shard)."""
 
     blocks: int
     regions: int
     region_bytes: int
+    layout: str = "mla"
 
     @property
     def tokens(self) -> int:
         """Tokens of the request."""
         return self.blocks * BLOCK
+
+    @property
+    def hash_block(self) -> int:
+        """Tokens per block hash (and per Store chunk)."""
+        return BLOCK // 2 if self.layout == HEAD_MAJOR else BLOCK
+
+    @property
+    def units(self) -> int:
+        """Block hashes of the request."""
+        return self.tokens // self.hash_block
 
     @property
     def request_bytes(self) -> int:
@@ -70,6 +96,9 @@ QUICK = RigShape(blocks=128, regions=32, region_bytes=2048)
 #: Over TCP between processes (``remote``): 32,768 tokens, 100 regions x 2 KiB per block, 50 MiB (vLLM's
 #: multi-buffer call moves ~25-80 MiB/s at 2 KiB regions over TCP here, so the headline would take minutes).
 REMOTE = RigShape(blocks=256, regions=100, region_bytes=2048)
+#: The headline's bytes and tokens in the heterogeneous-TP layout (vLLM 0.34 only), and a quick one.
+HETERO = RigShape(blocks=2258, regions=100, region_bytes=2048, layout=HEAD_MAJOR)
+HETERO_QUICK = RigShape(blocks=128, regions=32, region_bytes=2048, layout=HEAD_MAJOR)
 
 
 def mode_flags(mode: str) -> tuple[bool, bool, bool]:
@@ -151,7 +180,6 @@ class VllmStoreRig:
         self._worker = worker
         self.shape = shape
         self.num_blocks = shape.blocks + 1  # block 0 is vLLM's null block
-        head_size = shape.region_bytes // (BLOCK * 2)
         store = mooncake_store.MooncakeDistributedStore()
         config = MooncakeStoreConfig(
             metadata_server="P2PHANDSHAKE",
@@ -167,26 +195,34 @@ class VllmStoreRig:
         self.store: Any = NativeMooncakeStore(store) if native else store
         if staged:
             self.store = StagedMooncakeStore(self.store, staging_bytes=staging_bytes)
-        self.caches = [
-            torch.zeros((self.num_blocks, BLOCK, head_size), dtype=torch.float16) for _ in range(shape.regions)
-        ]
+        hbs = shape.hash_block
+        if shape.layout == HEAD_MAJOR:
+            if groups != 1:
+                raise ValueError("the head-major rig has one KV-cache group")
+            self.caches, specs, self.dbs = self._head_major(shape, model)
+        else:
+            head_size = shape.region_bytes // (BLOCK * 2)
+            self.caches = [
+                torch.zeros((self.num_blocks, BLOCK, head_size), dtype=torch.float16) for _ in range(shape.regions)
+            ]
+            # ``groups`` > 1: a hybrid-width model, the regions split between full-attention groups of different
+            # layer counts (:func:`_group_split`): rows of different widths per group.
+            split = _group_split(shape.regions, groups)
+            spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=head_size, dtype=torch.float16)
+            specs = [KVCacheGroupSpec([f"layer.{i}" for i in range(a, b)], spec) for a, b in split]
+            self.dbs = [
+                data.ChunkedTokenDatabase(data.KeyMetadata(model, 0, 0, 0, 0, group_id=g), BLOCK,
+                                          hash_block_size=BLOCK)
+                for g in range(groups)
+            ]  # fmt: skip
+            for db, (a, b) in zip(self.dbs, split, strict=True):
+                db.store_layout.register_kv_caches(self.caches[a:b], self.num_blocks)
         for cache in self.caches:
             storage = cache.untyped_storage()
             code = self.store.register_buffer(storage.data_ptr(), storage.nbytes())
             if code != 0:
                 raise RuntimeError(f"register_buffer failed: {code}")
-        # ``groups`` > 1: a hybrid-width model, the regions split between full-attention groups of different
-        # layer counts (:func:`_group_split`): rows of different widths per group.
-        split = _group_split(shape.regions, groups)
-        spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=head_size, dtype=torch.float16)
-        specs = [KVCacheGroupSpec([f"layer.{i}" for i in range(a, b)], spec) for a, b in split]
-        self.coord = coordinator.MooncakeStoreCoordinator(specs, scheduler_block_size=BLOCK, hash_block_size=BLOCK)
-        self.dbs = [
-            data.ChunkedTokenDatabase(data.KeyMetadata(model, 0, 0, 0, 0, group_id=g), BLOCK, hash_block_size=BLOCK)
-            for g in range(groups)
-        ]
-        for db, (a, b) in zip(self.dbs, split, strict=True):
-            db.store_layout.register_kv_caches(self.caches[a:b], self.num_blocks)
+        self.coord = coordinator.MooncakeStoreCoordinator(specs, scheduler_block_size=BLOCK, hash_block_size=hbs)
         self.db = self.dbs[0]
         self.offload_budget = offload_budget
         ready = threading.Event()
@@ -201,6 +237,40 @@ class VllmStoreRig:
         self.receivers: list[Any] = []
         self.start_receivers(recv_threads)
         self._job = 0
+
+    def _head_major(self, shape: RigShape, model: str) -> tuple[list[Any], list[Any], list[Any]]:
+        """vLLM 0.34's head-major layout over one cache per layer (blocks x heads x tokens x K/V content, as
+        vLLM's own layout tests build them): caches, the group specs, the one token database."""
+        import importlib
+
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+        layout = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.layout")
+
+        torch = self._torch
+        layers = shape.regions // 2
+        # A layer's block holds 2 regions: heads x BLOCK tokens x (K, V) x head_size fp16 elements.
+        head_size = shape.region_bytes // (2 * HEAD_MAJOR_HEADS * BLOCK)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEAD_MAJOR_HEADS, head_size=head_size,
+                                 dtype=torch.float16)  # fmt: skip
+        content = spec.state_content_size_bytes // 2  # fp16 elements per (head, token)
+        caches = [torch.zeros((self.num_blocks, HEAD_MAJOR_HEADS, BLOCK, content), dtype=torch.float16)
+                  for _ in range(layers)]  # fmt: skip
+        metadata = self._data.KeyMetadata(model, 0, 0, 0, 0, group_id=0)
+        chunk = shape.hash_block
+        store_layout = layout.HeadMajorStoreLayout(
+            metadata, BLOCK, chunk, local_tp_size=HEAD_MAJOR_LOCAL_TP, store_tp_size=HEAD_MAJOR_STORE_TP,
+            tp_rank=0, layer_specs=[spec] * layers, store_chunk_size=chunk,
+        )  # fmt: skip
+        store_layout.register_kv_caches(caches, self.num_blocks)
+        db = self._data.ChunkedTokenDatabase(metadata, chunk, hash_block_size=chunk, store_layout=store_layout)
+        return caches, [KVCacheGroupSpec([f"layer.{i}" for i in range(layers)], spec)], [db]
+
+    def keys(self, hashes: list[Any]) -> list[str]:
+        """The keys a store of ``hashes`` writes (every owned shard of each Store chunk)."""
+        store_layout = self.db.store_layout
+        shards = store_layout.local_shard_ids if self.shape.layout == HEAD_MAJOR else (0,)
+        return [store_layout.key_for(shard, h) for h in hashes for shard in shards]
 
     def start_receivers(self, count: int) -> None:
         """``count`` new vLLM receive threads on a new shared queue."""
@@ -258,8 +328,8 @@ class VllmStoreRig:
         self._job += 1
         job = self._job
         meta = self._data.ReqMeta(
-            req_id=req_id, token_len_chunk=len(hashes) * BLOCK, block_ids=(self.block_ids(),) * len(self.dbs),
-            block_hashes=hashes, can_save=True, store_job_id=job,
+            req_id=req_id, token_len_chunk=len(hashes) * self.shape.hash_block,
+            block_ids=(self.block_ids(),) * len(self.dbs), block_hashes=hashes, can_save=True, store_job_id=job,
         )  # fmt: skip
         self.sender.add_request(meta)
         deadline = time.monotonic() + timeout
@@ -272,7 +342,7 @@ class VllmStoreRig:
     def load_requests(self, req_ids: list[str], hashes: list[Any], timeout: float = 300.0) -> set[int]:
         """Load ``req_ids`` (each: ``hashes`` into blocks 1..) with vLLM's receive threads; wait until every
         one finished; return the block ids vLLM reported as failed."""
-        n = len(hashes) * BLOCK
+        n = len(hashes) * self.shape.hash_block
         for req_id in req_ids:
             spec = self._data.LoadSpec(vllm_cached_tokens=0, kvpool_cached_tokens=n, can_load=True, token_len=n)
             meta = self._data.ReqMeta(

@@ -33,14 +33,13 @@ VARIANTS = {
 def _store_once(
     rig: VllmStoreRig, phases: _Phases, spinner: _Spinner, tag: str, seed: int, last: bool
 ) -> dict[str, float]:
-    hashes = rig.hashes(seed, rig.shape.blocks)
+    hashes = rig.hashes(seed, rig.shape.units)
     phases.clear()
     start = time.perf_counter()
     rig.store_request(tag, hashes)
     end = time.perf_counter()
     if last:  # an existence check leases the keys (no removal after it)
-        db: Any = rig.db  # vLLM types its hashes as BlockHash (bytes at run time)
-        keys = [db.store_layout.key_for(0, h) for h in hashes]  # (rank-local: shard 0; 0.34's db has no key_for)
+        keys = rig.keys(hashes)
         present = list(rig.raw_store.batch_is_exist(keys))
         if present != [1] * len(keys):
             raise RuntimeError(f"{tag}: {present.count(1)} of {len(keys)} keys stored")
@@ -64,7 +63,8 @@ def spinner_lost(spinner: _Spinner, start: float, end: float) -> float:
 def _measure(master: str, shape: RigShape, variant: str, reps: int) -> dict[str, Any]:
     mode = VARIANTS[variant]
     _, staged, native = mode_flags(mode)
-    row: dict[str, Any] = {"variant": variant, "blocks": shape.blocks, "regions": shape.regions}
+    row: dict[str, Any] = {"variant": variant, "blocks": shape.blocks, "regions": shape.regions,
+                           "layout": shape.layout}
     with contextlib.ExitStack() as stack:
         if native_off(mode):
             from mooncake_kvaddr.driver.native_client import ENV_VAR
@@ -101,15 +101,15 @@ def _measure(master: str, shape: RigShape, variant: str, reps: int) -> dict[str,
 
 def run(
     quick: bool = True, *, reps: int | None = None, master_address: str | None = None,
-    variants: tuple[str, ...] = tuple(VARIANTS),
+    variants: tuple[str, ...] = tuple(VARIANTS), shape: RigShape | None = None,
 ) -> list[dict[str, Any]]:
     """One row per variant of ``variants`` ("vllm" first; times in ms; ``cpu_gil_x``/``stall_x``: vLLM alone's
-    value / the variant's)."""
+    value / the variant's). ``shape``: the request (default :data:`QUICK` or :data:`HEADLINE`)."""
     if not variants or variants[0] != "vllm" or any(v not in VARIANTS for v in variants):
         raise ValueError(f"variants must start with 'vllm' and be among {list(VARIANTS)}, got {variants}")
     from mooncake_kvaddr.driver.master import EmbeddedMaster
 
-    shape = QUICK if quick else HEADLINE
+    shape = shape or (QUICK if quick else HEADLINE)
     reps = reps if reps is not None else (3 if quick else 5)
     with contextlib.ExitStack() as stack:
         if master_address is None:
