@@ -29,6 +29,7 @@ from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import TransferRequest
 from mooncake_kvaddr.integrations.vllm.guard import INVALID_PARAMS
 from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
+from mooncake_kvaddr.integrations.vllm.plans import ArrayStore
 from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
 
 mooncake = pytest.mark.mooncake
@@ -350,6 +351,42 @@ def test_a_put_of_rows_of_two_widths_gives_each_width_its_keys_group_ids(
         (widest, [ids[i] for i in widest]),
         (narrow, [ids[i] for i in narrow]),
     ]
+
+
+def test_an_array_store_that_keeps_the_default_array_put_hands_each_width_its_config() -> None:
+    """A store that subclasses ``ArrayStore`` for its ragged entries but offers only Mooncake's list put: the
+    default array put passes the config on with the rows, so each width's put gets its own keys' group ids and the
+    rest of the config (fresh mutant M26-11: dropped there)."""
+
+    class ListOnly(ArrayStore):
+        def __init__(self) -> None:
+            self.puts: list[tuple[list[str], list[list[int]], Any]] = []
+
+        def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
+            raise AssertionError("not loaded here")
+
+        def batch_put_from_multi_buffers(self, keys: Any, addrs: Any, sizes: Any, *config: Any) -> list[int]:
+            assert type(addrs) is list and type(sizes) is list
+            self.puts.append((list(keys), sizes, *config))
+            return [0] * len(keys)
+
+    store = ListOnly()
+    keys = ["k0", "k1", "k2", "k3"]
+    addrs = np.arange(1, 9, dtype=np.int64).reshape(4, 2) * 4096
+    sizes = np.array([[8, 8], [8, 0], [8, 8], [8, 0]], dtype=np.int64)
+    plain = _Plain()
+    plain.group_ids = _ids(keys)
+    plain.replica_num = 3
+    assert store.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, plain) == [0] * 4
+    assert len(store.puts[0]) == 3 and store.puts[0][2] is plain
+    store.puts.clear()
+    widths = np.array([2, 1, 2, 1], dtype=np.int64)
+    assert store.batch_put_from_multi_buffers_ragged(keys, addrs, sizes, widths, plain) == [0] * 4
+    assert [(part[0], part[1]) for part in store.puts] == [(["k0", "k2"], [[8, 8], [8, 8]]), (["k1", "k3"], [[8], [8]])]
+    for part_keys, _, *config in store.puts:
+        assert len(config) == 1, "the put reached the store without its config"
+        assert config[0].group_ids == _ids(part_keys) and config[0].replica_num == 3
+    assert plain.group_ids == _ids(keys)
 
 
 # --- the range guard: the kept keys ---------------------------------------------------------------------------
