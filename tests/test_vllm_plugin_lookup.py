@@ -177,7 +177,7 @@ def test_plan_lists_exactly_vllms_candidate_keys() -> None:
 
 def test_key_blob_of_several_groups_is_their_concatenation() -> None:
     hashes = [bytes([i, 7]) * 4 for i in range(5)]
-    plan = lookup_module.LookupPlan([(0, hashes[:3], ("p/ä", "q")), (2, hashes[3:], ("r",)), (3, [], ("s",))])
+    plan = lookup_module.LookupUnits([(0, hashes[:3], ("p/ä", "q")), (2, hashes[3:], ("r",)), (3, [], ("s",))])
     blob = plan.key_blob()
     keys = [bytes(blob.data[blob.offsets[i] : blob.offsets[i + 1]]).decode() for i in range(len(blob))]
     assert keys == plan.key_list() == [f"{p}@{h.hex()}" for h in hashes[:3] for p in ("p/ä", "q")] + [

@@ -33,9 +33,9 @@ __all__ = [
     "ENV_LOOKUP",
     "RULES_033",
     "DirectHit",
-    "LookupPlan",
     "LookupRules",
     "LookupStats",
+    "LookupUnits",
     "check_shape",
     "lookup_enabled",
     "make_lookup",
@@ -89,11 +89,11 @@ class LookupStats:
 
 
 @dataclass
-class LookupPlan:
-    """What one lookup asks the store: per prefix-cacheable group, its unit hashes and key prefixes; with
-    ``pages`` (vLLM 0.34), per group each unit's physical block and whether it ends a Store chunk, for the
-    page-prefix rule (a unit counts only when every chunk before it in its block was present; None where a
-    unit is a whole block, so the rule keeps every flag)."""
+class LookupUnits:
+    """What one vLLM lookup asks the store (the driver's lookup has its own ``lookup_types.LookupPlan``): per
+    prefix-cacheable group, its unit hashes and key prefixes; with ``pages`` (vLLM 0.34), per group each unit's
+    physical block and whether it ends a Store chunk, for the page-prefix rule (a unit counts only when every
+    chunk before it in its block was present; None where a unit is a whole block: every flag kept)."""
 
     groups: list[tuple[int, list[Any], tuple[str, ...]]]
     pages: list[tuple[Any, Any] | None] | None = None
@@ -203,7 +203,7 @@ class LookupRules:
     ``_longest_hit`` (tail boundaries given the load masks; the worker's ``_selective_lease``, when set,
     probes and leases as vLLM does)."""
 
-    plan: Callable[[Any, int, Sequence[Any], Callable[[int, int], int]], LookupPlan]
+    plan: Callable[[Any, int, Sequence[Any], Callable[[int, int], int]], LookupUnits]
     helpers: tuple[str, ...] = ("_tail_key_boundaries",)
     longest_hit: bool = False
     #: ``direct_hit(worker_module)(worker)``: the worker's :class:`DirectHit` when its coordinator's hit is the
@@ -231,7 +231,7 @@ class DirectHit:
 
 def plan_lookup(
     worker: Any, token_len: int, block_hashes: Sequence[Any], cdiv: Callable[[int, int], int]
-) -> LookupPlan:
+) -> LookupUnits:
     """The units vLLM's lookup would ask for, read from the worker exactly as vLLM reads them."""
     coord = worker.coord
     fine_grained = coord.enable_partial_hash_hits
@@ -254,7 +254,7 @@ def plan_lookup(
             else:
                 hashes = [group_hashes[i] for i in range(min(limit, len(mask))) if mask[i]]
         groups.append((g, hashes, prefixes))
-    return LookupPlan(groups)
+    return LookupUnits(groups)
 
 
 def _first(hashes: Sequence[Any], limit: int) -> list[Any]:

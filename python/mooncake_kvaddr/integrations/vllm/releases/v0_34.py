@@ -26,7 +26,7 @@ from mooncake_kvaddr.integrations.vllm.layouts import (
     _sharded_key_for,
     shard_prefixes,
 )
-from mooncake_kvaddr.integrations.vllm.lookup import DirectHit, LookupPlan, LookupRules
+from mooncake_kvaddr.integrations.vllm.lookup import DirectHit, LookupRules, LookupUnits
 from mooncake_kvaddr.integrations.vllm.registry import original_of, signature_problem
 from mooncake_kvaddr.integrations.vllm.releases.base import Release
 from mooncake_kvaddr.integrations.vllm.send_check import THREAD_METHODS_033
@@ -370,7 +370,7 @@ SEND = send.SendRules(
 # --- the lookup's rules (lookup.py runs them) -------------------------------------------------------------------
 
 
-def plan_lookup(worker: Any, token_len: int, block_hashes: Any, cdiv: Any) -> LookupPlan:
+def plan_lookup(worker: Any, token_len: int, block_hashes: Any, cdiv: Any) -> LookupUnits:
     """The units vLLM 0.34's lookup asks for, read from the worker as vLLM reads them: per prefix-cacheable group,
     every hash block (partial-hash mode) or Store chunk (``db.chunk_size``) whose end lies within ``token_len``
     and the hashes, on a physical block the lookup mask keeps; each unit keyed by the hash at its end. With the
@@ -402,7 +402,7 @@ def plan_lookup(worker: Any, token_len: int, block_hashes: Any, cdiv: Any) -> Lo
         groups.append((g, hashes, prefixes))
         # A unit of a whole block is a run of one: the page-prefix rule keeps every flag.
         pages.append(None if unit == page_size else ((ends - 1) // page_size, ends % chunk == 0))
-    return LookupPlan(groups, pages)
+    return LookupUnits(groups, pages)
 
 
 def direct_hit(worker_module: ModuleType) -> Callable[[Any], DirectHit | None]:
