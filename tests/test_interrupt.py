@@ -95,6 +95,18 @@ class Command:
         assert err == "interrupted\n", err
         return err
 
+    def ended_by_keyboard_interrupt(self) -> str:
+        """Wait for the end of a library call (no command line): killed by its ``KeyboardInterrupt``, at once."""
+        started = time.monotonic()
+        try:
+            _, err = self.proc.communicate(timeout=ENDS_WITHIN_S + 5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running {ENDS_WITHIN_S + 5} s after Ctrl-C; stderr: {self.stderr[-2000:]}")
+        assert time.monotonic() - started < ENDS_WITHIN_S
+        assert self.proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in err, err[-2000:]
+        return err
+
     def kill(self) -> None:
         """Kill the child, keep its standard error in ``self.stderr`` and close its pipes (an unclosed pipe's
         ResourceWarning would otherwise fail whichever test the garbage collector happens to run in)."""
@@ -107,6 +119,18 @@ class Command:
             self.proc.stderr.close()
         self._reader.join(timeout=5)  # the reader meets the end of the killed child's output
         self.proc.stdout.close()
+
+
+@pytest.fixture(autouse=True)
+def python_ctrl_c() -> Iterator[None]:
+    """Python's own Ctrl-C handler in this process for each test (restored after). A shell that starts pytest in
+    the background starts it with SIGINT ignored, which its children would inherit: Ctrl-C would then reach
+    nothing, and no test here would say anything about the code."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def assert_gone(pids: list[int]) -> None:
@@ -268,10 +292,7 @@ def test_ctrl_c_interrupts_a_library_setup_waiting_for_a_silent_master(silent_ma
     command.wait_for("connecting to the Mooncake master")
     time.sleep(0.5)
     command.interrupt()
-    started = time.monotonic()
-    _, err = command.proc.communicate(timeout=30)
-    assert time.monotonic() - started < ENDS_WITHIN_S
-    assert command.proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in err, err[-2000:]
+    command.ended_by_keyboard_interrupt()
 
 
 LIBRARY_TRANSFER = textwrap.dedent(
@@ -304,8 +325,5 @@ def test_ctrl_c_interrupts_a_wait_on_a_transfer_and_leaves_no_master() -> None:
     children = command.children()
     assert children
     command.interrupt()
-    started = time.monotonic()
-    _, err = command.proc.communicate(timeout=30)
-    assert time.monotonic() - started < ENDS_WITHIN_S
-    assert command.proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in err, err[-2000:]
+    command.ended_by_keyboard_interrupt()
     assert_gone(children)
