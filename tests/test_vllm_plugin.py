@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from mooncake_kvaddr.driver.staging import StagingBuffer
 from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
 from mooncake_kvaddr.integrations.vllm import plugin, transports
+from mooncake_kvaddr.integrations.vllm.import_hook import AfterImportHook
 from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
 
 
@@ -210,7 +211,7 @@ def test_register_on_an_unknown_release_imports_no_store_module() -> None:
         "p.register()\n"
         "p.register()\n"
         "print('IMPORTED', sorted(m for m in sys.modules if '.mooncake.store' in m))\n"
-        "print('HOOKS', sum(type(f).__name__ == '_StoreImportHook' for f in sys.meta_path))\n"
+        "print('HOOKS', sum(type(f).__name__ == 'AfterImportHook' for f in sys.meta_path))\n"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("VLLM_PLUGINS", plugin.ENV_PLUGIN)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
@@ -234,13 +235,13 @@ def test_unpatch_takes_a_pending_import_hook_out_of_sys_meta_path(data: Any, mon
     try:
         plugin.register()
         plugin.register()  # vLLM may call plugins twice per process: still one hook
-        hooks = [f for f in sys.meta_path if isinstance(f, plugin._StoreImportHook)]
+        hooks = [f for f in sys.meta_path if isinstance(f, AfterImportHook)]
         assert len(hooks) == 1
         plugin.unpatch()
         assert sys.meta_path == before
         assert not plugin.is_patched()
     finally:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, plugin._StoreImportHook)]
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, AfterImportHook)]
 
 
 def test_the_deferred_loader_leaves_the_module_with_its_own_loader() -> None:
@@ -255,14 +256,19 @@ def test_the_deferred_loader_leaves_the_module_with_its_own_loader() -> None:
         def exec_module(self, module: types.ModuleType) -> None:
             module.ran = True  # type: ignore[attr-defined]
 
+    from mooncake_kvaddr.integrations.vllm import import_hook
+
     real = Loader()
-    wrapped = plugin._ThenPatch(real, "kvaddr_absent_store.other")
+    called: list[tuple[str, bool]] = []
+    wrapped = import_hook._ThenCall(real, "kvaddr_absent_store.other",
+                                    lambda name: called.append((name, module.__loader__ is real)))  # fmt: skip
     module = types.ModuleType("kvaddr_absent_store.other")
     module.__spec__ = importlib.machinery.ModuleSpec("kvaddr_absent_store.other", wrapped)
     module.__loader__ = wrapped
     wrapped.exec_module(module)
     assert module.ran  # type: ignore[attr-defined]
     assert module.__loader__ is real and module.__spec__.loader is real
+    assert called == [("kvaddr_absent_store.other", True)]  # after the module ran, its own loader back on it
 
 
 def test_replacing_an_attribute_twice_keeps_vllms_original() -> None:
@@ -1313,7 +1319,7 @@ ours = data.RankLocalStoreLayout.__dict__["prepare_values"] is vllm_layouts._ran
 handler = worker.KVCacheStoreRecvingThread.__dict__["_handle_request"]
 print("PATCHED" if ours and handler.__module__.endswith("receive") else "UNTOUCHED")
 print("LOADERS", type(data.__loader__).__name__, type(worker.__spec__.loader).__name__)
-print("HOOKS", sum(type(f).__name__ == "_StoreImportHook" for f in sys.meta_path))
+print("HOOKS", sum(type(f).__name__ == "AfterImportHook" for f in sys.meta_path))
 """
 
 

@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from mooncake_kvaddr.core.flags import flag
+from mooncake_kvaddr.integrations.vllm.import_hook import AfterImportHook
 from mooncake_kvaddr.integrations.vllm.registry import (
     DATA_MODULE,
     ORIGINALS,
@@ -367,56 +368,7 @@ def __getattr__(name: str) -> Any:
 # --- start-up: the entry point defers its work to the first import of the Mooncake store modules ---------------
 
 _WATCHED = (DATA_MODULE, WORKER_MODULE)
-_HOOK: _StoreImportHook | None = None
-
-
-class _StoreImportHook:
-    """A ``sys.meta_path`` finder that runs the plugin's checks and patches right after vLLM's Mooncake store
-    ``data`` or ``worker`` module is first executed (docs/vllm-plugin.md, "Start-up"). It finds nothing
-    itself: it asks the finders after it and wraps the loader of the spec they return, and it leaves
-    ``sys.meta_path`` when it fires (or when :func:`unpatch` cancels it)."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in _WATCHED or getattr(self._local, "busy", False):
-            return None
-        self._local.busy = True
-        try:
-            spec = None
-            for finder in list(sys.meta_path):
-                find = None if finder is self else getattr(finder, "find_spec", None)
-                spec = find(fullname, path, target) if find is not None else None
-                if spec is not None:
-                    break
-        finally:
-            self._local.busy = False
-        if spec is not None and spec.loader is not None and callable(getattr(spec.loader, "exec_module", None)):
-            spec.loader = _ThenPatch(spec.loader, fullname)
-        return spec
-
-
-class _ThenPatch:
-    """A loader that runs the real one, puts it back on the module (so the module looks untouched), then lets
-    the deferred work run (:func:`_store_module_executed`)."""
-
-    def __init__(self, loader: Any, name: str) -> None:
-        self._loader = loader
-        self._name = name
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        _store_module_executed(self._name)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
+_HOOK: AfterImportHook | None = None
 
 
 def _store_module_executed(name: str) -> None:
@@ -470,7 +422,7 @@ def register() -> None:
                     # Deciding needs only the version: a release we do not know is never imported into.
                     _warn_once(_unknown_release(version))
                     return
-                _HOOK = _StoreImportHook()
+                _HOOK = AfterImportHook(_WATCHED, _store_module_executed)
                 sys.meta_path.insert(0, _HOOK)
                 logger.debug("mooncake_kvaddr: patches vLLM %s on first import of its Mooncake store", version)
                 return
