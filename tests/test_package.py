@@ -138,6 +138,32 @@ def test_every_module_belongs_to_a_layer_with_rules() -> None:
     assert {_layer_of(path) for _, path in _package_modules()} == set(FORBIDDEN)
 
 
+# The developers' guide: a module docstring says why the module exists in a few lines; detail goes to docs/.
+MAX_MODULE_DOCSTRING_LINES = 7
+
+
+def _long_docstrings(paths: list[Path]) -> dict[str, int]:
+    """Each file whose module docstring has more than MAX_MODULE_DOCSTRING_LINES lines, with its line count."""
+    counts = {str(p): len((ast.get_docstring(ast.parse(p.read_text(), str(p)), clean=False) or "").splitlines())
+              for p in paths}
+    return {p: n for p, n in counts.items() if n > MAX_MODULE_DOCSTRING_LINES}
+
+
+def test_module_docstrings_are_at_most_seven_lines() -> None:
+    paths = sorted(PACKAGE_DIR.rglob("*.py"))
+    assert len(paths) > 20  # the scan saw the package, not an empty directory
+    assert not (long := _long_docstrings(paths)), f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines: {long}"
+
+
+def test_docstring_check_counts_every_line_of_a_module_docstring(tmp_path: Path) -> None:
+    # What makes the rule able to fail: eight lines are caught, seven (and none) pass.
+    eight, seven, bare = tmp_path / "eight.py", tmp_path / "seven.py", tmp_path / "bare.py"
+    eight.write_text('"""One.\n\n3\n4\n5\n6\n7\n8\n"""\nX = 1\n')
+    seven.write_text('"""One.\n\n3\n4\n5\n6\n7\n"""\nX = 1\n')
+    bare.write_text("X = 1\n")
+    assert _long_docstrings([eight, seven, bare]) == {str(eight): 8}
+
+
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_layer_sources_never_import_the_layers_above(layer: str) -> None:
     modules = _layer_modules(layer)

@@ -1,12 +1,9 @@
 """Section "end_to_end": one load request through a real Mooncake store (embedded master, in-process copy).
 
-Splits each load's GIL-held time into our preparation (keys + address rows) and Mooncake's conversion of the
-argument lists, and times the transfer, for three paths side by side:
-
-- **numpy-era** (the baseline): what vLLM 0.33's receive thread runs: a Python chunk walk, ``key_for`` per
-  chunk, numpy ``prepare_values``, then Mooncake's multi-buffer call converting every address and size;
-- **native multi-buffer**: the fused native plan (cold and warm row cache), then the same Mooncake call;
-- **staged**: our plan into a staging slot per key, one contiguous region per key for Mooncake.
+It shows where a load's GIL-held time goes: our preparation (keys + address rows) apart from Mooncake's
+conversion of the argument lists, with the transfer timed too, for the numpy-era path vLLM 0.33 runs (the
+baseline), our native multi-buffer plan and the staged load (``docs/benchmarks.md``, "Sections and their
+baselines").
 """
 
 from __future__ import annotations

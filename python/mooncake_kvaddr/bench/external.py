@@ -1,18 +1,8 @@
 """Sections whose producers return plain rows, printed through the one harness.
 
-- ``layouts``: the installed vLLM's store layouts — our layout engine beside vLLM's own ``prepare_values``
-  (:mod:`mooncake_kvaddr.bench.vllm_layouts`; docs/vllm.md).
-- ``native_client``: Mooncake's bound multi-buffer methods beside our native client calls
-  (:mod:`mooncake_kvaddr.bench.native_client`; docs/native-client.md).
-- ``vllm_threads``: the installed vLLM's own send/receive threads without the plugin, with it, and with the
-  staged transport (:mod:`mooncake_kvaddr.bench.vllm_plugin`; docs/vllm-plugin.md).
-- ``vllm_lookup``: the installed vLLM's ``MooncakeStoreWorker.lookup`` at TP 8 without the plugin, with it, and
-  with it but without the native client (:mod:`mooncake_kvaddr.bench.vllm_lookup`; docs/vllm-plugin.md).
-- ``vllm_releases``: vLLM 0.33 and 0.34 side by side, each alone and with the plugin; 0.34 in a child process
-  in its own environment (:mod:`mooncake_kvaddr.bench.vllm_releases`; docs/benchmarks.md, "vLLM 0.34").
-- ``multihost``: cross-namespace TCP (:mod:`mooncake_kvaddr.bench.netns_tcp`; docs/multihost.md).
-
-Each producer returns plain row dicts; this module only chooses the columns and names the baseline.
+The vLLM, native-client and multi-host measurements live in modules of their own and return plain row dicts, so
+that tests and scripts can call them too; this module only chooses each section's columns and names its baseline
+(``docs/benchmarks.md``, "Sections and their baselines", says which module produces which section).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The one harness every bench section uses: timing, GIL-stall counting, printing tables, the JSON report.
 
-Rules it enforces (see ``docs/benchmarks.md``):
-
-- Variants of a section run interleaved in one process (round-robin with a rotating start, after a warm-up),
-  so machine noise hits all of them alike; we quote medians and ratios, never a lone absolute time.
-- Every table names its **baseline**: the variant (or external path) each ratio is measured against, printed
-  under the title and stored in the JSON beside the rows.
-- A GIL-held time is measured the only way that sees all of it: a busy pure-Python thread that cannot run
-  while another thread holds the GIL (:class:`StallCounter`).
+It exists so that every section measures by the same rules (``docs/benchmarks.md``, "How it measures"): variants
+interleaved in one process after a warm-up, medians and ratios rather than lone absolute times, a named baseline
+on every table and in the JSON, and GIL-held time seen by a busy Python thread (:class:`StallCounter`).
 """
 
 from __future__ import annotations

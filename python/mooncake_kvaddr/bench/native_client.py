@@ -1,21 +1,8 @@
-"""Benchmark: Mooncake's bound batch methods vs the native client (docs/native-client.md).
+"""Benchmark: Mooncake's bound batch methods vs the native client (docs/native-client.md, "Measuring it").
 
-For one headline load and store (2,258 keys x 100 regions x 2 KiB = 441 MiB; ``quick``: 200 keys), measured
-side by side in one process against an embedded master (in-process memcpy transfer):
-
-* total wall time per call (no other Python thread running), median and min over repetitions;
-* GIL-held time per call, measured directly: for the bound path the binding's argument conversion timed alone,
-  for the native path the call's wall time minus the interval its C++ ran with the GIL released (the bound
-  path holds the GIL while it converts ``list[list[int]]``; the native path only while it copies the keys, or
-  converts rows given as lists - the form vLLM hands over);
-* and, as a cross-check, the longest stall of a busy Python thread during the call (needs idle cores to mean
-  anything: on a loaded machine the OS, not the GIL, stalls the thread);
-* codes equal and bytes identical, checked on every load.
-
-Paths: bound multi-buffer (lists built outside the timed region), native multi-buffer (int64 arrays), and the
-contiguous one-region-per-key calls a staged transfer uses (``batch_get_into`` / ``batch_put_from``), bound and
-native. ``run(quick)`` returns one dict per (operation, path); ``python -m
-mooncake_kvaddr.bench.native_client [--quick]`` prints them.
+Usage: ``python -m mooncake_kvaddr.bench.native_client [--quick] [--repeats N]``. The native client exists to cut
+the GIL-held time of Mooncake's batch calls; this measures that time, the total time and the bytes moved for one
+headline load and store, side by side with the bound methods in one process against an embedded master.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """A three-host Mooncake cluster made of Linux network namespaces (:class:`NetnsCluster`).
 
-Layout (``docs/multihost.md``)::
-
-    <run>-sw : bridge br0 ---- p-master ==veth== eth0  <run>-m   10.77.0.1  mooncake_master
-                          ---- p-writer ==veth== eth0  <run>-w   10.77.0.2  writer (holds the segment)
-                          ---- p-reader ==veth== eth0  <run>-r   10.77.0.3  reader (pure client)
-
-Every interface and address exists only inside namespaces this module created (the veth ends are created
-directly in their namespaces; the host's interfaces, addresses and routes are never touched), so traffic
-between the three "hosts" never leaves them. Processes are started inside a namespace by ``setns`` in the
-child before ``exec`` (so the PID is the real process and signals reach it), with ``PR_SET_PDEATHSIG`` so that
-they die with the process that started them.
-
-Teardown: :meth:`NetnsCluster.close` (also ``with``, garbage collection and interpreter exit through
-``weakref.finalize``, so an exception or ``KeyboardInterrupt`` in a test tears the cluster down) continues
-stopped processes, SIGTERMs then SIGKILLs every process it started, kills anything else still inside its
-namespaces and deletes them. Namespace names carry the creating PID (``mkvmh-<pid>-<token>-<role>``): a
-cluster left behind by a process that was SIGKILLed is removed by :func:`sweep_stale`, which every
-:meth:`NetnsCluster.start` runs and which touches only names with this module's prefix whose creator is dead.
-
-Root (CAP_SYS_ADMIN + CAP_NET_ADMIN), ``ip`` from iproute2 and the Mooncake wheel are needed;
-:func:`unavailable_reason` says which one is missing (tests skip with it).
-
-Modules: :mod:`~mooncake_kvaddr.bench.netns_ip` (``setns``, ``ip``, the sweep and the availability probe) and
-:mod:`~mooncake_kvaddr.bench.netns_worker` (:class:`Worker`, the line protocol); this module keeps the cluster
-and its teardown state, which must know every resource the harness creates on every failure path, and
-re-exports their public names.
+It lets the tests and the bench put a master, a segment holder and a pure client on separate network stacks of
+one machine, so that faults (links down, stopped or killed processes) hit a real TCP path, without touching the
+host's interfaces and without leaving a namespace or a process behind on any failure path. This module keeps the
+cluster and its teardown state and re-exports its parts' public names. Layout, teardown, needs: docs/multihost.md.
 """
 
 from __future__ import annotations

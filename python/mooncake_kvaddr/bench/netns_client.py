@@ -1,27 +1,9 @@
 """The worker that :class:`mooncake_kvaddr.bench.netns.NetnsCluster` runs inside a namespace.
 
-Run as ``python -m mooncake_kvaddr.bench.netns_client``. It reads one JSON command per line on stdin and
-answers on stdout with ``{"reply": op, "ok": true, ...}`` (or ``"ok": false`` and ``"error"``); progress is
-reported as ``{"event": name, ...}`` lines. Mooncake's own output is moved to stderr first, so stdout carries
-the protocol only. The commands drive the project's :class:`~mooncake_kvaddr.driver.store.MooncakeStore` and
-:class:`~mooncake_kvaddr.driver.transfer.KVTransfer` (``docs/multihost.md`` lists them):
-
-``setup``       connect a named store (``master``, ``hostname``, ``segment``, optional ``region_budget``,
-                ``request_timeout_s``)
-``cache``       a host KV cache (``regions`` x ``blocks`` x ``block_bytes``) and a KVTransfer in ``mode``
-                (optional ``probe_peers``, as KVTransfer's)
-``fill``        fill a cache with the bytes of data set ``seed``
-``store``       store ``chunks`` chunks (blocks 1..chunks) under key tag ``tag``
-``load``        sentinel-fill blocks 1..chunks, load them, verify every chunk against data set ``seed``
-``load_loop``   ``load`` repeatedly (alternating data sets) until ``duration_s`` has passed; optional
-                ``pause`` ``{"iteration", "call", "seconds"}``: announce ``paused`` before that Mooncake call
-                of that load and wait, so that a test can inject a fault in the middle of the load
-``exist``, ``remove_all``, ``health``, ``close``, ``exit``
-
-Verification of a load (:func:`verify`): a chunk reported loaded must hold exactly the bytes of its data
-set; a chunk reported failed must hold, byte for byte, either the sentinel or its own data set's bytes (a
-multi-buffer get writes the KV cache directly, so a failed one may have written part of the right object;
-the staged path must leave it all sentinel); every chunk must be one or the other.
+Run as ``python -m mooncake_kvaddr.bench.netns_client``: one process per "host", driving the project's
+:class:`~mooncake_kvaddr.driver.store.MooncakeStore` and :class:`~mooncake_kvaddr.driver.transfer.KVTransfer` by
+one JSON command per line on stdin (replies and events on stdout) and verifying every load byte for byte
+(:func:`verify`). Its commands, protocol and the rules a load must satisfy: ``docs/multihost.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Benchmark: staged vs multi-buffer transfers over Mooncake's TCP transport between network namespaces.
 
-A :class:`~mooncake_kvaddr.bench.netns.NetnsCluster` puts the master, a segment holder (the "writer"
-worker, which holds the pool's only segment and otherwise idles) and a pure client (the "reader" worker,
-global segment 0) on three "hosts" joined by a bridge, so every byte the client stores or loads crosses TCP
-between namespaces (docs/multihost.md). Three paths move the same request, in the client:
-
-* ``staged`` (ours): one contiguous staging slot per key, native gather/scatter, ``batch_put_from`` /
-  ``batch_get_into`` split to the TCP region budget;
-* ``multi_buffer_split`` (ours): ``batch_*_multi_buffers`` with every region, split to the region budget;
-* ``multi_buffer_single_call`` (vLLM 0.33's path): one ``batch_*_multi_buffers`` call per request with every
-  region of every key, no split. Mooncake's TCP transport refuses or times out on such calls beyond ~1-2 k
-  regions; a failure is reported as a failure (status and Mooncake's outcome counts), never as a time.
-
-Every load is verified byte for byte (destination pre-filled with a sentinel). When a path's store fails,
-the data is put back through the staged path so that its load is still measured (``load_after_refill``).
-
-``run(quick)`` returns one dict per (shape, path, operation); ``main()`` prints them as a table.
+Usage: ``python -m mooncake_kvaddr.bench.netns_tcp [--quick] [--json PATH]``. Between hosts every region crosses
+TCP, where vLLM 0.33's one call per request fails beyond ~1-2 k regions; this measures our staged and split
+multi-buffer paths beside it on a :class:`~mooncake_kvaddr.bench.netns.NetnsCluster`, every load verified byte
+for byte, a failure reported as a failure (``docs/multihost.md``, "Benchmark").
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Section "tcp": loads and stores over real TCP between processes.
 
-The pool's only segment is held by a separate ``mooncake_client`` process; this process is a pure client
-(global segment 0), so every byte crosses Mooncake's TCP transport. Three paths, the same request each:
-
-- **vLLM 0.33's multi-buffer path** (the baseline): one ``batch_*_multi_buffers`` call per request with every
-  region of every key, as vLLM's send and receive threads make it;
-- **multi-buffer, split**: ours, the same call split into batches of at most the TCP region budget;
-- **staged**: ours, one contiguous staging slot per key, scatter/gather natively.
-
-A path whose call fails is reported as failed, with Mooncake's codes (e.g. ``transfer_failed (-800)``), and
-its time is still shown; ratios against a failed baseline are not computed.
+A separate ``mooncake_client`` process holds the pool's only segment, so every byte crosses Mooncake's TCP
+transport, where vLLM 0.33's one multi-buffer call per request (the baseline) can fail; beside it, our split
+multi-buffer and staged paths. A failed path is reported with Mooncake's codes, never turned into a ratio
+(``docs/benchmarks.md``, "The real-TCP table").
 """
 
 from __future__ import annotations

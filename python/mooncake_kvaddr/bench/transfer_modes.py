@@ -1,11 +1,9 @@
 """Section "transfer_modes": staged vs multi-buffer loads and stores through a real Mooncake store.
 
-Embedded master, in-process copy, both modes interleaved: total time, GIL-held time beside a busy Python
-thread, and N concurrent loads on N receive threads. Bytes are verified once per mode.
-
-Baseline: the multi-buffer mode with one Mooncake call per request, which is vLLM 0.33's own data path (in
-one process no region budget applies, so nothing is split). Ratios are staged / multi-buffer: below 1 is
-better for staged.
+It shows what the staged transport costs or saves where no region budget applies (embedded master, in-process
+copy): total time, GIL-held time beside a busy Python thread, N concurrent loads, bytes verified once per mode.
+Baseline: the multi-buffer mode with one call per request, vLLM 0.33's own data path; ratios are staged /
+multi-buffer, below 1 is better for staged (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

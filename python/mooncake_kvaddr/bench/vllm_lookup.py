@@ -1,13 +1,9 @@
 """vLLM 0.33's ``MooncakeStoreWorker.lookup`` on the headline request at TP 8, with and without the plugin.
 
-One real Mooncake master and client; a stand-in worker carrying what the method reads (vLLM's coordinator,
-the lookup prefixes of 8 rank namespaces, the store); every candidate key stored, so the lookup is a full hit
-and reads every answer. Three variants, interleaved per repetition beside a busy Python thread: vLLM alone,
-the plugin with the native client (one key blob, Mooncake called with the GIL released), and the plugin
-without it (keys built natively as str, Mooncake's bound method). Per lookup (medians, ms): wall time, the
-calling thread's CPU, its time with the GIL held (CPU outside the native client's call, plus the part of
-that call before and after it released the GIL), and the
-busy thread's stall. docs/benchmarks.md quotes it.
+vLLM asks the store this for every new request, so its GIL time matters. Measured on a stand-in worker against a
+real Mooncake master with every candidate key stored (a full hit): vLLM alone, the plugin with the native client
+and the plugin without it, interleaved beside a busy Python thread; per lookup the wall time, CPU, GIL-held time
+and the busy thread's stall (``docs/benchmarks.md``, "The lookup").
 """
 
 from __future__ import annotations

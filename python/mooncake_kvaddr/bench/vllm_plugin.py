@@ -1,16 +1,10 @@
-"""The installed vLLM's own Mooncake store threads (0.33 or 0.34), without the plugin, with it, and with the
-staged transport (docs/vllm-plugin.md, "Measured").
+"""The installed vLLM's own Mooncake store threads (0.33 or 0.34), with and without the plugin and its transports.
 
-:class:`VllmStoreRig` runs vLLM's real ``KVCacheStoreSendingThread`` and ``KVCacheStoreRecvingThread`` on CPU
-torch KV caches (one MLA-style tensor per layer, registered through vLLM's layout) against a real Mooncake
-master; the end-to-end tests use it too. :func:`run` measures, per request: the receive thread's wall time,
-the GIL time a busy Python thread loses beside it, split by phase (vLLM's own Python, the layouts'
-``prepare_values`` calls, the store call: Mooncake's argument conversion, or our staging wrapper plus
-Mooncake's slot call), and the wall time of 1/2/4 receive threads loading 4 requests. Needs vLLM, torch and
-Mooncake; imports them only when called.
-
-The rig, its modes and request shapes are in :mod:`~mooncake_kvaddr.bench.vllm_rig` (re-exported here), the GIL
-accounting in :mod:`~mooncake_kvaddr.bench.vllm_instrument`; this module is the receive measurement itself.
+Usage: ``python -m mooncake_kvaddr.bench.vllm_plugin [--full] [--modes ...]``. The plugin exists to cut what vLLM's
+threads hold the GIL for; this measures it on vLLM's real threads (:class:`VllmStoreRig`, re-exported from
+:mod:`~mooncake_kvaddr.bench.vllm_rig`; the GIL accounting in :mod:`~mooncake_kvaddr.bench.vllm_instrument`):
+per request the wall time and GIL time by phase, and 1/2/4 receive threads. Needs vLLM, torch and Mooncake,
+imported only when called (docs/vllm-plugin.md, "Measured").
 """
 
 from __future__ import annotations
