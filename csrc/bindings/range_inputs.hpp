@@ -64,17 +64,11 @@ inline RangeSet convert_ranges(py::handle obj, RangeForm form) {
     return set;
 }
 
-// The MemoryRanges inside `obj`, or null when `obj` is not one (TypeError for one made without its factory).
-inline const MemoryRanges* as_memory_ranges(py::handle obj) {
-    static py::detail::type_info* const info = py::detail::get_type_info(typeid(MemoryRanges));
-    if (info == nullptr || !PyObject_TypeCheck(obj.ptr(), info->type)) return nullptr;
-    return &constructed<MemoryRanges>(obj);
-}
-
-// The range set of a call's argument: a MemoryRanges' own (the caller's reference keeps it alive for the call),
-// else `obj` converted in `form` into `scratch`.
+// The range set of a call's argument: a MemoryRanges' own (the caller's reference keeps it alive for the call;
+// TypeError for one made without its factory), else `obj` converted in `form` into `scratch`.
 inline const RangeSet& ranges_of(py::handle obj, RangeForm form, std::optional<RangeSet>& scratch) {
-    if (const MemoryRanges* built = as_memory_ranges(obj)) return built->set;
+    static py::detail::type_info* const info = py::detail::get_type_info(typeid(MemoryRanges));
+    if (info != nullptr && PyObject_TypeCheck(obj.ptr(), info->type)) return constructed<MemoryRanges>(obj).set;
     scratch = convert_ranges(obj, form);
     return *scratch;
 }
