@@ -19,7 +19,6 @@ from mooncake_kvaddr.core.keys import (
     build_lookup_keys,
     lookup_namespaces,
     lookup_prefixes,
-    mooncake_group_ids,
     reduce_exists,
     replication_factor,
 )
@@ -235,10 +234,13 @@ def test_reduce_exists_variable_widths_and_values() -> None:
         reduce_exists([1, 1, 1], [1, 1])
 
 
-def test_group_ids() -> None:
+def test_keys_start_with_prefix_and_model_and_end_with_the_hash() -> None:
+    """A key's cache prefix and model lead it and its hash hex is its last ``@`` field, whatever the rank and
+    group fields between them."""
     md = KeyMetadata("m", 3, 0, 0, 0, group_id=2, cache_prefix="dep")
     keys = ChunkedTokenDatabase(md, 16).keys_for([b"\xab", b"\xcd"])
-    assert mooncake_group_ids(keys, md) == ["vllm-mooncake-store:dep@m@ab", "vllm-mooncake-store:dep@m@cd"]
+    assert [key.rpartition("@")[2] for key in keys] == ["ab", "cd"]
+    assert all(key.startswith("dep@m@") for key in keys)
 
 
 # The chunk walk and the fused plans against the oracle's composition.

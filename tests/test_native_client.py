@@ -453,6 +453,30 @@ def test_every_input_form_gives_the_same_result(raw_store: Any, client: NativeCl
         assert client.batch_is_exist(form_keys) == [1, 1]
 
 
+class _ClearsTheLists:
+    """An address whose ``__index__`` empties the caller's row lists while the call converts them."""
+
+    def __init__(self, value: int, victims: list[list[Any]]) -> None:
+        self.value, self.victims = value, victims
+
+    def __index__(self) -> int:
+        for victim in self.victims:
+            victim.clear()
+        return self.value
+
+
+def test_rows_are_read_as_they_were_when_the_call_began(client: NativeClient) -> None:
+    """Every row is fixed before any item is converted (int_rows.hpp, as in multi_buffer_arrays): an
+    ``__index__`` that empties the caller's lists changes nothing the call reads."""
+    layout = Layout(np.array([[100, 200], [50, 60]], dtype=np.int64), seed=8)
+    keys = _unique("snapshot", 2)
+    assert client.batch_put_from_multi_buffers(keys, layout.src_addrs, layout.sizes) == [0, 0]
+    addrs, sizes = _lists(layout.dst_addrs), _lists(layout.sizes)
+    addrs[0][0] = _ClearsTheLists(int(layout.dst_addrs[0, 0]), [addrs, sizes, addrs[1], sizes[1]])
+    assert client.batch_get_into_multi_buffers(keys, addrs, sizes) == [300, 110]
+    assert layout.dst.tobytes() == layout.src.tobytes()
+
+
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
@@ -477,6 +501,10 @@ def test_every_input_form_gives_the_same_result(raw_store: Any, client: NativeCl
         ((["a"], [[4096]], b"x"), TypeError, "sizes must be"),
         ((["a"], [["x"]], [[1]]), TypeError, "int"),
         ((["a"], ["x"], [[1]]), TypeError, "sequence of ints"),
+        # int_rows.hpp's rule, shared with multi_buffer_arrays: a set or dict iterates unordered or as keys.
+        ((["a"], [{4096}], [[1]]), TypeError, "addrs row 0 must be a sequence of ints"),
+        ((["a"], [[4096]], [{1: 2}]), TypeError, "sizes row 0 must be a sequence of ints"),
+        ((["a"], {4096: 1}, [[1]]), TypeError, "addrs rows must be a sequence of ints"),
         ((KeyBlob(b"ab", np.array([0, 3])), [[4096]], [[1]]), ValueError, "within the blob"),
         ((KeyBlob(b"ab", np.array([1, 2])), [[4096]], [[1]]), ValueError, "must be 0"),
         ((KeyBlob(b"ab", np.array([0, 1])), [[4096]], [[1]]), ValueError, "blob's length"),

@@ -48,6 +48,9 @@ def test_every_cell_equals_the_reference(case: tuple[list[tuple[int, int]], list
     want = [[reference(x, y, ranges) for x, y in zip(ra, rs, strict=True)] for ra, rs in zip(addrs, sizes, strict=True)]
     assert got.tolist() == want
     assert _native.slices_inside(a[:, 0].copy(), s[:, 0].copy(), ranges).tolist() == [w[0] for w in want]
+    built = _native.memory_ranges(ranges)  # converted once: the same answers
+    assert _native.slices_inside(a, s, built).tolist() == want
+    assert len(built) == sum(n > 0 for _, n in ranges)
 
 
 def test_the_edges_of_the_rule() -> None:
@@ -141,3 +144,24 @@ def test_a_buffer_two_regions_share_is_recorded_with_its_largest_length() -> Non
         assert caches.buffers == ((base, 512),)
         last = np.array([[base + 3 * lens[0], base + 3 * lens[1]]], np.int64)  # block 3 of each region
         assert caches.slices_inside(last, np.array([lens], np.int64)).tolist() == [True]
+
+
+def test_memory_ranges_are_converted_once_with_the_same_rule() -> None:
+    """``memory_ranges`` refuses what ``slices_inside`` refuses, with the same message, and its result is
+    taken as is by every range-taking call; it cannot be made, re-made or subclassed any other way."""
+    a, s = np.array([4096], np.int64), np.array([1], np.int64)
+    for bad, error in [([(-1, 10)], ValueError), ([(4096, 2**63 - 1)], ValueError), ([(1, 2, 3)], ValueError),
+                       (5, TypeError), ([(4096, 1.5)], TypeError)]:
+        with pytest.raises(error) as native_error:
+            _native.memory_ranges(bad)
+        with pytest.raises(error) as call_error:
+            _native.slices_inside(a, s, bad)
+        assert str(native_error.value) == str(call_error.value)
+    built = _native.memory_ranges([(4096, 4096), (8192, 0)])
+    assert len(built) == 1 and _native.slices_inside(a, s, built).tolist() == [True]
+    with pytest.raises(TypeError):
+        _native.MemoryRanges()  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="not initialised"):
+        _native.slices_inside(a, s, _native.MemoryRanges.__new__(_native.MemoryRanges))
+    with pytest.raises(TypeError):
+        type("Sub", (_native.MemoryRanges,), {})

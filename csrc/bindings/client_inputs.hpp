@@ -1,7 +1,7 @@
 // Input conversion of the native Mooncake client (register_mooncake_client.cpp, docs/native-client.md): keys,
-// address/size rows (int64/uint64 arrays or lists) and flat pointer/size lists into the vectors Mooncake takes,
-// every slice checked (sign, overflow, the registered-range guard) before Mooncake sees it. Included by that one
-// file only.
+// address/size rows (int64/uint64 arrays, or rows read by int_rows.hpp) and flat pointer/size lists into the
+// vectors Mooncake takes, every slice checked (sign, overflow, the registered-range guard of range_inputs.hpp)
+// before Mooncake sees it. Included by that one file only.
 #pragma once
 
 #include <algorithm>
@@ -13,48 +13,14 @@
 #include <vector>
 
 #include "bindings/common.hpp"
+#include "bindings/int_rows.hpp"
+#include "bindings/range_inputs.hpp"
 #include "kvaddr/mooncake_client.hpp"
 #include "kvaddr/ranges.hpp"
 
 namespace kvaddr::py_bindings::client_inputs {
 
 namespace mc = kvaddr::mooncake_client;
-
-// One exported Py_buffer, released on every path.
-class Export {
-public:
-    Export() = default;
-    Export(const Export&) = delete;
-    Export& operator=(const Export&) = delete;
-    ~Export() {
-        if (held_) PyBuffer_Release(&view_);
-    }
-    // Export `obj` as C-contiguous with its format; false (error cleared) if it does not support that.
-    bool acquire(PyObject* obj) {
-        if (PyUnicode_Check(obj) || PyBytes_Check(obj) || !PyObject_CheckBuffer(obj)) return false;
-        if (PyObject_GetBuffer(obj, &view_, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
-            PyErr_Clear();
-            return false;
-        }
-        held_ = true;
-        return true;
-    }
-    const Py_buffer& view() const noexcept { return view_; }
-
-private:
-    Py_buffer view_{};
-    bool held_ = false;
-};
-
-// 0 = not a 64-bit integer buffer, 1 = int64, 2 = uint64.
-int int64_kind(const Py_buffer& view) {
-    if (view.itemsize != 8 || view.format == nullptr) return 0;
-    const char* f = view.format;
-    if (*f == '<' || *f == '=' || *f == '@') ++f;
-    if (std::strcmp(f, "q") == 0 || std::strcmp(f, "l") == 0) return 1;
-    if (std::strcmp(f, "Q") == 0 || std::strcmp(f, "L") == 0) return 2;
-    return 0;
-}
 
 // The keys of a call. Under the GIL only their bytes are located (str -> its cached UTF-8, bytes as is, or a
 // flat blob cut at int64 offsets - n + 1 of them) and every key object is kept alive; the std::strings
@@ -165,30 +131,7 @@ inline bool add_size(uint64_t& total, uint64_t size, Problem& problem, std::size
     return true;
 }
 
-int64_t row_int(py::handle item, const char* what) { return as_int64(item.ptr(), what); }
-
 constexpr int kInvalidParams = -600;  // Mooncake's INVALID_PARAMS (docs/configuration.md)
-
-// The registered-range guard's table (docs/vllm-plugin.md, "Registered-range guard"): kvaddr/ranges.hpp's range
-// set, copied from a (m, 2) int64 array of [start, end) pairs under the GIL and read without it.
-RangeSet guard_ranges(py::handle ranges) {
-    Export view;
-    if (!view.acquire(ranges.ptr()) || view.view().ndim != 2 || int64_kind(view.view()) != 1 ||
-        view.view().shape[1] != 2) {
-        raise(PyExc_TypeError, "ranges must be a (n, 2) int64 array of [start, end) pairs");
-    }
-    const auto* data = static_cast<const int64_t*>(view.view().buf);
-    const auto m = static_cast<std::size_t>(view.view().shape[0]);
-    RangeSet set;
-    for (std::size_t i = 0; i < m; ++i) {
-        const int64_t start = data[2 * i];
-        const int64_t end = data[2 * i + 1];
-        if (start <= 0 || end <= start) raise(PyExc_ValueError, "ranges must hold 0 < start < end pairs");
-        set.add(start, end - start);
-    }
-    set.finalize();
-    return set;
-}
 
 // The refused keys' slots filled in and the rest of Mooncake's answer put back in order: `codes` holds one
 // result per key of `keep` (the keys sent), `n` keys in all.
@@ -307,20 +250,25 @@ public:
     }
 
 private:
+    // Rows of ints through int_rows.hpp (every row fixed before any item is read), then checked per key.
     void convert_sequences(py::handle addrs, py::handle sizes) {
-        FastSequence arows(addrs.ptr(), "addrs");
-        FastSequence srows(sizes.ptr(), "sizes");
-        if (static_cast<std::size_t>(arows.size()) != keys_ || static_cast<std::size_t>(srows.size()) != keys_) {
+        IntRows arows(addrs, "addrs");
+        IntRows srows(sizes, "sizes");
+        if (arows.size() != keys_ || srows.size() != keys_) {
             raise(PyExc_ValueError, "addrs and sizes need one row per key: " + std::to_string(keys_) + " keys, " +
                                         std::to_string(arows.size()) + " address rows, " +
                                         std::to_string(srows.size()) + " size rows");
+        }
+        for (std::size_t i = 0; i < keys_; ++i) {
+            arows.snapshot(i);
+            srows.snapshot(i);
         }
         ptr_rows_.resize(keys_);
         size_rows_.resize(keys_);
         Problem problem;
         for (std::size_t i = 0; i < keys_; ++i) {
-            std::vector<int64_t> a = row(arows.at(static_cast<Py_ssize_t>(i)), "addrs row", "address");
-            std::vector<int64_t> s = row(srows.at(static_cast<Py_ssize_t>(i)), "sizes row", "size");
+            const std::vector<int64_t> a = arows.values(i, "address");
+            const std::vector<int64_t> s = srows.values(i, "size");
             if (a.size() != s.size()) {
                 if (ranges_ != nullptr) {
                     keep_[i] = 0;
@@ -350,24 +298,6 @@ private:
                 srow[j] = static_cast<std::size_t>(size);
             }
         }
-    }
-
-    // One row: a 1-D int64 array (copied) or a sequence of ints.
-    static std::vector<int64_t> row(py::object obj, const char* what, const char* item) {
-        Export view;
-        if (view.acquire(obj.ptr())) {
-            if (view.view().ndim == 1 && int64_kind(view.view()) == 1) {
-                const auto* data = static_cast<const int64_t*>(view.view().buf);
-                return std::vector<int64_t>(data, data + view.view().shape[0]);
-            }
-        }
-        if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr())) {
-            raise(PyExc_TypeError, std::string(what) + " must be a sequence of ints, not " + type_name(obj.ptr()));
-        }
-        FastSequence seq(obj.ptr(), what);
-        std::vector<int64_t> out(static_cast<std::size_t>(seq.size()));
-        for (Py_ssize_t j = 0; j < seq.size(); ++j) out[static_cast<std::size_t>(j)] = row_int(seq.at(j), item);
-        return out;
     }
 
     std::size_t keys_;
@@ -401,7 +331,7 @@ void convert_flat(py::handle ptrs, py::handle sizes, std::size_t keys, mc::Ptrs&
             FastSequence seq(obj.ptr(), what);
             values.resize(static_cast<std::size_t>(seq.size()));
             for (Py_ssize_t i = 0; i < seq.size(); ++i) {
-                values[static_cast<std::size_t>(i)] = static_cast<uint64_t>(row_int(seq.at(i), what));
+                values[static_cast<std::size_t>(i)] = static_cast<uint64_t>(as_int64(seq.at(i).ptr(), what));
             }
         }
         if (values.size() != keys) {

@@ -1,5 +1,5 @@
 // Shared helpers of the bindings layer: Python-int conversion with clear errors, the error classes, an owning
-// handle for CPython's "fast sequence" protocol and an owning buffer view. Everything here needs the GIL.
+// handle for CPython's "fast sequence" protocol and owning buffer views. Everything here needs the GIL.
 //
 // The re-entrancy rule every binding follows (docs/errors.md, SECURITY.md): any call that can run Python code
 // (__index__, __len__, __getitem__, __bool__, a buffer exporter, a GC pass that runs a __del__) may mutate
@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <typeinfo>
 #include <utility>
@@ -207,6 +208,42 @@ private:
     bool copied_ = false;
     std::vector<uint8_t> copy_;
 };
+
+// One exported C-contiguous Py_buffer with its format (the int64 array paths), released on every path.
+class Export {
+public:
+    Export() = default;
+    Export(const Export&) = delete;
+    Export& operator=(const Export&) = delete;
+    ~Export() {
+        if (held_) PyBuffer_Release(&view_);
+    }
+    // Export `obj` as C-contiguous with its format; false (error cleared) if it does not support that.
+    bool acquire(PyObject* obj) {
+        if (PyUnicode_Check(obj) || PyBytes_Check(obj) || !PyObject_CheckBuffer(obj)) return false;
+        if (PyObject_GetBuffer(obj, &view_, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+            PyErr_Clear();
+            return false;
+        }
+        held_ = true;
+        return true;
+    }
+    const Py_buffer& view() const noexcept { return view_; }
+
+private:
+    Py_buffer view_{};
+    bool held_ = false;
+};
+
+// 0 = not a 64-bit integer buffer, 1 = int64, 2 = uint64.
+inline int int64_kind(const Py_buffer& view) {
+    if (view.itemsize != 8 || view.format == nullptr) return 0;
+    const char* f = view.format;
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    if (std::strcmp(f, "q") == 0 || std::strcmp(f, "l") == 0) return 1;
+    if (std::strcmp(f, "Q") == 0 || std::strcmp(f, "L") == 0) return 2;
+    return 0;
+}
 
 // A flag argument the reference tests with `if flag`: its truth value, the caller's __bool__/__len__ exception
 // unchanged (pybind11's bool caster would replace it with "incompatible function arguments").

@@ -156,8 +156,9 @@ public:
         t_refused = 0;
         const KeySource source(keys, offsets);
         const std::size_t n = source.size();
-        const std::optional<RangeSet> guard = guard_of(ranges);
-        Rows rows(addrs, sizes, n, guard ? &*guard : nullptr);
+        std::optional<RangeSet> scratch;
+        const RangeSet* guard = guard_of(ranges, scratch);
+        Rows rows(addrs, sizes, n, guard);
         if (n == 0) return py::list();
         auto client = live();
         Problem problem;
@@ -181,8 +182,9 @@ public:
         t_refused = 0;
         const KeySource source(keys, offsets);
         const std::size_t n = source.size();
-        const std::optional<RangeSet> guard = guard_of(ranges);
-        Rows rows(addrs, sizes, n, guard ? &*guard : nullptr);
+        std::optional<RangeSet> scratch;
+        const RangeSet* guard = guard_of(ranges, scratch);
+        Rows rows(addrs, sizes, n, guard);
         // `held_config` keeps the ReplicateConfig alive; Mooncake's binding reads it without the GIL too.
         const py::object held_config = config.is_none() ? default_config_ : config;
         const void* cfg = config_pointer(held_config);
@@ -214,11 +216,12 @@ public:
         t_refused = 0;
         const KeySource source(keys, offsets);
         const std::size_t n = source.size();
-        const std::optional<RangeSet> guard = guard_of(ranges);
+        std::optional<RangeSet> scratch;
+        const RangeSet* guard = guard_of(ranges, scratch);
         std::vector<char> keep(n, 1);
         mc::Ptrs p;
         mc::Sizes s;
-        convert_flat(ptrs, sizes, n, p, s, guard ? &*guard : nullptr, &keep);
+        convert_flat(ptrs, sizes, n, p, s, guard, &keep);
         if (n == 0) return py::list();
         auto client = live();
         std::vector<int64_t> codes;
@@ -235,11 +238,12 @@ public:
         t_refused = 0;
         const KeySource source(keys, offsets);
         const std::size_t n = source.size();
-        const std::optional<RangeSet> guard = guard_of(ranges);
+        std::optional<RangeSet> scratch;
+        const RangeSet* guard = guard_of(ranges, scratch);
         std::vector<char> keep(n, 1);
         mc::Ptrs p;
         mc::Sizes s;
-        convert_flat(ptrs, sizes, n, p, s, guard ? &*guard : nullptr, &keep);
+        convert_flat(ptrs, sizes, n, p, s, guard, &keep);
         py::object held_config = config.is_none() ? default_config_ : config;
         const void* cfg = config_pointer(held_config);
         if (partly_kept(keep)) {  // the guard refused some keys: the others go on with their own config
@@ -299,9 +303,10 @@ public:
     const std::string& abi_id() const noexcept { return abi_id_; }
 
 private:
-    static std::optional<RangeSet> guard_of(py::handle ranges) {
-        if (ranges.is_none()) return std::nullopt;
-        return guard_ranges(ranges);
+    // The registered-range guard's set (docs/vllm-plugin.md, "Registered-range guard"): null without `ranges`;
+    // a _native.MemoryRanges as is, or an (n, 2) int64 array of [start, end) pairs converted into `scratch`.
+    static const RangeSet* guard_of(py::handle ranges, std::optional<RangeSet>& scratch) {
+        return ranges.is_none() ? nullptr : &ranges_of(ranges, RangeForm::start_end, scratch);
     }
 
     // True when the guard refused some keys but not all: the call goes on with the others.

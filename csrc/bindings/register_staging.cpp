@@ -19,6 +19,7 @@
 
 #include "bindings/common.hpp"
 #include "bindings/gil_policy.hpp"
+#include "bindings/range_inputs.hpp"
 #include "kvaddr/ranges.hpp"
 #include "kvaddr/staging.hpp"
 
@@ -79,29 +80,6 @@ std::optional<py::array> selection(py::handle obj, std::size_t keys) {
     return arr;
 }
 
-// allowed_ranges: any sequence of (ptr, nbytes) pairs, e.g. [(base, length) for each registered buffer].
-RangeSet memory_ranges(py::handle obj) {
-    FastSequence items(obj.ptr(), "allowed_ranges");
-    RangeSet ranges;
-    const Py_ssize_t n = items.size();
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        const std::string what = "allowed_ranges[" + std::to_string(i) + "]";
-        FastSequence pair(items.at(i).ptr(), what.c_str());
-        if (pair.size() != 2) {
-            raise(PyExc_ValueError, what + " must be a (ptr, nbytes) pair, got " + std::to_string(pair.size()) +
-                                        " items");
-        }
-        const int64_t ptr = as_int64(pair.at(0).ptr(), (what + " ptr").c_str());
-        const int64_t nbytes = as_int64(pair.at(1).ptr(), (what + " nbytes").c_str());
-        if (!ranges.add(ptr, nbytes)) {
-            raise(PyExc_ValueError, what + " = (" + std::to_string(ptr) + ", " + std::to_string(nbytes) +
-                                        ") is not a valid memory range (negative, or its end overflows int64)");
-        }
-    }
-    ranges.finalize();
-    return ranges;
-}
-
 unsigned thread_request(int64_t threads) {
     if (threads < 0) raise(PyExc_ValueError, "threads must be >= 0 (0 = auto), got " + std::to_string(threads));
     return static_cast<unsigned>(std::min<int64_t>(threads, st::kMaxThreads));
@@ -126,7 +104,8 @@ int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_
                                     shape_text(offsets));
     }
     const std::optional<py::array> select = selection(select_obj, keys);
-    const RangeSet allowed = memory_ranges(allowed_obj);
+    std::optional<RangeSet> scratch;  // allowed_ranges converted, unless a MemoryRanges
+    const RangeSet& allowed = ranges_of(allowed_obj, RangeForm::ptr_nbytes, scratch);
     const unsigned thread_count = thread_request(threads);
 
     st::Job job;
@@ -209,7 +188,8 @@ py::array_t<bool> slices_inside(py::handle addrs_obj, py::handle sizes_obj, py::
                                         shape_text(sizes));
         }
     }
-    const RangeSet allowed = memory_ranges(allowed_obj);
+    std::optional<RangeSet> scratch;  // allowed_ranges converted, unless a MemoryRanges
+    const RangeSet& allowed = ranges_of(allowed_obj, RangeForm::ptr_nbytes, scratch);
     const auto rows = static_cast<std::size_t>(addrs.shape(0));
     const auto cols = ndim == 2 ? static_cast<std::size_t>(addrs.shape(1)) : std::size_t{1};
     py::array_t<bool> out(std::vector<py::ssize_t>(addrs.shape(), addrs.shape() + ndim));
@@ -275,6 +255,15 @@ void register_staging(py::module_& m) {
         py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
         py::arg("streaming") = true,
         "Copy each selected key's staging slot back out to its slices, in region order. Returns bytes copied.");
+    py::class_<MemoryRanges>(m, "MemoryRanges", py::is_final(),
+                             "Memory ranges converted once (made by memory_ranges): taken as is by slices_inside, the "
+                             "staging copies and the native client's ranges=.")
+        .def("__len__", [](py::handle self) { return constructed<MemoryRanges>(self).set.size(); },
+             "The number of non-empty ranges.");
+    m.def(
+        "memory_ranges",
+        [](py::handle allowed_ranges) { return MemoryRanges{convert_ranges(allowed_ranges, RangeForm::ptr_nbytes)}; },
+        py::arg("allowed_ranges"), "A sequence of (ptr, nbytes) pairs converted once into a MemoryRanges.");
     m.def("slices_inside", &slices_inside, py::arg("addrs"), py::arg("sizes"), py::arg("allowed_ranges"),
           "Per cell: the (address, size) slice is a valid slice inside one of the (ptr, nbytes) allowed ranges.");
 }

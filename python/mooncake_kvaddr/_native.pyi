@@ -104,6 +104,12 @@ def set_gil_release_min_work_ns(ns: int) -> None: ...
 STAGING_SLOT_ALIGNMENT: int
 STAGING_STREAMING_STORES: bool
 
+class MemoryRanges:
+    """Memory ranges converted once (made by memory_ranges)."""
+
+    def __len__(self) -> int: ...
+
+def memory_ranges(allowed_ranges: Sequence[tuple[int, int]]) -> MemoryRanges: ...
 def staging_plan_slots(
     sizes: _Int64Array, alignment: int = 64
 ) -> tuple[_Int64Array, _Int64Array, int]: ...
@@ -113,7 +119,7 @@ def _staging_gather(
     staging_ptr: int,
     staging_len: int,
     offsets: _Int64Array,
-    allowed_ranges: Sequence[tuple[int, int]],
+    allowed_ranges: Sequence[tuple[int, int]] | MemoryRanges,
     *,
     select: npt.NDArray[np.bool_] | npt.NDArray[np.uint8] | None = None,
     threads: int = 0,
@@ -125,14 +131,14 @@ def _staging_scatter(
     staging_ptr: int,
     staging_len: int,
     offsets: _Int64Array,
-    allowed_ranges: Sequence[tuple[int, int]],
+    allowed_ranges: Sequence[tuple[int, int]] | MemoryRanges,
     *,
     select: npt.NDArray[np.bool_] | npt.NDArray[np.uint8] | None = None,
     threads: int = 0,
     streaming: bool = True,
 ) -> int: ...
 def slices_inside(
-    addrs: _Int64Array, sizes: _Int64Array, allowed_ranges: Sequence[tuple[int, int]]
+    addrs: _Int64Array, sizes: _Int64Array, allowed_ranges: Sequence[tuple[int, int]] | MemoryRanges
 ) -> npt.NDArray[np.bool_]: ...
 
 def multi_buffer_arrays(

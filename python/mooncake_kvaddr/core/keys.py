@@ -100,11 +100,3 @@ def reduce_exists(results: Sequence[int], widths: int | Sequence[int]) -> list[b
     """Which lookup units are present: unit ``u`` covers ``widths[u]`` consecutive ``batch_is_exist``
     results (an int: every unit) and is present only if each of them is exactly 1."""
     return _native.reduce_exists(results, widths)
-
-
-def mooncake_group_ids(keys: Sequence[str], metadata: KeyMetadata) -> list[str]:
-    """Mooncake group-id strings aligned with ``keys`` (docs/address-rows.md, "Keys"): the lifecycle unit is the prefix
-    chunk, so no rank or group fields — ``vllm-mooncake-store:[cache_prefix@]model@<hash hex>``."""
-    head = "vllm-mooncake-store:" + (f"{metadata.cache_prefix}@" if metadata.cache_prefix else "")
-    head += metadata.model_name + "@"
-    return [head + key.rpartition("@")[2] for key in keys]

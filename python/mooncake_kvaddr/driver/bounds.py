@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,11 @@ class RegisteredCaches:
     block_lens: tuple[int, ...]
     #: Distinct buffers as ``(ptr, nbytes)`` (a region listed twice counts once).
     buffers: tuple[tuple[int, int], ...]
+    #: ``buffers`` as the native module's range set, converted once (not per check).
+    ranges: _native.MemoryRanges = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranges", _native.memory_ranges(self.buffers))
 
     @classmethod
     def from_regions(cls, regions: Sequence[np.ndarray[Any, Any]], num_blocks: int) -> RegisteredCaches:
@@ -140,6 +145,6 @@ class RegisteredCaches:
         native module's one range set, ``csrc/kvaddr/ranges.hpp``)."""
         if addrs.size == 0:
             return np.ones(addrs.shape[0], dtype=bool)
-        cells = _native.slices_inside(addrs, sizes, self.buffers)
+        cells = _native.slices_inside(addrs, sizes, self.ranges)
         inside: np.ndarray[Any, Any] = np.all(cells, axis=1)
         return inside

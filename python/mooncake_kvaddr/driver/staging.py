@@ -195,7 +195,7 @@ def gather(
     sizes: Int64Array,
     staging: StagingArg,
     offsets: Int64Array,
-    allowed_ranges: Sequence[MemoryRange],
+    allowed_ranges: Sequence[MemoryRange] | _native.MemoryRanges,
     *,
     select: KeySelection | None = None,
     threads: int = 0,
@@ -224,7 +224,7 @@ def scatter(
     sizes: Int64Array,
     staging: StagingArg,
     offsets: Int64Array,
-    allowed_ranges: Sequence[MemoryRange],
+    allowed_ranges: Sequence[MemoryRange] | _native.MemoryRanges,
     *,
     select: KeySelection | None = None,
     threads: int = 0,
@@ -258,7 +258,6 @@ class HostCopyBackend:
             raise ValueError(f"threads must be >= 0 (0 = auto), got {threads}")
         self.threads = threads
         self.streaming = streaming
-        self._allowed: tuple[MemoryRange, ...] = ()
         self.set_allowed_ranges(allowed_ranges)
 
     @property
@@ -272,8 +271,10 @@ class HostCopyBackend:
         return self._allowed
 
     def set_allowed_ranges(self, allowed_ranges: Sequence[MemoryRange]) -> None:
-        """Replace the memory ranges slices may touch (the registered KV-cache buffers)."""
-        self._allowed = tuple((int(ptr), int(nbytes)) for ptr, nbytes in allowed_ranges)
+        """Replace the memory ranges slices may touch (the registered KV-cache buffers); ``ValueError`` for a
+        negative range or one whose end overflows int64 (the copies' own check, made once here)."""
+        allowed = tuple((int(ptr), int(nbytes)) for ptr, nbytes in allowed_ranges)
+        self._allowed, self._ranges = allowed, _native.memory_ranges(allowed)  # converted once, not per copy
 
     def gather(
         self,
@@ -290,7 +291,7 @@ class HostCopyBackend:
             sizes,
             staging,
             offsets,
-            self._allowed,
+            self._ranges,
             select=select,
             threads=self.threads,
             streaming=self.streaming,
@@ -311,7 +312,7 @@ class HostCopyBackend:
             sizes,
             staging,
             offsets,
-            self._allowed,
+            self._ranges,
             select=select,
             threads=self.threads,
             streaming=self.streaming,

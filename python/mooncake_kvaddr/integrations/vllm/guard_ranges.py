@@ -25,31 +25,24 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 
 @dataclass(frozen=True)
 class Ranges:
-    """One immutable snapshot of the registered ranges, sorted by start (``reach[i]``: the largest end among
-    ranges ``0..i``). Slices are checked by the native module's one range set (``csrc/kvaddr/ranges.hpp``),
-    exact for overlapping registrations."""
+    """One immutable snapshot of the registered ranges, sorted by start. Slices are checked by the native
+    module's one range set (``csrc/kvaddr/ranges.hpp``), exact for overlapping registrations, converted once
+    per snapshot (per registration change), never per call."""
 
-    starts: Int64Array
-    ends: Int64Array
-    reach: Int64Array
     items: tuple[tuple[int, int], ...]
-    #: ``(n, 2)`` int64 ``[start, end)`` pairs: what the native client takes as its ``ranges`` argument.
-    pairs: Int64Array
+    #: The ranges as one native range set: what ``slices_inside`` and the native client's ``ranges`` take.
+    pairs: _native.MemoryRanges
 
     @classmethod
     def of(cls, buffers: dict[int, int]) -> Ranges:
         items = tuple(sorted(buffers.items()))
-        starts = np.array([p for p, _ in items], dtype=np.int64)
-        ends = np.array([p + n for p, n in items], dtype=np.int64)
-        reach = np.maximum.accumulate(ends) if ends.size else ends
-        pairs = np.ascontiguousarray(np.stack([starts, ends], axis=1) if items else np.empty((0, 2), np.int64))
-        return cls(starts, ends, reach, items, pairs)
+        return cls(items, _native.memory_ranges(items))
 
     def cells_inside(self, addrs: Int64Array, sizes: Int64Array) -> BoolArray:
         """Per slice (a 1-D or 2-D int64 array): inside one registered range, size >= 0, no wrap - the one range
         set of the native module (``csrc/kvaddr/ranges.hpp``)."""
         inside: BoolArray = _native.slices_inside(
-            np.ascontiguousarray(addrs, dtype=np.int64), np.ascontiguousarray(sizes, dtype=np.int64), self.items
+            np.ascontiguousarray(addrs, dtype=np.int64), np.ascontiguousarray(sizes, dtype=np.int64), self.pairs
         )
         return inside
 
