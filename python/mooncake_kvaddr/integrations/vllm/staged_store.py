@@ -209,7 +209,7 @@ class StagedMooncakeStore(StoreWrapper):
             self.stats.passthrough_gets += 1
             return list(self._store.batch_get_into_multi_buffers(keys, *rows_of(list(range(len(keys))))))
         self.stats.staged_gets += 1
-        allowed = self.ranges.ranges.items  # the buffers registered now: the copy checks every slice again
+        allowed = self.ranges.ranges.pairs  # the buffers registered now: the copy checks every slice again
 
         def get(start: int, end: int, ptrs: list[int], sizes: list[int]) -> Any:
             return self._store.batch_get_into(keys[start:end], ptrs, sizes)
@@ -277,7 +277,7 @@ class StagedMooncakeStore(StoreWrapper):
             rows = rows_of(list(range(len(keys))))
             return list(self._store.batch_put_from_multi_buffers(keys, *rows, *config))
         self.stats.staged_puts += 1
-        allowed = self.ranges.ranges.items
+        allowed = self.ranges.ranges.pairs
 
         def fill(start: int, end: int, slots: Any, _select: Any) -> bool:
             gather(staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, allowed,
