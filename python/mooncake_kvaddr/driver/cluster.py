@@ -11,28 +11,23 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import math
 import os
 import shutil
-import subprocess
 import tempfile
-import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Final
 
 from mooncake_kvaddr.driver.master import (
     MasterError,
     check_master_args,
+    check_start_options,
     find_master_binary,
     free_ports,
-    pdeathsig_preexec,
 )
-from mooncake_kvaddr.driver.process import LOOPBACK, STDERR_TAIL_BYTES, ChildProcess, Spawner, owns_listener
+from mooncake_kvaddr.driver.process import LOOPBACK, STDERR_TAIL_BYTES, ChildOwner, ChildProcess, owns_listener
 
 __all__ = [
     "ETCD_PACKAGE",
@@ -120,77 +115,33 @@ def _master_status(port: int) -> MasterStatus | None:
         return None  # a master without HA answers plain text, not this JSON
 
 
-class _Process:
-    """One child of the cluster: its command, log file and process, started and stopped on fixed ports."""
+class _Child:
+    """What etcd and each master share: a named child process (started by ``ChildProcess.start``) and its log."""
 
     def __init__(self, name: str, state: ChildProcess) -> None:
-        self.name = name
-        self.state = state
+        self._name = name
+        self._state = state
 
     @property
     def pid(self) -> int | None:
-        popen = self.state.popen
+        """PID of the running process, ``None`` when it is not running."""
+        popen = self._state.popen
         return popen.pid if popen is not None and popen.poll() is None else None
 
     @property
     def alive(self) -> bool:
         return self.pid is not None
 
-    def spawn(self, command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
-        preexec = pdeathsig_preexec()
-        child_env = None if not env else {**os.environ, **env}
-        with self.state.lock:
-            if self.state.stderr is None:
-                # A file, not a pipe: nobody drains a pipe while the child runs.
-                self.state.stderr = tempfile.TemporaryFile(prefix=f"{self.name}_", suffix=".log")
-            else:
-                self.state.stderr.seek(0)
-                self.state.stderr.truncate()
-            log = self.state.stderr
-
-            def make() -> subprocess.Popen[bytes]:
-                return subprocess.Popen(
-                    list(command),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    close_fds=True,
-                    preexec_fn=preexec,
-                    env=child_env,
-                )
-
-            self.state.popen = Spawner.spawn(make)
-
-    def wait_ready(self, ready: Callable[[int], bool], timeout_s: float, what: str) -> None:
-        """Poll ``ready(pid)`` until true; :class:`_EarlyExit` if the child exits, ClusterError at the timeout."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            popen = self.state.popen
-            assert popen is not None
-            if popen.poll() is not None:
-                raise _EarlyExit(
-                    f"{self.name} exited with code {popen.returncode} during startup ({what}); "
-                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
-                )
-            if ready(popen.pid):
-                return
-            if time.monotonic() >= deadline:
-                self.state.stop(kill=True)
-                raise ClusterError(
-                    f"{self.name} (pid {popen.pid}) not ready after {timeout_s:.1f} s ({what}); "
-                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
-                )
-            time.sleep(_POLL_S)
-
     def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
-        return self.state.stderr_tail(limit)
+        """The last ``limit`` bytes it logged."""
+        return self._state.stderr_tail(limit)
 
 
-class EmbeddedEtcd:
+class EmbeddedEtcd(_Child):
     """A single-member etcd on 127.0.0.1 with its data in a private temporary directory."""
 
-    def __init__(self, process: _Process, binary: Path, data_dir: Path) -> None:
-        self._process = process
+    def __init__(self, state: ChildProcess, binary: Path, data_dir: Path) -> None:
+        super().__init__("etcd", state)
         self._binary = binary
         self._data_dir = data_dir
         self.client_port = 0
@@ -200,17 +151,6 @@ class EmbeddedEtcd:
     def endpoint(self) -> str:
         """``"127.0.0.1:<client port>"``: what the masters' ``-etcd_endpoints`` and clients' ``etcd://`` name."""
         return f"{LOOPBACK}:{self.client_port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
-    @property
-    def alive(self) -> bool:
-        return self._process.alive
-
-    def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
-        return self._process.stderr_tail(limit)
 
     def healthy(self) -> bool:
         """etcd answers ``{"health": "true"}`` on its client port."""
@@ -222,48 +162,47 @@ class EmbeddedEtcd:
         return False
 
     def start(self, timeout_s: float) -> None:
-        for attempt in range(1, _PORT_ATTEMPTS + 1):
-            self.client_port, self.peer_port = free_ports(2)
-            peer = f"http://{LOOPBACK}:{self.peer_port}"
-            client = f"http://{LOOPBACK}:{self.client_port}"
-            # A fresh member directory per attempt: a half-initialised one names the old peer URL.
-            shutil.rmtree(self._data_dir / "member", ignore_errors=True)
-            self._process.spawn(
-                [
-                    str(self._binary),
-                    "--name=mooncake-kvaddr",
-                    f"--data-dir={self._data_dir}",
-                    f"--listen-client-urls={client}",
-                    f"--advertise-client-urls={client}",
-                    f"--listen-peer-urls={peer}",
-                    f"--initial-advertise-peer-urls={peer}",
-                    f"--initial-cluster=mooncake-kvaddr={peer}",
-                    "--initial-cluster-state=new",
-                    "--logger=zap",
-                    "--log-level=warn",
-                ]
-            )
-            try:
-                self._process.wait_ready(
-                    lambda pid: self.healthy() and owns_listener(pid, self.client_port),
-                    timeout_s,
-                    f"client port {self.client_port}, peer port {self.peer_port}",
-                )
-                return
-            except _EarlyExit as exc:  # usually a port taken between free_ports() and etcd's bind: retry
-                if attempt == _PORT_ATTEMPTS:
-                    raise ClusterError(str(exc)) from None
-        raise AssertionError("unreachable")
+        """Start on free ports and wait until healthy; a lost port race retries with new ones."""
+        self._state.start(
+            self._name,
+            self._command,
+            lambda pid: self.healthy() and owns_listener(pid, self.client_port),
+            timeout_s=timeout_s,
+            attempts=_PORT_ATTEMPTS,
+            ports=lambda: f"client port {self.client_port}, peer port {self.peer_port}",
+            waited_for='/health never answered {"health": "true"}',
+            error=ClusterError,
+        )
+
+    def _command(self) -> list[str]:
+        self.client_port, self.peer_port = free_ports(2)
+        peer = f"http://{LOOPBACK}:{self.peer_port}"
+        client = f"http://{LOOPBACK}:{self.client_port}"
+        # A fresh member directory per attempt: a half-initialised one names the old peer URL.
+        shutil.rmtree(self._data_dir / "member", ignore_errors=True)
+        return [
+            str(self._binary),
+            "--name=mooncake-kvaddr",
+            f"--data-dir={self._data_dir}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=mooncake-kvaddr={peer}",
+            "--initial-cluster-state=new",
+            "--logger=zap",
+            "--log-level=warn",
+        ]
 
 
-class HaMaster:
+class HaMaster(_Child):
     """One ``mooncake_master -enable_ha=true`` of an :class:`EmbeddedCluster`, on fixed loopback ports."""
 
     def __init__(
-        self, index: int, process: _Process, command: Callable[[int, int], list[str]], env: Mapping[str, str]
+        self, index: int, state: ChildProcess, command: Callable[[int, int], list[str]], env: Mapping[str, str]
     ) -> None:
+        super().__init__(f"mooncake_master_{index}", state)
         self.index = index
-        self._process = process
         self._command = command
         self._env = dict(env)
         self.rpc_port = 0
@@ -273,15 +212,6 @@ class HaMaster:
     def rpc_address(self) -> str:
         """``"127.0.0.1:<rpc port>"``, as the masters publish the leader's address in etcd."""
         return f"{LOOPBACK}:{self.rpc_port}"
-
-    @property
-    def pid(self) -> int | None:
-        """PID of the running master, ``None`` when it is not running."""
-        return self._process.pid
-
-    @property
-    def alive(self) -> bool:
-        return self._process.alive
 
     def status(self) -> MasterStatus | None:
         """Its ``/health`` answer, ``None`` when it does not answer (stopped, starting, killed)."""
@@ -295,44 +225,40 @@ class HaMaster:
         pid = self.pid
         return status is not None and status.serving and pid is not None and owns_listener(pid, self.rpc_port)
 
-    def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
-        """The last ``limit`` bytes this master logged."""
-        return self._process.stderr_tail(limit)
-
     def start(self, timeout_s: float, *, new_ports: bool) -> None:
         """Start and wait until it answers ``/health`` (as a standby or leader); ``new_ports`` picks ports."""
-        attempts = _PORT_ATTEMPTS if new_ports else 1
-        for attempt in range(1, attempts + 1):
+
+        def command() -> list[str]:
             if new_ports:
                 self.rpc_port, self.metrics_port = free_ports(2)
-            self._process.spawn(self._command(self.rpc_port, self.metrics_port), self._env)
-            try:
-                self._process.wait_ready(
-                    lambda pid: _master_status(self.metrics_port) is not None
-                    and owns_listener(pid, self.metrics_port),
-                    timeout_s,
-                    f"rpc port {self.rpc_port}, metrics port {self.metrics_port}",
-                )
-                return
-            except _EarlyExit as exc:
-                if attempt == attempts:
-                    raise ClusterError(str(exc)) from None
-        raise AssertionError("unreachable")
+            return self._command(self.rpc_port, self.metrics_port)
+
+        self._state.start(
+            self._name,
+            command,
+            lambda pid: _master_status(self.metrics_port) is not None and owns_listener(pid, self.metrics_port),
+            timeout_s=timeout_s,
+            attempts=_PORT_ATTEMPTS if new_ports else 1,
+            ports=lambda: f"rpc port {self.rpc_port}, metrics port {self.metrics_port}",
+            waited_for="/health never answered as a leader or standby",
+            error=ClusterError,
+            env=self._env,
+        )
 
     def kill(self) -> None:
         """SIGKILL it (a crash) and reap it. Safe when it is not running."""
-        self._process.state.stop(kill=True)
+        self._state.stop(kill=True)
 
     def stop(self) -> None:
         """SIGTERM it, SIGKILL after a bounded grace period."""
-        self._process.state.stop(grace_s=_STOP_GRACE_S)
+        self._state.stop(grace_s=_STOP_GRACE_S)
 
     def __repr__(self) -> str:
         state = f"pid={self.pid}" if self.alive else "stopped"
         return f"HaMaster(#{self.index}, rpc={self.rpc_port}, metrics={self.metrics_port}, {state})"
 
 
-class EmbeddedCluster:
+class EmbeddedCluster(ChildOwner):
     """etcd plus ``masters`` HA ``mooncake_master`` processes, all children of this process, on 127.0.0.1.
 
     Ports are picked free at :meth:`start`. Use as a context manager, or call :meth:`start` and
@@ -373,21 +299,11 @@ class EmbeddedCluster:
         """
         if isinstance(masters, bool) or not isinstance(masters, int) or not 2 <= masters <= 8:
             raise ValueError(f"masters: must be 2..8 (one leader and its standbys), got {masters!r}")
-        if isinstance(master_args, str) or not isinstance(master_args, Sequence):
-            raise TypeError("master_args: expected a sequence of strings, not one string")
-        for arg in master_args:
-            if not isinstance(arg, str):
-                raise TypeError(f"master_args: expected strings, got {type(arg).__name__}")
         env = dict(master_env or {})
         for name, value in env.items():
             if not isinstance(name, str) or not isinstance(value, str) or not name or "=" in name:
                 raise TypeError(f"master_env: expected variable names and string values, got {name!r}={value!r}")
-        if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, (int, float)):
-            raise TypeError(f"start_timeout_s: expected seconds, got {type(start_timeout_s).__name__}")
-        if not math.isfinite(start_timeout_s) or start_timeout_s <= 0:
-            raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
-        if isinstance(log_level, bool) or not isinstance(log_level, int) or not 0 <= log_level <= 3:
-            raise ValueError(f"log_level: must be 0..3 (glog INFO..FATAL), got {log_level!r}")
+        self._start_timeout_s = check_start_options(start_timeout_s, log_level)
         self._count = masters
         # The embedded master's rules (loopback only, one -name=value flag each), and the HA flags are ours too.
         self._master_args = check_master_args("master_args", master_args)
@@ -396,19 +312,16 @@ class EmbeddedCluster:
             if name in ("enable_ha", "etcd_endpoints"):
                 raise ValueError(f"master_args: {arg!r} sets {name}, which the cluster sets (HA over its own etcd)")
         self._master_env = env
-        self._start_timeout_s = float(start_timeout_s)
         self._master_binary = Path(master_binary) if master_binary is not None else None
         self._etcd_binary = Path(etcd_binary) if etcd_binary is not None else None
         self._log_level = log_level
-        self._lifecycle = threading.RLock()
-        self._closed = False
         self._started = False
         self._etcd: EmbeddedEtcd | None = None
         self._masters: list[HaMaster] = []
         # Everything the finalizer needs, never `self`: the children (masters first) and the data directory.
         self._children: list[ChildProcess] = []
         self._data_dir = Path(tempfile.mkdtemp(prefix="mooncake_kvaddr_etcd_"))
-        self._finalizer = weakref.finalize(self, _release, self._children, self._data_dir)
+        self._own(_release, self._children, self._data_dir)
 
     # ------------------------------------------------------------------ what clients and tests read
 
@@ -463,26 +376,23 @@ class EmbeddedCluster:
     def start(self) -> EmbeddedCluster:
         """Start etcd, then the masters, and wait until a leader serves; returns ``self``. Thread-safe."""
         with self._lifecycle:
-            if self._closed or not self._finalizer.alive:
-                raise ClusterError("this EmbeddedCluster was closed; create a new one")
+            self._check_open(ClusterError)
             if self._started:
                 return self
             master_binary = self._master_binary or find_master_binary()
             etcd_binary = self._etcd_binary or find_etcd_binary()
             try:
-                etcd = EmbeddedEtcd(self._child("etcd"), etcd_binary, self._data_dir)
+                etcd = EmbeddedEtcd(self._child(etcd=True), etcd_binary, self._data_dir)
                 self._etcd = etcd
                 etcd.start(self._start_timeout_s)
                 for index in range(self._count):
                     command = self._master_command(master_binary)
-                    master = HaMaster(index, self._child(f"mooncake_master_{index}"), command, self._master_env)
+                    master = HaMaster(index, self._child(), command, self._master_env)
                     self._masters.append(master)
                     master.start(self._start_timeout_s, new_ports=True)
                 self.wait_for_leader()
             except BaseException:
-                # Nothing half-started stays behind, and this object is spent (a retry gets a clear error).
-                self._closed = True
-                self._finalizer()
+                self.close()  # nothing half-started stays behind; this object is spent (a retry: a clear error)
                 raise
             self._started = True
             return self
@@ -505,30 +415,8 @@ class EmbeddedCluster:
                 raise ValueError(f"{master!r} is not a master of this cluster")
             if master.alive:
                 return
-            deadline = time.monotonic() + self._start_timeout_s
-            while True:
-                try:
-                    master.start(self._start_timeout_s, new_ports=False)
-                    return
-                except ClusterError:
-                    # The killed process's sockets may linger for a moment.
-                    if time.monotonic() >= deadline:
-                        raise
-                    time.sleep(0.2)
-
-    def close(self) -> None:
-        """Stop every master, then etcd, and remove etcd's data. Idempotent."""
-        with self._lifecycle:
-            self._closed = True
-            self._finalizer()
-
-    def __enter__(self) -> EmbeddedCluster:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+            timeout_s = self._start_timeout_s
+            self._start_again(lambda: master.start(timeout_s, new_ports=False), ClusterError, timeout_s)
 
     def __repr__(self) -> str:
         etcd = f"etcd={self._etcd.endpoint}" if self._etcd is not None and self._etcd.client_port else "etcd=?"
@@ -536,14 +424,14 @@ class EmbeddedCluster:
 
     # ------------------------------------------------------------------ internals
 
-    def _child(self, name: str) -> _Process:
+    def _child(self, *, etcd: bool = False) -> ChildProcess:
         state = ChildProcess()
         # Masters are stopped before etcd: a master that loses etcd first only logs about it.
-        if name == "etcd":
+        if etcd:
             self._children.append(state)
         else:
             self._children.insert(0, state)
-        return _Process(name, state)
+        return state
 
     def _master_command(self, binary: Path) -> Callable[[int, int], list[str]]:
         endpoint = self.etcd_endpoint
@@ -573,7 +461,3 @@ def _release(children: list[ChildProcess], data_dir: Path) -> None:
         with contextlib.suppress(Exception):
             state.release()
     shutil.rmtree(data_dir, ignore_errors=True)
-
-
-class _EarlyExit(ClusterError):
-    """A child exited before it was ready (typically a port race); its start may retry with new ports."""

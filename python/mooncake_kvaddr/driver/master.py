@@ -8,21 +8,15 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import tempfile
-import threading
-import time
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Final
 
 from mooncake_kvaddr.driver.process import (
     LOOPBACK,
     STDERR_TAIL_BYTES,
+    ChildOwner,
     ChildProcess,
-    Spawner,
     free_ports,
     health_ok,
     owns_listener,
@@ -36,6 +30,7 @@ __all__ = [
     "EmbeddedMaster",
     "MasterError",
     "check_master_args",
+    "check_start_options",
     "find_master_binary",
     "free_ports",
     "mooncake_install_hint",
@@ -94,7 +89,7 @@ def find_master_binary() -> Path:
     )
 
 
-class EmbeddedMaster:
+class EmbeddedMaster(ChildOwner):
     """A ``mooncake_master`` child process listening on 127.0.0.1.
 
     Ports are picked free at :meth:`start` unless given (a start that loses a port race is retried with
@@ -132,22 +127,12 @@ class EmbeddedMaster:
                 temporary file, kept for error messages, never to this process's output.
             port_attempts: how many times to retry with new ports when auto-picked ports were taken.
         """
-        if isinstance(extra_args, str) or not isinstance(extra_args, Sequence):
-            raise TypeError("extra_args: expected a sequence of strings, not one string")
-        for arg in extra_args:
-            if not isinstance(arg, str):
-                raise TypeError(f"extra_args: expected strings, got {type(arg).__name__}")
-        check_master_args("extra_args", extra_args)
+        self._extra_args = check_master_args("extra_args", extra_args)
         _check_port("rpc_port", rpc_port)
         _check_port("metrics_port", metrics_port)
         if rpc_port is not None and rpc_port == metrics_port:
             raise ValueError(f"rpc_port and metrics_port must differ, both are {rpc_port}")
-        if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, (int, float)):
-            raise TypeError(f"start_timeout_s: expected seconds, got {type(start_timeout_s).__name__}")
-        if not math.isfinite(start_timeout_s) or start_timeout_s <= 0:
-            raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
-        if isinstance(log_level, bool) or not isinstance(log_level, int) or not 0 <= log_level <= 3:
-            raise ValueError(f"log_level: must be 0..3 (glog INFO..FATAL), got {log_level!r}")
+        self._start_timeout_s = check_start_options(start_timeout_s, log_level)
         if isinstance(port_attempts, bool) or not isinstance(port_attempts, int) or port_attempts < 1:
             raise ValueError(f"port_attempts: must be >= 1, got {port_attempts!r}")
         self._binary = Path(binary) if binary is not None else None
@@ -156,17 +141,10 @@ class EmbeddedMaster:
         self._ports_chosen = False
         self._rpc_port = rpc_port
         self._metrics_port = metrics_port
-        self._extra_args = tuple(extra_args)
-        self._start_timeout_s = float(start_timeout_s)
         self._log_level = log_level
         self._port_attempts = port_attempts
         self._proc = ChildProcess()
-        # One lifecycle operation at a time: two threads starting one master must not spawn two, and a
-        # close() that races a start() waits for it and then stops what it started.
-        self._lifecycle = threading.RLock()
-        self._closed = False
-        # Runs at garbage collection and (atexit=True by default) at interpreter exit.
-        self._finalizer = weakref.finalize(self, self._proc.release)
+        self._own(self._proc.release)
 
     # ------------------------------------------------------------------ properties
 
@@ -226,40 +204,40 @@ class EmbeddedMaster:
         one process.
         """
         with self._lifecycle:
-            if self._closed or not self._finalizer.alive:
-                raise MasterError("this EmbeddedMaster was closed; create a new one")
+            self._check_open(MasterError)
             if self.alive:
                 return self
             binary = self._binary or find_master_binary()
             pick_ports = not self._ports_chosen and (self._auto_rpc_port or self._auto_metrics_port)
-            attempts = self._port_attempts if pick_ports else 1
-            for attempt in range(1, attempts + 1):
-                if pick_ports:
+
+            def command() -> list[str]:
+                if pick_ports:  # each attempt: the usual early exit is a port taken since free_ports()
                     self._pick_ports()
-                try:
-                    self._launch(binary)
-                except _EarlyExit as exc:
-                    # The usual reason is a port taken between free_ports() and the master's bind: retry.
-                    if attempt == attempts:
-                        raise MasterError(str(exc)) from None
-                    continue
-                self._ports_chosen = True
-                return self
-            raise AssertionError("unreachable")
+                return self._command(binary)
+
+            self._proc.start(
+                "mooncake_master",
+                command,
+                # /health answers before the RPC server binds: a master that lost its RPC port to someone else
+                # reports healthy and exits a moment later, and a /health answer may come from another process
+                # holding the metrics port. Ready = healthy AND our child owns both listening ports.
+                lambda pid: health_ok(self.metrics_port)
+                and owns_listener(pid, self.rpc_port)
+                and owns_listener(pid, self.metrics_port),
+                timeout_s=self._start_timeout_s,
+                attempts=self._port_attempts if pick_ports else 1,
+                ports=lambda: f"rpc port {self._rpc_port}, metrics port {self._metrics_port}",
+                waited_for="GET /health on the metrics port never returned 200 with both ports ours",
+                error=MasterError,
+            )
+            self._ports_chosen = True
+            return self
 
     def restart(self) -> EmbeddedMaster:
         """Stop the master (SIGTERM) and start a new one on the **same ports**; old objects are lost."""
         with self._lifecycle:
             self._proc.stop()
-            deadline = time.monotonic() + self._start_timeout_s
-            while True:
-                try:
-                    return self.start()
-                except MasterError:
-                    # The old sockets may linger for a moment after the previous process exited.
-                    if self._closed or time.monotonic() >= deadline:
-                        raise
-                    time.sleep(0.2)
+            return self._start_again(self.start, MasterError, self._start_timeout_s)
 
     def kill(self) -> None:
         """SIGKILL the master (simulates a crash; used by reliability tests). Safe if not running."""
@@ -279,18 +257,9 @@ class EmbeddedMaster:
         objects in memory only, so they are lost either way.
         """
         with self._lifecycle:
-            self._closed = True
             if kill:
                 self._proc.stop(kill=True)
-            self._finalizer()
-
-    def __enter__(self) -> EmbeddedMaster:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+            super().close()
 
     def __repr__(self) -> str:
         state = f"pid={self.pid}" if self.alive else "stopped"
@@ -325,66 +294,6 @@ class EmbeddedMaster:
             f"-metrics_port={self.metrics_port}",
         ]
 
-    def _launch(self, binary: Path) -> None:
-        command = self._command(binary)
-        preexec = pdeathsig_preexec()
-        with self._proc.lock:
-            if self._proc.stderr is None:
-                # A file, not a pipe: nobody drains a pipe while the master runs, and a full pipe would
-                # block the master's logging thread.
-                self._proc.stderr = tempfile.TemporaryFile(prefix="mooncake_master_", suffix=".log")
-            else:
-                self._proc.stderr.seek(0)
-                self._proc.stderr.truncate()
-            log = self._proc.stderr
-
-            def make() -> subprocess.Popen[bytes]:
-                return subprocess.Popen(
-                    command,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    close_fds=True,
-                    preexec_fn=preexec,
-                )
-
-            self._proc.popen = Spawner.spawn(make)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self._proc.stop()
-            raise
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self._start_timeout_s
-        delay = 0.01
-        while True:
-            popen = self._proc.popen
-            assert popen is not None
-            if popen.poll() is not None:
-                raise _EarlyExit(
-                    f"mooncake_master exited with code {popen.returncode} during startup "
-                    f"(rpc port {self._rpc_port}, metrics port {self._metrics_port}); "
-                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
-                )
-            # /health answers before the RPC server binds: a master that lost its RPC port to someone
-            # else reports healthy and exits a moment later, and a /health answer may come from another
-            # process holding the metrics port. Ready = healthy AND our child owns both listening ports.
-            if (
-                health_ok(self.metrics_port)
-                and owns_listener(popen.pid, self.rpc_port)
-                and owns_listener(popen.pid, self.metrics_port)
-            ):
-                return
-            if time.monotonic() >= deadline:
-                raise MasterError(
-                    f"mooncake_master (pid {popen.pid}) not ready after {self._start_timeout_s:.1f} s: "
-                    f"GET {self.health_url} never returned 200 with RPC port {self._rpc_port} listening; "
-                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-
 
 #: Master flags extra arguments may not set: where it listens (the embedded master is loopback only, on ports
 #: this package picks) and the gflags flags that load other flags from a file or the environment.
@@ -408,10 +317,15 @@ RESERVED_MASTER_FLAGS: Final = frozenset(
 
 
 def check_master_args(field: str, args: Sequence[str]) -> tuple[str, ...]:
-    """``args`` (strings, checked by the caller) if each is one ``-name=value`` (or ``--name=value``) flag the
-    embedded master may take; else ``ValueError`` naming ``field``. Refused: a bare ``-name`` (gflags may take
-    the next argument as its value), ``--`` or a positional argument (which end flag parsing), and the
-    :data:`RESERVED_MASTER_FLAGS`."""
+    """``args`` as a tuple if each is one ``-name=value`` (or ``--name=value``) flag the embedded master may take;
+    else ``TypeError`` (not a sequence of strings) or ``ValueError`` naming ``field``. Refused: a bare ``-name``
+    (gflags may take the next argument as its value), ``--`` or a positional argument (which end flag parsing),
+    and the :data:`RESERVED_MASTER_FLAGS`."""
+    if isinstance(args, str) or not isinstance(args, Sequence):
+        raise TypeError(f"{field}: expected a sequence of strings, not one string")
+    for arg in args:
+        if not isinstance(arg, str):
+            raise TypeError(f"{field}: expected strings, got {type(arg).__name__}")
     for arg in args:
         body = arg[2:] if arg.startswith("--") else arg[1:] if arg.startswith("-") else ""
         name, equals, _ = body.partition("=")
@@ -426,6 +340,18 @@ def check_master_args(field: str, args: Sequence[str]) -> tuple[str, ...]:
     return tuple(args)
 
 
+def check_start_options(start_timeout_s: float, log_level: int) -> float:
+    """``start_timeout_s`` as a float if it and the glog ``log_level`` are valid, else ``TypeError``/``ValueError``
+    (the embedded master's and the HA cluster's checks)."""
+    if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, (int, float)):
+        raise TypeError(f"start_timeout_s: expected seconds, got {type(start_timeout_s).__name__}")
+    if not math.isfinite(start_timeout_s) or start_timeout_s <= 0:
+        raise ValueError(f"start_timeout_s: must be > 0, got {start_timeout_s}")
+    if isinstance(log_level, bool) or not isinstance(log_level, int) or not 0 <= log_level <= 3:
+        raise ValueError(f"log_level: must be 0..3 (glog INFO..FATAL), got {log_level!r}")
+    return float(start_timeout_s)
+
+
 def _check_port(name: str, port: object) -> None:
     if port is None:
         return
@@ -434,7 +360,3 @@ def _check_port(name: str, port: object) -> None:
     if not 1 <= port <= 65535:
         # 0 would mean "the master's default port" to mooncake_master, not "any free port".
         raise ValueError(f"{name}: must be 1..65535 (None picks a free one), got {port}")
-
-
-class _EarlyExit(MasterError):
-    """The master exited before becoming ready (typically a port race); start() may retry."""

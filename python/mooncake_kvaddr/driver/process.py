@@ -1,9 +1,9 @@
-"""Child-process plumbing for the embedded master: free ports, spawning with a parent-death signal, stopping,
-and proving which process owns a listening port.
+"""Child-process plumbing for the embedded master and the HA cluster: free ports, one start-up routine (spawn
+with a parent-death signal, log to a private file, wait for readiness, retry a lost port race), stopping, and
+proving which process owns a listening port.
 
-Kept apart from :mod:`mooncake_kvaddr.driver.master` (which decides *when* to start and stop) so that each
-reads on its own; the benchmark reuses the spawning helpers for its ``mooncake_client``. See
-``docs/configuration.md``, "The embedded master".
+Kept apart from :mod:`mooncake_kvaddr.driver.master` and :mod:`mooncake_kvaddr.driver.cluster` (which decide
+*when* to start and stop); the benchmark reuses the spawning helpers for its ``mooncake_client``.
 """
 
 from __future__ import annotations
@@ -17,14 +17,19 @@ import queue
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
-from collections.abc import Callable
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Final
+from types import TracebackType
+from typing import IO, Final, TypeVar
 
 __all__ = [
     "LOOPBACK",
     "STDERR_TAIL_BYTES",
+    "ChildOwner",
     "ChildProcess",
     "Spawner",
     "free_ports",
@@ -149,15 +154,103 @@ class Spawner:
 
 
 class ChildProcess:
-    """The state a finalizer needs to stop the master, kept apart from ``EmbeddedMaster``.
+    """One child server (the embedded master, the cluster's etcd or one of its masters): started by
+    :meth:`start`, stopped by :meth:`stop` and :meth:`release`, its output kept in a private log file.
 
-    ``weakref.finalize`` must not reference the owner, so everything needed to stop the child lives here.
+    Kept apart from its owner: ``weakref.finalize`` must not reference the owner, so everything needed to
+    stop the child lives here.
     """
 
     def __init__(self) -> None:
         self.popen: subprocess.Popen[bytes] | None = None
         self.stderr: IO[bytes] | None = None
         self.lock = threading.RLock()
+
+    def start(
+        self,
+        name: str,
+        command: Callable[[], Sequence[str]],
+        ready: Callable[[int], bool],
+        *,
+        timeout_s: float,
+        attempts: int,
+        ports: Callable[[], str],
+        waited_for: str,
+        error: type[Exception],
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """Run ``command()`` as ``name`` and wait until ``ready(pid)``; ``error`` with the log tail if it fails.
+
+        A child that exits before it is ready (typically a port taken between :func:`free_ports` and its bind)
+        is run again with a fresh ``command()``, ``attempts`` times in all. One not ready after ``timeout_s``
+        is killed; on any other failure (Ctrl-C) it is stopped. ``ports()`` and ``waited_for`` describe the
+        attempt in the errors; ``env`` adds variables to the child's environment only.
+        """
+        for attempt in range(1, attempts + 1):
+            self._spawn(name, command(), env)
+            try:
+                self._wait_ready(name, ready, timeout_s, ports, waited_for, error)
+                return
+            except _EarlyExit as exc:
+                self.stop()  # reaps it
+                if attempt == attempts:
+                    raise error(str(exc)) from None
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _spawn(self, name: str, command: Sequence[str], env: Mapping[str, str] | None) -> None:
+        preexec = pdeathsig_preexec()
+        child_env = None if not env else {**os.environ, **env}
+        argv = list(command)
+        with self.lock:
+            if self.stderr is None:
+                # A file, not a pipe: nobody drains a pipe while the child runs, and a full pipe would block
+                # the child's logging thread.
+                self.stderr = tempfile.TemporaryFile(prefix=f"{name}_", suffix=".log")
+            else:
+                self.stderr.seek(0)
+                self.stderr.truncate()
+            log = self.stderr
+
+            def make() -> subprocess.Popen[bytes]:
+                return subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True, preexec_fn=preexec,
+                    env=child_env,
+                )  # fmt: skip
+
+            self.popen = Spawner.spawn(make)
+
+    def _wait_ready(
+        self,
+        name: str,
+        ready: Callable[[int], bool],
+        timeout_s: float,
+        ports: Callable[[], str],
+        waited_for: str,
+        error: type[Exception],
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.01
+        while True:
+            popen = self.popen
+            assert popen is not None
+            if popen.poll() is not None:
+                raise _EarlyExit(
+                    f"{name} exited with code {popen.returncode} during startup ({ports()}); "
+                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
+                )
+            if ready(popen.pid):
+                return
+            if time.monotonic() >= deadline:
+                self.stop(kill=True)
+                raise error(
+                    f"{name} (pid {popen.pid}) not ready after {timeout_s:.1f} s ({ports()}): {waited_for}; "
+                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
         with self.lock:
@@ -200,6 +293,60 @@ class ChildProcess:
             if self.stderr is not None:
                 self.stderr.close()
                 self.stderr = None
+
+
+_Owner = TypeVar("_Owner", bound="ChildOwner")
+_T = TypeVar("_T")
+
+
+class ChildOwner:
+    """The lifecycle the embedded master and the HA cluster share: one lock for every step, a finalizer that
+    releases the children (at :meth:`close`, garbage collection and interpreter exit), ``with`` = start and
+    close, and a start again on the same ports."""
+
+    def _own(self, release: Callable[..., None], *args: object) -> None:
+        # One lifecycle operation at a time: two threads starting one owner must not spawn twice, and a close()
+        # that races a start() waits for it and then stops what it started.
+        self._lifecycle = threading.RLock()
+        self._closed = False
+        # Runs at garbage collection and (atexit=True by default) at interpreter exit; holds no `self`.
+        self._finalizer = weakref.finalize(self, release, *args)
+
+    def _check_open(self, error: type[Exception]) -> None:
+        if self._closed or not self._finalizer.alive:
+            raise error(f"this {type(self).__name__} was closed; create a new one")
+
+    def _start_again(self, start: Callable[[], _T], error: type[Exception], timeout_s: float) -> _T:
+        """``start()`` until it succeeds or ``timeout_s`` passes: the old process's sockets may linger."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return start()
+            except error:
+                if self._closed or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+    def start(self: _Owner) -> _Owner:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop every child for good and release what it holds. Idempotent; waits for a concurrent start()."""
+        with self._lifecycle:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class _EarlyExit(Exception):
+    """The child exited before it was ready; :meth:`ChildProcess.start` may run it again."""
 
 
 def health_ok(port: int) -> bool:
