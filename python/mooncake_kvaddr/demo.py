@@ -15,9 +15,9 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -32,7 +32,9 @@ from mooncake_kvaddr.driver.store import MooncakeStore, StoreError
 from mooncake_kvaddr.driver.store_setup import PROGRESS
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
-__all__ = ["build_parser", "main", "run"]
+__all__ = ["build_parser", "chained_hashes", "kv_cache", "main", "run", "run_or_report"]
+
+_T = TypeVar("_T")
 
 _RESULT_TIMEOUT_S = 300.0
 _MODE_HELP = (
@@ -96,7 +98,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _chained_hashes(count: int, seed: int) -> list[bytes]:
+def chained_hashes(count: int, seed: int) -> list[bytes]:
     """Prefix-chained sha256 hashes, as vLLM computes block hashes (each covers everything before it)."""
     hashes: list[bytes] = []
     previous = seed.to_bytes(8, "little")
@@ -106,7 +108,7 @@ def _chained_hashes(count: int, seed: int) -> list[bytes]:
     return hashes
 
 
-def _kv_cache(regions: int, num_blocks: int, block_bytes: int, rng: np.random.Generator | None) -> list[Any]:
+def kv_cache(regions: int, num_blocks: int, block_bytes: int, rng: np.random.Generator | None) -> list[Any]:
     """``regions`` arrays of ``num_blocks`` blocks: random bytes, or zeros when ``rng`` is None."""
     if rng is None:
         return [np.zeros((num_blocks, block_bytes), dtype=np.uint8) for _ in range(regions)]
@@ -197,11 +199,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # The caches are built once the store is up: a master that cannot be reached is reported first.
         rng = np.random.default_rng(args.seed)
         started = time.perf_counter()
-        cache_a = _kv_cache(args.regions, num_blocks, args.block_bytes, rng)
-        cache_b = _kv_cache(args.regions, num_blocks, args.block_bytes, None)
+        cache_a = kv_cache(args.regions, num_blocks, args.block_bytes, rng)
+        cache_b = kv_cache(args.regions, num_blocks, args.block_bytes, None)
         ids_a = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
         ids_b = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
-        hashes = _chained_hashes(token_len // hbs, args.seed)
+        hashes = chained_hashes(token_len // hbs, args.seed)
         timings["build_cache"] = time.perf_counter() - started
         writer = KVTransfer(
             store, [ChunkedTokenDatabase(metadata, block_size, hbs)], transfer_mode=args.mode, staging_pool=pool
@@ -333,22 +335,31 @@ def _print_report(report: dict[str, Any]) -> None:
     print("verified: every byte identical" if report["verified"] else "NOT VERIFIED")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status (0 only if every byte was verified)."""
-    args = _parse(argv)
-    verbose = verbose_requested(args.verbose)
+def run_or_report(
+    name: str, verbose: bool, job: Callable[[], _T], errors: tuple[type[BaseException], ...]
+) -> _T | None:
+    """``job()`` with Mooncake's native log lines hidden unless ``verbose``; on one of ``errors``, ``None``
+    after printing "<name> failed: ..." and Mooncake's last log lines on standard error (both demos)."""
     failure: BaseException | None = None
     native_tail = ""
     with native_log(verbose) as native:
         try:
-            report = run(args)
-        except (StoreError, ImportError, OSError, ValueError) as exc:
+            return job()
+        except errors as exc:
             failure = exc
             native_tail = native.tail()
-    if failure is not None:
-        print(f"demo failed: {type(failure).__name__}: {failure}", file=sys.stderr)
-        if native_tail:
-            print(f"Mooncake's last log lines (--verbose shows them all):\n{native_tail}", file=sys.stderr)
+    print(f"{name} failed: {type(failure).__name__}: {failure}", file=sys.stderr)
+    if native_tail:
+        print(f"Mooncake's last log lines (--verbose shows them all):\n{native_tail}", file=sys.stderr)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (0 only if every byte was verified)."""
+    args = _parse(argv)
+    errors = (StoreError, ImportError, OSError, ValueError)
+    report = run_or_report("demo", verbose_requested(args.verbose), lambda: run(args), errors)
+    if report is None:
         return 2
     _print_report(report)
     if args.json is not None:

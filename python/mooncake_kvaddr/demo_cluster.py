@@ -8,7 +8,6 @@ new leader still serves (docs/deployment.md). Needs Debian's ``etcd-server``; sa
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 from collections.abc import Sequence
@@ -16,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_kvaddr._cli import native_log, verbose_requested
+from mooncake_kvaddr._cli import verbose_requested
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.metadata import KeyMetadata
+from mooncake_kvaddr.demo import chained_hashes, kv_cache, run_or_report
 from mooncake_kvaddr.driver.cluster import ClusterError, EmbeddedCluster, find_etcd_binary
 from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.store import MooncakeStore, StoreError
@@ -30,15 +30,6 @@ _BLOCK_SIZE = 16
 _REGIONS = 8
 _BLOCK_BYTES = 1024
 _SERVICE_LIMIT_S = 60.0
-
-
-def _hashes(seed: int, count: int) -> list[bytes]:
-    out: list[bytes] = []
-    previous = seed.to_bytes(8, "little")
-    for i in range(count):
-        previous = hashlib.sha256(previous + i.to_bytes(4, "little")).digest()
-        out.append(previous)
-    return out
 
 
 def run_cluster_demo(
@@ -53,8 +44,8 @@ def run_cluster_demo(
     rng = np.random.default_rng(0)
     blocks = chunks + 1  # block 0 is vLLM's null block
     ids = list(range(1, blocks))
-    source = [rng.integers(0, 256, (blocks, _BLOCK_BYTES), dtype=np.uint8) for _ in range(_REGIONS)]
-    target = [np.zeros((blocks, _BLOCK_BYTES), dtype=np.uint8) for _ in range(_REGIONS)]
+    source = kv_cache(_REGIONS, blocks, _BLOCK_BYTES, rng)
+    target = kv_cache(_REGIONS, blocks, _BLOCK_BYTES, None)
     tokens = chunks * _BLOCK_SIZE
     metadata = KeyMetadata("demo-cluster", 0, 0, 0, 0)
     started = time.monotonic()
@@ -78,7 +69,7 @@ def run_cluster_demo(
             try:
                 writer.register_kv_caches(source, blocks)
                 reader.register_kv_caches(target, blocks)
-                before = _hashes(1, chunks)
+                before = chained_hashes(chunks, 1)
                 expected = {"before": [region.copy() for region in source]}
                 stored = writer.store(TransferRequest("before", tokens, before, [ids]))
                 say(f"stored request 'before' through {cluster.master_server_address}: {stored.stored}/{chunks} chunks")
@@ -87,7 +78,7 @@ def run_cluster_demo(
                 killed = cluster.kill_leader()
                 killed_at = time.monotonic()
                 say(f"SIGKILLed leader #{killed.index} (pid gone); storing request 'after' until it succeeds")
-                after = _hashes(2, chunks)
+                after = chained_hashes(chunks, 2)
                 for region in source:  # other bytes: a load of 'before' answered with 'after' would show
                     np.bitwise_not(region, out=region)
                 expected["after"] = [region.copy() for region in source]
@@ -167,17 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ClusterError as exc:
         print(f"demo --cluster needs etcd: {exc}", file=sys.stderr)
         return 2
-    failure: BaseException | None = None
-    tail = ""
-    with native_log(verbose_requested(args.verbose)) as native:
-        try:
-            report = run_cluster_demo(chunks=args.chunks, oplog=not args.no_oplog)
-        except (ClusterError, StoreError, ImportError, OSError) as exc:
-            failure = exc
-            tail = native.tail()
-    if failure is not None:
-        print(f"demo --cluster failed: {type(failure).__name__}: {failure}", file=sys.stderr)
-        if tail:
-            print(f"Mooncake's last log lines (--verbose shows them all):\n{tail}", file=sys.stderr)
+    report = run_or_report(
+        "demo --cluster",
+        verbose_requested(args.verbose),
+        lambda: run_cluster_demo(chunks=args.chunks, oplog=not args.no_oplog),
+        (ClusterError, StoreError, ImportError, OSError),
+    )
+    if report is None:
         return 2
     return 0 if report["verified"] else 1
