@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -19,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from kvaddr_testing import live_children
 from mooncake_kvaddr.driver.config import StoreConfig
-from mooncake_kvaddr.driver.master import EmbeddedMaster, process_is_running
+from mooncake_kvaddr.driver.master import EmbeddedMaster
 from mooncake_kvaddr.driver.store import MooncakeStore
 
 # Room for every shared-store test at once (the pool is the sum of all mounted segments).
@@ -133,30 +133,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
-def _master_children() -> list[int]:
-    """PIDs of live ``mooncake_master`` processes whose parent is this test process."""
-    me = os.getpid()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.find("(") + 1 : stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if name == "mooncake_master" and int(fields[1]) == me and process_is_running(int(entry.name)):
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_masters() -> Iterator[None]:
     """Fail the session if any test left a master running."""
-    before = set(_master_children())
+    before = set(live_children("mooncake_master"))
     yield
-    leaked = set(_master_children()) - before
+    leaked = set(live_children("mooncake_master")) - before
     assert not leaked, f"mooncake_master processes leaked by the tests: {sorted(leaked)}"
 
 

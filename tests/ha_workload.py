@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
-from mooncake_kvaddr.driver.cluster import ClusterError, EmbeddedCluster, HaMaster
+from mooncake_kvaddr.driver.cluster import ClusterError, EmbeddedCluster, HaMaster, find_etcd_binary
 from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
@@ -28,6 +28,15 @@ REGIONS = 4
 BLOCK_BYTES = 512
 CHUNKS = 16  # chunks (blocks) per request
 UNLOADED = 0xEE  # what a reader block holds before a load: any other byte there came from the store
+
+
+def etcd_missing() -> str | None:
+    """Why no etcd can be started here (the install hint), or None: the HA tests' skip reason."""
+    try:
+        find_etcd_binary()
+    except ClusterError as exc:
+        return str(exc)
+    return None
 
 
 def chained_hashes(seed: int, count: int = CHUNKS) -> list[bytes]:

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from ha_workload import BLOCK_SIZE, CHUNKS, Pair, Workload, kill_and_measure, store_config, summary
+from ha_workload import BLOCK_SIZE, CHUNKS, Pair, Workload, etcd_missing, kill_and_measure, store_config, summary
+from kvaddr_testing import live_children
 from mooncake_kvaddr.driver.cluster import (
     ClusterError,
     EmbeddedCluster,
@@ -39,40 +40,15 @@ REQUEST_TIMEOUT_S = 10.0
 SERVICE_BOUND_S = 30.0
 
 
-def _etcd_missing() -> str | None:
-    try:
-        find_etcd_binary()
-    except ClusterError as exc:
-        return str(exc)
-    return None
-
-
-needs_etcd = pytest.mark.skipif(_etcd_missing() is not None, reason=_etcd_missing() or "")
-
-
-def _etcd_children() -> list[int]:
-    """PIDs of live ``etcd`` processes whose parent is this test process."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.find("(") + 1 : stat.rfind(")")]
-        parent = int(stat[stat.rfind(")") + 2 :].split()[1])
-        if name == "etcd" and parent == os.getpid() and process_is_running(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+needs_etcd = pytest.mark.skipif(etcd_missing() is not None, reason=etcd_missing() or "")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def no_leaked_etcd() -> Iterator[None]:
     """The session fixture of conftest.py checks masters; this checks etcd."""
-    before = set(_etcd_children())
+    before = set(live_children("etcd"))
     yield
-    assert set(_etcd_children()) - before == set(), "etcd processes leaked"
+    assert set(live_children("etcd")) - before == set(), "etcd processes leaked"
 
 
 # ---------------------------------------------------------------------------------------------- the harness
@@ -85,7 +61,7 @@ def test_a_missing_etcd_names_the_debian_package(monkeypatch: pytest.MonkeyPatch
     cluster = EmbeddedCluster()
     with pytest.raises(ClusterError, match="etcd-server"):
         cluster.start()
-    assert cluster.masters == [] and _etcd_children() == []
+    assert cluster.masters == [] and live_children("etcd") == []
     cluster.close()
     assert "/usr/bin/etcd" in etcd_install_hint()
 
@@ -140,8 +116,8 @@ def test_the_cluster_knows_its_leader_and_stops_everything() -> None:
 
 @pytest.fixture(scope="module")
 def ha_cluster() -> Iterator[EmbeddedCluster]:
-    if _etcd_missing() is not None:
-        pytest.skip(_etcd_missing() or "")
+    if etcd_missing() is not None:
+        pytest.skip(etcd_missing() or "")
     with EmbeddedCluster(masters=2) as cluster:
         yield cluster
 
@@ -259,8 +235,8 @@ def _bench(*args: str) -> dict[str, Any]:
     script = ROOT / "bench" / "ha_failover.py"
     if not script.exists():
         pytest.skip("bench/ha_failover.py is not in this tree (tests copied without the checkout)")
-    if _etcd_missing() is not None:
-        pytest.skip(_etcd_missing() or "")
+    if etcd_missing() is not None:
+        pytest.skip(etcd_missing() or "")
     import mooncake_kvaddr
 
     package_root = Path(mooncake_kvaddr.__file__).resolve().parent.parent
@@ -293,8 +269,8 @@ def test_the_cluster_demo_shows_the_oplog_keeping_a_settled_request() -> None:
     """``demo --cluster`` (masters with ``-enable_oplog=true``): a request stored a second before the kill is
     served byte for byte by the new leader, and one stored after it too. A child process: this one's client
     is bound to the module cluster's etcd."""
-    if _etcd_missing() is not None:
-        pytest.skip(_etcd_missing() or "")
+    if etcd_missing() is not None:
+        pytest.skip(etcd_missing() or "")
     import mooncake_kvaddr
 
     env = dict(os.environ)

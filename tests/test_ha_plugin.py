@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_kvaddr.driver.cluster import ClusterError, find_etcd_binary
+from ha_workload import etcd_missing
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.vllm]
 
@@ -32,20 +32,12 @@ TOKENS = CHUNKS * 128
 MODES = ("recv_native", "recv_staged_native")
 
 
-def _etcd_missing() -> str | None:
-    try:
-        find_etcd_binary()
-    except ClusterError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.fixture(scope="module")
 def kills(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.33.0)")
     pytest.importorskip("torch", reason="torch is not installed (comes with vLLM)")
-    if _etcd_missing() is not None:
-        pytest.skip(_etcd_missing() or "")
+    if etcd_missing() is not None:
+        pytest.skip(etcd_missing() or "")
     import mooncake_kvaddr
 
     out = tmp_path_factory.mktemp("ha_plugin") / "kills.json"

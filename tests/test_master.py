@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvaddr_testing import wait_until
+from kvaddr_testing import live_children, wait_until
 from mooncake_kvaddr.driver import master as master_module
 from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.master import (
@@ -365,20 +365,7 @@ def test_readiness_requires_our_child_to_own_the_health_port(tmp_path: Path) -> 
 
 def master_children() -> set[int]:
     """Live ``mooncake_master`` processes whose parent is this process."""
-    me = os.getpid()
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat_text = (entry / "stat").read_text()
-        except OSError:
-            continue
-        name = stat_text[stat_text.find("(") + 1 : stat_text.rfind(")")]
-        fields = stat_text[stat_text.rfind(")") + 2 :].split()
-        if name == "mooncake_master" and int(fields[1]) == me and process_is_running(int(entry.name)):
-            found.add(int(entry.name))
-    return found
+    return set(live_children("mooncake_master"))
 
 
 def test_concurrent_starts_spawn_one_master_and_close_stops_it() -> None:
