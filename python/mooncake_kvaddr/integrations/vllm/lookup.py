@@ -348,6 +348,7 @@ def make_lookup(
             n_keys = plan.key_count
             transport = _native_transport(self) if n_keys and lease is None else None
             keys: Any = plan.key_blob() if transport is not None else plan.key_list()
+            direct = direct_of(self) if direct_of is not None and lease is None else None
         except Exception as exc:  # vLLM's method raises its own error, or accepts what we refuse
             return fallback(self, num_tokens, block_hashes, f"planning raised {type(exc).__name__}")
         with lock:
@@ -375,7 +376,6 @@ def make_lookup(
             longest = functools.partial(self._longest_hit, num_tokens, token_len, block_hashes)
             return lease.lease_hit(block_hashes, hit, masks, pairs, longest)
         pool = pool_cls(self.hash_block_size, found)
-        direct = direct_of(self) if direct_of is not None else None
         run = None
         if direct is not None:
             run = plan.leading_run(direct.group_ids, min(token_len // direct.block, len(block_hashes)), found)
