@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence, Sized
 from typing import Any, Final
 
-__all__ = ["PER_KEY_CONFIG_FIELDS", "config_for", "configs_for"]
+__all__ = ["PER_KEY_CONFIG_FIELDS", "check_count", "config_for", "configs_for", "put_back"]
 
 #: The fields of Mooncake's ``ReplicateConfig`` that hold one value per key of the call (Mooncake 0.3.13:
 #: ``group_ids``, set by vLLM's send thread with group semantics). The one table: a field Mooncake adds later
@@ -94,3 +94,18 @@ def _settable(cls: type) -> tuple[str, ...]:
         for name, value in vars(klass).items():
             names[name] = isinstance(value, property) and value.fset is not None
     return tuple(name for name, settable in names.items() if settable)
+
+
+def check_count(answers: Sized, n: int, who: str = "Mooncake", error: type[Exception] = RuntimeError) -> None:
+    """The one check of a batch call's answers: exactly one per key of the call, else ``error`` naming both."""
+    if len(answers) != n:
+        raise error(f"{who} returned {len(answers)} results for {n} keys")
+
+
+def put_back(results: MutableSequence[Any], picks: Sequence[int], answers: Any, who: str = "Mooncake") -> None:
+    """The one merge: the answers of a call made for the keys at ``picks`` go back to those places of
+    ``results``, in order (:func:`check_count` first: a short or long answer never lands on the wrong key)."""
+    got = answers if type(answers) is list else list(answers)
+    check_count(got, len(picks), who)
+    for i, value in zip(picks, got, strict=True):
+        results[i] = value

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.plan import SlotPlan
+from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.outcomes import CODE_TRANSFER_FAILED
 
 # Buffers, pool and leases live in staging_buffers; every name this module offered is re-exported here.
@@ -119,9 +120,8 @@ def plan_batches(plan: SlotPlan, span_bytes: int, max_keys: int | None = None) -
 def read_whole(codes: Sequence[int] | Int64Array, expected: Int64Array) -> BoolArray:
     """Per key: the get succeeded and read exactly the ``expected`` object size (a short read is a failure).
     ``RuntimeError`` when Mooncake answered another number of codes than keys."""
-    got = np.asarray(codes, dtype=np.int64)
-    if got.shape != expected.shape:
-        raise RuntimeError(f"Mooncake returned {got.size} results for {expected.size} keys")
+    got = np.asarray(codes, dtype=np.int64).reshape(-1)
+    per_key.check_count(got, expected.size)
     whole: BoolArray = (got == expected) & (got > 0)
     return whole
 
@@ -181,9 +181,8 @@ def run_staged(
             codes[start:end] = np.where(ok | (got < 0), got, CODE_TRANSFER_FAILED)
             copy(start, end, slots, ok)
         else:
-            got = np.asarray(answer, dtype=np.int64)
-            if got.shape != sizes.shape:
-                raise RuntimeError(f"Mooncake returned {got.size} results for {end - start} keys")
+            got = np.asarray(answer, dtype=np.int64).reshape(-1)
+            per_key.check_count(got, end - start)
             ok = got == 0
             codes[start:end] = got
         done[start:end] = ok

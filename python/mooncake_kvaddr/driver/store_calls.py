@@ -464,12 +464,10 @@ class StoreCalls:
             # pybind11 rejected an element (float, numpy float, > 2**64, ...) while converting.
             note = f" (keys {start}..{end - 1}; earlier keys were already processed)" if start else ""
             raise TypeError(f"Mooncake rejected the arguments{note}: {exc}") from exc
-        if len(part) != end - start:
-            raise StoreError(f"Mooncake returned {len(part)} results for {end - start} keys")
+        per_key.check_count(part, end - start, error=StoreError)
         return part
 
     @staticmethod
     def _result(op: _Op, codes: Sequence[int], n: int) -> BatchResult:
-        if len(codes) != n:
-            raise StoreError(f"Mooncake returned {len(codes)} results for {n} keys")
+        per_key.check_count(codes, n, error=StoreError)
         return BatchResult._build(op, codes)

@@ -243,11 +243,8 @@ class StoreGuard:
         results: list[Any] = [INVALID_PARAMS] * check.count
         if good:
             part = per_key.configs_for(config, good, check.count)
-            answers = list(func([keys[i] for i in good], np.asarray(addrs)[good], np.asarray(sizes)[good], *part))
-            if len(answers) != len(good):
-                raise RuntimeError(f"Mooncake returned {len(answers)} results for {len(good)} keys")
-            for i, value in zip(good, answers, strict=True):
-                results[i] = value
+            per_key.put_back(results, good, func([keys[i] for i in good], np.asarray(addrs)[good],
+                                                 np.asarray(sizes)[good], *part))  # fmt: skip
         return results
 
     # -- calls
@@ -335,12 +332,7 @@ class StoreGuard:
             if value is not None:
                 values[CONFIG] = per_key.config_for(value, good, check.count)
         new_args, new_kwargs = _rebind(order, args, kwargs, values)
-        answered = func(*new_args, **new_kwargs)
-        answers = list(answered)
-        if len(answers) != len(good):
-            raise RuntimeError(f"Mooncake's {name} returned {len(answers)} results for {len(good)} keys")
-        for i, value in zip(good, answers, strict=True):
-            results[i] = value
+        per_key.put_back(results, good, func(*new_args, **new_kwargs), f"Mooncake's {name}")
         return results
 
     def _call_ranges(
@@ -379,11 +371,7 @@ class StoreGuard:
         if good:
             values = {param: _pick(value, good) for param, value in zip(_RANGES_NAMES, bound, strict=True)}
             new_args, new_kwargs = _rebind(names, args, kwargs, values)
-            answers = list(func(*new_args, **new_kwargs))
-            if len(answers) != len(good):
-                raise RuntimeError(f"Mooncake's {name} returned {len(answers)} results for {len(good)}")
-            for i, value in zip(good, answers, strict=True):
-                results[i] = value
+            per_key.put_back(results, good, func(*new_args, **new_kwargs), f"Mooncake's {name}")
         return results
 
 

@@ -75,11 +75,8 @@ def ragged_calls(
     for width in dict.fromkeys(widths.tolist()):
         picks = np.flatnonzero(widths == width)
         part = per_key.configs_for(config, picks.tolist(), len(keys))
-        answers = list(call([keys[i] for i in picks], addrs[picks, :width], sizes[picks, :width], *part))
-        if len(answers) != len(picks):
-            raise RuntimeError(f"the store returned {len(answers)} results for {len(picks)} keys")
-        for i, answer in zip(picks.tolist(), answers, strict=True):
-            results[i] = answer
+        answers = call([keys[i] for i in picks], addrs[picks, :width], sizes[picks, :width], *part)
+        per_key.put_back(results, picks.tolist(), answers, "the store")
     return results
 
 

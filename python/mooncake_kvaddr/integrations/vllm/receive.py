@@ -19,6 +19,7 @@ import numpy as np
 
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.core.plan import KeyPlan
+from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.integrations.vllm.plans import (
     ARRAY_ENTRY,
     ArrayStore,
@@ -207,8 +208,7 @@ def _execute(thread: Any, req_id: Any, plan: KeyPlan, batches: list[tuple[int, i
             load_get_start = time.perf_counter()
             res = _get(store, batch)
             codes = res if type(res) is list else list(res)
-            if len(codes) != len(keys):
-                raise ValueError(f"the store returned {len(codes)} results for {len(keys)} keys")
+            per_key.check_count(codes, len(keys), "the store", ValueError)
             failed = [i for i, value in enumerate(codes) if value < 0]
             thread._record_operation(
                 "load_get",
