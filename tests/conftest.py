@@ -102,12 +102,13 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     """A release's own test files are not even imported under another installed release: importing them there
     could only skip at module level (the marker's deselection acts on collected tests)."""
     match = _RELEASE_FILE.fullmatch(collection_path.name)
-    installed = installed_vllm_series()
-    if match is None or installed is None:
+    if match is None:
         return None
-    if f"{int(match.group(1))}.{int(match.group(2))}" == installed:
+    # Without vLLM (the wheel leg's venv) no release's files are collected: each is about its installed release.
+    if f"{int(match.group(1))}.{int(match.group(2))}" == installed_vllm_series():
         return None
-    _IGNORED_FILES.append(collection_path.name)
+    if collection_path.name not in _IGNORED_FILES:
+        _IGNORED_FILES.append(collection_path.name)
     return True
 
 
@@ -116,7 +117,9 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
     lines = [line] if line else []
     if _IGNORED_FILES:
         names = ", ".join(sorted(_IGNORED_FILES))
-        lines.append(f"vllm_release: not collected under vLLM {installed_vllm_series()}: {names}")
+        installed = installed_vllm_series()
+        under = f"under vLLM {installed}" if installed else "without vLLM"
+        lines.append(f"vllm_release: not collected {under}: {names}")
     return lines
 
 

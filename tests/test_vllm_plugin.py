@@ -202,6 +202,8 @@ def test_register_on_an_unknown_release_imports_no_store_module() -> None:
     import subprocess
     import sys
 
+    pytest.importorskip("vllm", reason="the child imports the installed vLLM")
+
     script = (
         "import logging, sys\n"
         "logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format='%(levelname)s %(message)s')\n"
@@ -1371,6 +1373,8 @@ def test_vllm_release_modules_in_ci() -> None:
     from mooncake_kvaddr.integrations.vllm import releases
 
     root = Path(__file__).resolve().parent.parent
+    if not (root / ".ci").is_dir():
+        pytest.skip("no .ci here (not a repository checkout: the wheel leg runs a copy of tests/)")
     setup = (root / ".ci" / "setup").read_text()
     run = (root / ".ci" / "run").read_text()
     legs = (root / ".ci" / "test").read_text()
