@@ -81,29 +81,28 @@ class Command:
         else:
             self.proc.send_signal(signal.SIGINT)
 
-    def ended_by_interrupt(self) -> str:
-        """Wait for the end; check the exit status and the single line; return the standard error."""
-        started = time.monotonic()
-        try:
-            _, err = self.proc.communicate(timeout=ENDS_WITHIN_S + 5)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"still running {ENDS_WITHIN_S + 5} s after Ctrl-C")
-        took = time.monotonic() - started
-        assert took < ENDS_WITHIN_S, took
-        assert self.proc.returncode == INTERRUPTED_EXIT, (self.proc.returncode, err)
-        assert err == "interrupted\n", err
-        return err
-
-    def ended_by_keyboard_interrupt(self) -> str:
-        """Wait for the end of a library call (no command line): killed by its ``KeyboardInterrupt``, at once."""
+    def _ended(self) -> str:
+        """Wait (bounded) for the end after Ctrl-C; check it came within the target; return the standard error."""
         started = time.monotonic()
         try:
             _, err = self.proc.communicate(timeout=ENDS_WITHIN_S + 5)
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail(f"still running {ENDS_WITHIN_S + 5} s after Ctrl-C; stderr: {self.stderr[-2000:]}")
-        assert time.monotonic() - started < ENDS_WITHIN_S
+        took = time.monotonic() - started
+        assert took < ENDS_WITHIN_S, took
+        return err
+
+    def ended_by_interrupt(self) -> str:
+        """Wait for the end of a command line; check the exit status and the single line."""
+        err = self._ended()
+        assert self.proc.returncode == INTERRUPTED_EXIT, (self.proc.returncode, err)
+        assert err == "interrupted\n", err
+        return err
+
+    def ended_by_keyboard_interrupt(self) -> str:
+        """Wait for the end of a library call (no command line): killed by its ``KeyboardInterrupt``, at once."""
+        err = self._ended()
         assert self.proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in err, err[-2000:]
         return err
 
