@@ -12,6 +12,7 @@ from typing import Final
 
 import numpy as np
 
+from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver import per_key
@@ -192,11 +193,11 @@ class StagedPath(TransferPath):
         when nothing moved, else laid out again from the object sizes (numpy, the same layout as
         :func:`~mooncake_kvaddr.driver.staging.plan_slots`). A request with an invalid
         block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built;
-        so do databases without a fused array plan (vLLM 0.33 layout databases, driver/layout_adapter.py).
+        so do databases of any other type (vLLM 0.33 layout databases, driver/layout_adapter.py; subclasses).
         """
         if (
             any(s.bad for s in screened)
-            or not all(hasattr(db, "plan_load_arrays") for db in self.ctx.databases)
+            or not all(type(db) is ChunkedTokenDatabase for db in self.ctx.databases)
             or not rows_bounded(self.ctx.databases)
         ):
             # The fused plan's slot layout decides where Mooncake writes inside the lease: only a database whose
