@@ -3,10 +3,8 @@ and transfers on a real store, and small utilities (polling, recording hashes an
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,7 +12,7 @@ import pytest
 
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.core.oracle import OracleChunkedTokenDatabase
-from mooncake_kvaddr.driver.process import process_is_running
+from mooncake_kvaddr.driver.process import children, process_is_running
 
 #: The upstream oracle test's layout: a 48-layer K/V model, 1 GiB apart, growing block lengths.
 ORACLE_BASE = 0x7F00_0000_0000
@@ -58,19 +56,7 @@ def assert_native_ints(result: tuple[list[list[int]], list[list[int]], list[int]
 
 def live_children(name: str) -> list[int]:
     """PIDs of live processes called ``name`` (``mooncake_master``, ``etcd``) whose parent is this process."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        command = stat[stat.find("(") + 1 : stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2 :].split()  # state, ppid, ...
-        if command == name and int(fields[1]) == os.getpid() and process_is_running(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, command in children() if command == name and process_is_running(pid)]
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:

@@ -17,11 +17,11 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from types import FrameType
 from typing import IO, Final
 
 from mooncake_kvaddr.core.flags import flag
+from mooncake_kvaddr.driver.process import children
 
 __all__ = [
     "INTERRUPTED_EXIT",
@@ -191,20 +191,6 @@ def _end() -> None:
 
 def _kill_children() -> None:
     """SIGKILL every direct child of this process (found through ``/proc``; nothing without it)."""
-    me = os.getpid()
-    try:
-        entries = list(Path("/proc").iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name (which may hold spaces): state, ppid, ...
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 1 and fields[1] == str(me):
-            with contextlib.suppress(OSError):
-                os.kill(int(entry.name), signal.SIGKILL)
+    for pid, _name in children():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)

@@ -32,6 +32,7 @@ __all__ = [
     "ChildOwner",
     "ChildProcess",
     "Spawner",
+    "children",
     "free_ports",
     "health_ok",
     "owns_listener",
@@ -60,6 +61,30 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
             sock.bind((host, 0))
             ports.append(sock.getsockname()[1])
         return ports
+
+
+def children() -> list[tuple[int, str]]:
+    """``(pid, command name)`` of every direct child of this process, read from ``/proc`` (none without it).
+
+    Zombies are included: a caller that must ignore them asks :func:`process_is_running`."""
+    me = str(os.getpid())
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = entry.joinpath("stat").read_text()
+        except OSError:
+            continue
+        # The command name is in parentheses and may hold spaces; after it: state, ppid, ...
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1 and fields[1] == me:
+            found.append((int(entry.name), stat[stat.find("(") + 1 : stat.rfind(")")]))
+    return found
 
 
 def process_is_running(pid: int) -> bool:
