@@ -5,6 +5,7 @@ on a real store."""
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from types import ModuleType
 from typing import Any
@@ -112,6 +113,53 @@ def test_split_equals_vllm(sizes: list[int], budget: int, ratio: float) -> None:
         bounds.append((start, start + len(batch_keys)))
         start += len(batch_keys)
     assert ours == bounds
+
+
+def test_one_split_serves_the_driver_and_the_plugin() -> None:
+    """The one staging split, in both callers' forms: the driver's (its constants, the raw budget checked first,
+    no batch for no key) and the plugin's (vLLM's constants, ``fits_first``: a load that fits is one batch before
+    any raw check, ``(0, 0)`` for no key)."""
+    one = estimate_staging_bytes(2048)
+    assert split_by_staging_budget([], 1, 1) == [] and split_by_staging_budget([], 1, 1, fits_first=True) == [(0, 0)]
+    for fits_first in (False, True):  # a key over usable goes alone; one over raw fails a load that must split
+        assert split_by_staging_budget([2048, 20000, 2048], 2 * one, 40000, fits_first=fits_first) == [
+            (0, 1), (1, 2), (2, 3)
+        ]
+        assert split_by_staging_budget([2048, 40000, 2048], 2 * one, 40000, fits_first=fits_first) == 1
+    # A key over raw in a load that fits usable (vLLM's usable may exceed raw): only the driver refuses it.
+    assert split_by_staging_budget([40000], 60000, 40000) == 0
+    assert split_by_staging_budget([40000], 60000, 40000, fits_first=True) == [(0, 1)]
+    # Alignment and padding are parameters (vLLM's worker module's constants in the plugin).
+    assert estimate_staging_bytes(1, 512, 0) == 512 and estimate_staging_bytes(513, 512, 100) == 1124
+    assert split_by_staging_budget([512] * 4, 1024, 1024, alignment=512, padding=0) == [(0, 2), (2, 4)]
+    assert split_by_staging_budget([512] * 4, 1024, 1 << 20) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 4095, 4096, 4097, 8192, 20_000, 1 << 20]), max_size=12),
+    usable=st.integers(-1, 1 << 21),
+    raw=st.integers(0, 1 << 21),
+)
+def test_the_driver_and_the_plugin_split_alike_unless_the_load_fits(sizes: list[int], usable: int, raw: int) -> None:
+    """On generated loads (the empty one, keys over usable, keys over raw) the two forms agree except where the
+    whole load fits ``usable`` (the plugin then takes one batch); both equal vLLM's rules where it is installed."""
+    driver = split_by_staging_budget(sizes, usable, raw)
+    plugin = split_by_staging_budget(sizes, usable, raw, fits_first=True)
+    fits = sum(estimate_staging_bytes(n) for n in sizes) <= usable
+    assert plugin == ([(0, len(sizes))] if fits else driver)
+    if not sizes:  # the empty load: no batch for the driver, one empty batch for the plugin (usable >= 0)
+        assert driver == [] and plugin == ([(0, 0)] if usable >= 0 else [])
+    worker = _vllm_module("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker")
+    if worker is None or not sizes or fits:
+        return
+    keys, rows = [f"k{i}" for i in range(len(sizes))], [[n] for n in sizes]
+    batches, oversized = worker._split_disk_offload_load_batches(keys, rows, rows, usable, raw)
+    if oversized is not None:
+        assert plugin == keys.index(oversized)
+        return
+    starts = np.cumsum([0] + [len(batch[0]) for batch in batches]).tolist()
+    assert plugin == list(itertools.pairwise(starts))
 
 
 @mooncake

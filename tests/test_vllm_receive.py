@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_kvaddr.core.plan import KeyPlan
+from mooncake_kvaddr.driver.rules import estimate_staging_bytes, split_by_staging_budget
 from mooncake_kvaddr.driver.staging import StagingBuffer
 from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
 from mooncake_kvaddr.integrations.vllm import plugin, receive, receive_check
@@ -278,17 +279,18 @@ def _vllm_split(worker: Any, keys: list[str], addrs: Any, sizes: Any, usable: in
 
 
 def test_offload_split_matches_vllms_at_every_edge(vllm: tuple[Any, Any]) -> None:
-    """receive.offload_batches against vLLM's own split on budgets placed exactly at, and one byte around, every
-    key's estimate and every running sum (usable above raw too: vLLM's usable ratio may exceed 1)."""
+    """The handler's split (the driver's ``split_by_staging_budget`` with vLLM's constants, ``fits_first``) against
+    vLLM's own split on budgets placed exactly at, and one byte around, every key's estimate and every running sum
+    (usable above raw too: vLLM's usable ratio may exceed 1)."""
     _, worker = vllm
-    rule = receive.OffloadRule(worker._DIRECT_IO_ALIGNMENT, worker._DIRECT_IO_PADDING_BYTES)
+    direct_io = {"alignment": worker._DIRECT_IO_ALIGNMENT, "padding": worker._DIRECT_IO_PADDING_BYTES}
     rng = random.Random(17)
     for case in range(4000):
         n, w = rng.randint(1, 7), rng.randint(1, 3)
         sizes = [[rng.choice([0, 1, 4095, 4096, 4097, 8192, 20_000]) for _ in range(w)] for _ in range(n)]
         keys = [f"k{i}" for i in range(n)]
         addrs = [[(i + 1) << 20] * w for i in range(n)]
-        need = [rule.staging_bytes(sum(row)) for row in sizes]
+        need = [estimate_staging_bytes(sum(row), **direct_io) for row in sizes]
         edges = [sum(need[a:b]) for a in range(n) for b in range(a + 1, n + 1)]
         edges = sorted({e + d for e in edges for d in (-1, 0, 1)})
         usable, raw = rng.choice(edges), rng.choice(edges)
@@ -298,7 +300,7 @@ def test_offload_split_matches_vllms_at_every_edge(vllm: tuple[Any, Any]) -> Non
             np.arange(n, dtype=np.int64) if arrays else list(range(n)),
         )  # fmt: skip
         assert plan.arrays == arrays
-        ours = receive.offload_batches(plan, usable, raw, rule)
+        ours = split_by_staging_budget(plan.key_bytes(), usable, raw, fits_first=True, **direct_io)
         theirs, oversized = _vllm_split(worker, keys, addrs, sizes, usable, raw)
         if oversized is not None:
             assert isinstance(ours, int) and keys[ours] == oversized, (sizes, usable, raw)

@@ -89,26 +89,40 @@ DIRECT_IO_ALIGNMENT: Final = 4096
 DIRECT_IO_PADDING: Final = 2 * DIRECT_IO_ALIGNMENT
 
 
-def estimate_staging_bytes(object_size: int) -> int:
-    """Staging bytes a disk-offloading store needs to read one object of ``object_size`` bytes."""
-    return -(-object_size // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT + DIRECT_IO_PADDING
+def estimate_staging_bytes(
+    object_size: int, alignment: int = DIRECT_IO_ALIGNMENT, padding: int = DIRECT_IO_PADDING
+) -> int:
+    """Staging bytes a disk-offloading store needs to read one object of ``object_size`` bytes (``alignment``
+    and ``padding``: the direct-I/O constants, vLLM's worker module's where the plugin reads them)."""
+    return -(-object_size // alignment) * alignment + padding
 
 
 def split_by_staging_budget(
-    object_sizes: Sequence[int], usable_bytes: int, budget_bytes: int
+    object_sizes: Sequence[int],
+    usable_bytes: int,
+    budget_bytes: int,
+    *,
+    alignment: int = DIRECT_IO_ALIGNMENT,
+    padding: int = DIRECT_IO_PADDING,
+    fits_first: bool = False,
 ) -> list[tuple[int, int]] | int:
     """Consecutive ``[start, end)`` sub-batches of a load whose estimated staging bytes fit ``usable_bytes``.
 
     Keys are packed greedily in order; a key whose estimate exceeds ``usable_bytes`` (but not
     ``budget_bytes``) goes alone. If any key's estimate exceeds ``budget_bytes`` it can never be read:
     returns that key's index instead, and the whole request must fail (a partial load of a prefix is useless
-    when a later chunk can never arrive). One batch when everything fits.
+    when a later chunk can never arrive). One batch when everything fits (none for no key). ``fits_first``:
+    vLLM's receive handler, which takes a load that fits ``usable_bytes`` as one batch (``(0, 0)`` for no key)
+    before it checks any key against ``budget_bytes`` (docs/vllm-plugin.md, "The receive handler").
     """
-    estimates = [estimate_staging_bytes(n) for n in object_sizes]
+    estimates = [estimate_staging_bytes(n, alignment, padding) for n in object_sizes]
+    fits = sum(estimates) <= usable_bytes
+    if fits and fits_first:
+        return [(0, len(estimates))]
     for i, need in enumerate(estimates):
         if need > budget_bytes:
             return i
-    if sum(estimates) <= usable_bytes:
+    if fits:
         return [(0, len(estimates))] if estimates else []
     batches: list[tuple[int, int]] = []
     start, total = 0, 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver import per_key
+from mooncake_kvaddr.driver.rules import estimate_staging_bytes, floor_to, rotate, split_by_staging_budget
 from mooncake_kvaddr.integrations.vllm.plans import (
     ARRAY_ENTRY,
     ArrayStore,
@@ -67,7 +67,7 @@ def plan_request(
     plan. May raise: the caller then hands the request to vLLM's own handler. No side effects."""
     load_spec = req_meta.load_spec
     token_len = load_spec.token_len
-    mask_num = load_spec.vllm_cached_tokens // thread.block_size * thread.block_size
+    mask_num = floor_to(load_spec.vllm_cached_tokens, thread.block_size)
     source = hash_source(req_meta.block_hashes, blob_type)
     if source is None:
         return "block hashes of another type"
@@ -94,7 +94,6 @@ def plan_request(
     n = sum(len(part[0]) for part in parts)
     if n == 0:
         return "no key (vLLM's handler raises ZeroDivisionError)"
-    rotation = thread.tp_rank % n
     widths = None
     if len(parts) == 1:
         keys, addrs, sizes, ids = parts[0]
@@ -105,15 +104,9 @@ def plan_request(
         addrs, sizes, widths = concat_rows([p[1] for p in kept], [p[2] for p in kept])
     else:
         keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
-    if rotation:
-        keys = keys[rotation:] + keys[:rotation]
-        if arrays:
-            addrs, sizes, ids = (np.concatenate((m[rotation:], m[:rotation])) for m in (addrs, sizes, ids))
-            if widths is not None:
-                widths = np.concatenate((widths[rotation:], widths[:rotation]))
-        else:
-            addrs, sizes, ids = (m[rotation:] + m[:rotation] for m in (addrs, sizes, ids))
-    return KeyPlan(keys, addrs, sizes, ids, widths=widths)
+    rank = thread.tp_rank  # every list starts at key tp_rank % n (the driver's rotation)
+    keys, addrs, sizes, ids = (rotate(m, rank) for m in (keys, addrs, sizes, ids))
+    return KeyPlan(keys, addrs, sizes, ids, widths=None if widths is None else rotate(widths, rank))
 
 
 def fast_path_refusal(thread: Any, envs: Any) -> str:
@@ -126,53 +119,16 @@ def fast_path_refusal(thread: Any, envs: Any) -> str:
 # --- the handler --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class OffloadRule:
-    """vLLM's disk-offload staging estimate of one key: its bytes rounded up to ``alignment`` plus ``padding``
-    (the worker module's direct-I/O constants, read when the handler is made)."""
-
-    alignment: int
-    padding: int
-
-    def staging_bytes(self, key_bytes: int) -> int:
-        return -(-key_bytes // self.alignment) * self.alignment + self.padding
-
-
-def offload_batches(plan: KeyPlan, usable: int, raw: int, rule: OffloadRule) -> list[tuple[int, int]] | int:
-    """vLLM's disk-offload split of a load (docs/vllm-plugin.md, "The receive handler"): key ranges of at most
-    ``usable`` staging bytes each (a key over ``usable`` alone), or the index of the first key over ``raw``
-    (vLLM then skips the whole request). One range when the whole load fits."""
-    need = [rule.staging_bytes(b) for b in plan.key_bytes()]
-    if sum(need) <= usable:
-        return [(0, len(need))]
-    batches: list[tuple[int, int]] = []
-    start, total = 0, 0
-    for i, size in enumerate(need):
-        if size > raw:
-            return i
-        if size > usable:
-            if i > start:
-                batches.append((start, i))
-            batches.append((i, i + 1))
-            start, total = i + 1, 0
-            continue
-        if i > start and total + size > usable:
-            batches.append((start, i))
-            start, total = i, 0
-        total += size
-    if len(need) > start:
-        batches.append((start, len(need)))
-    return batches
-
-
-def _skip_oversized(thread: Any, req_id: Any, plan: KeyPlan, index: int, rule: OffloadRule, logger: Any) -> None:
+def _skip_oversized(
+    thread: Any, req_id: Any, plan: KeyPlan, index: int, direct_io: Mapping[str, int], logger: Any
+) -> None:
     """vLLM's answer to a key over the raw staging budget: every block of the request fails, nothing is read."""
     thread._report_load_error(req_id, plan.block_id_list())
     logger.warning(
         "Skipping Mooncake load for request %s because key %s requires %d staging bytes, exceeding budget %d",
         req_id,
         plan.keys[index],
-        rule.staging_bytes(plan.key_bytes()[index]),
+        estimate_staging_bytes(plan.key_bytes()[index], **direct_io),
         thread.disk_offload_buffer_budget_bytes,
     )
     thread.set_finished_request(req_id)
@@ -265,7 +221,8 @@ def make_handler(
     blob_type = data.BlobBlockHashes
     envs = worker.envs
     logger = worker.logger
-    rule = OffloadRule(worker._DIRECT_IO_ALIGNMENT, worker._DIRECT_IO_PADDING_BYTES)
+    # vLLM's disk-offload split is the driver's, with the worker module's direct-I/O constants (read here).
+    direct_io = {"alignment": worker._DIRECT_IO_ALIGNMENT, "padding": worker._DIRECT_IO_PADDING_BYTES}
     stats = ReceiveStats()
 
     def _handle_request(self: Any, req_meta: Any) -> Any:
@@ -286,11 +243,11 @@ def make_handler(
             return original(self, req_meta)
         stats.fast_requests += 1
         usable = self.usable_disk_offload_buffer_budget_bytes
-        split = [(0, len(plan.keys))] if usable is None else offload_batches(
-            plan, usable, self.disk_offload_buffer_budget_bytes, rule
+        split = [(0, len(plan.keys))] if usable is None else split_by_staging_budget(
+            plan.key_bytes(), usable, self.disk_offload_buffer_budget_bytes, fits_first=True, **direct_io
         )
         if isinstance(split, int):
-            _skip_oversized(self, req_meta.req_id, plan, split, rule, logger)
+            _skip_oversized(self, req_meta.req_id, plan, split, direct_io, logger)
             return None
         _execute(self, req_meta.req_id, plan, split, logger)
         return None
