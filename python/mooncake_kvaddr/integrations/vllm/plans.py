@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver import per_key
+from mooncake_kvaddr.driver.rules import rotate
 
 __all__ = [
     "ARRAY_ENTRY",
@@ -25,6 +27,7 @@ __all__ = [
     "concat_rows",
     "finish_handler",
     "hash_source",
+    "join_groups",
     "ragged_calls",
 ]
 
@@ -200,6 +203,24 @@ def concat_rows(addr_parts: list[Any], size_parts: list[Any]) -> tuple[Any, Any,
         widths[at : at + n] = w
         at += n
     return addrs, sizes, widths
+
+
+def join_groups(parts: list[tuple[Any, ...]], arrays: bool, tp_rank: int = 0) -> KeyPlan:
+    """The groups' ``plan_load`` results ``(keys, addrs, sizes, ids)`` as one plan in group order (matrices of
+    different widths padded: :func:`concat_rows`), every list started at key ``tp_rank % n`` (``rules.rotate``,
+    the driver's rotation; 0 keeps the order)."""
+    widths = None
+    if len(parts) == 1:
+        keys, addrs, sizes, ids = parts[0]
+    elif arrays:
+        kept = [p for p in parts if len(p[0])]
+        keys = [key for p in kept for key in p[0]]
+        ids = np.concatenate([p[3] for p in kept])
+        addrs, sizes, widths = concat_rows([p[1] for p in kept], [p[2] for p in kept])
+    else:
+        keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
+    keys, addrs, sizes, ids = (rotate(m, tp_rank) for m in (keys, addrs, sizes, ids))
+    return KeyPlan(keys, addrs, sizes, ids, widths=None if widths is None else rotate(widths, tp_rank))
 
 
 @dataclass

@@ -14,20 +14,18 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver import per_key
-from mooncake_kvaddr.driver.rules import estimate_staging_bytes, floor_to, rotate, split_by_staging_budget
+from mooncake_kvaddr.driver.rules import estimate_staging_bytes, floor_to, split_by_staging_budget
 from mooncake_kvaddr.integrations.vllm.plans import (
     ARRAY_ENTRY,
     ArrayStore,
     HandlerStats,
     Kinds,
-    concat_rows,
     finish_handler,
     hash_source,
+    join_groups,
 )
 
 __all__ = [
@@ -91,22 +89,9 @@ def plan_request(
                 prefixes, hashes, hash_len, token_len, mask_num, mask, tails.get(g), req_meta.block_ids[g], arrays
             )
         )
-    n = sum(len(part[0]) for part in parts)
-    if n == 0:
+    if not any(len(part[0]) for part in parts):
         return "no key (vLLM's handler raises ZeroDivisionError)"
-    widths = None
-    if len(parts) == 1:
-        keys, addrs, sizes, ids = parts[0]
-    elif arrays:
-        kept = [p for p in parts if len(p[0])]
-        keys = [key for p in kept for key in p[0]]
-        ids = np.concatenate([p[3] for p in kept])
-        addrs, sizes, widths = concat_rows([p[1] for p in kept], [p[2] for p in kept])
-    else:
-        keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
-    rank = thread.tp_rank  # every list starts at key tp_rank % n (the driver's rotation)
-    keys, addrs, sizes, ids = (rotate(m, rank) for m in (keys, addrs, sizes, ids))
-    return KeyPlan(keys, addrs, sizes, ids, widths=None if widths is None else rotate(widths, rank))
+    return join_groups(parts, arrays, thread.tp_rank)
 
 
 def fast_path_refusal(thread: Any, envs: Any) -> str:

@@ -24,9 +24,9 @@ from mooncake_kvaddr.integrations.vllm.plans import (
     ArrayStore,
     HandlerStats,
     Kinds,
-    concat_rows,
     finish_handler,
     hash_source,
+    join_groups,
 )
 
 __all__ = [
@@ -224,16 +224,7 @@ def plan_store(
                     raise RuntimeError("the plan's keys do not match the walk")
     if not parts:
         return SendPlan(KeyPlan([], [], [], []), groups, skipped, chunks)
-    widths = None
-    if len(parts) == 1:
-        keys, addrs, sizes, ids = parts[0]
-    elif arrays:  # rows of different widths (hybrid groups): padded matrices with each row's width
-        keys = [key for p in parts for key in p[0]]
-        ids = np.concatenate([p[3] for p in parts])
-        addrs, sizes, widths = concat_rows([p[1] for p in parts], [p[2] for p in parts])
-    else:
-        keys, addrs, sizes, ids = ([item for p in parts for item in p[i]] for i in range(4))
-    return SendPlan(KeyPlan(keys, addrs, sizes, ids, widths=widths), groups, skipped, chunks)
+    return SendPlan(join_groups(parts, arrays), groups, skipped, chunks)
 
 
 # --- the steps of a job (a release's ``run`` calls them in its own order) -----------------------------------------
