@@ -10,13 +10,15 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from mooncake_kvaddr.driver.config import StoreConfig
-from mooncake_kvaddr.driver.store import StoreError
+from mooncake_kvaddr.driver.errors import StoreError
+
+if TYPE_CHECKING:  # the plugin's handlers import these rules: no store modules at their start-up
+    from mooncake_kvaddr.driver.config import StoreConfig
 
 __all__ = [
     "AUTO_MEMORY_LOAD_STAGED_BELOW",

@@ -25,6 +25,7 @@ import numpy as np
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.driver.native_client import KeyBlob
+from mooncake_kvaddr.driver.rules import floor_to
 from mooncake_kvaddr.integrations.vllm.receive_check import DropThread
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
@@ -223,8 +224,7 @@ class DirectHit:
 
     def hit(self, run: int, max_length: int) -> tuple[tuple[list[bool], ...], int]:
         """``(masks, hit_length)`` as the coordinator returns them for ``max_length`` tokens."""
-        tokens = min(run, max_length // self.block) * self.block
-        tokens -= tokens % self.align
+        tokens = floor_to(min(run, max_length // self.block) * self.block, self.align)
         blocks = -(-tokens // self.block)
         return tuple([True] * blocks if g in self.group_ids else [] for g in range(self.groups)), tokens
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from mooncake_kvaddr.driver.rules import floor_to
 from mooncake_kvaddr.integrations.vllm import layouts, lookup, send
 from mooncake_kvaddr.integrations.vllm.receive_check import sample_layouts_033
 from mooncake_kvaddr.integrations.vllm.registry import DATA_MODULE
@@ -81,7 +82,7 @@ def _send_prepare(thread: Any, req_meta: Any) -> send.Job | str:
     """vLLM 0.33's lengths and masks: the token length floored to the lcm block size (none: vLLM's handler), a
     live job not skipped for pressure, the store masks from the saved offset with the prefill end."""
     lcm_block_size = thread.coord.lcm_block_size
-    token_len = req_meta.token_len_chunk // lcm_block_size * lcm_block_size
+    token_len = floor_to(req_meta.token_len_chunk, lcm_block_size)
     if type(token_len) is not int or token_len <= 0:
         return "no token to store"
     if not thread.is_live_store_job(req_meta) or thread._should_skip_request(req_meta.req_id):

@@ -17,6 +17,7 @@ import numpy as np
 
 from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.layouts import DEFAULT_ROW_CACHE_BYTES
+from mooncake_kvaddr.driver.rules import floor_to
 from mooncake_kvaddr.integrations.vllm import send
 from mooncake_kvaddr.integrations.vllm.layouts import (
     ENGINE_ATTR,
@@ -297,7 +298,7 @@ def _send_prepare(thread: Any, req_meta: Any) -> send.Job | str:
     lcm_block_size = thread.coord.lcm_block_size
     if type(available) is not int or type(lcm_block_size) is not int or lcm_block_size <= 0:
         return "a token length or lcm block size that is not an int"
-    checkpoint = available // lcm_block_size * lcm_block_size
+    checkpoint = floor_to(available, lcm_block_size)
     if not thread.is_live_store_job(req_meta) or thread._should_skip_request(req_meta.req_id):
         return "a job vLLM skips"
     save_start = thread._saved_offset.get(req_meta.req_id, 0)
