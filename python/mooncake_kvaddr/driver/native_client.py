@@ -207,7 +207,8 @@ class NativeClient:
     keys as a sequence of ``str``/``bytes`` or a :class:`KeyBlob`; multi-buffer addresses/sizes as two 2-D
     int64 (or uint64) arrays of shape ``(keys, regions)`` or as sequences of rows; the contiguous calls take
     1-D arrays or sequences. Invalid input raises ``ValueError``/``TypeError`` before Mooncake is called.
-    Thread-safe (calls release the GIL).
+    Thread-safe (calls release the GIL). Each method is its C++ handle's, returned by an attribute read that
+    first checks the client is not stale: look it up for every call (``client.batch_get_into(...)``).
     """
 
     def __init__(self, store: Any, handle: Any, distribution: tuple[str, str] | None) -> None:
