@@ -43,19 +43,34 @@ def native_store(store: MooncakeStore) -> MooncakeStore:
     return store
 
 
+class _HandleSpy:
+    """Stands in for a native client's C++ handle: records each transfer call, forwards everything."""
+
+    NAMES = ("batch_get_into_multi_buffers", "batch_put_from_multi_buffers", "batch_get_into", "batch_put_from")
+
+    def __init__(self, handle: Any, seen: list[tuple[str, type, int]]) -> None:
+        self._handle = handle
+        self._seen = seen
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._handle, name)
+        if name not in self.NAMES:
+            return target
+
+        def recorded(keys: Any, addrs: Any, *args: Any, **kwargs: Any) -> Any:
+            self._seen.append((name, type(addrs), len(keys)))
+            return target(keys, addrs, *args, **kwargs)
+
+        return recorded
+
+
 def _spy(store: MooncakeStore, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, type, int]]:
-    """Record (method, type of the address argument, key count) of every native call the store makes."""
+    """Record (method, type of the address argument, key count) of every native call the store makes (the
+    native client hands out its C++ handle's methods, so the handle is what is watched)."""
     seen: list[tuple[str, type, int]] = []
     native = store._native
     assert native is not None
-    for name in ("batch_get_into_multi_buffers", "batch_put_from_multi_buffers", "batch_get_into", "batch_put_from"):
-        original = getattr(native, name)
-
-        def wrapped(keys: Any, addrs: Any, *args: Any, _name: str = name, _orig: Any = original) -> Any:
-            seen.append((_name, type(addrs), len(keys)))
-            return _orig(keys, addrs, *args)
-
-        monkeypatch.setattr(native, name, wrapped)
+    monkeypatch.setattr(native, "_handle", _HandleSpy(native._handle, seen))
     return seen
 
 

@@ -17,11 +17,15 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import mooncake_kvaddr
 from mooncake_kvaddr import _version
+
+if TYPE_CHECKING:
+    from mooncake_kvaddr.driver.store import MooncakeStore
 
 PACKAGE_DIR = Path(mooncake_kvaddr.__file__).parent
 TESTS_DIR = Path(__file__).resolve().parent
@@ -357,6 +361,27 @@ def test_bench_reports_failures_with_mooncakes_codes() -> None:
 LOAD_PATH_MODULES = 5
 
 
+def _package_stack(frame: types.FrameType | None) -> list[str]:
+    """The package's modules on the call stack from ``frame`` outwards, outermost first, each named once."""
+    modules: list[str] = []
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("mooncake_kvaddr.") and name not in modules:
+            modules.append(name)
+        frame = frame.f_back
+    return modules[::-1]
+
+
+def _assert_load_path(stacks: list[list[str]]) -> None:
+    """One Mooncake call, reached from the transfer face through at most LOAD_PATH_MODULES modules, the
+    driver's call layer last."""
+    assert len(stacks) == 1, stacks
+    modules = stacks[0]
+    assert modules[0] == "mooncake_kvaddr.driver.transfer", modules
+    assert modules[-1] == "mooncake_kvaddr.driver.store_calls", modules
+    assert len(modules) <= LOAD_PATH_MODULES, modules
+
+
 def test_a_multi_buffer_load_reaches_mooncake_through_five_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     """The package's modules on the call stack when a load's get reaches Mooncake (the in-memory stand-in): at
     most five, transfer face first and the driver's call layer last. A new layer in between fails here."""
@@ -372,14 +397,7 @@ def test_a_multi_buffer_load_reaches_mooncake_through_five_modules(monkeypatch: 
         if event == "call" and frame.f_code.co_name.startswith("batch_get_into") and "fake_mooncake" in (
             frame.f_code.co_filename
         ):
-            modules: list[str] = []
-            caller = frame.f_back
-            while caller is not None:
-                name = caller.f_globals.get("__name__", "")
-                if name.startswith("mooncake_kvaddr.") and name not in modules:
-                    modules.append(name)
-                caller = caller.f_back
-            stacks.append(modules[::-1])
+            stacks.append(_package_stack(frame.f_back))
 
     with fake_store(monkeypatch) as (store, _fake):
         db = ChunkedTokenDatabase(KeyMetadata("m", 0, 1, 1, 0), 16)
@@ -397,8 +415,64 @@ def test_a_multi_buffer_load_reaches_mooncake_through_five_modules(monkeypatch: 
         finally:
             transfer.close()
     assert loaded.ok and loaded.loaded_block_ids == {1, 2} and loaded.mode == "multi_buffer"
-    assert len(stacks) == 1, stacks
-    modules = stacks[0]
-    assert modules[0] == "mooncake_kvaddr.driver.transfer", modules
-    assert modules[-1] == "mooncake_kvaddr.driver.store_calls", modules
-    assert len(modules) <= LOAD_PATH_MODULES, modules
+    _assert_load_path(stacks)
+
+
+@pytest.mark.mooncake
+def test_a_multi_buffer_load_on_the_native_client_reaches_mooncake_through_five_modules(
+    store: MooncakeStore, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same bound on the default path: a real Mooncake store (an embedded master on loopback) with our
+    native client. The stack is taken where the client's C++ handle is called (its
+    ``batch_get_into_multi_buffers`` calls Mooncake): no module of the package may stand between the call layer
+    and the handle. (A profile hook's ``c_call`` does not fire there on CPython 3.11: a bound builtin method
+    called with ``*args`` is not traced, so a stand-in for the handle records the stack and calls the handle.)"""
+    import numpy as np
+
+    from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, KVTransfer, _native
+    from mooncake_kvaddr.driver.native_client import NativeClient
+    from mooncake_kvaddr.driver.transfer import TransferRequest
+
+    native = store._native
+    if native is None:
+        assert store._client is not None
+        probed, reason = NativeClient.probe(store._client)
+        assert probed is None, "the native client works here, yet the store does not use it"
+        pytest.skip(f"native client unavailable here: {reason}")
+    handle = native._handle
+    stacks: list[list[str]] = []
+    made: list[int] = []  # Mooncake calls each handle call made
+
+    class Handle:
+        """The handle, recording the package's modules on the stack of each multi-buffer get."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(handle, name)
+
+        def batch_get_into_multi_buffers(self, *args: object, **kwargs: object) -> object:
+            stacks.append(_package_stack(sys._getframe(1)))
+            before = _native.mooncake_client_call_count()
+            try:
+                return handle.batch_get_into_multi_buffers(*args, **kwargs)
+            finally:
+                made.append(_native.mooncake_client_call_count() - before)
+
+    db = ChunkedTokenDatabase(KeyMetadata(model, 0, 1, 1, 0), 16)
+    caches = [np.zeros((8, 256), np.uint8) for _ in range(3)]
+    transfer = KVTransfer(store, [db], transfer_mode="multi_buffer", start_threads=False)
+    try:
+        transfer.register_kv_caches(caches, 8)
+        for i, cache in enumerate(caches):
+            cache[1:3] = (np.arange(2 * 256).reshape(2, 256) * 7 + i) % 251
+        request = TransferRequest("r", 32, [b"\x02" * 4, b"\x03" * 4], [[1, 2]])
+        assert transfer.store(request).stored == 2
+        expected = [cache[1:3].copy() for cache in caches]
+        monkeypatch.setattr(native, "_handle", Handle())
+        loaded = transfer.load(TransferRequest("r", 32, request.block_hashes, [[5, 6]]))
+    finally:
+        transfer.close()
+    assert loaded.ok and loaded.loaded_block_ids == {5, 6} and loaded.mode == "multi_buffer"
+    assert all((cache[5:7] == want).all() for cache, want in zip(caches, expected, strict=True))
+    # The native client's handle called Mooncake for the load's get (Mooncake's bound method was not used).
+    assert made == [1], made
+    _assert_load_path(stacks)

@@ -98,7 +98,11 @@ using namespace client_inputs;  // this file is the one user of its header
 class MooncakeClient {
 public:
     MooncakeClient(py::capsule capsule, const std::string& library_path, py::object default_config,
-                   py::object symbol_overrides) {
+                   py::object symbol_overrides, py::object key_blob) {
+        if (!key_blob.is_none() && !PyType_Check(key_blob.ptr())) {
+            raise(PyExc_TypeError, "key_blob must be a type (or None), not " + type_name(key_blob.ptr()));
+        }
+        key_blob_ = std::move(key_blob);
         const char* name = PyCapsule_GetName(capsule.ptr());
         if (name == nullptr || std::strcmp(name, kCapsuleName) != 0) {
             PyErr_Clear();
@@ -151,10 +155,10 @@ public:
     // GIL: KeySource and Rows keep every object read alive (exported arrays cannot be resized), and nothing in
     // the released scope touches a Python object. Declared first, `release` is destroyed last: the vectors
     // are freed before the GIL is taken back.
-    py::list get_multi(py::handle keys, py::handle addrs, py::handle sizes, bool prefer_same_node, py::handle offsets,
-                       py::handle ranges) {
+    py::list get_multi(py::handle keys, py::handle addrs, py::handle sizes, bool prefer_same_node, py::handle ranges) {
         t_refused = 0;
-        const KeySource source(keys, offsets);
+        const KeyArgs key_args = key_args_of(keys);
+        const KeySource source(key_args.keys, key_args.offsets);
         const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
         const RangeSet* guard = guard_of(ranges, scratch);
@@ -177,10 +181,10 @@ public:
         return to_list(codes, n, "batch_get_into_multi_buffers");
     }
 
-    py::list put_multi(py::handle keys, py::handle addrs, py::handle sizes, py::object config, py::handle offsets,
-                       py::handle ranges) {
+    py::list put_multi(py::handle keys, py::handle addrs, py::handle sizes, py::object config, py::handle ranges) {
         t_refused = 0;
-        const KeySource source(keys, offsets);
+        const KeyArgs key_args = key_args_of(keys);
+        const KeySource source(key_args.keys, key_args.offsets);
         const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
         const RangeSet* guard = guard_of(ranges, scratch);
@@ -212,9 +216,10 @@ public:
         return to_list(codes, n, "batch_put_from_multi_buffers");
     }
 
-    py::list get_into(py::handle keys, py::handle ptrs, py::handle sizes, py::handle offsets, py::handle ranges) {
+    py::list get_into(py::handle keys, py::handle ptrs, py::handle sizes, py::handle ranges) {
         t_refused = 0;
-        const KeySource source(keys, offsets);
+        const KeyArgs key_args = key_args_of(keys);
+        const KeySource source(key_args.keys, key_args.offsets);
         const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
         const RangeSet* guard = guard_of(ranges, scratch);
@@ -233,10 +238,10 @@ public:
         return to_list(codes, n, "batch_get_into");
     }
 
-    py::list put_from(py::handle keys, py::handle ptrs, py::handle sizes, py::object config, py::handle offsets,
-                      py::handle ranges) {
+    py::list put_from(py::handle keys, py::handle ptrs, py::handle sizes, py::object config, py::handle ranges) {
         t_refused = 0;
-        const KeySource source(keys, offsets);
+        const KeyArgs key_args = key_args_of(keys);
+        const KeySource source(key_args.keys, key_args.offsets);
         const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
         const RangeSet* guard = guard_of(ranges, scratch);
@@ -261,8 +266,9 @@ public:
         return to_list(codes, n, "batch_put_from");
     }
 
-    py::list is_exist(py::handle keys, py::handle offsets) {
-        const KeySource source(keys, offsets);
+    py::list is_exist(py::handle keys) {
+        const KeyArgs key_args = key_args_of(keys);
+        const KeySource source(key_args.keys, key_args.offsets);
         const std::size_t n = source.size();
         if (n == 0) return py::list();
         auto client = live();
@@ -303,6 +309,23 @@ public:
     const std::string& abi_id() const noexcept { return abi_id_; }
 
 private:
+    // The keys argument as KeySource takes it: an instance of our own key-blob type (the `key_blob` given at
+    // construction, mooncake_kvaddr.driver.native_client.KeyBlob) is its bytes cut at its offsets; anything
+    // else is a sequence of keys (offsets None). Decided by type, never by looking for attributes.
+    struct KeyArgs {
+        py::object keys;
+        py::object offsets;
+    };
+
+    KeyArgs key_args_of(py::handle keys) const {
+        if (!key_blob_.is_none()) {
+            const int is_blob = PyObject_IsInstance(keys.ptr(), key_blob_.ptr());
+            if (is_blob < 0) throw py::error_already_set();
+            if (is_blob == 1) return {keys.attr("data"), keys.attr("offsets")};
+        }
+        return {py::reinterpret_borrow<py::object>(keys), py::none()};
+    }
+
     // The registered-range guard's set (docs/vllm-plugin.md, "Registered-range guard"): null without `ranges`;
     // a _native.MemoryRanges as is, or an (n, 2) int64 array of [start, end) pairs converted into `scratch`.
     static const RangeSet* guard_of(py::handle ranges, std::optional<RangeSet>& scratch) {
@@ -389,6 +412,7 @@ private:
     std::string abi_id_;
     py::object config_type_;
     py::object default_config_;
+    py::object key_blob_ = py::none();
 };
 
 }  // namespace
@@ -409,19 +433,20 @@ void register_mooncake_client(py::module_& m) {
         "Calls made into Mooncake by native clients in this process (for tests).");
     py::class_<MooncakeClient>(m, "MooncakeClient",
                                "Mooncake's RealClient called directly; use mooncake_kvaddr.driver.native_client.")
-        .def(py::init<py::capsule, const std::string&, py::object, py::object>(), py::arg("capsule"),
-             py::arg("library_path"), py::arg("default_config"), py::arg("symbol_overrides") = py::none())
+        .def(py::init<py::capsule, const std::string&, py::object, py::object, py::object>(), py::arg("capsule"),
+             py::arg("library_path"), py::arg("default_config"), py::arg("symbol_overrides") = py::none(),
+             py::arg("key_blob") = py::none())
+        // The signatures of NativeClient's methods (driver/native_client.py hands these bound methods out).
         .def("batch_get_into_multi_buffers", checked(&MooncakeClient::get_multi), py::arg("keys"), py::arg("addrs"),
-             py::arg("sizes"), py::arg("prefer_alloc_in_same_node") = false, py::arg("key_offsets") = py::none(),
+             py::arg("sizes"), py::arg("prefer_alloc_in_same_node") = false, py::kw_only(),
              py::arg("ranges") = py::none())
         .def("batch_put_from_multi_buffers", checked(&MooncakeClient::put_multi), py::arg("keys"), py::arg("addrs"),
-             py::arg("sizes"), py::arg("config") = py::none(), py::arg("key_offsets") = py::none(),
-             py::arg("ranges") = py::none())
+             py::arg("sizes"), py::arg("config") = py::none(), py::kw_only(), py::arg("ranges") = py::none())
         .def("batch_get_into", checked(&MooncakeClient::get_into), py::arg("keys"), py::arg("ptrs"), py::arg("sizes"),
-             py::arg("key_offsets") = py::none(), py::arg("ranges") = py::none())
+             py::kw_only(), py::arg("ranges") = py::none())
         .def("batch_put_from", checked(&MooncakeClient::put_from), py::arg("keys"), py::arg("ptrs"), py::arg("sizes"),
-             py::arg("config") = py::none(), py::arg("key_offsets") = py::none(), py::arg("ranges") = py::none())
-        .def("batch_is_exist", checked(&MooncakeClient::is_exist), py::arg("keys"), py::arg("key_offsets") = py::none())
+             py::arg("config") = py::none(), py::kw_only(), py::arg("ranges") = py::none())
+        .def("batch_is_exist", checked(&MooncakeClient::is_exist), py::arg("keys"))
         .def("same_client", checked(&MooncakeClient::same_client), py::arg("capsule"))
         .def("close", checked(&MooncakeClient::close))
         .def_property_readonly("closed", checked(&MooncakeClient::closed))

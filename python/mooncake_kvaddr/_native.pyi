@@ -161,6 +161,7 @@ class MooncakeClient:
         library_path: str,
         default_config: object,
         symbol_overrides: dict[str, str] | None = None,
+        key_blob: type | None = None,
     ) -> None: ...
     def batch_get_into_multi_buffers(
         self,
@@ -168,31 +169,17 @@ class MooncakeClient:
         addrs: object,
         sizes: object,
         prefer_alloc_in_same_node: bool = False,
-        key_offsets: object = None,
+        *,
         ranges: object = None,
     ) -> list[int]: ...
     def batch_put_from_multi_buffers(
-        self,
-        keys: object,
-        addrs: object,
-        sizes: object,
-        config: object = None,
-        key_offsets: object = None,
-        ranges: object = None,
+        self, keys: object, addrs: object, sizes: object, config: object = None, *, ranges: object = None
     ) -> list[int]: ...
-    def batch_get_into(
-        self, keys: object, ptrs: object, sizes: object, key_offsets: object = None, ranges: object = None
-    ) -> list[int]: ...
+    def batch_get_into(self, keys: object, ptrs: object, sizes: object, *, ranges: object = None) -> list[int]: ...
     def batch_put_from(
-        self,
-        keys: object,
-        ptrs: object,
-        sizes: object,
-        config: object = None,
-        key_offsets: object = None,
-        ranges: object = None,
+        self, keys: object, ptrs: object, sizes: object, config: object = None, *, ranges: object = None
     ) -> list[int]: ...
-    def batch_is_exist(self, keys: object, key_offsets: object = None) -> list[int]: ...
+    def batch_is_exist(self, keys: object) -> list[int]: ...
     def same_client(self, capsule: object) -> bool: ...
     def close(self) -> None: ...
     @property

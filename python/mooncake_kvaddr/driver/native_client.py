@@ -18,9 +18,12 @@ import platform
 import sys
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from mooncake_kvaddr.core.flags import flag
+
+if TYPE_CHECKING:
+    from mooncake_kvaddr import _native
 
 __all__ = [
     "ENV_VAR",
@@ -74,10 +77,26 @@ class KeyBlob:
 Keys = Sequence[str] | Sequence[bytes] | KeyBlob
 
 
-def _split_keys(keys: Keys) -> tuple[Any, Any]:
-    if isinstance(keys, KeyBlob):
-        return keys.data, keys.offsets
-    return keys, None
+class _GetMulti(Protocol):
+    def __call__(
+        self, keys: Keys, addrs: Any, sizes: Any, prefer_alloc_in_same_node: bool = False, *, ranges: Any = None
+    ) -> list[int]: ...
+
+
+class _PutMulti(Protocol):
+    def __call__(self, keys: Keys, addrs: Any, sizes: Any, config: Any = None, *, ranges: Any = None) -> list[int]: ...
+
+
+class _GetInto(Protocol):
+    def __call__(self, keys: Keys, ptrs: Any, sizes: Any, *, ranges: Any = None) -> list[int]: ...
+
+
+class _PutFrom(Protocol):
+    def __call__(self, keys: Keys, ptrs: Any, sizes: Any, config: Any = None, *, ranges: Any = None) -> list[int]: ...
+
+
+class _IsExist(Protocol):
+    def __call__(self, keys: Keys) -> list[int]: ...
 
 
 # The Mooncake wheels (all ship the import package ``mooncake``); asked first because scanning every installed
@@ -188,7 +207,8 @@ class NativeClient:
     keys as a sequence of ``str``/``bytes`` or a :class:`KeyBlob`; multi-buffer addresses/sizes as two 2-D
     int64 (or uint64) arrays of shape ``(keys, regions)`` or as sequences of rows; the contiguous calls take
     1-D arrays or sequences. Invalid input raises ``ValueError``/``TypeError`` before Mooncake is called.
-    Thread-safe (calls release the GIL).
+    Thread-safe (calls release the GIL). Each method is its C++ handle's, returned by an attribute read that
+    first checks the client is not stale: look it up for every call (``client.batch_get_into(...)``).
     """
 
     def __init__(self, store: Any, handle: Any, distribution: tuple[str, str] | None) -> None:
@@ -261,7 +281,7 @@ class NativeClient:
         if capsule is None:
             raise NativeClientUnavailable("the store is not set up (or closed)")
         try:
-            handle = _native.MooncakeClient(capsule, library, module.ReplicateConfig(), symbol_overrides)
+            handle = _native.MooncakeClient(capsule, library, module.ReplicateConfig(), symbol_overrides, KeyBlob)
         except RuntimeError as exc:
             raise NativeClientUnavailable(str(exc)) from exc
         return cls(store, handle, distribution)
@@ -294,48 +314,46 @@ class NativeClient:
 
     # ------------------------------------------------------------------ calls
 
-    def _checked(self) -> Any:
+    # Each call is the C++ handle's own bound method, handed out after the staleness check: calling it leaves no
+    # frame of this module on the stack when Mooncake is called (docs/architecture.md, "The load path"). The
+    # handle takes a KeyBlob as one argument (it knows the type from _open) and ``ranges`` by keyword only.
+
+    def _checked(self) -> _native.MooncakeClient:
         """The handle, after checking that the store still holds this client (not closed, not set up again)."""
-        handle = self._handle
+        handle: _native.MooncakeClient = self._handle
         if not handle.same_client(self._store._get_pyclient_capsule()):
             handle.close()
             raise RuntimeError("the Mooncake store was closed or set up again: this native client is stale")
         return handle
 
-    def batch_get_into_multi_buffers(
-        self, keys: Keys, addrs: Any, sizes: Any, prefer_alloc_in_same_node: bool = False, *, ranges: Any = None
-    ) -> list[int]:
-        """Per key: bytes read (> 0) or a negative Mooncake error code.
+    @property
+    def batch_get_into_multi_buffers(self) -> _GetMulti:
+        """``(keys, addrs, sizes, prefer_alloc_in_same_node=False, *, ranges=None)``; per key: bytes read (> 0)
+        or a negative Mooncake error code.
 
         ``ranges`` (the registered-range guard, docs/native-client.md): a ``(n, 2)`` int64 array of ``[start,
         end)`` pairs; a key with any slice not inside one of them (or negative, null, wrapping) gets -600 and is
         not sent to Mooncake (checked in C++, GIL released for matrices); :func:`last_refused` counts them."""
-        data, offsets = _split_keys(keys)
-        codes: list[int] = self._checked().batch_get_into_multi_buffers(
-            data, addrs, sizes, prefer_alloc_in_same_node, offsets, ranges
-        )
-        return codes
+        return self._checked().batch_get_into_multi_buffers
 
-    def batch_put_from_multi_buffers(
-        self, keys: Keys, addrs: Any, sizes: Any, config: Any = None, *, ranges: Any = None
-    ) -> list[int]:
-        """Per key: 0 or a negative code. ``config``: a ``mooncake.store.ReplicateConfig`` (None: default).
-        ``ranges``: as for :meth:`batch_get_into_multi_buffers`."""
-        data, offsets = _split_keys(keys)
-        codes: list[int] = self._checked().batch_put_from_multi_buffers(data, addrs, sizes, config, offsets, ranges)
-        return codes
+    @property
+    def batch_put_from_multi_buffers(self) -> _PutMulti:
+        """``(keys, addrs, sizes, config=None, *, ranges=None)``; per key: 0 or a negative code. ``config``: a
+        ``mooncake.store.ReplicateConfig`` (None: default). ``ranges``: as for
+        :attr:`batch_get_into_multi_buffers`."""
+        return self._checked().batch_put_from_multi_buffers
 
-    def batch_get_into(self, keys: Keys, ptrs: Any, sizes: Any, *, ranges: Any = None) -> list[int]:
-        """One contiguous buffer per key. Per key: bytes read or a negative code (``ranges``: the guard)."""
-        data, offsets = _split_keys(keys)
-        codes: list[int] = self._checked().batch_get_into(data, ptrs, sizes, offsets, ranges)
-        return codes
+    @property
+    def batch_get_into(self) -> _GetInto:
+        """``(keys, ptrs, sizes, *, ranges=None)``: one contiguous buffer per key. Per key: bytes read or a
+        negative code (``ranges``: the guard)."""
+        return self._checked().batch_get_into
 
-    def batch_put_from(self, keys: Keys, ptrs: Any, sizes: Any, config: Any = None, *, ranges: Any = None) -> list[int]:
-        """One contiguous buffer per key. Per key: 0 or a negative code (``ranges``: the guard)."""
-        data, offsets = _split_keys(keys)
-        codes: list[int] = self._checked().batch_put_from(data, ptrs, sizes, config, offsets, ranges)
-        return codes
+    @property
+    def batch_put_from(self) -> _PutFrom:
+        """``(keys, ptrs, sizes, config=None, *, ranges=None)``: one contiguous buffer per key. Per key: 0 or a
+        negative code (``ranges``: the guard)."""
+        return self._checked().batch_put_from
 
     @staticmethod
     def last_refused() -> int:
@@ -345,11 +363,11 @@ class NativeClient:
         native: Any = _native  # the stub is the lead's to extend (docs/native-client.md)
         return int(native.mooncake_client_last_refused())
 
-    def batch_is_exist(self, keys: Keys) -> list[int]:
-        """Per key: 1 present, 0 absent, negative on error. Grants a read lease, like the bound method."""
-        data, offsets = _split_keys(keys)
-        codes: list[int] = self._checked().batch_is_exist(data, offsets)
-        return codes
+    @property
+    def batch_is_exist(self) -> _IsExist:
+        """``(keys)``; per key: 1 present, 0 absent, negative on error. Grants a read lease, like the bound
+        method."""
+        return self._checked().batch_is_exist
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
