@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -23,27 +23,44 @@ from mooncake_kvaddr.integrations.vllm.registry import (
     static_attribute,
 )
 
-__all__ = ["ENGINE_ATTR", "OURS", "PLAN_ENGINES", "REPLACEMENTS", "check_shape", "self_check"]
+__all__ = [
+    "ENGINE_ATTR",
+    "LAYOUT_PARAMS",
+    "OURS",
+    "PLAN_ENGINES",
+    "REPLACEMENTS",
+    "Comparison",
+    "check_shape",
+    "compare_all",
+    "each",
+    "layout_roles",
+    "rank_local_cases",
+    "sample_request",
+    "self_check",
+    "shape_problem",
+    "shard_templates",
+    "sharded_key_cases",
+]
 
 #: Where a vLLM layout object keeps its engine (and what it was built from).
 ENGINE_ATTR = "_mooncake_kvaddr_engine"
 #: The native module, untyped here: the layout engine's stubs belong to the layouts (docs/architecture.md).
 _NATIVE: Any = _native
 
-# Parameters (after self) of each replaced method, as vLLM 0.32/0.33 declare them.
-_EXPECTED_PARAMS: dict[tuple[str, str], tuple[str, ...]] = {
+#: Parameters (after self) of the layout methods every release replaces or relies on, alike from 0.32 to 0.34.
+LAYOUT_PARAMS: dict[tuple[str, str], tuple[str, ...]] = {
     ("RankLocalStoreLayout", "prepare_values"): ("chunks", "block_ids", "shard_ids"),
-    ("RankLocalStoreLayout", "prepare_value_for_block"): ("block_id",),
     ("RankLocalStoreLayout", "key_for"): ("shard_id", "chunk_hash"),
     ("TPShardedStoreLayout", "prepare_values"): ("chunks", "block_ids", "shard_ids"),
     ("TPShardedStoreLayout", "key_for"): ("shard_id", "chunk_hash"),
     ("TPShardedStoreLayout", "_set_segment_templates"): ("templates",),
 }
+# Parameters (after self) of each replaced method, as vLLM 0.32/0.33 declare them.
+_EXPECTED_PARAMS = {**LAYOUT_PARAMS, ("RankLocalStoreLayout", "prepare_value_for_block"): ("block_id",)}
 _EXPECTED_WORKER_PARAMS: dict[str, tuple[str, ...]] = {
     "__init__": ("vllm_config", "kv_cache_config"),
     "register_kv_caches": ("kv_caches",),
 }
-
 
 
 # --- the replacement methods ---------------------------------------------------------------------------------
@@ -157,12 +174,6 @@ def _sharded_plan_engine(layout: Any) -> tuple[Any, list[str]]:
     return _sharded_engine(layout), prefixes
 
 
-OURS: dict[str, Any] = {
-    "rank_local_prepare_values": _rank_local_prepare_values,
-    "rank_local_key_for": _rank_local_key_for,
-    "sharded_prepare_values": _sharded_prepare_values,
-    "sharded_key_for": _sharded_key_for,
-}
 PLAN_ENGINES: dict[str, Callable[[Any], tuple[Any, list[str]]]] = {
     "rank_local": _rank_local_plan_engine,
     "sharded": _sharded_plan_engine,
@@ -177,6 +188,18 @@ REPLACEMENTS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("TPShardedStoreLayout", "key_for", _sharded_key_for),
 )
 
+#: Each replaced layout class's role prefix in a release's ``ours`` (``Release.ours``, ``plans.Kinds``).
+_ROLES = {"RankLocalStoreLayout": "rank_local", "TPShardedStoreLayout": "sharded"}
+
+
+def layout_roles(replacements: Iterable[tuple[str, str, Callable[..., Any]]]) -> dict[str, Any]:
+    """A release's replacements by role (``rank_local_prepare_values``, ``sharded_key_for``, ...): the methods
+    ``plans.Kinds`` compares a layout class's with to know the layout is backed by our engine."""
+    return {f"{_ROLES[cls_name]}_{method}": ours for cls_name, method, ours in replacements}
+
+
+OURS: dict[str, Any] = layout_roles(REPLACEMENTS)
+
 
 # --- the shape check ------------------------------------------------------------------------------------------
 
@@ -189,20 +212,35 @@ def _params(func: Any) -> tuple[str, ...]:
 _ORIGINAL_FUNCS: dict[str, Callable[..., Any]] = {}
 
 
-def check_shape(data: ModuleType, worker: ModuleType | None) -> str:
-    """Empty string when ``data`` (and ``worker``) have every class and method we replace with the expected
-    parameters; otherwise the first mismatch."""
-    for (cls_name, method), params in _EXPECTED_PARAMS.items():
-        cls = getattr(data, cls_name, None)
+def shape_problem(
+    module: ModuleType, module_name: str, classes: Iterable[str], expected: Mapping[tuple[str, str], tuple[str, ...]]
+) -> str:
+    """The layout shape check every release makes: "" when ``module`` (named ``module_name``) has each of
+    ``classes``, then each class of ``expected`` with its method taking those parameters after self; otherwise
+    the first mismatch."""
+    for cls_name in classes:
+        if not isinstance(getattr(module, cls_name, None), type):
+            return f"{module_name}.{cls_name} is missing"
+    for (cls_name, method), params in expected.items():
+        cls = getattr(module, cls_name, None)
         if not isinstance(cls, type):
-            return f"{DATA_MODULE}.{cls_name} is missing"
+            return f"{module_name}.{cls_name} is missing"
         problem = signature_problem(cls, method, params)
         if problem:
             return problem
-        _ORIGINAL_FUNCS[f"{cls_name}.{method}"] = original_of(cls, method)
-    for name in ("KeyMetadata", "LBHNCStoreLayout", "LBNHCStoreLayout"):
-        if not isinstance(getattr(data, name, None), type):
-            return f"{DATA_MODULE}.{name} is missing"
+    return ""
+
+
+def check_shape(data: ModuleType, worker: ModuleType | None) -> str:
+    """Empty string when ``data`` (and ``worker``) have every class and method we replace with the expected
+    parameters; otherwise the first mismatch."""
+    problem = shape_problem(data, DATA_MODULE, (), _EXPECTED_PARAMS) or shape_problem(
+        data, DATA_MODULE, ("KeyMetadata", "LBHNCStoreLayout", "LBNHCStoreLayout"), {}
+    )
+    if problem:
+        return problem
+    for cls_name, method in _EXPECTED_PARAMS:
+        _ORIGINAL_FUNCS[f"{cls_name}.{method}"] = original_of(getattr(data, cls_name), method)
     if worker is not None:
         cls = getattr(worker, "MooncakeStoreWorker", None)
         if not isinstance(cls, type):
@@ -249,17 +287,78 @@ def _compare(name: str, reference: Callable[..., Any], ours: Callable[..., Any],
     raise AssertionError(f"{name}: vLLM gives {expected!r}, mooncake_kvaddr gives {actual!r}")
 
 
+#: One comparison of a layout self-check: class name, method, case label (``[empty]``, ...), the layout object
+#: and the arguments after it.
+Comparison = tuple[str, str, str, Any, tuple[Any, ...]]
+
+
+def compare_all(
+    module: ModuleType, replacements: Iterable[tuple[str, str, Callable[..., Any]]], cases: Iterable[Comparison]
+) -> None:
+    """The loop of every release's layout self-check: for each generated case, in order, vLLM's own method of
+    the named class in ``module`` and our replacement of it (:func:`_compare`; the first difference raises)."""
+    ours = {(cls_name, method): func for cls_name, method, func in replacements}
+    reference = {key: original_of(getattr(module, key[0]), key[1]) for key in ours}
+    for cls_name, method, label, layout, args in cases:
+        key = (cls_name, method)
+        _compare(f"{cls_name}.{method}{label}", reference[key], ours[key], layout, *args)
+
+
+def each(cls_name: str, method: str, layout: Any, cases: Iterable[tuple[str, tuple[Any, ...]]]) -> Iterator[Comparison]:
+    """``(label, args)`` cases of one method on one layout, as :data:`Comparison` s."""
+    return ((cls_name, method, label, layout, args) for label, args in cases)
+
+
+def sample_request(rng: random.Random, block_size: int, hash_block_size: int) -> tuple[list[int], int]:
+    """A request's block ids and token length (whole blocks, the last one possibly short by hash blocks)."""
+    num_blocks = rng.randint(1, 9)
+    block_ids = [rng.randrange(0, 5000) for _ in range(num_blocks)]
+    token_len = num_blocks * block_size - rng.randrange(0, block_size // hash_block_size) * hash_block_size
+    return block_ids, token_len
+
+
+def shard_templates(
+    rng: random.Random, shards: int, width: int, strides: tuple[int, ...], sizes: tuple[int, ...]
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """Segment templates of ``shards`` shards, ``width`` segments each (bases, strides, sizes drawn in turn per
+    shard), as vLLM's ``_set_segment_templates`` takes them (0.34: one such list per Store chunk of a block)."""
+    return [
+        (
+            [rng.randrange(1 << 20, 1 << 40) for _ in range(width)],
+            [rng.choice(strides) for _ in range(width)],
+            [rng.choice(sizes) for _ in range(width)],
+        )
+        for _ in range(shards)
+    ]
+
+
+def rank_local_cases(layout: Any, chunks: Any, block_ids: Any, hash_block_size: int) -> Iterator[Comparison]:
+    """The rank-local ``prepare_values`` cases every release compares: the request's chunks, none, a chunk not
+    a whole number of hash blocks, a shard other than 0."""
+    return each("RankLocalStoreLayout", "prepare_values", layout, (
+        ("", (chunks, block_ids, [0] * len(chunks))),
+        ("[empty]", ([], block_ids, [])),
+        ("[unaligned]", ([(0, hash_block_size + 1)], block_ids, [0])),
+        ("[shard]", (chunks[:1], block_ids, [1])),
+    ))  # fmt: skip
+
+
+def sharded_key_cases(layout: Any, owned: list[int], chunk_hash: bytes) -> Iterator[Comparison]:
+    """A TP-shared layout's ``key_for`` on its first owned shard and on one past its last (vLLM's KeyError)."""
+    return each("TPShardedStoreLayout", "key_for", layout, (("", (s, chunk_hash)) for s in (owned[0], owned[-1] + 1)))
+
+
 def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
     """Compare our replacement methods with ``data``'s own (vLLM's module) on small generated cases.
 
     Raises ``AssertionError`` naming the first difference. Needs no tensors: regions and segment templates
     are set through vLLM's own setters.
     """
-    rng = random.Random(seed)
+    compare_all(data, REPLACEMENTS, _cases(data, random.Random(seed), cases))
+
+
+def _cases(data: ModuleType, rng: random.Random, cases: int) -> Iterator[Comparison]:
     metadata = data.KeyMetadata("self-check/model", 1, 0, 0, 0)
-    reference = {
-        f"{cls_name}.{method}": original_of(getattr(data, cls_name), method) for cls_name, method in _EXPECTED_PARAMS
-    }
     for case in range(cases):
         hash_block_size = rng.choice([16, 32, 64])
         block_size = hash_block_size * rng.choice([1, 2, 4])
@@ -267,41 +366,13 @@ def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
         regions = rng.randint(0, 5)
         layout.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(regions)])
         layout.set_block_len([rng.choice([256, 2048, 4096]) for _ in range(max(1, regions // 2 + case % 2))])
-        num_blocks = rng.randint(1, 9)
-        block_ids = [rng.randrange(0, 5000) for _ in range(num_blocks)]
-        token_len = num_blocks * block_size - rng.randrange(0, block_size // hash_block_size) * hash_block_size
+        block_ids, token_len = sample_request(rng, block_size, hash_block_size)
         chunks = [(start, min(start + block_size, token_len)) for start in range(0, token_len, block_size)]
-        shard_ids = [0] * len(chunks)
-        for name, args in (
-            ("RankLocalStoreLayout.prepare_values", (chunks, block_ids, shard_ids)),
-            ("RankLocalStoreLayout.prepare_values[empty]", ([], block_ids, [])),
-            ("RankLocalStoreLayout.prepare_values[unaligned]", ([(0, hash_block_size + 1)], block_ids, [0])),
-            ("RankLocalStoreLayout.prepare_values[shard]", (chunks[:1], block_ids, [1])),
-        ):
-            _compare(
-                name,
-                reference["RankLocalStoreLayout.prepare_values"],
-                _rank_local_prepare_values,
-                layout,
-                *args,
-            )
+        yield from rank_local_cases(layout, chunks, block_ids, hash_block_size)
         block_id = rng.randrange(0, 5000)
-        _compare(
-            "RankLocalStoreLayout.prepare_value_for_block",
-            reference["RankLocalStoreLayout.prepare_value_for_block"],
-            _rank_local_prepare_value_for_block,
-            layout,
-            block_id,
-        )
+        yield "RankLocalStoreLayout", "prepare_value_for_block", "", layout, (block_id,)
         chunk_hash = rng.randbytes(32)
-        _compare(
-            "RankLocalStoreLayout.key_for",
-            reference["RankLocalStoreLayout.key_for"],
-            _rank_local_key_for,
-            layout,
-            0,
-            chunk_hash,
-        )
+        yield "RankLocalStoreLayout", "key_for", "", layout, (0, chunk_hash)
 
         # TP-shared formats: templates installed through vLLM's own setter, two local shards.
         layout_cls = data.LBHNCStoreLayout if case % 2 else data.LBNHCStoreLayout
@@ -310,38 +381,16 @@ def self_check(data: ModuleType, *, seed: int = 0, cases: int = 12) -> None:
         sharded = layout_cls(metadata, block_size, hash_block_size, local_tp, store_tp, tp_rank, 8)
         segments = rng.randint(1, 6)
         sharded._set_segment_templates(
-            [
-                (
-                    [rng.randrange(1 << 20, 1 << 40) for _ in range(segments)],
-                    [rng.choice([4096, 65536]) for _ in range(segments)],
-                    [rng.choice([128, 512]) for _ in range(segments)],
-                )
-                for _ in range(sharded.shards_per_rank)
-            ]
+            shard_templates(rng, sharded.shards_per_rank, segments, (4096, 65536), (128, 512))
         )
         owned = list(sharded.local_shard_ids)
-        full = [(i * block_size, (i + 1) * block_size) for i in range(num_blocks)]
+        full = [(i * block_size, (i + 1) * block_size) for i in range(len(block_ids))]
         picks = [rng.choice(owned) for _ in full]
-        for name, args in (
-            ("TPShardedStoreLayout.prepare_values", (full, block_ids, picks)),
-            ("TPShardedStoreLayout.prepare_values[empty]", ([], block_ids, [])),
-            ("TPShardedStoreLayout.prepare_values[partial]", ([(0, block_size - 1)], block_ids, owned[:1])),
-            ("TPShardedStoreLayout.prepare_values[not owned]", (full[:1], block_ids, [owned[-1] + 1])),
-            ("TPShardedStoreLayout.prepare_values[count]", (full, block_ids, picks[:-1])),
-        ):
-            _compare(
-                name,
-                reference["TPShardedStoreLayout.prepare_values"],
-                _sharded_prepare_values,
-                sharded,
-                *args,
-            )
-        for shard in (owned[0], owned[-1] + 1):
-            _compare(
-                "TPShardedStoreLayout.key_for",
-                reference["TPShardedStoreLayout.key_for"],
-                _sharded_key_for,
-                sharded,
-                shard,
-                chunk_hash,
-            )
+        yield from each("TPShardedStoreLayout", "prepare_values", sharded, (
+            ("", (full, block_ids, picks)),
+            ("[empty]", ([], block_ids, [])),
+            ("[partial]", ([(0, block_size - 1)], block_ids, owned[:1])),
+            ("[not owned]", (full[:1], block_ids, [owned[-1] + 1])),
+            ("[count]", (full, block_ids, picks[:-1])),
+        ))  # fmt: skip
+        yield from sharded_key_cases(sharded, owned, chunk_hash)

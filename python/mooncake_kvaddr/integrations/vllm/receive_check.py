@@ -18,7 +18,16 @@ from typing import Any
 from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 
-__all__ = ["DropThread", "check_shape", "self_check"]
+__all__ = ["RECEIVE_FUNCTIONS", "DropThread", "check_shape", "self_check"]
+
+#: The vLLM functions the receive handler was checked against, alike in every release (a release's
+#: ``FINGERPRINTED["receive"]``): the handler it replaces, the chunk walk it reproduces, the disk-offload split.
+RECEIVE_FUNCTIONS = (
+    "KVCacheStoreRecvingThread._handle_request",
+    "ChunkedTokenDatabase.process_tokens",
+    "_estimate_disk_offload_staging_bytes",
+    "_split_disk_offload_load_batches",
+)
 
 # Parameters (after self) of what this module relies on, as vLLM 0.32/0.33 declare them.
 _EXPECTED_THREAD: dict[str, tuple[str, ...]] = {
@@ -33,7 +42,6 @@ _EXPECTED_THREAD: dict[str, tuple[str, ...]] = {
     ),
 }  # fmt: skip
 _EXPECTED_PROCESS_TOKENS = ("token_len", "block_hashes", "mask_num", "chunk_mask", "put_step", "put_step_rank")
-
 
 
 def _params(func: Any) -> tuple[str, ...]:

@@ -19,7 +19,17 @@ from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
 from mooncake_kvaddr.integrations.vllm.receive_check import DropThread, SampleLayouts, sample_layouts_033
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 
-__all__ = ["THREAD_METHODS_033", "RecordingStore", "check_shape", "make_case", "run_once", "self_check"]
+__all__ = [
+    "SEND_FUNCTIONS", "THREAD_METHODS_033", "RecordingStore", "check_shape", "make_case", "run_once", "self_check",
+]  # fmt: skip
+
+#: The vLLM functions the send handler was checked against, alike in every release (a release's
+#: ``FINGERPRINTED["send"]``): the handler it replaces, the walk and the byte sum it reproduces.
+SEND_FUNCTIONS = (
+    "KVCacheStoreSendingThread._handle_request",
+    "ChunkedTokenDatabase.process_tokens",
+    "_sum_batch_bytes",
+)
 
 #: Parameters (after self) of what the send handler relies on, as vLLM 0.32/0.33 declare them (a release's
 #: ``SendRules.thread_methods``).

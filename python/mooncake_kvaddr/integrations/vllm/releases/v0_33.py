@@ -11,10 +11,10 @@ from typing import Any
 
 from mooncake_kvaddr.driver.rules import floor_to
 from mooncake_kvaddr.integrations.vllm import layouts, lookup, send
-from mooncake_kvaddr.integrations.vllm.receive_check import sample_layouts_033
+from mooncake_kvaddr.integrations.vllm.receive_check import RECEIVE_FUNCTIONS, sample_layouts_033
 from mooncake_kvaddr.integrations.vllm.registry import DATA_MODULE
 from mooncake_kvaddr.integrations.vllm.releases.base import PARTS, Release
-from mooncake_kvaddr.integrations.vllm.send_check import THREAD_METHODS_033
+from mooncake_kvaddr.integrations.vllm.send_check import SEND_FUNCTIONS, THREAD_METHODS_033
 
 __all__ = ["FINGERPRINTED", "FINGERPRINTS", "RELEASE", "SEND"]
 
@@ -31,17 +31,8 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
         "TPShardedStoreLayout.key_for",
         "TPShardedStoreLayout._set_segment_templates",
     ),
-    "receive": (
-        "KVCacheStoreRecvingThread._handle_request",
-        "ChunkedTokenDatabase.process_tokens",
-        "_estimate_disk_offload_staging_bytes",
-        "_split_disk_offload_load_batches",
-    ),
-    "send": (
-        "KVCacheStoreSendingThread._handle_request",
-        "ChunkedTokenDatabase.process_tokens",
-        "_sum_batch_bytes",
-    ),
+    "receive": RECEIVE_FUNCTIONS,
+    "send": SEND_FUNCTIONS,
     "worker": ("MooncakeStoreWorker.register_kv_caches", "MooncakeStoreWorker.close"),
     "lookup": (
         "MooncakeStoreWorker.lookup",

@@ -9,7 +9,7 @@ loop (16 chunks or fewer, or templates of unequal widths) and templates the engi
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -21,16 +21,26 @@ from mooncake_kvaddr.driver.rules import floor_to
 from mooncake_kvaddr.integrations.vllm import send
 from mooncake_kvaddr.integrations.vllm.layouts import (
     ENGINE_ATTR,
-    _compare,
+    LAYOUT_PARAMS,
+    Comparison,
     _rank_local_engine,
     _rank_local_key_for,
     _sharded_key_for,
+    compare_all,
+    each,
+    layout_roles,
+    rank_local_cases,
+    sample_request,
+    shape_problem,
     shard_prefixes,
+    shard_templates,
+    sharded_key_cases,
 )
 from mooncake_kvaddr.integrations.vllm.lookup import DirectHit, LookupRules, LookupUnits
-from mooncake_kvaddr.integrations.vllm.registry import original_of, signature_problem
+from mooncake_kvaddr.integrations.vllm.receive_check import RECEIVE_FUNCTIONS
+from mooncake_kvaddr.integrations.vllm.registry import original_of
 from mooncake_kvaddr.integrations.vllm.releases.base import Release
-from mooncake_kvaddr.integrations.vllm.send_check import THREAD_METHODS_033
+from mooncake_kvaddr.integrations.vllm.send_check import SEND_FUNCTIONS, THREAD_METHODS_033
 
 __all__ = [
     "FINGERPRINTED",
@@ -52,14 +62,10 @@ _NATIVE: Any = _native
 _LOOP_CHUNKS = 16
 
 _EXPECTED_PARAMS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("RankLocalStoreLayout", "prepare_values"): ("chunks", "block_ids", "shard_ids"),
-    ("RankLocalStoreLayout", "key_for"): ("shard_id", "chunk_hash"),
+    **LAYOUT_PARAMS,
     ("RankLocalStoreLayout", "set_block_len"): ("block_lens",),
     ("RankLocalStoreLayout", "set_kv_caches_base_addr"): ("base_addrs",),
     ("RankLocalStoreLayout", "register_kv_caches"): ("kv_caches", "num_blocks"),
-    ("TPShardedStoreLayout", "prepare_values"): ("chunks", "block_ids", "shard_ids"),
-    ("TPShardedStoreLayout", "key_for"): ("shard_id", "chunk_hash"),
-    ("TPShardedStoreLayout", "_set_segment_templates"): ("templates",),
     ("TPShardedStoreLayout", "__init__"): (
         "metadata",
         "block_size",
@@ -168,12 +174,13 @@ def _sharded_plan_engine(layout: Any) -> tuple[Any, list[str]] | str:
     return engine, prefixes
 
 
-OURS: dict[str, Any] = {
-    "rank_local_prepare_values": _rank_local_prepare_values,
-    "rank_local_key_for": _rank_local_key_for,
-    "sharded_prepare_values": _sharded_prepare_values,
-    "sharded_key_for": _sharded_key_for,
-}
+REPLACEMENTS: tuple[tuple[str, str, Any], ...] = (
+    ("RankLocalStoreLayout", "prepare_values", _rank_local_prepare_values),
+    ("RankLocalStoreLayout", "key_for", _rank_local_key_for),
+    ("TPShardedStoreLayout", "prepare_values", _sharded_prepare_values),
+    ("TPShardedStoreLayout", "key_for", _sharded_key_for),
+)
+OURS: dict[str, Any] = layout_roles(REPLACEMENTS)
 PLAN_ENGINES: dict[str, Any] = {"rank_local": _rank_local_plan_engine, "sharded": _sharded_plan_engine}
 
 
@@ -190,50 +197,31 @@ def sample_layouts(layout: ModuleType, metadata: Any, rng: random.Random, case: 
     return rank_local, sharded, store_chunk
 
 
-REPLACEMENTS: tuple[tuple[str, str, Any], ...] = (
-    ("RankLocalStoreLayout", "prepare_values", _rank_local_prepare_values),
-    ("RankLocalStoreLayout", "key_for", _rank_local_key_for),
-    ("TPShardedStoreLayout", "prepare_values", _sharded_prepare_values),
-    ("TPShardedStoreLayout", "key_for", _sharded_key_for),
-)
-
 # --- the shape check and the self-check ------------------------------------------------------------------------
 
 
 def check_shape(layout: ModuleType, worker: ModuleType | None) -> str:
     """Empty string when vLLM 0.34's ``layout`` module has every class and method this release replaces or
     relies on, with the expected parameters; otherwise the first mismatch."""
-    for name in ("KeyMetadata", "RankLocalStoreLayout", "TPShardedStoreLayout"):
-        if not isinstance(getattr(layout, name, None), type):
-            return f"{LAYOUT_MODULE}.{name} is missing"
-    for (cls_name, method), params in _EXPECTED_PARAMS.items():
-        problem = signature_problem(getattr(layout, cls_name), method, params)
-        if problem:
-            return problem
-    return ""
+    return shape_problem(layout, LAYOUT_MODULE, ("KeyMetadata", "RankLocalStoreLayout", "TPShardedStoreLayout"),
+                         _EXPECTED_PARAMS)  # fmt: skip
 
 
 def _templates(rng: random.Random, chunks_per_block: int, shards: int, width: int) -> list[Any]:
+    """Templates per Store chunk of a block, as vLLM 0.34's ``_set_segment_templates`` takes them."""
     return [
-        [
-            (
-                [rng.randrange(1 << 20, 1 << 40) for _ in range(width)],
-                [rng.choice([4096, 65536, 1 << 20]) for _ in range(width)],
-                [rng.choice([64, 128, 512]) for _ in range(width)],
-            )
-            for _ in range(shards)
-        ]
-        for _ in range(chunks_per_block)
+        shard_templates(rng, shards, width, (4096, 65536, 1 << 20), (64, 128, 512)) for _ in range(chunks_per_block)
     ]
 
 
 def self_check(layout: ModuleType, *, seed: int = 0, cases: int = 8) -> None:
     """Compare our replacements with vLLM 0.34's own methods on small generated cases (raises AssertionError
     naming the first difference). Needs no tensors: regions and templates are set as vLLM's setters do."""
-    rng = random.Random(seed)
+    compare_all(layout, REPLACEMENTS, _cases(layout, random.Random(seed), cases))
+
+
+def _cases(layout: ModuleType, rng: random.Random, cases: int) -> Iterator[Comparison]:
     metadata = layout.KeyMetadata("self-check/model", 1, 0, 0, 0)
-    rank_local_own = original_of(layout.RankLocalStoreLayout, "prepare_values")
-    sharded_own = original_of(layout.TPShardedStoreLayout, "prepare_values")
     for case in range(cases):
         hash_block_size = rng.choice([16, 32])
         block_size = hash_block_size * rng.choice([1, 2, 4])
@@ -243,21 +231,12 @@ def self_check(layout: ModuleType, *, seed: int = 0, cases: int = 8) -> None:
         rank_local.set_kv_caches_base_addr([rng.randrange(1 << 20, 1 << 40) for _ in range(regions)])
         rank_local.set_block_len(strides)
         rank_local.block_len = [stride - rng.choice([0, 64, 1024]) for stride in strides]
-        num_blocks = rng.randint(1, 9)
-        block_ids = [rng.randrange(0, 5000) for _ in range(num_blocks)]
-        token_len = num_blocks * block_size - rng.randrange(0, block_size // hash_block_size) * hash_block_size
+        block_ids, token_len = sample_request(rng, block_size, hash_block_size)
         span = block_size * rng.choice([1, 2])
         chunks = [(start, min(start + span, token_len)) for start in range(0, token_len, span)]
-        for name, args in (
-            ("prepare_values", (chunks, block_ids, [0] * len(chunks))),
-            ("prepare_values[empty]", ([], block_ids, [])),
-            ("prepare_values[unaligned]", ([(0, hash_block_size + 1)], block_ids, [0])),
-            ("prepare_values[shard]", (chunks[:1], block_ids, [1])),
-        ):
-            _compare(f"RankLocalStoreLayout.{name}", rank_local_own, _rank_local_prepare_values, rank_local, *args)
+        yield from rank_local_cases(rank_local, chunks, block_ids, hash_block_size)
         chunk_hash = rng.randbytes(32)
-        _compare("RankLocalStoreLayout.key_for", original_of(layout.RankLocalStoreLayout, "key_for"),
-                 _rank_local_key_for, rank_local, 0, chunk_hash)
+        yield "RankLocalStoreLayout", "key_for", "", rank_local, (0, chunk_hash)
 
         store_tp, local_tp = 4, 2
         store_chunk_size = block_size // rng.choice([1, 2, 4]) if block_size >= 64 else block_size
@@ -271,19 +250,16 @@ def self_check(layout: ModuleType, *, seed: int = 0, cases: int = 8) -> None:
         ids = [rng.randrange(0, 5000) for _ in range(blocks)]
         full = [(i * store_chunk_size, (i + 1) * store_chunk_size) for i in range(blocks * per_block)]
         picks = [rng.choice(owned) for _ in full]
-        for name, args in (
-            ("prepare_values", (full, ids, picks)),
-            ("prepare_values[short]", (full[:3], ids, picks[:3])),
-            ("prepare_values[partial]", ([*full[:-1], (full[-1][0], full[-1][1] - 1)], ids, picks)),
-            ("prepare_values[boundary]", ([*full[:-1], (full[-1][0] + 1, full[-1][1])], ids, picks)),
-            ("prepare_values[not owned]", (full, ids, [*picks[:-1], owned[-1] + 1])),
-            ("prepare_values[no block]", (full, ids[:-1], picks)),
-            ("prepare_values[count]", (full, ids, picks[:-1])),
-        ):
-            _compare(f"TPShardedStoreLayout.{name}", sharded_own, _sharded_prepare_values, sharded, *args)
-        for shard in (owned[0], owned[-1] + 1):
-            _compare("TPShardedStoreLayout.key_for", original_of(layout.TPShardedStoreLayout, "key_for"),
-                     _sharded_key_for, sharded, shard, chunk_hash)
+        yield from each("TPShardedStoreLayout", "prepare_values", sharded, (
+            ("", (full, ids, picks)),
+            ("[short]", (full[:3], ids, picks[:3])),
+            ("[partial]", ([*full[:-1], (full[-1][0], full[-1][1] - 1)], ids, picks)),
+            ("[boundary]", ([*full[:-1], (full[-1][0] + 1, full[-1][1])], ids, picks)),
+            ("[not owned]", (full, ids, [*picks[:-1], owned[-1] + 1])),
+            ("[no block]", (full, ids[:-1], picks)),
+            ("[count]", (full, ids, picks[:-1])),
+        ))  # fmt: skip
+        yield from sharded_key_cases(sharded, owned, chunk_hash)
 
 
 # --- the send handler's rules (docs/vllm-plugin.md, "The send handler", vLLM 0.34) ------------------------------
@@ -459,12 +435,7 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
         "ExternalCachedBlockPool.get_cached_block",
         "ExternalCachedBlockPool.contains",
     ),
-    "receive": (
-        "KVCacheStoreRecvingThread._handle_request",
-        "ChunkedTokenDatabase.process_tokens",
-        "_estimate_disk_offload_staging_bytes",
-        "_split_disk_offload_load_batches",
-    ),
+    "receive": RECEIVE_FUNCTIONS,
     # The replaced methods, and the setters whose assignments the engines' identity checks rely on.
     "layouts": (
         "RankLocalStoreLayout.prepare_values",
@@ -477,12 +448,7 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
         "TPShardedStoreLayout._set_segment_templates",
         "TPShardedStoreLayout.__init__",
     ),
-    # The send handler (replaced; the walk and the byte sum are what it reproduces).
-    "send": (
-        "KVCacheStoreSendingThread._handle_request",
-        "ChunkedTokenDatabase.process_tokens",
-        "_sum_batch_bytes",
-    ),
+    "send": SEND_FUNCTIONS,
 }
 
 FINGERPRINTS: dict[str, dict[str, str]] = {
