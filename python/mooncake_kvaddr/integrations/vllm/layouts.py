@@ -34,6 +34,7 @@ __all__ = [
     "compare_all",
     "each",
     "layout_roles",
+    "plan_engines",
     "rank_local_cases",
     "sample_request",
     "self_check",
@@ -153,11 +154,6 @@ def _sharded_key_for(self: Any, shard_id: int, chunk_hash: Any) -> str:
     return f"{self._shard_key_prefixes[shard_id]}@{chunk_hash.hex()}"
 
 
-def _rank_local_plan_engine(layout: Any) -> tuple[Any, list[str]]:
-    """The receive handler's view of a rank-local layout: its engine and its one key prefix."""
-    return _rank_local_engine(layout), [layout._key_prefix]
-
-
 def shard_prefixes(layout: Any) -> list[str]:
     """The key prefix of each shard a TP-shared layout owns, in ``local_shard_ids`` order (ValueError when the
     owned shards are not the consecutive run an engine keys)."""
@@ -168,16 +164,25 @@ def shard_prefixes(layout: Any) -> list[str]:
     return [layout._shard_key_prefixes[shard] for shard in ids]
 
 
-def _sharded_plan_engine(layout: Any) -> tuple[Any, list[str]]:
-    """The receive handler's view of a TP-shared layout: its engine and the key prefix of each owned shard."""
-    prefixes = shard_prefixes(layout)
-    return _sharded_engine(layout), prefixes
+def plan_engines(
+    rank_local: Callable[[Any], Any], sharded: Callable[[Any], Any]
+) -> dict[str, Callable[[Any], tuple[Any, list[str]] | str]]:
+    """A release's ``Release.plan_engines`` from its layouts' engine getters, alike in every release: the
+    handlers' view of a rank-local layout (its engine, its one key prefix) and of a TP-shared one (its engine,
+    the key prefix of each owned shard; why vLLM's own handler must plan it where the getter gives None)."""
+
+    def rank_local_plan(layout: Any) -> tuple[Any, list[str]]:
+        return rank_local(layout), [layout._key_prefix]
+
+    def sharded_plan(layout: Any) -> tuple[Any, list[str]] | str:
+        prefixes = shard_prefixes(layout)
+        engine = sharded(layout)
+        return "TP-shared templates the engine cannot hold" if engine is None else (engine, prefixes)
+
+    return {"rank_local": rank_local_plan, "sharded": sharded_plan}
 
 
-PLAN_ENGINES: dict[str, Callable[[Any], tuple[Any, list[str]]]] = {
-    "rank_local": _rank_local_plan_engine,
-    "sharded": _sharded_plan_engine,
-}
+PLAN_ENGINES = plan_engines(_rank_local_engine, _sharded_engine)
 
 #: (vLLM class name, method name, ours): what :func:`~mooncake_kvaddr.integrations.vllm.plugin.patch` installs.
 REPLACEMENTS: tuple[tuple[str, str, Callable[..., Any]], ...] = (

@@ -29,10 +29,10 @@ from mooncake_kvaddr.integrations.vllm.layouts import (
     compare_all,
     each,
     layout_roles,
+    plan_engines,
     rank_local_cases,
     sample_request,
     shape_problem,
-    shard_prefixes,
     shard_templates,
     sharded_key_cases,
 )
@@ -80,31 +80,39 @@ _EXPECTED_PARAMS: dict[tuple[str, str], tuple[str, ...]] = {
 # --- the replacement methods ---------------------------------------------------------------------------------
 
 
-def _rank_local_prepare_values(
-    self: Any, chunks: Any, block_ids: Any, shard_ids: Any
-) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """mooncake_kvaddr's ``RankLocalStoreLayout.prepare_values`` for vLLM 0.34 (stride apart from length)."""
-    if not chunks:
-        return [], [], []
-    try:
-        result: tuple[list[list[int]], list[list[int]], list[int]] = _rank_local_engine(
-            self, self.block_stride
-        ).prepare_values(chunks, block_ids, shard_ids)
-    except TypeError:  # an int-like vLLM's numpy casts (a float id, say): its own answer, or its own error
-        return _vllm_own(self, chunks, block_ids, shard_ids, "RankLocalStoreLayout")
-    return result
-
-
 _Rows = tuple[list[list[int]], list[list[int]], list[int]]
 
 
-def _vllm_own(layout: Any, chunks: Any, block_ids: Any, shard_ids: Any, replaced_on: str) -> _Rows:
-    """vLLM's own ``prepare_values`` of the class ``replaced_on`` in ``layout``'s MRO (the class this release
-    patches): never a subclass's override, which may call ``super()`` and so reach us again."""
+def _rows(
+    layout: Any, chunks: Any, block_ids: Any, shard_ids: Any, replaced_on: str, engine: Callable[[], Any]
+) -> _Rows:
+    """Both replacements' ``prepare_values``: no rows for no chunk; the rows of ``engine()``; else, where that is
+    None or raises TypeError (an int-like vLLM's numpy casts, a float id or bound: its own answer, or its own
+    error), vLLM's own of the class ``replaced_on`` in ``layout``'s MRO (the class this release patches): never a
+    subclass's override, which may call ``super()`` and so reach us again."""
+    if not chunks:
+        return [], [], []
+    try:
+        found = engine()
+        if found is not None:
+            result: _Rows = found.prepare_values(chunks, block_ids, shard_ids)
+            return result
+    except TypeError:
+        pass
     cls = next(klass for klass in type(layout).__mro__ if klass.__name__ == replaced_on)
     own: Any = original_of(cls, "prepare_values")
-    result: _Rows = own(layout, chunks, block_ids, shard_ids)
+    result = own(layout, chunks, block_ids, shard_ids)
     return result
+
+
+def _rank_local_prepare_values(self: Any, chunks: Any, block_ids: Any, shard_ids: Any) -> _Rows:
+    """mooncake_kvaddr's ``RankLocalStoreLayout.prepare_values`` for vLLM 0.34 (stride apart from length)."""
+    return _rows(self, chunks, block_ids, shard_ids, "RankLocalStoreLayout", lambda: _stride_engine(self))
+
+
+def _stride_engine(layout: Any) -> Any:
+    """A rank-local layout's engine with vLLM 0.34's strides (``block_stride``)."""
+    return _rank_local_engine(layout, layout.block_stride)
 
 
 def _chunked_engine(layout: Any) -> Any:
@@ -140,38 +148,11 @@ def _chunked_engine(layout: Any) -> Any:
     return engine
 
 
-def _sharded_prepare_values(
-    self: Any, chunks: Any, block_ids: Any, shard_ids: Any
-) -> tuple[list[list[int]], list[list[int]], list[int]]:
+def _sharded_prepare_values(self: Any, chunks: Any, block_ids: Any, shard_ids: Any) -> _Rows:
     """mooncake_kvaddr's ``TPShardedStoreLayout.prepare_values`` for vLLM 0.34: the engine where vLLM computes
     vectorised (more than 16 chunks, stacked templates), vLLM's own function elsewhere."""
-    if not chunks:
-        return [], [], []
-    engine = _chunked_engine(self) if len(chunks) > _LOOP_CHUNKS else None
-    if engine is None:
-        return _vllm_own(self, chunks, block_ids, shard_ids, "TPShardedStoreLayout")
-    try:
-        result: tuple[list[list[int]], list[list[int]], list[int]] = engine.prepare_values(
-            chunks, block_ids, shard_ids
-        )
-    except TypeError:  # int-likes vLLM's numpy casts (float ids or bounds): its own answer, or its own error
-        return _vllm_own(self, chunks, block_ids, shard_ids, "TPShardedStoreLayout")
-    return result
-
-
-def _rank_local_plan_engine(layout: Any) -> tuple[Any, list[str]]:
-    """The handlers' view of a rank-local layout: its engine (with strides) and its one key prefix."""
-    return _rank_local_engine(layout, layout.block_stride), [layout._key_prefix]
-
-
-def _sharded_plan_engine(layout: Any) -> tuple[Any, list[str]] | str:
-    """The handlers' view of a TP-shared layout: its engine and the key prefix of each owned shard, or why
-    vLLM's own handler must plan it."""
-    prefixes = shard_prefixes(layout)
-    engine = _chunked_engine(layout)
-    if engine is None:
-        return "TP-shared templates the engine cannot hold"
-    return engine, prefixes
+    engine = _chunked_engine(self) if chunks and len(chunks) > _LOOP_CHUNKS else None
+    return _rows(self, chunks, block_ids, shard_ids, "TPShardedStoreLayout", lambda: engine)
 
 
 REPLACEMENTS: tuple[tuple[str, str, Any], ...] = (
@@ -181,7 +162,7 @@ REPLACEMENTS: tuple[tuple[str, str, Any], ...] = (
     ("TPShardedStoreLayout", "key_for", _sharded_key_for),
 )
 OURS: dict[str, Any] = layout_roles(REPLACEMENTS)
-PLAN_ENGINES: dict[str, Any] = {"rank_local": _rank_local_plan_engine, "sharded": _sharded_plan_engine}
+PLAN_ENGINES = plan_engines(_stride_engine, _chunked_engine)
 
 
 def sample_layouts(layout: ModuleType, metadata: Any, rng: random.Random, case: int, block_size: int) -> Any:
