@@ -354,6 +354,21 @@ def _rank_local_one_region() -> Any:
     return layout
 
 
+def test_the_handlers_plan_only_templates_the_engine_holds() -> None:
+    """The handlers' view of a layout (``PLAN_ENGINES``): the engine and the owned shards' key prefixes where the
+    engine holds the templates; the reason vLLM's own handler plans it where it does not (unequal widths)."""
+    sharded = _tp_one_segment(1 << 30)
+    engine, prefixes = v0_34.PLAN_ENGINES["sharded"](sharded)
+    assert engine is sharded.__dict__[ENGINE_ATTR][0] and prefixes == [sharded._shard_key_prefixes[0]]
+    uneven = LAYOUT.TPShardedStoreLayout(LAYOUT.KeyMetadata("m", 0, 0, 0, 0), 32, 16, 1, 1, 0, 16)
+    uneven._set_segment_templates([[([1 << 30], [4096], [64])], [([1 << 30, 1 << 31], [4096] * 2, [64] * 2)]])
+    assert v0_34.PLAN_ENGINES["sharded"](uneven) == "TP-shared templates the engine cannot hold"
+    rank_local = _rank_local_one_region()
+    engine, prefixes = v0_34.PLAN_ENGINES["rank_local"](rank_local)
+    assert engine is rank_local.__dict__[ENGINE_ATTR][0] and prefixes == [rank_local._key_prefix]
+    assert rank_local.__dict__[ENGINE_ATTR][5] is rank_local.block_stride  # 0.34's strides, not 0.33's None
+
+
 _CHUNKS = [(16 * i, 16 * i + 16) for i in range(20)]  # more than 16: vLLM's vectorised path, our engine
 #: Inputs vLLM's callers never build, past its token walk: each once differed (found by probing) and is the same
 #: now (ours hands int-likes numpy casts to vLLM's own function; a Store chunk of three items is refused).
