@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -352,6 +353,24 @@ def _rank_local_one_region() -> Any:
     layout = LAYOUT.RankLocalStoreLayout(LAYOUT.KeyMetadata("m", 0, 0, 0, 0), 16, 16)
     layout.kv_caches_base_addr, layout.block_stride, layout.block_len = [1 << 30], [4096], [100]
     return layout
+
+
+@pytest.mark.parametrize("cls_name", ["RankLocalStoreLayout", "TPShardedStoreLayout"])
+def test_the_layout_self_check_catches_a_release_that_behaves_differently(cls_name: str) -> None:
+    """0.34's layout self-check compares vLLM's own methods with ours: a layout class whose ``prepare_values``
+    gives other block ids fails it, naming the class (a self-check that compared ours with ours passed)."""
+    base = getattr(LAYOUT, cls_name)
+
+    def shifted(self: Any, chunks: Any, block_ids: Any, shard_ids: Any) -> Any:
+        addrs, sizes, ids = base.prepare_values(self, chunks, block_ids, shard_ids)
+        return addrs, sizes, [i + 1 for i in ids]
+
+    module = types.ModuleType(LAYOUT.__name__)
+    module.__dict__.update(vars(LAYOUT))
+    setattr(module, cls_name, type("Shifted", (base,), {"prepare_values": shifted}))
+    v0_34.self_check(LAYOUT)
+    with pytest.raises(AssertionError, match=f"^{cls_name}.prepare_values"):
+        v0_34.self_check(module)
 
 
 def test_the_handlers_plan_only_templates_the_engine_holds() -> None:
