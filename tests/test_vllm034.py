@@ -355,6 +355,21 @@ def _rank_local_one_region() -> Any:
     return layout
 
 
+def test_a_subclass_calling_super_gets_vllms_own_where_ours_hands_over(patched: plugin.PatchReport) -> None:
+    """Where ours hands a batch to vLLM's own (16 chunks or fewer on a TP-shared layout), it runs the patched
+    class's own method, never a subclass's override: one that calls ``super()`` would reach ours again."""
+
+    class Wrapped(LAYOUT.TPShardedStoreLayout):  # type: ignore[misc, name-defined]
+        def prepare_values(self, chunks: Any, block_ids: Any, shard_ids: Any) -> Any:
+            return super().prepare_values(chunks, block_ids, shard_ids)
+
+    layout = Wrapped(LAYOUT.KeyMetadata("m", 0, 0, 0, 0), 16, 16, 1, 1, 0, 16)
+    layout._set_segment_templates([[([1 << 30], [4096], [64])]])
+    args = (_CHUNKS[:3], [7, 8, 9], [0, 0, 0])
+    own = original_of(LAYOUT.TPShardedStoreLayout, "prepare_values")(layout, *args)
+    assert layout.prepare_values(*args) == own and own[2] == [7, 8, 9]
+
+
 @pytest.mark.parametrize("cls_name", ["RankLocalStoreLayout", "TPShardedStoreLayout"])
 def test_the_layout_self_check_catches_a_release_that_behaves_differently(cls_name: str) -> None:
     """0.34's layout self-check compares vLLM's own methods with ours: a layout class whose ``prepare_values``
