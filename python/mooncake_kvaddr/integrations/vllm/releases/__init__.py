@@ -2,7 +2,8 @@
 
 What differs between releases (module and class names, the replaced methods and their parameters, the
 self-check's cases, the fingerprints, which handlers are ported) is a :class:`Release` in ``v0_33``/``v0_34``;
-the engine, the planners and the patching mechanism are shared. A new release is one new module here.
+the engine, the planners, the patching mechanism and the checks' loops (``layouts``) are shared. A new release
+is one new module here.
 """
 
 from __future__ import annotations
