@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -512,6 +513,8 @@ def test_rows_are_read_as_they_were_when_the_call_began(client: NativeClient) ->
         # A decreasing cut would give the second key a negative length (a huge size_t without the check).
         ((KeyBlob(b"abc", np.array([0, 2, 1, 3])), [[4096], [4096]], [[1], [1]]), ValueError, "non-decreasing"),
         ((KeyBlob("ab", np.array([0, 2])), [[4096]], [[1]]), TypeError, "bytes-like"),
+        ((KeyBlob(b"ab", None), [[4096]], [[1]]), TypeError, "sequence of str or bytes"),
+        ((KeyBlob(b"ab", [0, 2]), [[4096]], [[1]]), TypeError, "int64"),
     ],
 )
 def test_bad_input_raises_before_calling(client: NativeClient, args: tuple[Any, ...], error: type, match: str) -> None:
@@ -520,6 +523,29 @@ def test_bad_input_raises_before_calling(client: NativeClient, args: tuple[Any, 
         client.batch_get_into_multi_buffers(*args)
     with pytest.raises(error, match=match):
         client.batch_put_from_multi_buffers(*args)
+    assert _native.mooncake_client_call_count() == before
+
+
+class _RaisingBlob(KeyBlob):
+    """A key blob whose bytes cannot be read: the handle reads them with the GIL held and must raise."""
+
+    __slots__ = ()
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "data":
+            raise RuntimeError("no bytes here")
+        return super().__getattribute__(name)
+
+
+def test_the_handle_takes_a_key_blob_by_type_and_raises_what_reading_it_raises(client: NativeClient) -> None:
+    """The handle recognises our KeyBlob (and its subclasses) by type, not by attributes: an object with
+    ``data`` and ``offsets`` that is not one is a sequence of keys; a blob whose bytes raise passes the error on."""
+    before = _native.mooncake_client_call_count()
+    with pytest.raises(RuntimeError, match="no bytes here"):
+        client.batch_is_exist(_RaisingBlob(b"ab", np.array([0, 2])))
+    lookalike = types.SimpleNamespace(data=b"ab", offsets=np.array([0, 2]))
+    with pytest.raises(TypeError, match="sequence"):
+        client.batch_is_exist(lookalike)  # type: ignore[arg-type]
     assert _native.mooncake_client_call_count() == before
 
 
