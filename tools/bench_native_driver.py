@@ -53,15 +53,21 @@ def main() -> int:
             native = store._native
             assert native is not None
             held_native: list[float] = []
-            original = native.batch_get_into_multi_buffers
+            handle = native._handle
 
-            def timed(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                out = original(*args, **kwargs)
-                held_native.append(time.perf_counter() - t0 - _native.mooncake_client_last_release_ns() / 1e9)
-                return out
+            class TimedHandle:
+                """The native client's C++ handle (its calls are the handle's own methods), timing each get."""
 
-            native.batch_get_into_multi_buffers = timed  # type: ignore[method-assign]
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(handle, name)
+
+                def batch_get_into_multi_buffers(self, *args: Any, **kwargs: Any) -> Any:
+                    t0 = time.perf_counter()
+                    out = handle.batch_get_into_multi_buffers(*args, **kwargs)
+                    held_native.append(time.perf_counter() - t0 - _native.mooncake_client_last_release_ns() / 1e9)
+                    return out
+
+            native._handle = TimedHandle()
             rows_a = (dst.regions[0].ctypes.data + np.arange(n * REGIONS, dtype=np.int64) * 4096).reshape(n, REGIONS)
             rows_a, rows_s = rows_a.tolist(), np.full((n, REGIONS), REGION_BYTES, dtype=np.int64).tolist()
             with (
