@@ -27,7 +27,7 @@ def main() -> None:
     hashes = [i.to_bytes(8, "little") for i in range(n)]
     ids = list(range(1, n + 1))
     data, length = _unwrap(hashes, None)
-    native = lambda: db._table.plan_load(db._key_prefix, data, length, n * 16, 0, None, ids)  # noqa: E731
+    native = lambda: db._engine.plan_load([db._key_prefix], data, length, n * 16, 0, None, None, ids)  # noqa: E731
     out = []
     for _ in range(3):
         out.append(f"native={median_ms(native):.2f}")

@@ -23,8 +23,8 @@ def main() -> None:
     bases = [(r + 1) << 36 for r in range(regions)]
     chunks = [(i * 16, (i + 1) * 16) for i in range(n)]
     ids = list(range(100, 100 + n))
-    table = _native.AddressTable(16, 16, 64 << 20)
-    table.set_regions(bases, [4096])
+    table = _native.LayoutEngine(16, 16, False, 0, 1, 64 << 20, seed_rules=True)
+    table.set_region_sources(bases, [4096])
     out = {}
     for tuples in (False, True):
         table.immutable_rows = tuples

@@ -61,30 +61,13 @@ def vllm_data() -> Any:
 
 # --- instances made by __new__ without __init__ ----------------------------------------------------------------
 
-TABLE_CALLS: dict[str, Any] = {
-    "prepare_values": lambda o: o.prepare_values([(0, 16)], [1]),
-    "prepare_values_array": lambda o: o.prepare_values_array([(0, 16)], [1]),
-    "prepare_value_for_block": lambda o: o.prepare_value_for_block(1),
-    "plan_load": lambda o: o.plan_load("p", HASHES, None, 64, 0, None, [1, 2, 3, 4]),
-    "plan_load_arrays": lambda o: o.plan_load_arrays("p", HASHES, None, 64, 0, None, [1, 2, 3, 4]),
-    "plan_store": lambda o: o.plan_store("p", HASHES, None, 64, 0, None, 1, 0, [1, 2, 3, 4], True),
-    "set_regions": lambda o: o.set_regions([1000], [10]),
-    "cache_info": lambda o: o.cache_info(),
-    "clear_cache": lambda o: o.clear_cache(),
-    "pin_regions": lambda o: o.pin_regions([1000], [10]),
-    "unpin_regions": lambda o: o.unpin_regions(),
-    "cache_capacity": lambda o: o.cache_capacity,
-    "set cache_capacity": lambda o: setattr(o, "cache_capacity", 0),
-    "immutable_rows": lambda o: o.immutable_rows,
-    "set immutable_rows": lambda o: setattr(o, "immutable_rows", True),
-    "region_pins": lambda o: o.region_pins,
-    "block_size": lambda o: o.block_size,
-}
 ENGINE_CALLS: dict[str, Any] = {
     "prepare_values": lambda o: o.prepare_values([(0, 16)], [1], [0]),
     "prepare_values_array": lambda o: o.prepare_values_array([(0, 16)], [1], [0]),
     "prepare_value_for_block": lambda o: o.prepare_value_for_block(1),
     "plan_load": lambda o: o.plan_load(["p"], HASHES, None, 64, 0, None, None, [1, 2, 3, 4]),
+    "plan_load slots": lambda o: o.plan_load(["p"], HASHES, None, 64, 0, None, None, [1, 2, 3, 4], True, 64),
+    "plan_store": lambda o: o.plan_store("p", HASHES, None, 64, 0, None, 1, 0, [1, 2, 3, 4], True),
     "set_region_sources": lambda o: o.set_region_sources([1000], [10]),
     "set_templates": lambda o: o.set_templates([]),
     "cache_info": lambda o: o.cache_info(),
@@ -115,11 +98,9 @@ CLIENT_CALLS: dict[str, Any] = {
 
 @pytest.mark.parametrize(
     ("cls", "call"),
-    [(_native.AddressTable, c) for c in TABLE_CALLS.values()]
-    + [(_native.LayoutEngine, c) for c in ENGINE_CALLS.values()]
+    [(_native.LayoutEngine, c) for c in ENGINE_CALLS.values()]
     + [(_native.MooncakeClient, c) for c in CLIENT_CALLS.values()],
-    ids=[f"AddressTable.{n}" for n in TABLE_CALLS]
-    + [f"LayoutEngine.{n}" for n in ENGINE_CALLS]
+    ids=[f"LayoutEngine.{n}" for n in ENGINE_CALLS]
     + [f"MooncakeClient.{n}" for n in CLIENT_CALLS],
 )
 def test_an_instance_made_by_new_without_init_refuses_every_method(cls: Any, call: Any) -> None:
@@ -133,19 +114,19 @@ def test_an_instance_made_by_new_without_init_refuses_every_method(cls: Any, cal
 
 
 def test_methods_refuse_a_self_of_another_class() -> None:
-    engine = _native.LayoutEngine(16, 16, False, 0, 1, 0)
+    client = _native.MooncakeClient.__new__(_native.MooncakeClient)
     with pytest.raises(TypeError):
-        _native.AddressTable.prepare_values(engine, [(0, 16)], [1])  # type: ignore[arg-type]
+        _native.LayoutEngine.prepare_values(client, [(0, 16)], [1], [0])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        _native.AddressTable.cache_info(object())  # type: ignore[arg-type]
+        _native.LayoutEngine.cache_info(object())  # type: ignore[arg-type]
 
 
 def test_a_second_init_changes_nothing() -> None:
-    table = _native.AddressTable(16, 16, 1 << 20)
-    table.set_regions([1000], [10])
-    table.__init__(32, 16, 0)  # type: ignore[misc]
-    assert table.block_size == 16
-    assert table.prepare_values([(0, 16)], [3]) == ([[1030]], [[10]], [3])
+    table = _native.LayoutEngine(16, 16, False, 0, 1, 1 << 20, seed_rules=True)
+    table.set_region_sources([1000], [10])
+    table.__init__(32, 16, False, 0, 1, 0)  # type: ignore[misc]
+    # Still block_size 16 (block index 1, not 0) and still the seed's rules (no shard ids).
+    assert table.prepare_values([(16, 32)], [3, 4]) == ([[1040]], [[10]], [4])
 
 
 # --- int arguments: strict conversion, user exceptions unchanged --------------------------------------------
@@ -178,7 +159,7 @@ def int_entry_points() -> dict[str, Any]:
         "layout row_cache_bytes": lambda v: setattr(layout, "row_cache_bytes", v),
         "LayoutEngine block_size": lambda v: _native.LayoutEngine(v, 16, False, 0, 1, 0),
         "LayoutEngine n_shards": lambda v: _native.LayoutEngine(16, 16, True, 0, v, 0),
-        "AddressTable cache_bytes": lambda v: _native.AddressTable(16, 16, v),
+        "seed LayoutEngine cache_bytes": lambda v: _native.LayoutEngine(16, 16, False, 0, 1, v, seed_rules=True),
         "staging_plan_slots alignment": lambda v: _native.staging_plan_slots(np.full((2, 3), 64, np.int64), v),
         "staging gather staging_ptr": lambda v: _native._staging_gather(*EMPTY_JOB[:2], v, 0, *EMPTY_JOB[2:]),
         "staging scatter staging_len": lambda v: _native._staging_scatter(*EMPTY_JOB[:2], 0, v, *EMPTY_JOB[2:]),
@@ -222,10 +203,10 @@ def test_ints_outside_int64_raise_overflow_error(name: str, value: int) -> None:
 @pytest.mark.parametrize("value", [-1, -(2**63)])
 def test_negative_sizes_raise_value_error(value: int) -> None:
     with pytest.raises(ValueError, match=">= 0"):
-        _native.AddressTable(16, 16, value)
+        _native.LayoutEngine(16, 16, False, 0, 1, value, seed_rules=True)
     with pytest.raises(ValueError, match=">= 0"):
         _native.LayoutEngine(16, 16, False, 0, 1, value)
-    table = _native.AddressTable(16, 16, 0)
+    table = _native.LayoutEngine(16, 16, False, 0, 1, 0, seed_rules=True)
     with pytest.raises(ValueError, match=">= 0"):
         table.cache_capacity = value
     with pytest.raises(ValueError, match=">= 0"):

@@ -422,13 +422,13 @@ def test_constructor_validation() -> None:
     db = ChunkedTokenDatabase(md, 32, 0)
     assert db.hash_block_size == 32
     assert ChunkedTokenDatabase(md, 32, None).hash_block_size == 32
-    # The native table checks on its own (it is reachable without the façade): the same pairs, in its words.
+    # The native engine checks on its own (it is reachable without the façade): the same pairs, in its words.
     from mooncake_kvaddr import _native
 
     for block_size, hash_block_size in ((32, 12), (48, 32), (0, 16), (-32, 16), (32, -16), (32, 0)):
         with pytest.raises(ValueError, match="block_size"):
-            _native.AddressTable(block_size, hash_block_size, 0)
-    _native.AddressTable(32, 16, 0)
+            _native.LayoutEngine(block_size, hash_block_size, False, 0, 1, 0, seed_rules=True)
+    _native.LayoutEngine(32, 16, False, 0, 1, 0, seed_rules=True)
 
 
 @pytest.mark.parametrize("immutable", [False, True])

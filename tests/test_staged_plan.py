@@ -131,8 +131,8 @@ class NativeSpy:
         monkeypatch.setattr(staging_module, "_native", self._proxy(staging_module._native))
 
     def watch(self, db: ChunkedTokenDatabase) -> None:
-        """Count the database's address-table calls too (walk, keys, rows and plans)."""
-        self._monkeypatch.setattr(db, "_table", self._proxy(db._table))
+        """Count the database's engine calls too (walk, keys, rows and plans)."""
+        self._monkeypatch.setattr(db, "_engine", self._proxy(db._engine))
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -175,7 +175,7 @@ def test_a_staged_load_crosses_once_per_group_then_once_to_scatter(
         all_ids = [b for group in ids for b in group]
         assert_blocks_equal(src, all_ids, dst, all_ids)
         calls = list(spy.calls)  # the load's crossings (close() then releases the region pins: not the load's)
-    assert calls == ["plan_load_arrays"] * groups + ["_staging_scatter"]
+    assert calls == ["plan_load"] * groups + ["_staging_scatter"]
 
 
 @mooncake
@@ -208,7 +208,7 @@ def test_a_small_pool_scatters_each_batch_into_the_right_rows(
     assert_blocks_equal(src, good, dst, good)
     assert all((region[[0, missing]] == 6).all() for region in dst.regions)
     batches = calls.count("_staging_scatter")
-    assert calls == ["plan_load_arrays"] * groups + ["_staging_scatter"] * batches and batches >= 4
+    assert calls == ["plan_load"] * groups + ["_staging_scatter"] * batches and batches >= 4
 
 
 @mooncake

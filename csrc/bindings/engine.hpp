@@ -2,8 +2,8 @@
 // layout"): the segment templates (kvaddr/layout.hpp) — read from the caller's region lists for a rank-local
 // layout (vLLM 0.33's two lists, or 0.34's three with block_stride), installed per owned shard (and, for
 // vLLM 0.34's store chunks, per chunk of a block) for a TP-shared one — with the row cache, the region pin
-// and the two outputs (fresh lists, fresh int64 arrays). AddressTable (the seed-era database) and LayoutEngine (vLLM's
-// store layouts) are faces over it that only convert their inputs.
+// and the two outputs (fresh lists, fresh int64 arrays). LayoutEngine (register_layout.cpp: vLLM's store layouts,
+// and the seed-era database under its seed rules) is the face over it that converts inputs.
 //
 // Thread safety: one engine may be used by any number of Python threads at once (vLLM shares one database
 // between its send thread and every receive thread). Each call first converts all of its inputs to C++

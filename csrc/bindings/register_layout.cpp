@@ -3,7 +3,10 @@
 // vLLM's error order, before any Python object is created (docs/vllm.md, "Rules"), and hands validated key
 // plans to the engine, whose rows never alias each other or its cache. One engine serves vLLM 0.33's rules
 // and 0.34's (docs/vllm.md, "vLLM 0.34 rules"): a rank-local engine given block_stride, and a TP-shared one
-// built with store_chunk_size, whose templates are per (store chunk of a block, owned shard).
+// built with store_chunk_size, whose templates are per (store chunk of a block, owned shard). The seed-era
+// ChunkedTokenDatabase (core/database.py) is a rank-local engine built with seed_rules: its walk starts at
+// floor(mask_num / block_size), it reads any hash buffer and (start, end, ...) chunks, its errors name chunks,
+// and it adds the send plan (plan_store); docs/address-rows.md.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -15,11 +18,13 @@
 #include <utility>
 #include <vector>
 
+#include "bindings/buffer_pool.hpp"
 #include "bindings/common.hpp"
 #include "bindings/engine.hpp"
 #include "bindings/inputs.hpp"
 #include "bindings/keys.hpp"
 #include "kvaddr/layout.hpp"
+#include "kvaddr/staging.hpp"
 
 namespace kvaddr::py_bindings {
 
@@ -51,6 +56,18 @@ int64_t checked_chunks_per_block(int64_t block_size, bool tp_shared, int64_t sto
         throw py::value_error("Store chunk size must divide the local block size");
     }
     return block_size / store_chunk_size;
+}
+
+// The seed-era rules are rank-local, with a block_size that is a multiple of hash_block_size.
+bool checked_seed(bool seed_rules, int64_t block_size, int64_t hash_block_size, bool tp_shared,
+                  int64_t store_chunk_size) {
+    if (!seed_rules) return false;
+    if (tp_shared || store_chunk_size != 0) throw py::value_error("the seed-era rules are rank-local");
+    if (block_size % hash_block_size != 0) {
+        throw py::value_error("block_size " + std::to_string(block_size) +
+                              " must be a positive multiple of hash_block_size " + std::to_string(hash_block_size));
+    }
+    return true;
 }
 
 // How many templates the engine holds: one per owned shard, times the store chunks per block under 0.34.
@@ -120,9 +137,10 @@ private:
 
 class LayoutEngine {
 public:
-    // store_chunk_size 0: vLLM 0.33's rules; > 0 (TP-shared only): vLLM 0.34's store chunks.
+    // store_chunk_size 0: vLLM 0.33's rules; > 0 (TP-shared only): vLLM 0.34's store chunks. seed_rules: the
+    // seed-era database's (rank-local).
     LayoutEngine(int64_t block_size, int64_t hash_block_size, bool tp_shared, int64_t first_shard,
-                 int64_t n_shards, std::size_t cache_bytes, int64_t store_chunk_size)
+                 int64_t n_shards, std::size_t cache_bytes, int64_t store_chunk_size, bool seed_rules)
         : block_size_(block_size),
           hash_block_size_(hash_block_size),
           tp_shared_(tp_shared),
@@ -130,7 +148,9 @@ public:
           n_shards_(checked_shards(block_size, hash_block_size, tp_shared, first_shard, n_shards)),
           store_chunk_size_(store_chunk_size),
           chunks_per_block_(checked_chunks_per_block(block_size, tp_shared, store_chunk_size)),
-          engine_(tp_shared, template_count(n_shards_, chunks_per_block_), cache_bytes, {false, "key"}) {}
+          seed_(checked_seed(seed_rules, block_size, hash_block_size, tp_shared, store_chunk_size)),
+          engine_(tp_shared, template_count(n_shards_, chunks_per_block_), cache_bytes,
+                  {seed_rules, seed_rules ? "chunk" : "key"}) {}
     RowEngine& engine() noexcept { return engine_; }
 
     // Rank-local: the caller's region lists, re-read (and compared) on every call, as vLLM reads them;
@@ -165,6 +185,7 @@ public:
 
     // vLLM's prepare_values: (addr rows, size rows, block ids) as lists of fresh lists of ints.
     py::tuple prepare_values(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
+        if (seed_) return seed_values(chunks, block_ids, shard_ids, false);
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
         if (n == 0) return py::make_tuple(py::list(), py::list(), py::list());
@@ -175,6 +196,7 @@ public:
 
     // The same values as int64 arrays (keys × segments, keys × segments, keys); GIL released for big ones.
     py::tuple prepare_values_array(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
+        if (seed_) return seed_values(chunks, block_ids, shard_ids, true);
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
         if (n == 0) return engine_.rows_as_arrays(engine_.snapshot(), {});
@@ -186,22 +208,35 @@ public:
     // Rank-local boundary puts: (addresses, sizes) of one block in every region.
     py::tuple prepare_value_for_block(py::handle block_id) {
         require_rank_local("prepare_value_for_block");
+        if (seed_) {  // the seed-era database converts the id first
+            const int64_t id = as_int64(block_id.ptr(), "block_id");
+            return engine_.value_for_block(engine_.snapshot(), id);
+        }
         const Snapshot snapshot = engine_.snapshot();  // vLLM reads the regions before the id
         return engine_.value_for_block(snapshot, as_int64(block_id.ptr(), "block_id"));
     }
 
     // The receive thread's per-group work in one call (docs/vllm.md, "Fused plan"): walk
-    // [mask_num, token_len) with the 0.32+ start rule (by store chunks when the engine has them), keep chunks
-    // the absolute `load_mask` keeps (per chunk, which is a block; per block with store chunks), key the
-    // chunk ending at token_len by the tail-key boundary's hash when `tail_tokens` is given, expand each kept
-    // chunk to one key per local shard (keyed under `shard_prefixes[k]`), then its descriptors.
-    // Returns (keys, addr rows, size rows, block ids), index-aligned; int64 arrays for the rows when `arrays`.
+    // [mask_num, token_len) with the 0.32+ start rule (by store chunks when the engine has them; the seed-era
+    // rules start at floor(mask_num / block_size)), keep chunks the absolute `load_mask` keeps (per chunk,
+    // which is a block; per block with store chunks), key the chunk ending at token_len by the tail-key
+    // boundary's hash when `tail_tokens` is given, expand each kept chunk to one key per local shard (keyed
+    // under `shard_prefixes[k]`), then its descriptors. Returns (keys, addr rows, size rows, block ids),
+    // index-aligned; int64 arrays for the rows when `arrays`. A `slot_alignment` (a power of two) implies
+    // arrays and appends the staging slot layout of the sizes (docs/staging.md): (..., slot offsets (n,),
+    // object sizes (n,), total bytes), as staging_plan_slots lays it out.
     py::tuple plan_load(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
                         py::handle mask_num_arg, py::handle load_mask, py::handle tail_tokens, py::handle block_ids,
-                        py::handle arrays_arg) {
+                        py::handle arrays_arg, py::handle slot_alignment_arg) {
         const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
         const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
-        const bool arrays = as_flag(arrays_arg);
+        bool arrays = as_flag(arrays_arg);
+        const bool slots = !slot_alignment_arg.is_none();
+        const int64_t slot_alignment = slots ? as_int64(slot_alignment_arg.ptr(), "slot_alignment") : 0;
+        if (slots && (slot_alignment <= 0 || (slot_alignment & (slot_alignment - 1)) != 0)) {
+            raise(PyExc_ValueError, "slot_alignment must be a positive power of two, got " + std::to_string(slot_alignment));
+        }
+        arrays = arrays || slots;
         refuse_non_sequence(shard_prefixes, "shard_prefixes");
         FastSequence prefix_seq(shard_prefixes.ptr(), "shard_prefixes");
         if (static_cast<std::size_t>(prefix_seq.size()) != n_shards_) {
@@ -212,7 +247,7 @@ public:
         for (Py_ssize_t k = 0; k < prefix_seq.size(); ++k) writers.emplace_back(prefix_seq.at(k));
         const bool has_tail = !tail_tokens.is_none();
         const int64_t tail = has_tail ? as_int64(tail_tokens.ptr(), "tail_tokens") : 0;
-        HashSource source(hashes, hash_len);
+        HashSource source(hashes, hash_len, seed_ ? HashItems::any_buffer : HashItems::block_hash);
 
         // vLLM 0.32+ starts at ceil(mask_num / block_size): the walk takes a block-aligned mask_num.
         // When first * block_size does not fit, the walk is empty in vLLM (the first chunk lies past every
@@ -221,8 +256,8 @@ public:
         // With store chunks (vLLM 0.34) the walk steps by the store chunk and the mask is read per physical
         // block (start // block_size), after the walk; without, a chunk is a block and the walk applies it.
         const int64_t step = chunks_per_block_ != 0 ? store_chunk_size_ : block_size_;
-        int64_t aligned_mask = 0;
-        if (!mul_checked(layout::first_chunk_ceil(mask_num, step), step, &aligned_mask)) {
+        int64_t aligned_mask = mask_num;
+        if (!seed_ && !mul_checked(layout::first_chunk_ceil(mask_num, step), step, &aligned_mask)) {
             aligned_mask = INT64_MAX / step * step;
         }
         WalkParams params{token_len, step, hash_block_size_, aligned_mask, 1, 0};
@@ -250,10 +285,27 @@ public:
                 hash_indices.push_back(hash_index);
             }
         }
+        // Keys: vLLM's layouts read the hashes after every other argument; the seed-era database right after
+        // the walk (its reference keys each chunk before it computes rows).
+        py::list keys;
+        const auto make_keys = [&]() {
+            keys = py::list(static_cast<Py_ssize_t>(hash_indices.size()));
+            for (std::size_t i = 0; i < hash_indices.size(); ++i) {
+                std::size_t length = 0;
+                const uint8_t* bytes = source.at(static_cast<Py_ssize_t>(hash_indices[i]), &length);
+                // A key's template is (store chunk within the block) * n_shards + local shard.
+                const std::size_t shard = parsed.plans.empty() ? 0 : parsed.plans[i].shard % n_shards_;
+                PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writers[shard].make(bytes, length));
+            }
+        };
+        if (seed_) make_keys();
         if (parsed.starts.empty()) {
-            py::tuple r = arrays ? engine_.rows_as_arrays(engine_.snapshot(), {})
+            // The seed-era arrays of nothing read no region; vLLM's layouts read them.
+            Snapshot snapshot{std::make_shared<const Templates>(), 0};
+            if (arrays && !seed_) snapshot = engine_.snapshot();
+            py::tuple r = arrays ? engine_.rows_as_arrays(snapshot, {})
                                  : py::make_tuple(py::list(), py::list(), py::list());
-            return py::make_tuple(py::list(), r[0], r[1], r[2]);
+            return with_slots(py::make_tuple(std::move(keys), r[0], r[1], r[2]), slots, slot_alignment);
         }
         parsed.snapshot = engine_.snapshot();  // vLLM's prepare_values reads the regions after the walk
         if (chunks_per_block_ != 0) {
@@ -262,18 +314,65 @@ public:
             validate(parsed);
             resolve(parsed, block_ids);
         }
-        // Keys last among the inputs: the hashes are read after every other argument was converted.
-        py::list keys(static_cast<Py_ssize_t>(hash_indices.size()));
-        for (std::size_t i = 0; i < hash_indices.size(); ++i) {
-            std::size_t length = 0;
-            const uint8_t* bytes = source.at(static_cast<Py_ssize_t>(hash_indices[i]), &length);
-            // A plan's shard is its template: (store chunk within the block) * n_shards + local shard.
-            PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i),
-                            writers[parsed.plans[i].shard % n_shards_].make(bytes, length));
-        }
+        if (!seed_) make_keys();
         py::tuple rows = arrays ? engine_.rows_as_arrays(parsed.snapshot, parsed.plans)
                                 : engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
-        return py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]);
+        return with_slots(py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]), slots, slot_alignment);
+    }
+
+    // A load plan of arrays with, when `slots`, the staging layout of its sizes appended (microseconds: the
+    // GIL stays held).
+    static py::tuple with_slots(py::tuple plan, bool slots, int64_t alignment) {
+        if (!slots) return plan;
+        auto sizes = plan[2].cast<py::array_t<int64_t>>();
+        const auto keys = static_cast<std::size_t>(sizes.shape(0));
+        const auto regions = static_cast<std::size_t>(sizes.ndim() == 2 ? sizes.shape(1) : 0);
+        BufferPool& pool = BufferPool::instance();
+        py::array_t<int64_t> offsets = pool.new_array({static_cast<py::ssize_t>(keys)});
+        py::array_t<int64_t> object_sizes = pool.new_array({static_cast<py::ssize_t>(keys)});
+        int64_t total = 0;
+        const staging::PlanProblem problem = staging::plan_slots(sizes.data(), keys, regions, alignment,
+                                                                 offsets.mutable_data(), object_sizes.mutable_data(), &total);
+        if (problem.fault != staging::PlanFault::none) {
+            // Sizes are block_len * count: only a negative block_len or a huge layout gets here.
+            raise(PyExc_OverflowError, "key " + std::to_string(problem.key) +
+                                           ": the staging layout does not fit in int64 (or a block_len is negative)");
+        }
+        return py::make_tuple(py::object(plan[0]), py::object(plan[1]), py::object(plan[2]), py::object(plan[3]),
+                              std::move(offsets), std::move(object_sizes), total);
+    }
+
+    // The seed-era send plan: (keys, chunks as (start, end) tuples, block ids) of this rank's stripe of the
+    // walk (floor start rule, relative chunk_mask), without chunks past block_ids and (skip_null) those on
+    // block 0.
+    py::tuple plan_store(py::handle prefix, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
+                         py::handle mask_num_arg, py::handle chunk_mask, py::handle put_step_arg,
+                         py::handle put_step_rank_arg, py::handle block_ids, py::handle skip_null_arg) {
+        if (!seed_) raise(PyExc_RuntimeError, "plan_store follows the seed-era rules (seed_rules=True)");
+        const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
+        const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
+        const int64_t put_step = as_int64(put_step_arg.ptr(), "put_step");
+        const int64_t put_step_rank = as_int64(put_step_rank_arg.ptr(), "put_step_rank");
+        const bool skip_null = as_flag(skip_null_arg);
+        KeyWriter writer(prefix);
+        HashSource source(hashes, hash_len, HashItems::any_buffer);
+        const WalkParams params{token_len, block_size_, hash_block_size_, mask_num, put_step, put_step_rank};
+        const std::vector<WalkedChunk> walked = walk(params, source.size(), chunk_mask, false);
+        BlockIdSource ids(block_ids);
+        std::vector<int64_t> hash_indices;
+        py::list chunk_list;
+        py::list id_list;
+        for (const WalkedChunk& c : walked) {
+            const int64_t block_index = c.start / block_size_;
+            if (block_index >= ids.size()) continue;
+            py::object id_object;
+            const int64_t id = ids.at(static_cast<Py_ssize_t>(block_index), &id_object);
+            if (skip_null && id == 0) continue;
+            hash_indices.push_back(c.hash_index);
+            chunk_list.append(py::make_tuple(c.start, c.end));
+            id_list.append(id_object ? std::move(id_object) : py::int_(id));
+        }
+        return py::make_tuple(build_key_list(writer, source, hash_indices), std::move(chunk_list), std::move(id_list));
     }
 
     // vLLM 0.34's receive rule: a walked chunk is kept when mask[start // block_size] is true (an index past
@@ -488,8 +587,13 @@ private:
         }
     }
 
-    // block_ids[start // block_size] for every key (Python indexing), as C++ values.
+    // block_ids[start // block_size] for every key (Python indexing), as C++ values; the seed-era rules read
+    // any sequence of ints (BlockIdSource), vLLM's a list, tuple or integer array.
     void resolve(Parsed& p, py::handle block_ids) const {
+        if (seed_) {
+            resolve_block_ids(BlockIdSource(block_ids), p.starts, block_size_, &p.plans, &p.id_objects);
+            return;
+        }
         const BlockIds ids(block_ids);
         const std::size_t n = p.plans.size();
         p.id_objects.resize(n);
@@ -498,6 +602,31 @@ private:
             p.plans[k].block_id = ids.at(at, &p.id_objects[k]);
             check_block_id(p.plans[k].block_id);
         }
+    }
+
+    // The seed-era prepare_values (arrays: prepare_values_array), in its reference's error order: regions,
+    // then every span (any (start, end, ...) item, or an (n, >=2) integer array for arrays), then block ids.
+    py::tuple seed_values(py::handle chunks, py::handle block_ids, py::handle shard_ids, bool arrays) {
+        if (!shard_ids.is_none()) raise(PyExc_TypeError, "shard_ids: the seed-era rules have no shards (pass None)");
+        Parsed p;
+        std::unique_ptr<FastSequence> items;
+        if (!arrays) {
+            items = chunk_sequence(chunks);
+            if (items->size() == 0) return py::make_tuple(py::list(), py::list(), py::list());
+            p.snapshot = engine_.snapshot();
+        }
+        ChunkSpans spans = arrays ? parse_chunks(chunks, block_size_, hash_block_size_, true)
+                                  : parse_chunk_items(*items, block_size_, hash_block_size_);
+        p.starts = std::move(spans.starts);
+        p.plans = std::move(spans.plans);
+        if (p.plans.empty()) {  // no chunk (or a callback emptied the list): arrays of nothing read no region
+            if (!arrays) return py::make_tuple(py::list(), py::list(), py::list());
+            return engine_.rows_as_arrays(Snapshot{std::make_shared<const Templates>(), 0}, {});
+        }
+        if (arrays) p.snapshot = engine_.snapshot();
+        resolve(p, block_ids);
+        return arrays ? engine_.rows_as_arrays(p.snapshot, p.plans)
+                      : engine_.rows_as_lists(p.snapshot, p.plans, p.id_objects);
     }
 
     // TP-shared layouts compute in uint64 in vLLM, which rejects negative block ids.
@@ -512,6 +641,7 @@ private:
     std::size_t n_shards_;        // owned store shards (1 for rank-local)
     int64_t store_chunk_size_;    // 0: vLLM 0.33's rules
     int64_t chunks_per_block_;    // block_size / store_chunk_size, or 0
+    bool seed_;                   // the seed-era database's rules
     RowEngine engine_;
 };
 
@@ -522,7 +652,7 @@ void register_layout(py::module_& m) {
     // __init__ raises TypeError. Ints are converted with as_int64/as_size, never pybind11's int casters.
     py::class_<LayoutEngine> layout(m, "LayoutEngine", "Segment templates of one store layout → Mooncake descriptors.");
     layout.def(py::init([](py::handle block_size, py::handle hash_block_size, bool tp_shared, py::handle first_shard,
-                         py::handle n_shards, py::handle cache_bytes, py::handle store_chunk_size) {
+                         py::handle n_shards, py::handle cache_bytes, py::handle store_chunk_size, bool seed_rules) {
                  const int64_t bs = as_int64(block_size.ptr(), "block_size");
                  const int64_t hbs = as_int64(hash_block_size.ptr(), "hash_block_size");
                  const int64_t first = as_int64(first_shard.ptr(), "first_shard");
@@ -533,21 +663,26 @@ void register_layout(py::module_& m) {
                      chunk = as_int64(store_chunk_size.ptr(), "store_chunk_size");
                      if (chunk <= 0) throw py::value_error("Store chunk size must divide the local block size");
                  }
-                 return std::make_unique<LayoutEngine>(bs, hbs, tp_shared, first, count, cache, chunk);
+                 return std::make_unique<LayoutEngine>(bs, hbs, tp_shared, first, count, cache, chunk, seed_rules);
              }),
              py::arg("block_size"), py::arg("hash_block_size"), py::arg("tp_shared"), py::arg("first_shard"),
-             py::arg("n_shards"), py::arg("cache_bytes"), py::arg("store_chunk_size") = py::none())
+             py::arg("n_shards"), py::arg("cache_bytes"), py::arg("store_chunk_size") = py::none(), py::kw_only(),
+             py::arg("seed_rules") = false)
         .def("set_region_sources", checked(&LayoutEngine::set_region_sources), py::arg("kv_caches_base_addr"),
              py::arg("block_len"), py::arg("block_stride") = py::none())
         .def("set_templates", checked(&LayoutEngine::set_templates), py::arg("templates"))
         .def("prepare_values", checked(&LayoutEngine::prepare_values), py::arg("chunks"), py::arg("block_ids"),
-             py::arg("shard_ids"))
+             py::arg("shard_ids") = py::none())
         .def("prepare_values_array", checked(&LayoutEngine::prepare_values_array), py::arg("chunks"),
-             py::arg("block_ids"), py::arg("shard_ids"))
+             py::arg("block_ids"), py::arg("shard_ids") = py::none())
         .def("prepare_value_for_block", checked(&LayoutEngine::prepare_value_for_block), py::arg("block_id"))
         .def("plan_load", checked(&LayoutEngine::plan_load), py::arg("shard_prefixes"), py::arg("hashes"),
              py::arg("hash_len"), py::arg("token_len"), py::arg("mask_num"), py::arg("load_mask"),
-             py::arg("tail_tokens"), py::arg("block_ids"), py::arg("arrays") = false)
+             py::arg("tail_tokens"), py::arg("block_ids"), py::arg("arrays") = false,
+             py::arg("slot_alignment") = py::none())
+        .def("plan_store", checked(&LayoutEngine::plan_store), py::arg("prefix"), py::arg("hashes"),
+             py::arg("hash_len"), py::arg("token_len"), py::arg("mask_num"), py::arg("chunk_mask"),
+             py::arg("put_step"), py::arg("put_step_rank"), py::arg("block_ids"), py::arg("skip_null"))
         .def_property_readonly("segment_count", checked(&LayoutEngine::segment_count))
         .def_property_readonly(
             "store_chunk_size",

@@ -15,67 +15,6 @@ class ChunkAlignmentError(ValueError, AssertionError):
 class BlockLenError(ValueError, ZeroDivisionError):
     """block_len is empty while KV-cache regions are registered."""
 
-class AddressTable:
-    """Address/size matrix of one KV-cache group over the registered regions."""
-
-    cache_capacity: int
-    immutable_rows: bool
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def hash_block_size(self) -> int: ...
-    def __init__(self, block_size: int, hash_block_size: int, cache_bytes: int) -> None: ...
-    def set_regions(self, kv_caches_base_addr: Sequence[int], block_len: Sequence[int]) -> None: ...
-    def prepare_values(
-        self, chunks: Sequence[Sequence[int]], block_ids: Sequence[int] | _Int64Array
-    ) -> tuple[list[list[int]], list[list[int]], list[int]]: ...
-    def prepare_values_array(
-        self, chunks: Any, block_ids: Sequence[int] | _Int64Array
-    ) -> tuple[_Int64Array, _Int64Array, _Int64Array]: ...
-    def prepare_value_for_block(self, block_id: int) -> tuple[list[int], list[int]]: ...
-    def plan_load(
-        self,
-        prefix: str,
-        hashes: _Hashes,
-        hash_len: int | None,
-        token_len: int,
-        mask_num: int,
-        load_mask: Sequence[bool] | None,
-        block_ids: Sequence[int] | _Int64Array,
-    ) -> tuple[list[str], list[list[int]], list[list[int]], list[int]]: ...
-    def plan_load_arrays(
-        self,
-        prefix: str,
-        hashes: _Hashes,
-        hash_len: int | None,
-        token_len: int,
-        mask_num: int,
-        load_mask: Sequence[bool] | None,
-        block_ids: Sequence[int] | _Int64Array,
-        slot_alignment: int = 64,
-    ) -> tuple[list[str], _Int64Array, _Int64Array, _Int64Array, _Int64Array, _Int64Array, int]: ...
-    def plan_store(
-        self,
-        prefix: str,
-        hashes: _Hashes,
-        hash_len: int | None,
-        token_len: int,
-        mask_num: int,
-        chunk_mask: Sequence[bool] | None,
-        put_step: int,
-        put_step_rank: int,
-        block_ids: Sequence[int] | _Int64Array,
-        skip_null: bool,
-    ) -> tuple[list[str], list[tuple[int, int]], list[int]]: ...
-    def cache_info(self) -> dict[str, int]: ...
-    def clear_cache(self) -> None: ...
-    def pin_regions(
-        self, kv_caches_base_addr: Sequence[int], block_len: Sequence[int], block_stride: Sequence[int] | None = None
-    ) -> None: ...
-    def unpin_regions(self) -> None: ...
-    @property
-    def region_pins(self) -> int: ...
-
 def build_key(prefix: str, chunk_hash: Any) -> str: ...
 def build_keys(prefix: str, hashes: _Hashes, hash_len: int | None = None) -> list[str]: ...
 def build_lookup_keys(
@@ -218,16 +157,18 @@ class LayoutEngine:
         n_shards: int,
         cache_bytes: int,
         store_chunk_size: int | None = None,
+        *,
+        seed_rules: bool = False,
     ) -> None: ...
     def set_region_sources(
         self, kv_caches_base_addr: Sequence[int], block_len: Sequence[int], block_stride: Sequence[int] | None = None
     ) -> None: ...
     def set_templates(self, templates: Sequence[_ShardTemplate] | Sequence[Sequence[_ShardTemplate]]) -> None: ...
     def prepare_values(
-        self, chunks: Any, block_ids: Sequence[int] | _Int64Array, shard_ids: Sequence[int] | _Int64Array
+        self, chunks: Any, block_ids: Sequence[int] | _Int64Array, shard_ids: Sequence[int] | _Int64Array | None = None
     ) -> tuple[list[Any], list[Any], list[int]]: ...
     def prepare_values_array(
-        self, chunks: Any, block_ids: Sequence[int] | _Int64Array, shard_ids: Sequence[int] | _Int64Array
+        self, chunks: Any, block_ids: Sequence[int] | _Int64Array, shard_ids: Sequence[int] | _Int64Array | None = None
     ) -> tuple[_Int64Array, _Int64Array, _Int64Array]: ...
     def prepare_value_for_block(self, block_id: int) -> tuple[list[int], list[int]]: ...
     def plan_load(
@@ -241,7 +182,21 @@ class LayoutEngine:
         tail_tokens: int | None,
         block_ids: Sequence[int] | _Int64Array,
         arrays: bool = False,
-    ) -> tuple[list[str], Any, Any, Any]: ...
+        slot_alignment: int | None = None,
+    ) -> tuple[Any, ...]: ...
+    def plan_store(
+        self,
+        prefix: str,
+        hashes: _Hashes,
+        hash_len: int | None,
+        token_len: int,
+        mask_num: int,
+        chunk_mask: Sequence[bool] | None,
+        put_step: int,
+        put_step_rank: int,
+        block_ids: Sequence[int] | _Int64Array,
+        skip_null: bool,
+    ) -> tuple[list[str], list[tuple[int, int]], list[int]]: ...
     def cache_info(self) -> dict[str, int]: ...
     def clear_cache(self) -> None: ...
     def pin_regions(
