@@ -67,7 +67,7 @@ ENGINE_CALLS: dict[str, Any] = {
     "prepare_value_for_block": lambda o: o.prepare_value_for_block(1),
     "plan_load": lambda o: o.plan_load(["p"], HASHES, None, 64, 0, None, None, [1, 2, 3, 4]),
     "plan_load slots": lambda o: o.plan_load(["p"], HASHES, None, 64, 0, None, None, [1, 2, 3, 4], True, 64),
-    "plan_store": lambda o: o.plan_store("p", HASHES, None, 64, 0, None, 1, 0, [1, 2, 3, 4], True),
+    "plan_store": lambda o: o.plan_store(["p"], HASHES, None, 64, 0, None, 1, 0, [1, 2, 3, 4], True),
     "set_region_sources": lambda o: o.set_region_sources([1000], [10]),
     "set_templates": lambda o: o.set_templates([]),
     "cache_info": lambda o: o.cache_info(),
@@ -119,6 +119,67 @@ def test_methods_refuse_a_self_of_another_class() -> None:
         _native.LayoutEngine.prepare_values(client, [(0, 16)], [1], [0])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         _native.LayoutEngine.cache_info(object())  # type: ignore[arg-type]
+
+
+def test_the_seed_rules_are_rank_local_and_keep_to_their_own_calls() -> None:
+    # One engine, two sets of rules: a call of one set on an engine of the other is refused, never mixed.
+    with pytest.raises(ValueError, match="rank-local"):
+        _native.LayoutEngine(16, 16, True, 0, 1, 0, seed_rules=True)
+    with pytest.raises(ValueError, match="TP-shared"):
+        _native.LayoutEngine(16, 16, False, 0, 1, 0, 8, seed_rules=True)
+    with pytest.raises(ValueError, match="rank-local"):
+        _native.LayoutEngine(16, 16, False, 0, 2, 0, seed_rules=True)
+    seed = _native.LayoutEngine(16, 16, False, 0, 1, 0, seed_rules=True)
+    seed.set_region_sources([1000], [10])
+    with pytest.raises(TypeError, match="no shards"):
+        seed.prepare_values([(0, 16)], [3], [0])
+    with pytest.raises(TypeError, match="no shards"):
+        seed.prepare_values_array([(0, 16)], [3], [0])
+    layout = _native.LayoutEngine(16, 16, False, 0, 1, 0)
+    layout.set_region_sources([1000], [10])
+    with pytest.raises(TypeError, match="shard_prefixes"):
+        layout.plan_store("p", HASHES, None, 64, 0, None, 1, 0, [1, 2, 3, 4], True)
+    store_chunks = _native.LayoutEngine(16, 16, True, 0, 1, 0, 8)
+    with pytest.raises(RuntimeError, match="store chunks"):
+        store_chunks.plan_store(["p"], HASHES, None, 64, 0, None, 1, 0, [1, 2, 3, 4], True)
+    # The send walk: floor start (seed) vs ceiling (vLLM), pairs vs (start, end, shard) entries, one per shard.
+    assert seed.plan_store(["p"], HASHES, None, 64, 8, None, 1, 0, [1, 0, 3, 4], True)[1:] == (
+        [(0, 16), (32, 48), (48, 64)], [1, 3, 4]
+    )
+    assert layout.plan_store(["p"], HASHES, None, 64, 8, None, 1, 0, [1, 0, 3, 4], False)[1:] == (
+        [(16, 32, 0), (32, 48, 0), (48, 64, 0)], [0, 3, 4]
+    )
+    shared = _native.LayoutEngine(16, 16, True, 2, 2, 0)
+    keys, chunks, ids = shared.plan_store(["a", "b"], HASHES, None, 64, 16, None, 1, 0, [5, 6, 0], True)
+    assert keys == ["a@" + HASHES[1].hex(), "b@" + HASHES[1].hex()] and ids == [6, 6]
+    assert chunks == [(16, 32, 2), (16, 32, 3)]  # block 2 is NULL, block 3 past the ids
+    with pytest.raises(TypeError):  # vLLM's rules need the shard ids
+        layout.prepare_values([(0, 16)], [3])
+    # The seed walk starts at floor(mask_num / block_size), vLLM's at the ceiling: mask_num 8 keeps chunk 0 in one.
+    assert seed.plan_load(["p"], HASHES, None, 64, 8, None, None, [1, 2, 3, 4])[3] == [1, 2, 3, 4]
+    assert layout.plan_load(["p"], HASHES, None, 64, 8, None, None, [1, 2, 3, 4])[3] == [2, 3, 4]
+
+
+@pytest.mark.parametrize("seed_rules", [True, False])
+def test_plan_load_slots_are_the_staging_layout_of_its_sizes(seed_rules: bool) -> None:
+    engine = _native.LayoutEngine(16, 4, False, 0, 1, 0, seed_rules=seed_rules)  # a partial last chunk
+    engine.set_region_sources([1 << 20, 2 << 20, 3 << 20], [100, 36, 8])
+    hashes = [bytes([i]) * 4 for i in range(15)]
+    keys, addrs, sizes, ids, offsets, object_sizes, total = engine.plan_load(
+        ["p"], hashes, None, 60, 0, None, None, [7, 8, 9, 10], False, 128
+    )
+    plain = engine.plan_load(["p"], hashes, None, 60, 0, None, None, [7, 8, 9, 10], True)
+    assert keys == plain[0] == [f"p@{h.hex()}" for h in (hashes[3], hashes[7], hashes[11], hashes[14])]
+    assert ids.tolist() == plain[3].tolist() == [7, 8, 9, 10]
+    assert np.array_equal(addrs, plain[1]) and np.array_equal(sizes, plain[2])
+    expected = _native.staging_plan_slots(sizes, 128)
+    assert offsets.tolist() == expected[0].tolist() and object_sizes.tolist() == expected[1].tolist()
+    assert total == expected[2] and object_sizes.tolist() == [144] * 4
+    for bad in (0, 3, -64):
+        with pytest.raises(ValueError, match="power of two"):
+            engine.plan_load(["p"], hashes, None, 60, 0, None, None, [7, 8, 9, 10], True, bad)
+    nothing = engine.plan_load(["p"], hashes, None, 0, 0, None, None, [], False, 64)
+    assert nothing[0] == [] and len(nothing) == 7 and nothing[6] == 0
 
 
 def test_a_second_init_changes_nothing() -> None:

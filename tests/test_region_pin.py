@@ -83,21 +83,21 @@ def test_pins_are_released_by_close_and_refuse_other_regions_meanwhile(monkeypat
         a, b = Cache(2, 9, 64, seed=1), Cache(2, 9, 64, seed=2)
         first = KVTransfer(store, [db], start_threads=False, transfer_mode="multi_buffer")
         first.register_kv_caches(a.regions, 9)
-        assert db._engine.region_pins == 1
+        assert db._layout._engine.region_pins == 1
         # The same database over other caches: refused before anything changed (the first still works).
         second = KVTransfer(store, [db], start_threads=False, transfer_mode="multi_buffer")
         with pytest.raises(ValueError, match="pinned to other values"):
             second.register_kv_caches(b.regions, 9)
-        assert db._engine.region_pins == 1 and second.mode == "multi_buffer" and second.path is None
+        assert db._layout._engine.region_pins == 1 and second.mode == "multi_buffer" and second.path is None
         assert first.store(TransferRequest("r", 16, hashes("m", 1), [[1]])).ok
         # The same caches again: a second pin of the same values.
         third = KVTransfer(store, [db], start_threads=False, transfer_mode="multi_buffer")
         third.register_kv_caches(a.regions, 9)
-        assert db._engine.region_pins == 2
+        assert db._layout._engine.region_pins == 2
         third.close()
         first.close()
         second.close()
-        assert db._engine.region_pins == 0
+        assert db._layout._engine.region_pins == 0
         db.set_kv_caches_base_addr([1 << 20, 2 << 20])  # unpinned: the database is the caller's again
         assert db.prepare_values([(0, 16)], [1])[0] == [[(1 << 20) + 64, (2 << 20) + 64]]
 
@@ -114,7 +114,7 @@ def test_a_failed_registration_releases_its_pins(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(store, "register_buffer", fail)
         with pytest.raises(RuntimeError, match="register_buffer failed"):
             xfer.register_kv_caches(Cache(2, 9, 64, seed=1).regions, 9)
-        assert db._engine.region_pins == 0
+        assert db._layout._engine.region_pins == 0
         xfer.close()
 
 

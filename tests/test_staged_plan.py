@@ -132,7 +132,7 @@ class NativeSpy:
 
     def watch(self, db: ChunkedTokenDatabase) -> None:
         """Count the database's engine calls too (walk, keys, rows and plans)."""
-        self._monkeypatch.setattr(db, "_engine", self._proxy(db._engine))
+        self._monkeypatch.setattr(db._layout, "_engine", self._proxy(db._layout._engine))
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:

@@ -216,15 +216,11 @@ public:
         return engine_.value_for_block(snapshot, as_int64(block_id.ptr(), "block_id"));
     }
 
-    // The receive thread's per-group work in one call (docs/vllm.md, "Fused plan"): walk
-    // [mask_num, token_len) with the 0.32+ start rule (by store chunks when the engine has them; the seed-era
-    // rules start at floor(mask_num / block_size)), keep chunks the absolute `load_mask` keeps (per chunk,
-    // which is a block; per block with store chunks), key the chunk ending at token_len by the tail-key
-    // boundary's hash when `tail_tokens` is given, expand each kept chunk to one key per local shard (keyed
-    // under `shard_prefixes[k]`), then its descriptors. Returns (keys, addr rows, size rows, block ids),
-    // index-aligned; int64 arrays for the rows when `arrays`. A `slot_alignment` (a power of two) implies
-    // arrays and appends the staging slot layout of the sizes (docs/staging.md): (..., slot offsets (n,),
-    // object sizes (n,), total bytes), as staging_plan_slots lays it out.
+    // The receive thread's per-group work in one call (docs/vllm.md, "Fused plan"): walk_keys' walk, then the
+    // descriptors of every key. Returns (keys, addr rows, size rows, block ids), index-aligned; int64 arrays
+    // for the rows when `arrays`. A `slot_alignment` (a power of two) implies arrays and appends the staging
+    // slot layout of the sizes (docs/transfer-modes.md): (..., slot offsets (n,), object sizes (n,), total
+    // bytes), as staging_plan_slots lays it out.
     py::tuple plan_load(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
                         py::handle mask_num_arg, py::handle load_mask, py::handle tail_tokens, py::handle block_ids,
                         py::handle arrays_arg, py::handle slot_alignment_arg) {
@@ -237,68 +233,11 @@ public:
             raise(PyExc_ValueError, "slot_alignment must be a positive power of two, got " + std::to_string(slot_alignment));
         }
         arrays = arrays || slots;
-        refuse_non_sequence(shard_prefixes, "shard_prefixes");
-        FastSequence prefix_seq(shard_prefixes.ptr(), "shard_prefixes");
-        if (static_cast<std::size_t>(prefix_seq.size()) != n_shards_) {
-            raise(PyExc_ValueError, "expected one key prefix per local shard (" + std::to_string(n_shards_) + ")");
-        }
-        std::vector<KeyWriter> writers;
-        writers.reserve(n_shards_);
-        for (Py_ssize_t k = 0; k < prefix_seq.size(); ++k) writers.emplace_back(prefix_seq.at(k));
-        const bool has_tail = !tail_tokens.is_none();
-        const int64_t tail = has_tail ? as_int64(tail_tokens.ptr(), "tail_tokens") : 0;
-        HashSource source(hashes, hash_len, seed_ ? HashItems::any_buffer : HashItems::block_hash);
-
-        // vLLM 0.32+ starts at ceil(mask_num / block_size): the walk takes a block-aligned mask_num.
-        // When first * block_size does not fit, the walk is empty in vLLM (the first chunk lies past every
-        // chunk of token_len): the largest block multiple in int64 gives the same empty walk (walk() needs
-        // token_len + block_size to fit, so its last chunk starts below it) after the same asserts.
-        // With store chunks (vLLM 0.34) the walk steps by the store chunk and the mask is read per physical
-        // block (start // block_size), after the walk; without, a chunk is a block and the walk applies it.
-        const int64_t step = chunks_per_block_ != 0 ? store_chunk_size_ : block_size_;
-        int64_t aligned_mask = mask_num;
-        if (!seed_ && !mul_checked(layout::first_chunk_ceil(mask_num, step), step, &aligned_mask)) {
-            aligned_mask = INT64_MAX / step * step;
-        }
-        WalkParams params{token_len, step, hash_block_size_, aligned_mask, 1, 0};
-        std::vector<WalkedChunk> walked =
-            walk(params, source.size(), chunks_per_block_ != 0 ? py::none() : load_mask, true);
-        if (chunks_per_block_ != 0 && !load_mask.is_none()) keep_masked_blocks(load_mask, &walked);
-
-        Parsed parsed;
-        std::vector<int64_t> hash_indices;
-        for (const WalkedChunk& c : walked) {
-            int64_t hash_index = c.hash_index;
-            if (has_tail && c.end == token_len) {
-                // vLLM's block_hashes[tail // hash_block_size - 1], Python indexing; the - 1 is checked (a
-                // tail_tokens of -2**63 with hash_block_size 1 would wrap).
-                int64_t tail_index = 0;
-                if (!add_checked(floor_div(tail, hash_block_size_), -1, &tail_index)) {
-                    raise(PyExc_IndexError, "tail_tokens " + std::to_string(tail) + " names no block hash");
-                }
-                hash_index = python_index(tail_index, static_cast<std::size_t>(source.size()), parsed.starts.size());
-            }
-            for (std::size_t k = 0; k < n_shards_; ++k) {
-                parsed.starts.push_back(c.start);
-                parsed.ends.push_back(c.end);
-                parsed.shards.push_back(first_shard_ + static_cast<int64_t>(k));
-                hash_indices.push_back(hash_index);
-            }
-        }
+        LoadWalk w = walk_keys(shard_prefixes, hashes, hash_len, token_len, mask_num, load_mask, tail_tokens);
         // Keys: vLLM's layouts read the hashes after every other argument; the seed-era database right after
         // the walk (its reference keys each chunk before it computes rows).
-        py::list keys;
-        const auto make_keys = [&]() {
-            keys = py::list(static_cast<Py_ssize_t>(hash_indices.size()));
-            for (std::size_t i = 0; i < hash_indices.size(); ++i) {
-                std::size_t length = 0;
-                const uint8_t* bytes = source.at(static_cast<Py_ssize_t>(hash_indices[i]), &length);
-                // A key's template is (store chunk within the block) * n_shards + local shard.
-                const std::size_t shard = parsed.plans.empty() ? 0 : parsed.plans[i].shard % n_shards_;
-                PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writers[shard].make(bytes, length));
-            }
-        };
-        if (seed_) make_keys();
+        py::list keys = seed_ ? make_keys(w) : py::list();
+        Parsed& parsed = w.parsed;
         if (parsed.starts.empty()) {
             // The seed-era arrays of nothing read no region; vLLM's layouts read them.
             Snapshot snapshot{std::make_shared<const Templates>(), 0};
@@ -314,10 +253,29 @@ public:
             validate(parsed);
             resolve(parsed, block_ids);
         }
-        if (!seed_) make_keys();
+        if (!seed_) keys = make_keys(w);
         py::tuple rows = arrays ? engine_.rows_as_arrays(parsed.snapshot, parsed.plans)
                                 : engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
         return with_slots(py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]), slots, slot_alignment);
+    }
+
+    // walk_keys without rows: (keys, chunks) with chunks an (n, 3) int64 array of (start, end, shard id), in
+    // plan_load's order.
+    py::tuple walk_load(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
+                        py::handle mask_num_arg, py::handle load_mask, py::handle tail_tokens) {
+        const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
+        const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
+        LoadWalk w = walk_keys(shard_prefixes, hashes, hash_len, token_len, mask_num, load_mask, tail_tokens);
+        py::list keys = make_keys(w);
+        const std::size_t n = w.parsed.starts.size();
+        py::array_t<int64_t> chunks({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(3)});
+        int64_t* out = chunks.mutable_data();
+        for (std::size_t i = 0; i < n; ++i, out += 3) {
+            out[0] = w.parsed.starts[i];
+            out[1] = w.parsed.ends[i];
+            out[2] = w.parsed.shards[i];
+        }
+        return py::make_tuple(std::move(keys), std::move(chunks));
     }
 
     // A load plan of arrays with, when `slots`, the staging layout of its sizes appended (microseconds: the
@@ -342,21 +300,24 @@ public:
                               std::move(offsets), std::move(object_sizes), total);
     }
 
-    // The seed-era send plan: (keys, chunks as (start, end) tuples, block ids) of this rank's stripe of the
-    // walk (floor start rule, relative chunk_mask), without chunks past block_ids and (skip_null) those on
-    // block 0.
-    py::tuple plan_store(py::handle prefix, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
+    // A send thread's candidates: (keys, chunks, block ids) of this rank's stripe of the walk (the relative
+    // chunk_mask), without chunks past block_ids and (skip_null) those on block 0, each expanded to one entry
+    // per local shard. Chunks are (start, end, shard id) tuples — the seed-era rules' (start, end) pairs,
+    // whose walk starts at floor(mask_num / block_size) where vLLM's starts at the ceiling. Not for vLLM
+    // 0.34's store chunks.
+    py::tuple plan_store(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, py::handle token_len_arg,
                          py::handle mask_num_arg, py::handle chunk_mask, py::handle put_step_arg,
                          py::handle put_step_rank_arg, py::handle block_ids, py::handle skip_null_arg) {
-        if (!seed_) raise(PyExc_RuntimeError, "plan_store follows the seed-era rules (seed_rules=True)");
+        if (chunks_per_block_ != 0) raise(PyExc_RuntimeError, "plan_store does not walk store chunks");
         const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
         const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
         const int64_t put_step = as_int64(put_step_arg.ptr(), "put_step");
         const int64_t put_step_rank = as_int64(put_step_rank_arg.ptr(), "put_step_rank");
         const bool skip_null = as_flag(skip_null_arg);
-        KeyWriter writer(prefix);
-        HashSource source(hashes, hash_len, HashItems::any_buffer);
-        const WalkParams params{token_len, block_size_, hash_block_size_, mask_num, put_step, put_step_rank};
+        const std::vector<KeyWriter> writers = key_writers(shard_prefixes);
+        HashSource source(hashes, hash_len, seed_ ? HashItems::any_buffer : HashItems::block_hash);
+        const WalkParams params{token_len, block_size_, hash_block_size_, walk_start(mask_num, block_size_),
+                                put_step, put_step_rank};
         const std::vector<WalkedChunk> walked = walk(params, source.size(), chunk_mask, false);
         BlockIdSource ids(block_ids);
         std::vector<int64_t> hash_indices;
@@ -368,11 +329,21 @@ public:
             py::object id_object;
             const int64_t id = ids.at(static_cast<Py_ssize_t>(block_index), &id_object);
             if (skip_null && id == 0) continue;
-            hash_indices.push_back(c.hash_index);
-            chunk_list.append(py::make_tuple(c.start, c.end));
-            id_list.append(id_object ? std::move(id_object) : py::int_(id));
+            py::object id_out = id_object ? std::move(id_object) : py::int_(id);
+            for (std::size_t k = 0; k < n_shards_; ++k) {
+                hash_indices.push_back(c.hash_index);
+                chunk_list.append(seed_ ? py::tuple(py::make_tuple(c.start, c.end))
+                                        : py::tuple(py::make_tuple(c.start, c.end, first_shard_ + static_cast<int64_t>(k))));
+                id_list.append(id_out);
+            }
         }
-        return py::make_tuple(build_key_list(writer, source, hash_indices), std::move(chunk_list), std::move(id_list));
+        py::list keys(static_cast<Py_ssize_t>(hash_indices.size()));
+        for (std::size_t i = 0; i < hash_indices.size(); ++i) {
+            std::size_t length = 0;
+            const uint8_t* bytes = source.at(static_cast<Py_ssize_t>(hash_indices[i]), &length);
+            PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writers[i % n_shards_].make(bytes, length));
+        }
+        return py::make_tuple(std::move(keys), std::move(chunk_list), std::move(id_list));
     }
 
     // vLLM 0.34's receive rule: a walked chunk is kept when mask[start // block_size] is true (an index past
@@ -411,6 +382,98 @@ private:
         std::vector<py::object> id_objects;  // exact-int block ids reusable as output (empty otherwise)
         Snapshot snapshot;
     };
+
+    // A walk's start for mask_num: vLLM 0.32+ starts at ceil(mask_num / step) (a partly masked chunk is
+    // skipped), which the walk takes as a step-aligned mask_num; the seed-era rules at the floor, which the
+    // walk applies itself. When the ceiling's first token does not fit, the walk is empty in vLLM (the first
+    // chunk lies past every chunk of token_len): the largest step multiple in int64 gives the same empty walk
+    // (walk() needs token_len + step to fit, so its last chunk starts below it) after the same asserts.
+    int64_t walk_start(int64_t mask_num, int64_t step) const {
+        int64_t aligned = mask_num;
+        if (!seed_ && !mul_checked(layout::first_chunk_ceil(mask_num, step), step, &aligned)) {
+            aligned = INT64_MAX / step * step;
+        }
+        return aligned;
+    }
+
+    // One key writer per local shard, from the caller's prefixes.
+    std::vector<KeyWriter> key_writers(py::handle shard_prefixes) const {
+        refuse_non_sequence(shard_prefixes, "shard_prefixes");
+        FastSequence prefix_seq(shard_prefixes.ptr(), "shard_prefixes");
+        if (static_cast<std::size_t>(prefix_seq.size()) != n_shards_) {
+            raise(PyExc_ValueError, "expected one key prefix per local shard (" + std::to_string(n_shards_) + ")");
+        }
+        std::vector<KeyWriter> writers;
+        writers.reserve(n_shards_);
+        for (Py_ssize_t k = 0; k < prefix_seq.size(); ++k) writers.emplace_back(prefix_seq.at(k));
+        return writers;
+    }
+
+    // A load's walked keys before any row: per kept chunk and local shard, its span and shard (parsed) and
+    // the index of the hash it is keyed by.
+    struct LoadWalk {
+        std::vector<KeyWriter> writers;
+        std::unique_ptr<HashSource> source;
+        Parsed parsed;
+        std::vector<int64_t> hash_indices;
+    };
+
+    // The load walk of plan_load and walk_load (docs/vllm.md, "Fused plan"): walk [mask_num, token_len) from
+    // walk_start (by store chunks when the engine has them), keep chunks the absolute `load_mask` keeps (per
+    // chunk, which is a block; per block with store chunks), key the chunk ending at token_len by the
+    // tail-key boundary's hash when `tail_tokens` is given, and expand each kept chunk to one entry per local
+    // shard (keyed under `shard_prefixes[k]`).
+    LoadWalk walk_keys(py::handle shard_prefixes, py::handle hashes, py::handle hash_len, int64_t token_len,
+                       int64_t mask_num, py::handle load_mask, py::handle tail_tokens) {
+        LoadWalk w;
+        w.writers = key_writers(shard_prefixes);
+        const bool has_tail = !tail_tokens.is_none();
+        const int64_t tail = has_tail ? as_int64(tail_tokens.ptr(), "tail_tokens") : 0;
+        w.source = std::make_unique<HashSource>(hashes, hash_len, seed_ ? HashItems::any_buffer : HashItems::block_hash);
+        // With store chunks (vLLM 0.34) the walk steps by the store chunk and the mask is read per physical
+        // block (start // block_size), after the walk; without, a chunk is a block and the walk applies it.
+        const int64_t step = chunks_per_block_ != 0 ? store_chunk_size_ : block_size_;
+        const WalkParams params{token_len, step, hash_block_size_, walk_start(mask_num, step), 1, 0};
+        std::vector<WalkedChunk> walked =
+            walk(params, w.source->size(), chunks_per_block_ != 0 ? py::none() : load_mask, true);
+        if (chunks_per_block_ != 0 && !load_mask.is_none()) keep_masked_blocks(load_mask, &walked);
+        for (const WalkedChunk& c : walked) {
+            int64_t hash_index = c.hash_index;
+            if (has_tail && c.end == token_len) {
+                // vLLM's block_hashes[tail // hash_block_size - 1], Python indexing; the - 1 is checked (a
+                // tail_tokens of -2**63 with hash_block_size 1 would wrap).
+                int64_t tail_index = 0;
+                const int64_t n_hashes = w.source->size();
+                if (!add_checked(floor_div(tail, hash_block_size_), -1, &tail_index)) {
+                    raise(PyExc_IndexError, "tail_tokens " + std::to_string(tail) + " names no block hash");
+                }
+                if (tail_index >= n_hashes || tail_index < -n_hashes) {  // Python indexing: negative wraps once
+                    raise(PyExc_IndexError, "tail boundary: num_tokens " + std::to_string(tail) + " needs hash " +
+                                                std::to_string(tail_index) + ", only " + std::to_string(n_hashes) +
+                                                " given");
+                }
+                hash_index = tail_index < 0 ? tail_index + n_hashes : tail_index;
+            }
+            for (std::size_t k = 0; k < n_shards_; ++k) {
+                w.parsed.starts.push_back(c.start);
+                w.parsed.ends.push_back(c.end);
+                w.parsed.shards.push_back(first_shard_ + static_cast<int64_t>(k));
+                w.hash_indices.push_back(hash_index);
+            }
+        }
+        return w;
+    }
+
+    // The walk's keys, entry i under local shard i % n_shards (entries are expanded shard by shard).
+    py::list make_keys(LoadWalk& w) const {
+        py::list keys(static_cast<Py_ssize_t>(w.hash_indices.size()));
+        for (std::size_t i = 0; i < w.hash_indices.size(); ++i) {
+            std::size_t length = 0;
+            const uint8_t* bytes = w.source->at(static_cast<Py_ssize_t>(w.hash_indices[i]), &length);
+            PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), w.writers[i % n_shards_].make(bytes, length));
+        }
+        return keys;
+    }
 
     void require_rank_local(const char* what) const {
         if (tp_shared_) raise(PyExc_RuntimeError, std::string(what) + " is for the rank-local layout");
@@ -680,7 +743,10 @@ void register_layout(py::module_& m) {
              py::arg("hash_len"), py::arg("token_len"), py::arg("mask_num"), py::arg("load_mask"),
              py::arg("tail_tokens"), py::arg("block_ids"), py::arg("arrays") = false,
              py::arg("slot_alignment") = py::none())
-        .def("plan_store", checked(&LayoutEngine::plan_store), py::arg("prefix"), py::arg("hashes"),
+        .def("walk_load", checked(&LayoutEngine::walk_load), py::arg("shard_prefixes"), py::arg("hashes"),
+             py::arg("hash_len"), py::arg("token_len"), py::arg("mask_num"), py::arg("load_mask"),
+             py::arg("tail_tokens"))
+        .def("plan_store", checked(&LayoutEngine::plan_store), py::arg("shard_prefixes"), py::arg("hashes"),
              py::arg("hash_len"), py::arg("token_len"), py::arg("mask_num"), py::arg("chunk_mask"),
              py::arg("put_step"), py::arg("put_step_rank"), py::arg("block_ids"), py::arg("skip_null"))
         .def_property_readonly("segment_count", checked(&LayoutEngine::segment_count))

@@ -1,23 +1,23 @@
-"""The chunk database: drop-in for vLLM's ``ChunkedTokenDatabase`` with a native address/size matrix.
-
-Results equal :mod:`mooncake_kvaddr.core.oracle`'s value for value and type for type (docs/address-rows.md); what
-differs is speed and strictness (docs/errors.md). Results are fresh, and one database may be shared by any number
-of threads (docs/address-rows.md, "Results and the row cache", "Thread safety").
+"""The chunk database: drop-in for vLLM's ``ChunkedTokenDatabase``, a face over the rank-local store layout
+built with the seed-era rules (one engine, one ``plan_load`` for every layout). Results equal
+:mod:`mooncake_kvaddr.core.oracle`'s value for value and type for type (docs/address-rows.md); what differs is
+speed and strictness (docs/errors.md). Results are fresh, and one database may be shared by any number of
+threads (docs/address-rows.md, "Results and the row cache", "Thread safety").
 """
 
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from mooncake_kvaddr._native import LayoutEngine, build_key, chunk_walk
+from mooncake_kvaddr._native import build_key, chunk_walk
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.keys import Hashes, _unwrap, build_keys
+from mooncake_kvaddr.core.layouts import RankLocalStoreLayout
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 from mooncake_kvaddr.core.plan import KeyPlan, SlotPlan
 from mooncake_kvaddr.core.walk import walk_windows
@@ -80,59 +80,52 @@ class ChunkedTokenDatabase:
         address_cache_bytes = operator.index(address_cache_bytes)
         if address_cache_bytes < 0:
             raise ValueError(f"address_cache_bytes must be >= 0, got {address_cache_bytes}")
-        # The rank-local engine under the seed-era rules (docs/address-rows.md): one engine for every layout.
-        self._engine = LayoutEngine(
-            block_size, self.hash_block_size, False, 0, 1, address_cache_bytes, seed_rules=True
+        # A face over the rank-local layout under the seed-era rules: one engine, one plan_load for every layout
+        # (docs/address-rows.md).
+        self._layout = RankLocalStoreLayout(
+            metadata, block_size, self.hash_block_size, row_cache_bytes=address_cache_bytes, seed_rules=True
         )
-        self._regions_lock = threading.Lock()  # the two region setters update two attributes and the engine
-        self._kv_caches_base_addr: list[int] = []
-        self._block_len: list[int] = []
         self._key_prefix = PoolKey.build_prefix(metadata)
-        self._prefixes = (self._key_prefix,)
 
-    # Region registration. Stored by reference like the reference implementation; the native engine re-reads
-    # the lists on every call, so in-place edits are seen too (and drop the address cache).
+    # Region registration: the layout's lists, kept by reference like the reference implementation; the engine
+    # re-reads them on every call, so in-place edits are seen too (and drop the address cache).
     @property
     def kv_caches_base_addr(self) -> list[int]:
         """Base address of every registered KV-cache region, in region order."""
-        return self._kv_caches_base_addr
+        return self._layout.kv_caches_base_addr
 
     @kv_caches_base_addr.setter
     def kv_caches_base_addr(self, value: list[int]) -> None:
-        with self._regions_lock:
-            self._engine.set_region_sources(value, self._block_len)
-            self._kv_caches_base_addr = value
+        self._layout.kv_caches_base_addr = value
 
     @property
     def block_len(self) -> list[int]:
         """Bytes per block of each region; region ``i`` uses ``block_len[i % len(block_len)]``."""
-        return self._block_len
+        return self._layout.block_len
 
     @block_len.setter
     def block_len(self, value: list[int]) -> None:
-        with self._regions_lock:
-            self._engine.set_region_sources(self._kv_caches_base_addr, value)
-            self._block_len = value
+        self._layout.block_len = value
 
     def set_kv_caches_base_addr(self, kv_caches_base_addr: list[int]) -> None:
         """Register the regions' base addresses (all groups share the same list)."""
-        self.kv_caches_base_addr = kv_caches_base_addr
+        self._layout.kv_caches_base_addr = kv_caches_base_addr
 
     def set_block_len(self, block_len: list[int]) -> None:
         """Register the per-region block lengths in bytes."""
-        self.block_len = block_len
+        self._layout.block_len = block_len
 
     @property
     def address_cache_bytes(self) -> int:
         """Memory cap of the address-row cache in bytes (settable; 0 disables and frees it)."""
-        return int(self._engine.cache_capacity)
+        return self._layout.row_cache_bytes
 
     @address_cache_bytes.setter
     def address_cache_bytes(self, value: int) -> None:
         value = operator.index(value)  # TypeError for floats; a caller's __index__ exception unchanged
         if value < 0:
             raise ValueError(f"address_cache_bytes must be >= 0, got {value}")
-        self._engine.cache_capacity = value
+        self._layout.row_cache_bytes = value
 
     @property
     def immutable_rows(self) -> bool:
@@ -141,28 +134,28 @@ class ChunkedTokenDatabase:
         those of the list form; a tuple never changes, so no returned row can change later. Mooncake's batch
         calls and vLLM's worker accept both (they only read rows); code that appends to a row needs the lists
         (the default, type for type with vLLM)."""
-        return bool(self._engine.immutable_rows)
+        return self._layout.immutable_rows
 
     @immutable_rows.setter
     def immutable_rows(self, value: bool) -> None:
-        self._engine.immutable_rows = bool(value)
+        self._layout.immutable_rows = value
 
     def address_cache_info(self) -> dict[str, int]:
         """Entries, bytes, capacity, hits and misses of the address-row cache."""
-        return dict(self._engine.cache_info())
+        return dict(self._layout.row_cache_info())
 
     def clear_address_cache(self) -> None:
         """Drop every cached address row."""
-        self._engine.clear_cache()
+        self._layout.clear_row_cache()
 
     def _pin_regions(self, kv_caches_base_addr: list[int], block_len: list[int]) -> None:
         """Driver hook (``KVTransfer.register_kv_caches``): until :meth:`_unpin_regions`, every call whose
         region lists hold other values raises ``ValueError`` inside the call (SECURITY.md)."""
-        self._engine.pin_regions(kv_caches_base_addr, block_len)
+        self._layout._pin_regions(kv_caches_base_addr, block_len)
 
     def _unpin_regions(self) -> None:
         """Drop one pin of :meth:`_pin_regions`."""
-        self._engine.unpin_regions()
+        self._layout._unpin_regions()
 
     # Keys.
     @property
@@ -196,8 +189,8 @@ class ChunkedTokenDatabase:
         ``prepare_values`` on the kept chunks.
         """
         data, length = _unwrap(block_hashes, hash_len)
-        keys, addrs, sizes, ids = self._engine.plan_load(
-            self._prefixes, data, length, token_len, mask_num, load_mask, None, block_ids
+        keys, addrs, sizes, ids = self._layout.plan_load(
+            token_len, data, mask_num, load_mask, block_ids, hash_len=length
         )
         return KeyPlan(keys, addrs, sizes, ids)
 
@@ -221,8 +214,8 @@ class ChunkedTokenDatabase:
         a staged load crosses from Python to C++ twice.
         """
         data, length = _unwrap(block_hashes, hash_len)
-        keys, addrs, sizes, ids, offsets, object_sizes, total = self._engine.plan_load(
-            self._prefixes, data, length, token_len, mask_num, load_mask, None, block_ids, True, slot_alignment
+        keys, addrs, sizes, ids, offsets, object_sizes, total = self._layout.plan_load(
+            token_len, data, mask_num, load_mask, block_ids, hash_len=length, slot_alignment=slot_alignment
         )
         return KeyPlan(keys, addrs, sizes, ids, slots=SlotPlan(offsets, object_sizes, total))
 
@@ -268,11 +261,11 @@ class ChunkedTokenDatabase:
         :meth:`prepare_values` on the chunks that ``batch_is_exist`` reports missing.
         """
         data, length = _unwrap(block_hashes, hash_len)
-        keys, chunks, ids = self._engine.plan_store(
-            self._key_prefix, data, length, token_len, mask_num, chunk_mask, put_step, put_step_rank,
-            block_ids, skip_null_block,
+        keys, chunks, ids = self._layout.plan_store(
+            token_len, data, block_ids, mask_num, chunk_mask, put_step=put_step, put_step_rank=put_step_rank,
+            skip_null_block=skip_null_block, hash_len=length,
         )
-        return StorePlan(keys, chunks, ids)
+        return StorePlan(keys, cast(list[tuple[int, int]], chunks), ids)
 
     # Addresses and sizes.
     def prepare_values(
@@ -286,13 +279,13 @@ class ChunkedTokenDatabase:
         multiple of ``hash_block_size``, ``IndexError`` for a block index past ``block_ids``, ``TypeError``
         for non-integers and ``OverflowError`` when an address does not fit in 64 bits.
         """
-        return self._engine.prepare_values(chunks, block_ids)
+        return self._layout.prepare_values(chunks, block_ids, None)
 
     def prepare_value(
         self, start: int, end: int, block_ids: Sequence[int]
     ) -> tuple[list[int], list[int], int]:
         """``prepare_values`` for one chunk, as an ``(addr_row, size_row, block_id)`` tuple."""
-        addrs, sizes, ids = self._engine.prepare_values(((start, end),), block_ids)
+        addrs, sizes, ids = self._layout.prepare_values([(start, end)], block_ids, None)
         return addrs[0], sizes[0], ids[0]
 
     def prepare_values_array(
@@ -303,11 +296,11 @@ class ChunkedTokenDatabase:
         No Python object per element; ``chunks`` may also be an ``(n, 2)`` integer array. The GIL is released
         around the arithmetic of large requests (docs/gil-policy.md).
         """
-        return self._engine.prepare_values_array(chunks, block_ids)
+        return self._layout.prepare_values_array(chunks, block_ids)
 
     def prepare_value_for_block(self, block_id: int) -> tuple[list[int], list[int]]:
         """Address and size (one block) of every region for one physical block (partial-tail offload)."""
-        return self._engine.prepare_value_for_block(block_id)
+        return self._layout.prepare_value_for_block(block_id)
 
     # The chunk walk.
     def process_tokens(

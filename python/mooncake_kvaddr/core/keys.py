@@ -17,7 +17,7 @@ from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 Hashes = Sequence[BlockHash] | bytes | bytearray | memoryview
 
 
-def _unwrap(hashes: Hashes, hash_len: int | None) -> tuple[object, int | None]:
+def _unwrap(hashes: Hashes, hash_len: int | None) -> tuple[Hashes, int | None]:
     # A BlobBlockHashes view is handed over as its blob: one buffer instead of one object per hash.
     if isinstance(hashes, BlobBlockHashes) and hashes.hash_len:
         if hash_len not in (None, hashes.hash_len):

@@ -93,16 +93,17 @@ class _EngineLayout(StoreLayout):
     _engine: Any
 
     def prepare_values(
-        self, chunks: Sequence[tuple[int, int]], block_ids: list[int], shard_ids: Sequence[StoreShardId]
+        self, chunks: Sequence[Sequence[int]], block_ids: Sequence[int], shard_ids: Sequence[StoreShardId] | None
     ) -> tuple[list[list[int]], list[list[int]], list[int]]:
-        """Descriptors as vLLM returns them: fresh lists of Python ints (no row aliases another or a cache)."""
+        """Descriptors as vLLM returns them: fresh lists of Python ints (no row aliases another or a cache).
+        ``shard_ids`` is ``None`` under the seed-era rules (which have no shards)."""
         result: tuple[list[list[int]], list[list[int]], list[int]] = self._engine.prepare_values(
             chunks, block_ids, shard_ids
         )
         return result
 
     def prepare_values_array(
-        self, chunks: Sequence[tuple[int, int]] | Int64Array, block_ids: Any, shard_ids: Any
+        self, chunks: Any, block_ids: Any, shard_ids: Any = None
     ) -> tuple[Int64Array, Int64Array, Int64Array]:
         """The same descriptors as int64 arrays ``(keys × segments, keys × segments, keys)``."""
         result: tuple[Int64Array, Int64Array, Int64Array] = self._engine.prepare_values_array(
@@ -124,20 +125,64 @@ class _EngineLayout(StoreLayout):
         *,
         hash_len: int | None = None,
         arrays: bool = False,
-    ) -> tuple[list[str], Any, Any, Any]:
+        slot_alignment: int | None = None,
+    ) -> tuple[Any, ...]:
         """One group's whole load preparation in one native call (docs/vllm.md, "Fused plan").
 
-        Walks ``[mask_num, token_len)`` with vLLM 0.33's start rule (``ceil(mask_num / block_size)``), keeps
+        Walks ``[mask_num, token_len)`` with vLLM 0.33's start rule (``ceil(mask_num / block_size)``; ``floor``
+        under the seed-era rules), keeps
         the chunks ``load_mask`` (indexed by absolute chunk id; ``None`` keeps all) keeps, keys the chunk that
         ends at ``token_len`` by ``block_hashes[tail_tokens // hash_block_size - 1]`` when a tail-key boundary
         is given, expands every kept chunk to one key per local shard id, and returns
         ``(keys, addr rows, size rows, block ids)`` — exactly what vLLM's receive thread builds with
         ``process_tokens``, ``key_for`` and ``prepare_values`` (int64 arrays for the rows when ``arrays``).
-        ``block_hashes`` may be one flat blob of ``n * hash_len`` bytes.
+        ``block_hashes`` may be one flat blob of ``n * hash_len`` bytes. A ``slot_alignment`` (a power of two)
+        implies arrays and appends the staging slot layout: ``(..., offsets, object sizes, total bytes)``.
+        Every plan_load in the package comes here: the seed-era database's, the driver's and the plugin's.
         """
-        result: tuple[list[str], Any, Any, Any] = self._engine.plan_load(
+        result: tuple[Any, ...] = self._engine.plan_load(
             self._shard_prefixes(), block_hashes, hash_len, token_len, mask_num, load_mask, tail_tokens,
-            block_ids, arrays,
+            block_ids, arrays, slot_alignment,
+        )
+        return result
+
+    def walk_load(
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash] | bytes | bytearray | memoryview,
+        mask_num: int,
+        load_mask: Sequence[bool] | None = None,
+        tail_tokens: int | None = None,
+        *,
+        hash_len: int | None = None,
+    ) -> tuple[list[str], Int64Array]:
+        """:meth:`plan_load`'s keys and entries without rows: ``(keys, (n, 3) int64 (start, end, shard id))``;
+        same walk, same order."""
+        result: tuple[list[str], Int64Array] = self._engine.walk_load(
+            self._shard_prefixes(), block_hashes, hash_len, token_len, mask_num, load_mask, tail_tokens
+        )
+        return result
+
+    def plan_store(
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash] | bytes | bytearray | memoryview,
+        block_ids: Any,
+        mask_num: int = 0,
+        chunk_mask: Sequence[bool] | None = None,
+        *,
+        put_step: int = 1,
+        put_step_rank: int = 0,
+        skip_null_block: bool = True,
+        hash_len: int | None = None,
+    ) -> tuple[list[str], list[tuple[int, ...]], list[int]]:
+        """A send thread's candidates in one native call: the walk (``chunk_mask`` relative to its first
+        chunk, this rank's ``put_step`` stripe) without chunks past ``block_ids`` and (``skip_null_block``)
+        those on block 0, each expanded to one entry per local shard: ``(keys, chunks, block ids)`` with
+        ``(start, end, shard id)`` chunks (``(start, end)`` under the seed-era rules)."""
+        result: tuple[list[str], list[tuple[int, ...]], list[int]] = self._engine.plan_store(
+            self._shard_prefixes(), block_hashes, hash_len, token_len, mask_num, chunk_mask, put_step,
+            put_step_rank, block_ids, skip_null_block,
         )
         return result
 

@@ -8,6 +8,7 @@ Each layout is a set of segment templates computed by the native ``LayoutEngine`
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,14 +40,30 @@ def make_mooncake_group_id(metadata: KeyMetadata, chunk_hash: str) -> str:
 
 
 class RankLocalStoreLayout(_EngineLayout):
-    """The historical rank-local payload layout: one store object per chunk, keyed by this rank's ranks."""
+    """The historical rank-local payload layout: one store object per chunk, keyed by this rank's ranks.
 
-    def __init__(self, metadata: KeyMetadata, block_size: int, hash_block_size: int) -> None:
+    Our keywords: ``row_cache_bytes`` (see :attr:`row_cache_bytes`) and ``seed_rules``, the rules of the
+    seed-era ``ChunkedTokenDatabase`` (:mod:`mooncake_kvaddr.core.database`, a face over this layout): walks
+    from ``floor(mask_num / block_size)``, any hash buffer, ``(start, end, ...)`` chunks, errors naming chunks.
+    """
+
+    def __init__(
+        self,
+        metadata: KeyMetadata,
+        block_size: int,
+        hash_block_size: int,
+        *,
+        row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES,
+        seed_rules: bool = False,
+    ) -> None:
         super().__init__(metadata, block_size, hash_block_size)
         self._key_prefix = PoolKey.build_prefix(metadata)
-        self._engine = _native.LayoutEngine(block_size, hash_block_size, False, 0, 1, DEFAULT_ROW_CACHE_BYTES)
+        self._engine = _native.LayoutEngine(
+            block_size, hash_block_size, False, 0, 1, row_cache_bytes, seed_rules=seed_rules
+        )
         self._base_addrs: list[int] = []
         self._block_lens: list[int] = []
+        self._regions_lock = threading.Lock()  # a setter updates an attribute and the engine's sources together
         self._engine.set_region_sources(self._base_addrs, self._block_lens)
 
     def _pin_regions(self, kv_caches_base_addr: list[int], block_len: list[int]) -> None:
@@ -67,8 +84,9 @@ class RankLocalStoreLayout(_EngineLayout):
 
     @kv_caches_base_addr.setter
     def kv_caches_base_addr(self, value: list[int]) -> None:
-        self._engine.set_region_sources(value, self._block_lens)  # TypeError for a non-sequence: kept nothing
-        self._base_addrs = value
+        with self._regions_lock:
+            self._engine.set_region_sources(value, self._block_lens)  # TypeError for a non-sequence: kept nothing
+            self._base_addrs = value
 
     @property
     def block_len(self) -> list[int]:
@@ -77,8 +95,9 @@ class RankLocalStoreLayout(_EngineLayout):
 
     @block_len.setter
     def block_len(self, value: list[int]) -> None:
-        self._engine.set_region_sources(self._base_addrs, value)
-        self._block_lens = value
+        with self._regions_lock:
+            self._engine.set_region_sources(self._base_addrs, value)
+            self._block_lens = value
 
     @property
     def local_shard_ids(self) -> tuple[StoreShardId, ...]:

@@ -210,49 +210,21 @@ class LayoutDatabase:
 
     # ------------------------------------------------------------------ walks and plans
 
-    def _expand(self, walk: Sequence[tuple[int, int, BlockHash]]) -> tuple[list[str], list[tuple[int, int, int]]]:
-        keys: list[str] = []
-        chunks: list[tuple[int, int, int]] = []
-        for start, end, chunk_hash in walk:
-            for shard in self.shard_ids:
-                keys.append(self.layout.key_for(shard, chunk_hash))
-                chunks.append((start, end, shard))
-        return keys, chunks
-
-    def _load_walk(self, token_len: int, block_hashes: Sequence[BlockHash], mask_num: int) -> list[
-            tuple[int, int, BlockHash]]:
-        tail = self._tail_tokens()
-        walk = list(self.database.process_tokens(token_len, block_hashes, mask_num))
-        if tail is not None and walk and walk[-1][1] == token_len:
-            index = tail // self.hash_block_size - 1
-            if index >= len(block_hashes):
-                raise ValueError(f"tail boundary: num_tokens {tail} needs hash {index}, only "
-                                 f"{len(block_hashes)} given")
-            start, end, _ = walk[-1]
-            walk[-1] = (start, end, block_hashes[index])
-        return walk
-
     def plan_store(
         self, token_len: int, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], mask_num: int = 0
     ) -> StorePlan:
-        """A send thread's candidates: the walk (vLLM 0.33's start rule), without chunks on the NULL block 0 or
-        past ``block_ids``, each expanded to one ``(start, end, shard_id)`` entry per local shard id."""
-        walk = []
-        for start, end, chunk_hash in self.database.process_tokens(token_len, block_hashes, mask_num):
-            position = start // self.block_size
-            if position >= len(block_ids) or block_ids[position] == 0:
-                continue
-            walk.append((start, end, chunk_hash))
-        keys, chunks = self._expand(walk)
-        ids = [block_ids[start // self.block_size] for start, _, _ in chunks]
+        """A send thread's candidates (the layout's native plan_store): the walk (vLLM 0.33's start rule),
+        without chunks on the NULL block 0 or past ``block_ids``, each expanded to one ``(start, end,
+        shard_id)`` entry per local shard id."""
+        keys, chunks, ids = self.layout.plan_store(token_len, block_hashes, block_ids, mask_num)
         # The paths accept any (start, end, ...) chunk; StorePlan's annotation names the seed's pairs.
         return StorePlan(keys, cast(list[tuple[int, int]], chunks), ids)
 
     def walk_load(self, token_len: int, block_hashes: Sequence[BlockHash], mask_num: int = 0) -> LoadWalk:
-        """A load's keys and ``(n, 3)`` ``(start, end, shard_id)`` entries, in :meth:`plan_load`'s order."""
-        keys, chunks = self._expand(self._load_walk(token_len, block_hashes, mask_num))
-        array = np.asarray(chunks, dtype=np.int64).reshape(len(chunks), 3)
-        return LoadWalk(keys, array)
+        """A load's keys and ``(n, 3)`` ``(start, end, shard_id)`` entries, in :meth:`plan_load`'s order, with
+        this thread's tail boundary if any."""
+        keys, chunks = self.layout.walk_load(token_len, block_hashes, mask_num, None, self._tail_tokens())
+        return LoadWalk(keys, chunks)
 
     def plan_load(
         self, token_len: int, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], mask_num: int = 0
