@@ -184,9 +184,19 @@ class LayoutEngine:
         arrays: bool = False,
         slot_alignment: int | None = None,
     ) -> tuple[Any, ...]: ...
+    def walk_load(
+        self,
+        shard_prefixes: Sequence[str],
+        hashes: _Hashes,
+        hash_len: int | None,
+        token_len: int,
+        mask_num: int,
+        load_mask: Sequence[bool] | None,
+        tail_tokens: int | None,
+    ) -> tuple[list[str], _Int64Array]: ...
     def plan_store(
         self,
-        prefix: str,
+        shard_prefixes: Sequence[str],
         hashes: _Hashes,
         hash_len: int | None,
         token_len: int,
@@ -196,7 +206,7 @@ class LayoutEngine:
         put_step_rank: int,
         block_ids: Sequence[int] | _Int64Array,
         skip_null: bool,
-    ) -> tuple[list[str], list[tuple[int, int]], list[int]]: ...
+    ) -> tuple[list[str], list[tuple[int, ...]], list[int]]: ...
     def cache_info(self) -> dict[str, int]: ...
     def clear_cache(self) -> None: ...
     def pin_regions(

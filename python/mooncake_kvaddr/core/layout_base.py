@@ -130,10 +130,9 @@ class _EngineLayout(StoreLayout):
         """One group's whole load preparation in one native call (docs/vllm.md, "Fused plan").
 
         Walks ``[mask_num, token_len)`` with vLLM 0.33's start rule (``ceil(mask_num / block_size)``; ``floor``
-        under the seed-era rules), keeps
-        the chunks ``load_mask`` (indexed by absolute chunk id; ``None`` keeps all) keeps, keys the chunk that
-        ends at ``token_len`` by ``block_hashes[tail_tokens // hash_block_size - 1]`` when a tail-key boundary
-        is given, expands every kept chunk to one key per local shard id, and returns
+        under the seed-era rules), keeps the chunks ``load_mask`` (indexed by absolute chunk id; ``None`` keeps
+        all) keeps, keys the chunk that ends at ``token_len`` by ``block_hashes[tail_tokens // hash_block_size -
+        1]`` when a tail-key boundary is given, expands every kept chunk to one key per local shard id, and returns
         ``(keys, addr rows, size rows, block ids)`` — exactly what vLLM's receive thread builds with
         ``process_tokens``, ``key_for`` and ``prepare_values`` (int64 arrays for the rows when ``arrays``).
         ``block_hashes`` may be one flat blob of ``n * hash_len`` bytes. A ``slot_alignment`` (a power of two)
