@@ -160,6 +160,27 @@ def test_the_seed_rules_are_rank_local_and_keep_to_their_own_calls() -> None:
     assert layout.plan_load(["p"], HASHES, None, 64, 8, None, None, [1, 2, 3, 4])[3] == [2, 3, 4]
 
 
+def test_each_rule_set_reads_its_own_hash_forms_in_every_plan() -> None:
+    # The seed-era rules read any buffer (the driver's hashes); vLLM's only what its key_for hexes alike (bytes,
+    # memoryview): a numpy-array hash is refused by a layout's walk, store and load plans, never keyed by its bytes.
+    arrays = [np.frombuffer(h, dtype=np.uint8) for h in HASHES]
+    seed = _native.LayoutEngine(16, 16, False, 0, 1, 0, seed_rules=True)
+    layout = _native.LayoutEngine(16, 16, False, 0, 1, 0)
+    for engine in (seed, layout):
+        engine.set_region_sources([1000], [10])
+    expected = ["p@" + h.hex() for h in HASHES]
+    assert seed.plan_store(["p"], arrays, None, 64, 0, None, 1, 0, [1, 2, 3, 4], True)[0] == expected
+    assert seed.plan_load(["p"], arrays, None, 64, 0, None, None, [1, 2, 3, 4])[0] == expected
+    with pytest.raises(TypeError):
+        layout.plan_store(["p"], arrays, None, 64, 0, None, 1, 0, [1, 2, 3, 4], True)
+    with pytest.raises(TypeError):
+        layout.plan_load(["p"], arrays, None, 64, 0, None, None, [1, 2, 3, 4])
+    with pytest.raises(TypeError):
+        layout.walk_load(["p"], arrays, None, 64, 0, None, None)
+    assert layout.plan_store(["p"], HASHES, None, 64, 0, None, 1, 0, [1, 2, 3, 4], True)[0] == expected
+    assert layout.walk_load(["p"], HASHES, None, 64, 0, None, None)[0] == expected
+
+
 @pytest.mark.parametrize("seed_rules", [True, False])
 def test_plan_load_slots_are_the_staging_layout_of_its_sizes(seed_rules: bool) -> None:
     engine = _native.LayoutEngine(16, 4, False, 0, 1, 0, seed_rules=seed_rules)  # a partial last chunk
