@@ -45,8 +45,11 @@ def main() -> int:
     if args.check:
         stale = [m["id"] for m in mutants
                  if not (ROOT / m["file"]).exists() or (ROOT / m["file"]).read_text().count(m["old"]) != 1]
-        print(f"{len(mutants)} mutants, {len(stale)} no longer apply" + (f": {stale}" if stale else ""))
-        return 1 if stale else 0
+        seen: set[str] = set()
+        twice = sorted({m["id"] for m in mutants if m["id"] in seen or seen.add(m["id"])})
+        print(f"{len(mutants)} mutants, {len(stale)} no longer apply" + (f": {stale}" if stale else "")
+              + (f"; ids given twice: {twice}" if twice else ""))
+        return 1 if stale or twice else 0
     tree, venv = args.work / "tree", args.work / "venv"
     if tree.exists():
         shutil.rmtree(tree)
