@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -82,9 +83,17 @@ def main() -> int:
             print(f"{r['row']:{width}}  only in the {r['only']} build")
         else:
             flag = "  SLOWER" if r["slower"] else ""
-            print(f"{r['row']:{width}}  {r['old_ms']:10.3f}  {r['new_ms']:10.3f}  {r['new_over_old']:.2f}{flag}")
+            ratio = "n/a" if r["new_over_old"] is None else f"{r['new_over_old']:.2f}"  # a 0 ms old figure
+            print(f"{r['row']:{width}}  {r['old_ms']:10.3f}  {r['new_ms']:10.3f}  {ratio}{flag}")
     slower = [r["row"] for r in report if r.get("slower")]
     print(f"{len(slower)} of {sum('only' not in r for r in report)} rows more than {args.tolerance:.0%} slower")
+    for stat, old_key, new_key in (("min", "old_ms", "new_ms"), ("median", "old_median_ms", "new_median_ms")):
+        if args.stat == "median" and stat == "min":
+            continue  # old_ms/new_ms are medians then
+        ratios = [r[new_key] / r[old_key] for r in report if "only" not in r and r[old_key] > 0 and r[new_key] > 0]
+        if ratios:
+            print(f"geometric mean of new/old by {stat}: {math.exp(statistics.fmean(map(math.log, ratios))):.3f} "
+                  f"over {len(ratios)} rows")
     if args.json is not None:
         args.json.write_text(json.dumps({"rounds": args.rounds, "tolerance": args.tolerance, "stat": args.stat,
                                          "rows": report},
