@@ -137,7 +137,8 @@ class _EngineLayout(StoreLayout):
         ``process_tokens``, ``key_for`` and ``prepare_values`` (int64 arrays for the rows when ``arrays``).
         ``block_hashes`` may be one flat blob of ``n * hash_len`` bytes. A ``slot_alignment`` (a power of two)
         implies arrays and appends the staging slot layout: ``(..., offsets, object sizes, total bytes)``.
-        Every plan_load in the package comes here: the seed-era database's, the driver's and the plugin's.
+        The seed-era database's and the driver's plans come here; the plugin's handlers call the same native
+        ``LayoutEngine.plan_load`` of the engine that matches vLLM's layout.
         """
         result: tuple[Any, ...] = self._engine.plan_load(
             self._shard_prefixes(), block_hashes, hash_len, token_len, mask_num, load_mask, tail_tokens,
