@@ -289,8 +289,7 @@ def test_tp_shared_layout_reregistered_after_the_transfer_moves_nothing(
     torch = pytest.importorskip("torch")
     from fake_mooncake import fake_store
     from kvaddr_testing import hashes
-    from mooncake_kvaddr.driver.layout_adapter import layout_transfer, register_layout_caches
-    from mooncake_kvaddr.driver.transfer import TransferRequest
+    from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
     from mooncake_kvaddr.integrations.vllm.data import LBHNCStoreLayout
 
     nb, bs, heads = 4, 4, 2
@@ -300,8 +299,8 @@ def test_tp_shared_layout_reregistered_after_the_transfer_moves_nothing(
     caches = [torch.zeros((nb, heads, bs, 8))]
     secret = torch.full((nb, heads, bs, 8), 7.0)
     with fake_store(monkeypatch) as (store, fake):
-        with layout_transfer(store, [db], start_threads=False) as xfer:
-            register_layout_caches(xfer, caches, nb)
+        with KVTransfer(store, [db], start_threads=False) as xfer:
+            xfer.register_kv_caches(caches, nb)
             h = hashes("m", 2)
             assert xfer.store(TransferRequest("r", 4, h[:1], [[1]])).stored == 1  # the registered caches: fine
             if how == "templates":

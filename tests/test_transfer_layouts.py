@@ -1,8 +1,9 @@
-"""KVTransfer over vLLM 0.33-style layout databases (driver/layout_adapter.py), against a real master."""
+"""KVTransfer over vLLM 0.33-style layout databases (driver/groups.py), against a real master."""
 
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -12,13 +13,7 @@ from hypothesis import strategies as st
 
 from kvaddr_testing import hashes
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
-from mooncake_kvaddr.driver.layout_adapter import (
-    LayoutDatabase,
-    layout_transfer,
-    load_with_boundaries,
-    lookup_with_boundaries,
-    register_layout_caches,
-)
+from mooncake_kvaddr.driver.groups import LayoutGroup
 from mooncake_kvaddr.driver.lookup import TailKeyBoundary
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
@@ -54,8 +49,8 @@ def test_rank_local_round_trip_bytes_and_vllm_keys(store: MooncakeStore, model: 
     md = M.KeyMetadata(model, 1, 0, 0, 0)
     db = M.ChunkedTokenDatabase(md, bs, 4)
     caches = _rank_local_caches(1)
-    with layout_transfer(store, [db], transfer_mode=mode, start_threads=False, tp_rank=1) as transfer:
-        register_layout_caches(transfer, caches, NB)
+    with KVTransfer(store, [db], transfer_mode=mode, start_threads=False, tp_rank=1) as transfer:
+        transfer.register_kv_caches(caches, NB)
         assert transfer.mode == mode
         saved = transfer.store(_request("r", 32, [1, 2, 3, 4], 8))
         assert saved.stored == 4 and not saved.failed_keys
@@ -98,25 +93,25 @@ def test_tp_shared_written_at_tp4_read_at_tp2(store: MooncakeStore, model: str, 
     for rank in range(4):  # local TP 4: one store shard per rank
         caches = [_packed(fmt, heads // 4, 10 * rank + layer, bs) for layer in range(2)]
         db = _sharded_db(fmt, model, 4, store_tp, rank, heads, bs)
-        with layout_transfer(store, [db], start_threads=False, tp_rank=rank) as transfer:
-            register_layout_caches(transfer, caches, NB)
+        with KVTransfer(store, [db], start_threads=False, tp_rank=rank) as transfer:
+            transfer.register_kv_caches(caches, NB)
             if rank == 0:
                 # Before every shard is written a TP-shared chunk is not reusable.
-                assert lookup_with_boundaries(transfer, 13, chained).hit_length == 0
+                assert transfer.lookup_with_boundaries(13, chained).hit_length == 0
             saved = transfer.store(TransferRequest("s", 12, chained, [[3, 4, 5]]))
             assert saved.stored == 3 and not saved.failed_keys
         writers.append(caches)
     for rank in range(2):  # local TP 2: two store shards per rank
         caches = [torch.zeros_like(_packed(fmt, heads // 2, 0, bs)) for _ in range(2)]
         db = _sharded_db(fmt, model, 2, store_tp, rank, heads, bs)
-        with layout_transfer(store, [db], start_threads=False, tp_rank=rank) as transfer:
-            register_layout_caches(transfer, caches, NB)
+        with KVTransfer(store, [db], start_threads=False, tp_rank=rank) as transfer:
+            transfer.register_kv_caches(caches, NB)
             assert transfer.mode == "multi_buffer"
-            found = lookup_with_boundaries(transfer, 13, chained)
+            found = transfer.lookup_with_boundaries(13, chained)
             assert found.hit_length == 12
             assert [(b.group_id, b.num_tokens) for b in found.tail_key_boundaries] == [(0, 12)]
-            got = load_with_boundaries(
-                transfer, TransferRequest("s", 12, chained, [[7, 8, 9]]), found.tail_key_boundaries
+            got = transfer.load(
+                TransferRequest("s", 12, chained, [[7, 8, 9]], tail_key_boundaries=found.tail_key_boundaries)
             )
             assert got.failed_block_ids == set() and got.loaded_block_ids == {7, 8, 9}
         for layer in range(2):
@@ -131,17 +126,17 @@ def test_tp_shared_keys_equal_vllm_key_for(model: str) -> None:
     chained = hashes("k", 5)
     for fmt, vcls in (("lbhnc", V.LBHNCStoreLayout), ("lbnhc", V.LBNHCStoreLayout)):
         for rank in range(2):
-            adapter = LayoutDatabase(_sharded_db(fmt, model, 2, 4, rank, heads, bs))
+            group = LayoutGroup(_sharded_db(fmt, model, 2, 4, rank, heads, bs))
             vmd = V.KeyMetadata(model, rank, 0, 0, 0, store_namespace=vcls.shared_namespace(4, 1))
             vlayout = vcls(vmd, bs, bs, 2, 4, rank, heads)
             expected = [vlayout.key_for(shard, chained[c]) for c in range(1, 5) for shard in vlayout.local_shard_ids]
-            plan = adapter.plan_store(20, chained, [9, 1, 2, 3, 4], 2)  # chunk 0: masked (vLLM's ceil rule)
+            plan = group.plan_store(20, chained, [9, 1, 2, 3, 4], 2)  # chunk 0: masked (vLLM's ceil rule)
             assert plan.keys == expected
-            assert adapter.walk_load(20, chained, 4).keys == expected
+            assert group.walk_load(20, chained, 4).keys == expected
             # Chunks on the NULL block 0 or past the block ids are never stored.
             kept = [vlayout.key_for(shard, chained[c]) for c in (0, 1, 3) for shard in vlayout.local_shard_ids]
-            assert adapter.plan_store(20, chained, [9, 1, 0, 3]).keys == kept
-            prefixes = adapter.layout.lookup_key_prefixes([(rank, 0, 0, 0)])
+            assert group.plan_store(20, chained, [9, 1, 0, 3]).keys == kept
+            prefixes = group.layout.lookup_key_prefixes([(rank, 0, 0, 0)])
             assert list(prefixes) == list(vlayout.lookup_key_prefixes([(rank, 0, 0, 0)]))
 
 
@@ -151,26 +146,27 @@ def test_tail_key_boundary_load(store: MooncakeStore, model: str, mode: str) -> 
     db = M.ChunkedTokenDatabase(M.KeyMetadata(model, 0, 0, 0, 0), bs, bs)
     caches = _rank_local_caches(2)
     chained = hashes("t", 4)
-    with layout_transfer(store, [db], transfer_mode=mode, start_threads=False) as transfer:
-        register_layout_caches(transfer, caches, NB)
+    with KVTransfer(store, [db], transfer_mode=mode, start_threads=False) as transfer:
+        transfer.register_kv_caches(caches, NB)
         assert transfer.store(TransferRequest("t", 16, chained, [[1, 2, 3, 4]])).stored == 4
         found = transfer.lookup_with_boundaries(17, chained)
         assert found.hit_length == 16 and found.tail_key_boundaries == (TailKeyBoundary(0, 16),)
         # A 12-token load whose tail is stored under the 16-token key: its last chunk reads block 4's object.
         boundary = M.TailKeyBoundary(0, 16)
-        got = load_with_boundaries(transfer, TransferRequest("t", 12, chained, [[5, 6, 7]]), [boundary])
+        got = transfer.load(TransferRequest("t", 12, chained, [[5, 6, 7]], tail_key_boundaries=[boundary]))
         assert got.failed_block_ids == set()
         # Without the boundary the same load keys its last chunk by its own hash.
         assert transfer.load(TransferRequest("t", 12, chained, [[8, 9, 10]])).failed_block_ids == set()
-        adapter = transfer.databases[0]
-        assert isinstance(adapter, LayoutDatabase)
-        with adapter.tail_boundary(16):
-            tail_keys = adapter.walk_load(12, chained).keys
-            assert adapter.plan_load(12, chained, [5, 6, 7]).keys == tail_keys
-        assert tail_keys[-1] == db.key_for(chained[3]) and adapter.walk_load(12, chained).keys[-1] == db.key_for(
+        group = transfer.databases[0]
+        assert isinstance(group, LayoutGroup)
+        with group.tail_boundary(16):
+            tail_keys = group.walk_load(12, chained).keys
+            assert group.plan_load(12, chained, [5, 6, 7]).keys == tail_keys
+        assert tail_keys[-1] == db.key_for(chained[3]) and group.walk_load(12, chained).keys[-1] == db.key_for(
             chained[2])
         with pytest.raises(ValueError, match="group_id"):
-            load_with_boundaries(transfer, TransferRequest("t", 12, chained, [[5, 6, 7]]), [M.TailKeyBoundary(1, 16)])
+            transfer.load(TransferRequest("t", 12, chained, [[5, 6, 7]],
+                                          tail_key_boundaries=[M.TailKeyBoundary(1, 16)]))
     for cache in caches:
         assert torch.equal(cache[5:7], cache[1:3]) and torch.equal(cache[7], cache[4])
         assert torch.equal(cache[8:11], cache[1:4])
@@ -182,23 +178,22 @@ def test_submit_load_carries_tail_key_boundaries(store: MooncakeStore, model: st
     groups = [M.ChunkedTokenDatabase(M.KeyMetadata(f"{model}-g{g}", 0, 0, 0, 0), bs, bs) for g in range(2)]
     caches = _rank_local_caches(5)
     chained = hashes("q", 4)
-    with layout_transfer(store, groups, transfer_mode=mode, num_recv_threads=2) as transfer:
-        register_layout_caches(transfer, caches, NB)
+    with KVTransfer(store, groups, transfer_mode=mode, num_recv_threads=2) as transfer:
+        transfer.register_kv_caches(caches, NB)
         assert transfer.store(TransferRequest("q", 16, chained, [[1, 2, 3, 4]] * 2)).stored == 8
         # Group 1's tail is keyed by the 16-token boundary (block 4's object), group 0's by its own hash:
-        # as pairs through a receive thread, or TailKeyBoundary objects through load_with_boundaries.
+        # as pairs through a receive thread, or TailKeyBoundary objects through load.
         request = TransferRequest("q", 12, chained, [[5, 6, 7], [8, 9, 10]], tail_key_boundaries=((1, 16),))
         got = transfer.submit_load(request).result(timeout=60)
         assert got.failed_block_ids == set() and got.loaded_block_ids == {5, 6, 7, 8, 9, 10}
-        same = load_with_boundaries(
-            transfer, TransferRequest("q", 12, chained, [[11, 12, 13], [11, 12, 13]]), [M.TailKeyBoundary(1, 16)]
-        )
+        same = transfer.load(TransferRequest("q", 12, chained, [[11, 12, 13], [11, 12, 13]],
+                                             tail_key_boundaries=[M.TailKeyBoundary(1, 16)]))
         assert same.failed_block_ids == set()
         # The boundary is the request's own: a later request without one keys its tail by its own hash.
         plain = transfer.submit_load(TransferRequest("q", 12, chained, [[14, 14, 14], [14, 14, 14]]))
         assert plain.result(timeout=60).failed_block_ids == set()
-        adapter = transfer.databases[1]
-        assert isinstance(adapter, LayoutDatabase) and adapter._tail_tokens() is None
+        group = transfer.databases[1]
+        assert isinstance(group, LayoutGroup) and group._tail_tokens() is None
         for bad, error, match in (
             (((2, 16),), ValueError, "group_id 2"),
             (((0, 16), (0, 12)), ValueError, "twice"),
@@ -215,13 +210,13 @@ def test_submit_load_carries_tail_key_boundaries(store: MooncakeStore, model: st
         assert torch.equal(cache[8:10], cache[1:3]) and torch.equal(cache[10], cache[4])
 
 
-def test_tail_key_boundaries_need_a_layout_transfer(store: MooncakeStore, model: str) -> None:
+def test_tail_key_boundaries_need_layout_databases(store: MooncakeStore, model: str) -> None:
     from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata, KVTransfer
 
     db = ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0), 4)
     with KVTransfer(store, [db], start_threads=False) as transfer:
         transfer.register_kv_caches([np.zeros((NB, 64), np.uint8)], NB)
-        with pytest.raises(ValueError, match="layout_transfer"):
+        with pytest.raises(ValueError, match="only a transfer over layout databases"):
             transfer.load(TransferRequest("x", 8, hashes("x", 2), [[1, 2]], tail_key_boundaries=((0, 8),)))
 
 
@@ -229,79 +224,86 @@ def test_lookup_with_boundaries_partial_hit(store: MooncakeStore, model: str) ->
     db = M.ChunkedTokenDatabase(M.KeyMetadata(model, 0, 0, 0, 0), 4, 4)
     caches = _rank_local_caches(3)
     chained = hashes("l", 6)
-    with layout_transfer(store, [db], start_threads=False) as transfer:
-        register_layout_caches(transfer, caches, NB)
-        assert lookup_with_boundaries(transfer, 24, chained).hit_length == 0
+    with KVTransfer(store, [db], start_threads=False) as transfer:
+        transfer.register_kv_caches(caches, NB)
+        assert transfer.lookup_with_boundaries(24, chained).hit_length == 0
         transfer.store(TransferRequest("l", 8, chained, [[1, 2]]))
-        found = lookup_with_boundaries(transfer, 24, chained)
+        found = transfer.lookup_with_boundaries(24, chained)
         assert (found.hit_length, found.tail_key_boundaries) == (8, (TailKeyBoundary(0, 8),))
         assert transfer.lookup(24, chained) == 8
 
 
-def test_adapter_refusals(store: MooncakeStore, model: str) -> None:
+def test_layout_group_refusals(store: MooncakeStore, model: str) -> None:
     db = _sharded_db("lbhnc", model, 2, 4, 0, 8, 4)
     with pytest.raises(ValueError, match="multi_buffer"):
-        layout_transfer(store, [db], transfer_mode="staged", start_threads=False)
+        KVTransfer(store, [db], transfer_mode="staged", start_threads=False)
     with pytest.raises(TypeError, match="layout ChunkedTokenDatabase"):
-        LayoutDatabase(object())  # type: ignore[arg-type]
-    adapter = LayoutDatabase(db)
+        LayoutGroup(object())  # type: ignore[arg-type]
+    group = LayoutGroup(db)
     with pytest.raises(ValueError, match="shard_id"):
-        adapter.prepare_values([(0, 4)], [1])
+        group.prepare_values([(0, 4)], [1])
     with pytest.raises(ValueError, match="below one hash block"):
-        with adapter.tail_boundary(0):
+        with group.tail_boundary(0):
             pass
     # A TP-shared layout whose caches were never registered has no segments: nothing may move.
     with pytest.raises(RuntimeError, match="register its KV caches"):
-        adapter.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
+        group.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
     with pytest.raises(RuntimeError, match="register its KV caches"):
-        adapter.plan_load(4, hashes("x", 1), [1])
+        group.plan_load(4, hashes("x", 1), [1])
     caches = [torch.zeros((NB, 4, 4, 6)) for _ in range(2)]
-    with layout_transfer(store, [db], start_threads=False) as transfer:
-        transfer.register_kv_caches([c.numpy() for c in caches], NB)  # the transfer's regions only
+    with KVTransfer(store, [db], start_threads=False) as transfer:
+        # Its segments follow the tensors' shape and strides: numpy arrays are refused before anything registers.
+        with pytest.raises(TypeError, match="needs CPU tensors"):
+            transfer.register_kv_caches([c.numpy() for c in caches], NB)
+        assert transfer.path is None and db.store_layout.segment_templates[1] == ()
+        transfer.register_kv_caches(caches, NB)
+        db.store_layout._set_segment_templates([([], [], [])] * 2)  # a layout left without segments
         with pytest.raises(RuntimeError, match="register its KV caches"):
             transfer.store(TransferRequest("x", 4, hashes("x", 1), [[1]]))
         loaded = transfer.load(TransferRequest("x", 4, hashes("x", 1), [[1]]))
         assert loaded.failed_block_ids == {1} and "register its KV caches" in (loaded.error or "")
-        assert store.batch_is_exist([adapter.layout.key_for(0, hashes("x", 1)[0])]).present == [False]
-    adapter.layout.register_kv_caches(caches, NB)
-    rows = adapter.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
+        assert store.batch_is_exist([group.layout.key_for(0, hashes("x", 1)[0])]).present == [False]
+    group.layout.register_kv_caches(caches, NB)
+    rows = group.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
     assert rows[0].shape == (2, 2)
 
 
 def test_layout_transfer_refusals_of_caches_boundaries_and_transfers(store: MooncakeStore, model: str) -> None:
     """What the layout face refuses before anything moves: a tail boundary that is not an int (a bool, a
     float), a tail boundary past the request's hashes (the load fails with the reason, nothing read), caches
-    that are neither arrays nor tensors or not one dense range, and a transfer it did not build."""
+    that are neither arrays nor tensors or not one dense range, tensors on a seed-era transfer, and a layout
+    database beside a seed-era one."""
     bs = 4
     db = M.ChunkedTokenDatabase(M.KeyMetadata(model, 0, 0, 0, 0), bs, bs)
-    with layout_transfer(store, [db], start_threads=False) as transfer:
-        adapter = transfer.databases[0]
-        assert isinstance(adapter, LayoutDatabase)
+    with KVTransfer(store, [db], start_threads=False) as transfer:
+        group = transfer.databases[0]
+        assert isinstance(group, LayoutGroup)
         for bad in (True, 16.0, "16"):
             with pytest.raises(TypeError, match="tail boundary: num_tokens must be an int"):
-                with adapter.tail_boundary(bad):  # type: ignore[arg-type]
+                with group.tail_boundary(bad):  # type: ignore[arg-type]
                     pass
         with pytest.raises(TypeError, match="expected numpy arrays or CPU tensors, got list"):
-            register_layout_caches(transfer, [[0.0] * 24 for _ in range(2)], NB)
+            transfer.register_kv_caches([[0.0] * 24 for _ in range(2)], NB)
         strided = torch.zeros((NB, 48))[:, ::2]
         with pytest.raises(ValueError, match="one dense range of memory"):
-            register_layout_caches(transfer, [strided, strided], NB)
+            transfer.register_kv_caches([strided, strided], NB)
         caches = _rank_local_caches(4)
-        register_layout_caches(transfer, caches, NB)
+        transfer.register_kv_caches(caches, NB)
         chained = hashes("b", 3)
         assert transfer.store(TransferRequest("b", 12, chained, [[1, 2, 3]])).stored == 3
         before = [c.clone() for c in caches]
-        got = load_with_boundaries(transfer, TransferRequest("b", 12, chained, [[4, 5, 6]]), [M.TailKeyBoundary(0, 16)])
+        got = transfer.load(replace(TransferRequest("b", 12, chained, [[4, 5, 6]]),
+                                    tail_key_boundaries=(M.TailKeyBoundary(0, 16),)))
         assert got.failed_block_ids == {4, 5, 6} and "needs hash 3, only 3 given" in (got.error or "")
         assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
     seed = KVTransfer(store, [ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0), bs)], start_threads=False)
     try:
-        with pytest.raises(TypeError, match="not built by layout_transfer"):
-            register_layout_caches(seed, _rank_local_caches(5), NB)
-        with pytest.raises(TypeError, match="not built by layout_transfer"):
-            load_with_boundaries(seed, TransferRequest("b", 12, hashes("b", 3), [[4, 5, 6]]))
+        with pytest.raises(TypeError, match="C-contiguous numpy array"):
+            seed.register_kv_caches(_rank_local_caches(5), NB)
     finally:
         seed.close()
+    with pytest.raises(TypeError, match="cannot share a transfer"):
+        KVTransfer(store, [db, ChunkedTokenDatabase(KeyMetadata(model, 0, 0, 0, 0), bs)], start_threads=False)
 
 
 _CACHES = {fmt: [_packed(fmt, 4, layer, 4) for layer in range(2)] for fmt in ("lbhnc", "lbnhc")}
@@ -329,7 +331,7 @@ def test_walk_equals_fused_plan(fmt: str, n_hashes: int, drop: int, mask_num: in
     else:
         db = _sharded_db(fmt, "gen", 2, 4, 0, 8, bs)
         db.store_layout.register_kv_caches(_CACHES[fmt], NB)
-    adapter = LayoutDatabase(db)
+    group = LayoutGroup(db)
     chained = hashes(f"g{seed}", n_hashes)
     token_len = max(0, n_hashes - drop) * hbs
     block_ids = [(seed + 3 * i) % NB for i in range(-(-token_len // bs))]
@@ -339,14 +341,14 @@ def test_walk_equals_fused_plan(fmt: str, n_hashes: int, drop: int, mask_num: in
     for _start, end, chunk_hash in walk:
         if tail_tokens is not None and end == token_len:
             chunk_hash = chained[tail_tokens // hbs - 1]
-        expected.extend(adapter.layout.key_for(shard, chunk_hash) for shard in adapter.shard_ids)
-    with adapter.tail_boundary(tail_tokens):
-        walked = adapter.walk_load(token_len, chained, mask_num)
-        plan = adapter.plan_load(token_len, chained, block_ids, mask_num)
+        expected.extend(group.layout.key_for(shard, chunk_hash) for shard in group.shard_ids)
+    with group.tail_boundary(tail_tokens):
+        walked = group.walk_load(token_len, chained, mask_num)
+        plan = group.plan_load(token_len, chained, block_ids, mask_num)
     assert walked.keys == plan.keys == expected
     assert walked.chunks.shape == (len(expected), 3)
     if expected:
-        addrs, sizes, ids = adapter.prepare_values_array(walked.chunks, block_ids)
+        addrs, sizes, ids = group.prepare_values_array(walked.chunks, block_ids)
         assert addrs.tolist() == [list(row) for row in plan.addrs]
         assert sizes.tolist() == [list(row) for row in plan.sizes]
         assert ids.tolist() == list(plan.block_ids)

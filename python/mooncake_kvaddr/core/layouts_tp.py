@@ -59,7 +59,7 @@ class TPShardedStoreLayout(_EngineLayout):
         )
         # The installed templates, one (bases, strides, sizes) per local shard, as the engine holds them, and a
         # version that is odd while an install is in progress (so a reader can tell whether the rows it just
-        # computed came from the templates it read; see driver/layout_adapter.py).
+        # computed came from the templates it read; see driver/groups.py).
         self._templates: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
         self._templates_version = 0
 

@@ -140,6 +140,25 @@ class RegisteredCaches:
                     "outside the registered KV caches"
                 )
 
+    def check_templates(self, templates: Sequence[Sequence[Sequence[int]]], shard_ids: Sequence[int]) -> None:
+        """Raise ``ValueError`` unless, per store shard, every ``(base, block stride, size)`` segment of a
+        TP-shared layout's templates keeps the slices of every registered block (ids ``[0, num_blocks)``, which
+        :meth:`screen` enforces) inside one registered buffer: a layout re-registered over other tensors would
+        otherwise move process memory that was never registered."""
+        last = self.num_blocks - 1
+        for shard, (bases, strides, sizes) in zip(shard_ids, templates, strict=True):
+            for segment, (base, stride, size) in enumerate(zip(bases, strides, sizes, strict=True)):
+                if size == 0:
+                    continue
+                low = base + min(0, last * stride)
+                high = base + max(0, last * stride) + size
+                if size < 0 or not any(ptr <= low and high <= ptr + n for ptr, n in self.buffers):
+                    raise ValueError(
+                        f"store shard {shard} segment {segment}: its slices [{low:#x}, {high:#x}) lie outside the "
+                        "KV caches registered with the transfer (was the layout re-registered after "
+                        "register_kv_caches?); refusing to move bytes outside them"
+                    )
+
     def slices_inside(self, addrs: np.ndarray[Any, Any], sizes: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """Per key (row of an ``(n, regions)`` int64 matrix): every slice lies inside a registered buffer (the
         native module's one range set, ``csrc/kvaddr/ranges.hpp``)."""

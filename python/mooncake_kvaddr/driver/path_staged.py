@@ -193,7 +193,7 @@ class StagedPath(TransferPath):
         when nothing moved, else laid out again from the object sizes (numpy, the same layout as
         :func:`~mooncake_kvaddr.driver.staging.plan_slots`). A request with an invalid
         block id takes the shared walk-then-prepare plan, which drops the chunks on it before any row is built;
-        so do databases of any other type (vLLM 0.33 layout databases, driver/layout_adapter.py; subclasses).
+        so do databases of any other type (vLLM 0.33 layout databases, driver/groups.py; subclasses).
         """
         if (
             any(s.bad for s in screened)

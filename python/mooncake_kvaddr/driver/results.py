@@ -25,8 +25,8 @@ class TransferRequest:
             ``[0, num_blocks)`` are never transferred: their chunks are reported failed / not stored.
         skip_tokens: tokens at the start that need no transfer (store: already saved; load: computed
             locally), floored to the block size.
-        tail_key_boundaries: loads through vLLM 0.33-style layouts only
-            (:func:`~mooncake_kvaddr.driver.layout_adapter.layout_transfer`): per KV-cache group at most one
+        tail_key_boundaries: loads of a transfer over vLLM 0.33-style layout databases only: per KV-cache
+            group at most one
             ``(group_id, num_tokens)`` pair (or an object with those attributes, like the lookup's
             ``TailKeyBoundary``); that group's chunk ending at ``token_len`` is keyed by
             ``block_hashes[num_tokens // hash_block_size - 1]``, as vLLM 0.33's receive thread does

@@ -21,8 +21,10 @@ import numpy as np
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
+from mooncake_kvaddr.core.layouts import LayoutTokenDatabase
 from mooncake_kvaddr.driver.config import TRANSFER_MODES
 from mooncake_kvaddr.driver.gate import CallGate, GateState
+from mooncake_kvaddr.driver.groups import LayoutGroup, group_databases
 from mooncake_kvaddr.driver.lookup import GroupSpecLike, LookupResult, ParallelLayout, StoreLookup
 from mooncake_kvaddr.driver.paths import TransferPath
 from mooncake_kvaddr.driver.probe import PeerProbe
@@ -47,7 +49,9 @@ class KVTransfer(TransferRequests):
 
     Args:
         store: a ready store (the caller owns and closes it).
-        databases: one :class:`ChunkedTokenDatabase` per KV-cache group, in group order.
+        databases: one database per KV-cache group, in group order: each a :class:`ChunkedTokenDatabase`, or
+            each a vLLM 0.33-style one (``integrations.vllm.data.ChunkedTokenDatabase``, any ``store_layout``;
+            docs/vllm.md, "Driver"), whose keys are one per chunk and local shard id.
         tp_rank: rotates each load's key order so that ranks do not hit the same segment at once.
         num_recv_threads: receive threads sharing one load queue (vLLM's ``VLLM_MOONCAKE_LOAD_RECV_THREADS``).
         replicate_config: Mooncake ``ReplicateConfig`` for puts (default: Mooncake's).
@@ -58,7 +62,8 @@ class KVTransfer(TransferRequests):
             kind (``"attention"``, ``"mla"``, ``"mamba"``, or a list of kinds for a uniform group); default:
             full attention everywhere.
         transfer_mode: ``"auto"``, ``"staged"`` or ``"multi_buffer"`` (see the module docstring); default
-            ``store.config.transfer_mode``. Resolved by :meth:`register_kv_caches` (see :attr:`mode`).
+            ``store.config.transfer_mode``; ``"multi_buffer"``, and nothing else, with a TP-shared layout.
+            Resolved by :meth:`register_kv_caches` (see :attr:`mode`).
         staging_pool: a :class:`~mooncake_kvaddr.driver.staging.StagingPool` to share with other transfers (the
             caller owns it); default: a staged transfer makes its own of ``store.config.staging_buffer_size``
             bytes, capped at what one request over these caches can need.
@@ -85,7 +90,7 @@ class KVTransfer(TransferRequests):
     def __init__(
         self,
         store: MooncakeStore,
-        databases: Sequence[ChunkedTokenDatabase],
+        databases: Sequence[ChunkedTokenDatabase] | Sequence[LayoutTokenDatabase],
         *,
         tp_rank: int = 0,
         num_recv_threads: int = 1,
@@ -105,6 +110,7 @@ class KVTransfer(TransferRequests):
             raise ValueError("databases: need one ChunkedTokenDatabase per KV-cache group (at least one)")
         if tp_rank < 0:
             raise ValueError(f"tp_rank: must be >= 0, got {tp_rank}")
+        groups, transfer_mode = group_databases(databases, transfer_mode)
         requested = store.config.transfer_mode if transfer_mode is None else transfer_mode
         if requested not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {requested!r}")
@@ -116,13 +122,18 @@ class KVTransfer(TransferRequests):
         self.disk_offload_buffer_budget_bytes = disk_offload_buffer_budget_bytes
         self.disk_offload_usable_ratio = disk_offload_usable_ratio
         self._store = store
-        self.databases = list(databases)
+        #: Per group, the database the paths plan with (a layout database's :class:`LayoutGroup`).
+        self.databases: list[Any] = groups
         self.tp_rank = tp_rank
         self.replicate_config = replicate_config
         # Stores and lookups use whole scheduler blocks: the lcm of the groups' block sizes.
         self.lcm_block_size = math.lcm(*(db.block_size for db in self.databases))
         #: Lookup over every rank namespace (key prefixes built once, here).
-        self.store_lookup = StoreLookup(self.databases, group_specs, layout)
+        layouts = [g.layout for g in groups if isinstance(g, LayoutGroup)]
+        self.store_lookup = (
+            StoreLookup.from_prefix_sources(groups, layouts, group_specs, layout)
+            if layouts else StoreLookup(groups, group_specs, layout)
+        )
         self._metrics = OperationRecorder(record_operation)
         self._regions: list[np.ndarray[Any, Any]] = []
         self._registered: list[int] = []
@@ -155,8 +166,13 @@ class KVTransfer(TransferRequests):
 
     # ------------------------------------------------------------------ regions
 
-    def register_kv_caches(self, regions: Sequence[np.ndarray[Any, Any]], num_blocks: int) -> None:
+    def register_kv_caches(self, regions: Sequence[Any], num_blocks: int) -> None:
         """Register host KV-cache regions: each a C-contiguous array whose first axis is the block index.
+
+        Over layout databases, ``regions`` are the KV caches as CPU tensors (numpy arrays too for rank-local
+        layouts): every TP-shared layout first derives its segment templates from them (``register_kv_caches``
+        of the layout, with its packed-shape checks), and each cache is registered as its host memory, in its
+        physical order (docs/vllm.md, "Driver").
 
         Region ``i`` gets base address ``regions[i].ctypes.data`` and block length
         ``regions[i].nbytes // num_blocks``; every group's database receives the same two lists. The arrays
@@ -196,7 +212,7 @@ class KVTransfer(TransferRequests):
         passed, or after a call waited out Mooncake's transfer timeout, fail too, and ``stopped`` says why.
         Raises :class:`~mooncake_kvaddr.driver.store.StoreClosedError` after :meth:`close`, and
         ``TypeError``/``ValueError`` for ``tail_key_boundaries`` that are malformed or name no group (on a
-        transfer not built by ``layout_transfer`` any boundary is refused).
+        transfer over seed-era databases any boundary is refused).
         """
         with self._admitted():
             return self._load_request(request)
@@ -229,7 +245,7 @@ class KVTransfer(TransferRequests):
     ) -> LookupResult:
         """vLLM 0.33's lookup: :meth:`lookup`'s hit and, for a non-zero hit, every group's tail-key boundary
         (docs/lookup.md, "Tail key boundaries"; a load honours them with
-        :func:`~mooncake_kvaddr.driver.layout_adapter.load_with_boundaries`). Store errors count as a miss."""
+        ``TransferRequest.tail_key_boundaries``). Store errors count as a miss."""
         with self._admitted():
             return self.store_lookup.lookup_with_boundaries(
                 self._store, num_tokens, block_hashes, lookup_masks=lookup_masks

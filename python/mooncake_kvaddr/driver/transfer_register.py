@@ -17,6 +17,7 @@ import numpy as np
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
+from mooncake_kvaddr.driver.groups import LayoutGroup, host_regions
 from mooncake_kvaddr.driver.paths import DirectPath, MultiBufferPath, PathContext, StagedPath, TransferPath
 from mooncake_kvaddr.driver.probe import PeerProbe
 from mooncake_kvaddr.driver.rules import OperationRecorder, choose_auto_mode, copies_in_memory
@@ -34,7 +35,7 @@ class TransferRegistration:
     released (the attributes are set by ``KVTransfer.__init__``)."""
 
     transfer_mode: str
-    databases: list[ChunkedTokenDatabase]
+    databases: list[Any]
     replicate_config: Any
     _store: MooncakeStore
     _metrics: OperationRecorder
@@ -54,13 +55,12 @@ class TransferRegistration:
         return PathContext(self._store, self.databases, caches, self.replicate_config, self._metrics)
 
     def _pin_regions(self, caches: RegisteredCaches) -> None:
-        """Pin each database's regions to the registered ones (a database without the hook is checked by
+        """Pin each database's regions to the registered ones (ours: a database of another type is checked by
         :meth:`~mooncake_kvaddr.driver.bounds.RegisteredCaches.check_databases` alone)."""
         try:
             for db in self.databases:
-                pin = getattr(db, "_pin_regions", None)
-                if pin is not None:
-                    pin(list(caches.bases), list(caches.block_lens))
+                if isinstance(db, (ChunkedTokenDatabase, LayoutGroup)):
+                    db._pin_regions(list(caches.bases), list(caches.block_lens))
                     self._pinned.append(db)
         except BaseException:
             self._unpin_regions()
@@ -135,7 +135,7 @@ class TransferRegistration:
         # or a sequence whose iteration changes must not leave the registered memory unowned).
         if isinstance(regions, (str, bytes, dict)):
             raise TypeError(f"regions: expected a sequence of numpy arrays, got {type(regions).__name__}")
-        arrays = list(regions)
+        arrays = host_regions(self.databases, list(regions), num_blocks)
         caches = RegisteredCaches.from_regions(arrays, num_blocks)
         # Pinned before anything changes: from now on each native call checks the regions it computes from
         # against these, inside the call (a thread editing a database's lists cannot slip others in).
@@ -170,9 +170,8 @@ class TransferRegistration:
             for db in self.databases:
                 db.set_kv_caches_base_addr(list(caches.bases))
                 db.set_block_len(list(caches.block_lens))
-                bind = getattr(db, "bind_registered_caches", None)  # layout adapters check their own segments
-                if bind is not None:
-                    bind(caches)
+                if isinstance(db, LayoutGroup):  # a TP-shared layout's segments are checked against them
+                    db.bind_registered_caches(caches)
             # Published last: no request plans with a path before everything above succeeded.
             self._get_path, self._put_path = paths[get_mode], paths[put_mode]
             undo.pop_all()  # registered: the pins stay until close()

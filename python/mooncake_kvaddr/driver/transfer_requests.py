@@ -16,6 +16,7 @@ import numpy as np
 
 from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import Screened
+from mooncake_kvaddr.driver.groups import LayoutGroup
 from mooncake_kvaddr.driver.paths import TransferPath
 from mooncake_kvaddr.driver.results import Clock, LoadResult, StoreResult, TransferRequest, count
 from mooncake_kvaddr.driver.rules import (
@@ -147,9 +148,9 @@ class TransferRequests(TransferRegistration):
     def _tail_boundaries(self, boundaries: Sequence[Any]) -> list[tuple[Any, int]]:
         """``(database, num_tokens)`` per boundary, checked (docs/vllm.md, "Driver")."""
         databases = self.databases
-        if not all(hasattr(db, "tail_boundary") for db in databases):
-            raise ValueError("tail_key_boundaries: only a transfer built by layout_transfer keys loads by a "
-                             "tail-key boundary")
+        if not all(isinstance(db, LayoutGroup) for db in databases):
+            raise ValueError("tail_key_boundaries: only a transfer over layout databases (integrations.vllm.data) "
+                             "keys loads by a tail-key boundary")
         tails: dict[int, int] = {}
         for boundary in boundaries:
             if isinstance(boundary, tuple) and len(boundary) == 2:

@@ -1,8 +1,7 @@
-"""Drive layout-based (vLLM 0.33-style) token databases through :class:`KVTransfer` (docs/vllm.md, "Driver").
-
-The transfer paths speak the seed-era database interface (one key per chunk); :class:`LayoutDatabase` presents a
-layout database through it, one entry per chunk and local shard id. Entry points: :func:`layout_transfer`,
-:func:`register_layout_caches`, :func:`load_with_boundaries`, :func:`lookup_with_boundaries`.
+"""vLLM 0.33-style layout databases as :class:`~mooncake_kvaddr.driver.transfer.KVTransfer` drives them
+(docs/vllm.md, "Driver"): the transfer wraps each ``integrations.vllm.data.ChunkedTokenDatabase`` it is given in a
+:class:`LayoutGroup`, which plans through the group's layout (one entry per chunk and local shard id) and keeps
+its rows inside the caches the transfer registered.
 """
 
 from __future__ import annotations
@@ -10,13 +9,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from mooncake_kvaddr.core.database import ChunkedTokenDatabase as SeedDatabase
 from mooncake_kvaddr.core.database import LoadWalk, StorePlan
 from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.layouts import (
@@ -29,44 +26,23 @@ from mooncake_kvaddr.core.layouts import (
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
-from mooncake_kvaddr.driver.lookup import GroupSpecLike, LookupResult, ParallelLayout, StoreLookup
-from mooncake_kvaddr.driver.paths import register_bounded_rows
-from mooncake_kvaddr.driver.results import LoadResult, TransferRequest
-from mooncake_kvaddr.driver.store import MooncakeStore
-from mooncake_kvaddr.driver.transfer import KVTransfer
+from mooncake_kvaddr.driver.path_base import register_bounded_rows
 
-__all__ = [
-    "LayoutDatabase",
-    "TailBoundary",
-    "layout_transfer",
-    "load_with_boundaries",
-    "lookup_with_boundaries",
-    "register_layout_caches",
-]
+__all__ = ["LayoutGroup", "group_databases", "host_regions"]
 
 Int64Array = npt.NDArray[np.int64]
 
 
-class TailBoundary(Protocol):
-    """A tail-key boundary: ``lookup``'s and vLLM 0.33's ``TailKeyBoundary`` both fit."""
-
-    @property
-    def group_id(self) -> int: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-class LayoutDatabase:
-    """One KV-cache group's layout database, seen through the interface :class:`KVTransfer` drives.
+class LayoutGroup:
+    """One KV-cache group's layout database, seen through the interface the transfer paths speak.
 
     Args:
         database: a vLLM 0.33-style ``ChunkedTokenDatabase`` (``integrations.vllm.data``); its
             ``store_layout`` (rank-local or TP-shared) decides the keys and the rows.
 
     Rank-local layouts take their regions from :meth:`KVTransfer.register_kv_caches` (forwarded to the layout);
-    TP-shared layouts take them from their own ``register_kv_caches(tensors, num_blocks)`` (see
-    :func:`register_layout_caches`), and only remember the transfer's regions for its consistency check.
+    TP-shared layouts derive segment templates from the same tensors (``register_kv_caches`` hands them over)
+    and only remember the transfer's regions for its consistency check.
     """
 
     def __init__(self, database: LayoutTokenDatabase) -> None:
@@ -98,7 +74,7 @@ class LayoutDatabase:
         # TP-shared: the caches the transfer registered, and the template version last proven inside them.
         self._caches: RegisteredCaches | None = None
         self._checked_version: int | None = None
-        self._pins = 0  # rank-local: pins this adapter holds on its layout's regions
+        self._pins = 0  # rank-local: pins this group holds on its layout's regions
 
     # ------------------------------------------------------------------ TP-shared segments vs the registration
 
@@ -114,28 +90,16 @@ class LayoutDatabase:
         A layout re-registered after the transfer registered its caches (other tensors, other memory) is
         refused: its rows would move process memory the transfer never registered. Rank-local: ``None`` (its
         regions are checked against the registration by the transfer itself) and before a transfer registered
-        caches (an adapter used on its own computes rows but moves nothing)."""
+        caches (a group used on its own computes rows but moves nothing)."""
         caches = self._caches
         if caches is None or not isinstance(self.layout, TPShardedStoreLayout):
-            return None  # no transfer registered caches through this adapter: it moves no bytes itself
+            return None  # no transfer registered caches with this group: it moves no bytes itself
         version, templates = self.layout.segment_templates
         if version == self._checked_version:
             return version
         if version % 2:
             raise RuntimeError("the store layout is being re-registered: retry")
-        last = caches.num_blocks - 1
-        for shard, (bases, strides, sizes) in enumerate(templates):
-            for segment, (base, stride, size) in enumerate(zip(bases, strides, sizes, strict=True)):
-                if size == 0:
-                    continue
-                low = base + min(0, last * stride)
-                high = base + max(0, last * stride) + size
-                if size < 0 or not any(ptr <= low and high <= ptr + n for ptr, n in caches.buffers):
-                    raise ValueError(
-                        f"store shard {self.shard_ids[shard]} segment {segment}: its slices "
-                        f"[{low:#x}, {high:#x}) lie outside the KV caches registered with the transfer (was the "
-                        "layout re-registered after register_kv_caches?); refusing to move bytes outside them"
-                    )
+        caches.check_templates(templates, self.shard_ids)
         self._checked_version = version
         return version
 
@@ -244,7 +208,7 @@ class LayoutDatabase:
         empty = sizes.shape[1] == 0 if isinstance(sizes, np.ndarray) else any(len(row) == 0 for row in sizes)
         if len(sizes) and empty:
             raise RuntimeError(
-                "the store layout has no segments: register its KV caches first (register_layout_caches)"
+                "the store layout has no segments: register its KV caches first (KVTransfer.register_kv_caches)"
             )
 
     @staticmethod
@@ -290,57 +254,51 @@ _ENGINE_LAYOUTS: frozenset[type] = frozenset(
 )
 
 
-def _layout_rows_bounded(adapter: LayoutDatabase) -> bool:
-    """An adapter's rows are bounded by construction when its layout is one of ours, used as is."""
-    layout = adapter.layout
+def _layout_rows_bounded(group: LayoutGroup) -> bool:
+    """A group's rows are bounded by construction when its layout is one of ours, used as is."""
+    layout = group.layout
     own = getattr(layout, "__dict__", {})
     return (
         type(layout) in _ENGINE_LAYOUTS
         and not any(name in own for name in _ROW_METHODS)
-        and not any(name in adapter.__dict__ for name in _ROW_METHODS)
+        and not any(name in group.__dict__ for name in _ROW_METHODS)
     )
 
 
-register_bounded_rows(LayoutDatabase, _layout_rows_bounded)
+register_bounded_rows(LayoutGroup, _layout_rows_bounded)
 
 
-def _adapters(transfer: KVTransfer) -> list[LayoutDatabase]:
-    databases = cast(list[Any], transfer.databases)
-    if not all(isinstance(db, LayoutDatabase) for db in databases):
-        raise TypeError("transfer: not built by layout_transfer (its databases are not LayoutDatabase adapters)")
-    return cast(list[LayoutDatabase], databases)
-
-
-def layout_transfer(
-    store: MooncakeStore,
-    databases: Sequence[LayoutTokenDatabase],
-    *,
-    layout: ParallelLayout | None = None,
-    group_specs: Sequence[GroupSpecLike] | None = None,
-    transfer_mode: str | None = None,
-    **kwargs: Any,
-) -> KVTransfer:
-    """A :class:`KVTransfer` over vLLM 0.33-style databases (one per KV-cache group, in group order).
-
-    Lookups probe every group's ``store_layout.lookup_key_prefixes`` over the rank namespaces of ``layout``
-    (this rank's own namespace when ``None``). A TP-shared layout moves each key's segments with Mooncake's
-    multi-buffer calls: ``transfer_mode`` defaults to, and must be, ``"multi_buffer"`` for it (a key's
-    segments are not the registered regions, so neither the direct nor the staged path applies). Other
-    keywords go to :class:`KVTransfer` as they are.
-    """
-    adapters = [LayoutDatabase(db) for db in databases]
-    if any(not a.rank_local for a in adapters):
+def group_databases(databases: Sequence[Any], transfer_mode: str | None) -> tuple[list[Any], str | None]:
+    """The transfer's per-group databases (each layout database wrapped in a :class:`LayoutGroup`) and its
+    transfer mode: a TP-shared layout's key is many segments that are not the registered regions, so it
+    moves with the multi-buffer calls only (the default then, and the only mode allowed)."""
+    groups = [LayoutGroup(db) if isinstance(db, LayoutTokenDatabase) else db for db in databases]
+    layouts = [g for g in groups if isinstance(g, LayoutGroup)]
+    if layouts and len(layouts) != len(groups):
+        raise TypeError("databases: layout databases (integrations.vllm.data) and others cannot share a transfer")
+    if any(not g.rank_local for g in layouts):
         if transfer_mode not in (None, "multi_buffer"):
             raise ValueError(f"transfer_mode: a TP-shared store layout needs 'multi_buffer', got {transfer_mode!r}")
         transfer_mode = "multi_buffer"
-    # The adapters present the database interface the transfer paths use (duck-typed).
-    seen = cast(list[SeedDatabase], adapters)
-    transfer = KVTransfer(store, seen, layout=layout, group_specs=group_specs, transfer_mode=transfer_mode,
-                          **kwargs)
-    transfer.store_lookup = StoreLookup.from_prefix_sources(
-        seen, [a.layout for a in adapters], group_specs, layout
-    )
-    return transfer
+    return groups, transfer_mode
+
+
+def host_regions(groups: Sequence[Any], kv_caches: list[Any], num_blocks: int) -> list[Any]:
+    """The host regions to register for ``kv_caches``: as given for seed-era databases; for layout groups,
+    every TP-shared layout first derives its segment templates from the tensors (its packed-shape checks
+    apply), and each cache becomes the numpy view of its memory (CPU tensors or numpy arrays for rank-local
+    layouts)."""
+    layouts = [g for g in groups if isinstance(g, LayoutGroup)]
+    if not layouts:
+        return kv_caches
+    arrays = [_host_array(cache) for cache in kv_caches]  # refuse what is not host memory before any install
+    shared = [g for g in layouts if not g.rank_local]
+    if shared and any(isinstance(cache, np.ndarray) for cache in kv_caches):
+        raise TypeError("kv_caches: a TP-shared store layout needs CPU tensors (its segments follow their shape "
+                        "and strides), got a numpy array")
+    for group in shared:
+        group.layout.register_kv_caches(kv_caches, num_blocks)
+    return arrays
 
 
 def _host_array(cache: Any) -> np.ndarray[Any, Any]:
@@ -357,43 +315,3 @@ def _host_array(cache: Any) -> np.ndarray[Any, Any]:
         if not array.flags.c_contiguous:
             raise ValueError("kv_caches: every cache must be one dense range of memory")
     return array
-
-
-def register_layout_caches(transfer: KVTransfer, kv_caches: Sequence[Any], num_blocks: int) -> None:
-    """Register host KV caches with a :func:`layout_transfer` transfer and with its TP-shared layouts.
-
-    ``kv_caches`` are CPU torch tensors (or tensor-like objects with a ``numpy()`` view of the same memory, or
-    numpy arrays for rank-local layouts only). Every TP-shared layout derives its segment templates from them
-    (``register_kv_caches``, which checks the packed shape and strides); then the transfer registers their
-    host memory (:meth:`KVTransfer.register_kv_caches`), which rank-local layouts take as their regions.
-    """
-    adapters = _adapters(transfer)
-    for adapter in adapters:
-        if not adapter.rank_local:
-            adapter.layout.register_kv_caches(kv_caches, num_blocks)
-    transfer.register_kv_caches([_host_array(cache) for cache in kv_caches], num_blocks)
-
-
-def load_with_boundaries(
-    transfer: KVTransfer, request: TransferRequest, tail_key_boundaries: Sequence[TailBoundary] = ()
-) -> LoadResult:
-    """:meth:`KVTransfer.load`, keying each group's chunk that ends at ``request.token_len`` by its tail-key
-    boundary (``block_hashes[num_tokens // hash_block_size - 1]``), as vLLM 0.33's receive thread does.
-
-    The same as ``transfer.load`` of the request with ``tail_key_boundaries`` set (which ``submit_load``
-    carries to a receive thread too).
-    """
-    _adapters(transfer)
-    return transfer.load(replace(request, tail_key_boundaries=tuple(tail_key_boundaries)))
-
-
-def lookup_with_boundaries(
-    transfer: KVTransfer,
-    num_tokens: int,
-    block_hashes: Sequence[BlockHash],
-    *,
-    lookup_masks: Sequence[Sequence[bool] | None] | None = None,
-) -> LookupResult:
-    """vLLM 0.33's lookup over the transfer's store: the hit length and, for a non-zero hit, every group's
-    tail-key boundary (:meth:`KVTransfer.lookup_with_boundaries`); store errors count as a miss."""
-    return transfer.lookup_with_boundaries(num_tokens, block_hashes, lookup_masks=lookup_masks)
