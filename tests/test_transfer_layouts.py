@@ -255,6 +255,8 @@ def test_layout_group_refusals(store: MooncakeStore, model: str) -> None:
         # Its segments follow the tensors' shape and strides: numpy arrays are refused before anything registers.
         with pytest.raises(TypeError, match="needs CPU tensors"):
             transfer.register_kv_caches([c.numpy() for c in caches], NB)
+        with pytest.raises(ValueError, match="num_blocks: must be >= 1"):  # checked before any segment is derived
+            transfer.register_kv_caches(caches, 0)
         assert transfer.path is None and db.store_layout.segment_templates[1] == ()
         transfer.register_kv_caches(caches, NB)
         db.store_layout._set_segment_templates([([], [], [])] * 2)  # a layout left without segments

@@ -28,7 +28,7 @@ from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
 from mooncake_kvaddr.driver.path_base import register_bounded_rows
 
-__all__ = ["LayoutGroup", "group_databases", "host_regions"]
+__all__ = ["LayoutGroup", "group_databases", "host_regions", "install_segments"]
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -283,22 +283,23 @@ def group_databases(databases: Sequence[Any], transfer_mode: str | None) -> tupl
     return groups, transfer_mode
 
 
-def host_regions(groups: Sequence[Any], kv_caches: list[Any], num_blocks: int) -> list[Any]:
-    """The host regions to register for ``kv_caches``: as given for seed-era databases; for layout groups,
-    every TP-shared layout first derives its segment templates from the tensors (its packed-shape checks
-    apply), and each cache becomes the numpy view of its memory (CPU tensors or numpy arrays for rank-local
-    layouts)."""
+def host_regions(groups: Sequence[Any], kv_caches: list[Any]) -> list[Any]:
+    """The host regions to register for ``kv_caches``: as given for seed-era databases; over layout groups,
+    each cache's host memory as a numpy array (CPU tensors; numpy arrays too unless a layout is TP-shared)."""
     layouts = [g for g in groups if isinstance(g, LayoutGroup)]
     if not layouts:
         return kv_caches
-    arrays = [_host_array(cache) for cache in kv_caches]  # refuse what is not host memory before any install
-    shared = [g for g in layouts if not g.rank_local]
-    if shared and any(isinstance(cache, np.ndarray) for cache in kv_caches):
+    if any(not g.rank_local for g in layouts) and any(isinstance(cache, np.ndarray) for cache in kv_caches):
         raise TypeError("kv_caches: a TP-shared store layout needs CPU tensors (its segments follow their shape "
                         "and strides), got a numpy array")
-    for group in shared:
-        group.layout.register_kv_caches(kv_caches, num_blocks)
-    return arrays
+    return [_host_array(cache) for cache in kv_caches]
+
+
+def install_segments(groups: Sequence[Any], kv_caches: list[Any], num_blocks: int) -> None:
+    """Every TP-shared layout derives its segment templates from the tensors (its packed-shape checks apply)."""
+    for group in groups:
+        if isinstance(group, LayoutGroup) and not group.rank_local:
+            group.layout.register_kv_caches(kv_caches, num_blocks)
 
 
 def _host_array(cache: Any) -> np.ndarray[Any, Any]:

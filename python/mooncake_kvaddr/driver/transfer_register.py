@@ -17,7 +17,7 @@ import numpy as np
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
-from mooncake_kvaddr.driver.groups import LayoutGroup, host_regions
+from mooncake_kvaddr.driver.groups import LayoutGroup, host_regions, install_segments
 from mooncake_kvaddr.driver.paths import DirectPath, MultiBufferPath, PathContext, StagedPath, TransferPath
 from mooncake_kvaddr.driver.probe import PeerProbe
 from mooncake_kvaddr.driver.rules import OperationRecorder, choose_auto_mode, copies_in_memory
@@ -127,7 +127,7 @@ class TransferRegistration:
 
     # ------------------------------------------------------------------ regions
 
-    def _register(self, regions: Sequence[np.ndarray[Any, Any]], num_blocks: int) -> None:
+    def _register(self, regions: Sequence[Any], num_blocks: int) -> None:
         """:meth:`~mooncake_kvaddr.driver.transfer.KVTransfer.register_kv_caches` once admitted."""
         if self._get_path is not None:
             raise RuntimeError("register_kv_caches: regions are already registered")
@@ -135,8 +135,10 @@ class TransferRegistration:
         # or a sequence whose iteration changes must not leave the registered memory unowned).
         if isinstance(regions, (str, bytes, dict)):
             raise TypeError(f"regions: expected a sequence of numpy arrays, got {type(regions).__name__}")
-        arrays = host_regions(self.databases, list(regions), num_blocks)
+        given = list(regions)
+        arrays = host_regions(self.databases, given)
         caches = RegisteredCaches.from_regions(arrays, num_blocks)
+        install_segments(self.databases, given, num_blocks)  # proven inside `caches` at each plan (groups.py)
         # Pinned before anything changes: from now on each native call checks the regions it computes from
         # against these, inside the call (a thread editing a database's lists cannot slip others in).
         self._pin_regions(caches)
