@@ -15,10 +15,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from mooncake_kvaddr.driver.outcomes import CODE_INVALID_PARAMS as INVALID_PARAMS
 from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 
-__all__ = ["RECEIVE_FUNCTIONS", "DropThread", "check_shape", "self_check"]
+__all__ = [
+    "RECEIVE_FUNCTIONS", "ArrayRecordingStore", "DropThread", "RecordingStore", "check_shape", "self_check",
+]  # fmt: skip
 
 #: The vLLM functions the receive handler was checked against, alike in every release (a release's
 #: ``FINGERPRINTED["receive"]``): the handler it replaces, the chunk walk it reproduces, the disk-offload split.
@@ -78,28 +81,121 @@ def check_shape(
     return ""
 
 
-class _RecordingStore:
-    """A store that records each multi-buffer get (as plain lists) and answers from a script."""
+class RecordingStore:
+    """A store that records ``batch_is_exist`` and the multi-buffer gets and puts (rows as plain lists, a put with
+    the replicate config's group ids at the call) and answers from ``answer(call, keys)``: a list, or an
+    exception to raise (``call``: ``"exist"``, ``"get"`` or ``"put"``). A put whose group ids are set but not one
+    per key is answered as Mooncake answers it: -600 for every key. ``puts`` holds every put Mooncake would get:
+    its keys and group ids (None: unset). Both self-checks and the differential tests record with it."""
 
-    def __init__(self, answer: Callable[[list[str]], Any]) -> None:
-        self.calls: list[tuple[list[str], list[list[int]], list[list[int]]]] = []
+    def __init__(self, answer: Callable[[str, list[str]], Any]) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.puts: list[tuple[list[str], list[str] | None]] = []
         self._answer = answer
+        self.ragged = 0  # calls of rows of different widths (the array store's ragged entries)
+
+    def _reply(self, call: str, keys: list[str]) -> Any:
+        result = self._answer(call, keys)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def batch_is_exist(self, keys: Any) -> Any:
+        self.calls.append(("exist", list(keys)))
+        return self._reply("exist", list(keys))
 
     def batch_get_into_multi_buffers(self, keys: Any, addrs: Any, sizes: Any) -> Any:
-        self.calls.append((list(keys), [list(map(int, r)) for r in addrs], [list(map(int, r)) for r in sizes]))
-        return self._answer(list(keys))
+        keys = list(keys)
+        self.calls.append(("get", keys, [list(map(int, r)) for r in addrs], [list(map(int, r)) for r in sizes]))
+        return self._reply("get", keys)
+
+    def batch_put_from_multi_buffers(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> Any:
+        keys = list(keys)
+        rows = [list(map(int, r)) for r in addrs], [list(map(int, r)) for r in sizes]
+        ids = _group_ids(config)
+        self.puts.append((keys, ids))
+        self.calls.append(("put", keys, *rows, list(ids or ())))
+        return _as_mooncake(self._reply("put", keys), keys, ids)
 
 
-class _ArrayRecordingStore(_RecordingStore, ArrayStore):
-    """The same, with the array entry point our store wrappers offer."""
+class ArrayRecordingStore(RecordingStore, ArrayStore):
+    """The same, with the array entries our store wrappers offer (matrices recorded as lists). A ragged call is
+    split as the wrappers split it (the inherited :class:`ArrayStore` entries: one array call per width, a put
+    with its config cut to its keys; each put part in ``puts`` and answered as Mooncake answers it), and recorded
+    in ``calls`` as the one call vLLM makes: rows trimmed to their widths, a put's group id per key as its part
+    carried it (None where the part's group ids were not one per key). A short answer of the script to that one
+    call comes back short, as vLLM's one call would get it."""
+
+    def __init__(self, answer: Callable[[str, list[str]], Any]) -> None:
+        super().__init__(answer)
+        self._parts: list[tuple[list[str], list[str] | None]] | None = None  # set while a ragged call is split
 
     def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
-        return self.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
+        assert addrs.dtype.kind == "i" and sizes.dtype.kind == "i", "rows must come as integer matrices"
+        if self._parts is None:
+            return self.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
+        self._parts.append((list(keys), None))
+        return [None] * len(keys)  # answered by the ragged call, once every part is known
+
+    def batch_put_from_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> Any:
+        assert addrs.dtype.kind == "i" and sizes.dtype.kind == "i", "rows must come as integer matrices"
+        if self._parts is None:
+            return self.batch_put_from_multi_buffers(keys, addrs.tolist(), sizes.tolist(), config)
+        ids = _group_ids(config)
+        self.puts.append((list(keys), ids))
+        self._parts.append((list(keys), ids))
+        return [None] * len(keys)  # answered by the ragged call, once every part is known
 
     def batch_get_into_multi_buffers_ragged(self, keys: Any, addrs: Any, sizes: Any, widths: Any) -> Any:
-        # Recorded as the one call the rows stand for (vLLM makes one): each row trimmed to its width.
-        rows = [(a[:w], s[:w]) for a, s, w in zip(addrs.tolist(), sizes.tolist(), widths.tolist())]
-        return self.batch_get_into_multi_buffers(keys, [a for a, _ in rows], [s for _, s in rows])
+        return self._ragged("get", ArrayStore.batch_get_into_multi_buffers_ragged, keys, addrs, sizes, widths)
+
+    def batch_put_from_multi_buffers_ragged(self, keys: Any, addrs: Any, sizes: Any, widths: Any, config: Any) -> Any:
+        return self._ragged("put", ArrayStore.batch_put_from_multi_buffers_ragged, keys, addrs, sizes, widths, config)
+
+    def _ragged(self, call: str, split: Callable[..., Any], keys: Any, addrs: Any, sizes: Any, widths: Any,
+                *config: Any) -> Any:  # fmt: skip
+        self.ragged += 1
+        keys = list(keys)
+        parts: list[tuple[list[str], list[str] | None]] = []
+        self._parts = parts
+        try:
+            split(self, keys, addrs, sizes, widths, *config)
+        finally:
+            self._parts = None
+        at: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            at.setdefault(key, []).append(i)
+        where: list[tuple[int, bool]] = []  # (index in the call, whether its part's group ids fit) per part key
+        key_ids: list[Any] = [None] * len(keys)
+        for part_keys, ids in parts:
+            fits = ids is None or len(ids) == len(part_keys)
+            for j, key in enumerate(part_keys):
+                i = at[key].pop(0)
+                where.append((i, fits))
+                key_ids[i] = ids[j] if ids is not None and fits else None
+        trimmed = [(a[:w], s[:w]) for a, s, w in zip(addrs.tolist(), sizes.tolist(), widths.tolist(), strict=True)]
+        record: tuple[Any, ...] = ([a for a, _ in trimmed], [s for _, s in trimmed])
+        if call == "put":
+            record += ([] if all(ids is None for _, ids in parts) else key_ids,)
+        self.calls.append((call, keys, *record))
+        codes = self._reply(call, keys)  # the script answers the one call vLLM makes (or raises, as vLLM's does)
+        answers: list[Any] = [None] * len(keys)
+        for i, fits in where:
+            answers[i] = INVALID_PARAMS if not fits else codes[i] if i < len(codes) else None
+        # A script that answers the one call short leaves its last keys unanswered, as vLLM's one call would.
+        while answers and answers[-1] is None:
+            answers.pop()
+        return answers
+
+
+def _group_ids(config: Any) -> list[str] | None:
+    ids = getattr(config, "group_ids", None)
+    return None if ids is None else list(ids)
+
+
+def _as_mooncake(codes: Any, keys: list[str], ids: list[str] | None) -> Any:
+    """Mooncake's answer to a put: -600 for every key when its group ids are set but not one per key."""
+    return codes if ids is None or len(ids) == len(keys) else [INVALID_PARAMS] * len(keys)
 
 
 class _Coord:
@@ -218,17 +314,17 @@ def _self_check(
         )  # fmt: skip
         mode = case % 4
 
-        def answer(keys: list[str], mode: int = mode) -> Any:
+        def answer(call: str, keys: list[str], mode: int = mode) -> Any:
             if mode == 3:
                 raise RuntimeError("store down")
             return [-704 if mode == 2 and i % 2 else 4096 for i in range(len(keys))]
 
         participates = [True, case % 5 != 4]
-        store_cls = _ArrayRecordingStore if case % 2 else _RecordingStore
+        store_cls = ArrayRecordingStore if case % 2 else RecordingStore
         # Disk-offload budgets: one that holds the load, one that splits it, one a single key exceeds.
         budget = (None, 1 << 30, 40_000, 9_000)[case % 4] if case % 3 != 1 else None
         args = (_Coord(masks), dbs, block_size, case % 3, participates, meta, budget)
-        expected = _run_once(worker, original, _RecordingStore(answer), *args)
+        expected = _run_once(worker, original, RecordingStore(answer), *args)
         actual = _run_once(worker, handler, store_cls(answer), *args)
         if expected != actual:
             raise AssertionError(f"receive handler, case {case}: vLLM gives {expected!r}, ours {actual!r}")

@@ -1,7 +1,7 @@
 """The send handler's start-up checks (docs/vllm-plugin.md, "What ``register()`` does"): the shape of vLLM's send
 thread and worker module, and a self-check of vLLM's handler and ours on small generated store jobs (the layouts
-built by the release's ``sample_layouts``). The case generator and the recording store are shared with the
-differential tests.
+built by the release's ``sample_layouts``). The case generator is shared with the differential tests; the recording
+store is ``receive_check``'s.
 """
 
 from __future__ import annotations
@@ -14,9 +14,13 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from mooncake_kvaddr.driver.outcomes import CODE_INVALID_PARAMS as INVALID_PARAMS
-from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
-from mooncake_kvaddr.integrations.vllm.receive_check import DropThread, SampleLayouts, sample_layouts_033
+from mooncake_kvaddr.integrations.vllm.receive_check import (
+    ArrayRecordingStore,
+    DropThread,
+    RecordingStore,
+    SampleLayouts,
+    sample_layouts_033,
+)
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 
 __all__ = [
@@ -84,105 +88,6 @@ def check_shape(data: ModuleType, worker: ModuleType, rules: Any = None) -> str:
         if name not in fields:
             return f"{data.__name__}.ReqMeta has no field {name}"
     return ""
-
-
-class RecordingStore:
-    """A store that records ``batch_is_exist`` and multi-buffer puts (rows as plain lists, with the replicate
-    config's group ids at the call) and answers from ``answer(call, keys)``: a list, or an exception to raise. A
-    put whose group ids are set but not one per key is answered as Mooncake answers it: -600 for every key.
-    ``puts`` holds every put Mooncake would get: its keys and group ids (None: unset)."""
-
-    def __init__(self, answer: Callable[[str, list[str]], Any]) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.puts: list[tuple[list[str], list[str] | None]] = []
-        self._answer = answer
-        self.ragged = 0  # puts of rows of different widths (the array store's ragged entry)
-
-    def _reply(self, call: str, keys: list[str]) -> Any:
-        result = self._answer(call, keys)
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    def batch_is_exist(self, keys: Any) -> Any:
-        self.calls.append(("exist", list(keys)))
-        return self._reply("exist", list(keys))
-
-    def batch_put_from_multi_buffers(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> Any:
-        keys = list(keys)
-        rows = [list(map(int, r)) for r in addrs], [list(map(int, r)) for r in sizes]
-        ids = _group_ids(config)
-        self.puts.append((keys, ids))
-        self.calls.append(("put", keys, *rows, list(ids or ())))
-        return _as_mooncake(self._reply("put", keys), keys, ids)
-
-
-class ArrayRecordingStore(RecordingStore, ArrayStore):
-    """The same, with the array entries our store wrappers offer (the put's matrices recorded as lists). A ragged
-    put is split as the wrappers split it (the inherited :meth:`ArrayStore.batch_put_from_multi_buffers_ragged`:
-    one array put per width, each with the config cut to its keys; each part in ``puts`` and answered as Mooncake
-    answers it), and recorded in ``calls`` as the one put vLLM makes: rows trimmed to their widths, each key's
-    group id as its part carried it (None where the part's group ids were not one per key). A short answer of
-    the script to that one put comes back short, as vLLM's one put would get it."""
-
-    def __init__(self, answer: Callable[[str, list[str]], Any]) -> None:
-        super().__init__(answer)
-        self._parts: list[tuple[list[str], list[str] | None]] | None = None  # set while a ragged put is split
-
-    def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
-        raise AssertionError("the send handler never loads")
-
-    def batch_put_from_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> Any:
-        assert addrs.dtype.kind == "i" and sizes.dtype.kind == "i", "rows must come as integer matrices"
-        parts = self._parts
-        if parts is None:
-            return self.batch_put_from_multi_buffers(keys, addrs.tolist(), sizes.tolist(), config)
-        ids = _group_ids(config)
-        self.puts.append((list(keys), ids))
-        parts.append((list(keys), ids))
-        return [None] * len(keys)  # answered by the ragged put, once every part is known
-
-    def batch_put_from_multi_buffers_ragged(self, keys: Any, addrs: Any, sizes: Any, widths: Any, config: Any) -> Any:
-        self.ragged += 1
-        keys = list(keys)
-        parts: list[tuple[list[str], list[str] | None]] = []
-        self._parts = parts
-        try:
-            ArrayStore.batch_put_from_multi_buffers_ragged(self, keys, addrs, sizes, widths, config)
-        finally:
-            self._parts = None
-        at: dict[str, list[int]] = {}
-        for i, key in enumerate(keys):
-            at.setdefault(key, []).append(i)
-        where: list[tuple[int, bool]] = []  # (index in the put, whether its part's group ids fit) per part key
-        key_ids: list[Any] = [None] * len(keys)
-        for part_keys, ids in parts:
-            fits = ids is None or len(ids) == len(part_keys)
-            for j, key in enumerate(part_keys):
-                i = at[key].pop(0)
-                where.append((i, fits))
-                key_ids[i] = ids[j] if ids is not None and fits else None
-        trimmed = [(a[:w], s[:w]) for a, s, w in zip(addrs.tolist(), sizes.tolist(), widths.tolist(), strict=True)]
-        recorded = [] if all(ids is None for _, ids in parts) else key_ids
-        self.calls.append(("put", keys, [a for a, _ in trimmed], [s for _, s in trimmed], recorded))
-        codes = self._reply("put", keys)  # the script answers the one put vLLM makes (or raises, as vLLM's does)
-        answers: list[Any] = [None] * len(keys)
-        for i, fits in where:
-            answers[i] = INVALID_PARAMS if not fits else codes[i] if i < len(codes) else None
-        # A script that answers the one put short leaves its last keys unanswered, as vLLM's one put would.
-        while answers and answers[-1] is None:
-            answers.pop()
-        return answers
-
-
-def _group_ids(config: Any) -> list[str] | None:
-    ids = getattr(config, "group_ids", None)
-    return None if ids is None else list(ids)
-
-
-def _as_mooncake(codes: Any, keys: list[str], ids: list[str] | None) -> Any:
-    """Mooncake's answer to a put: -600 for every key when its group ids are set but not one per key."""
-    return codes if ids is None or len(ids) == len(keys) else [INVALID_PARAMS] * len(keys)
 
 
 class _Config:
