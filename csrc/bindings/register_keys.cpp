@@ -378,10 +378,7 @@ std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle 
         if (!add_checked(offset, static_cast<int64_t>(flags.size()), &mask_end)) mask_end = INT64_MAX;
         stop = std::min(stop, mask_end);
         for (int64_t chunk_id = first; chunk_id < stop; ++chunk_id) {
-            py::object flag = flags.at(static_cast<Py_ssize_t>(chunk_id - offset));
-            const int truth = PyObject_IsTrue(flag.ptr());
-            if (truth < 0) throw py::error_already_set();
-            keep.push_back(truth == 1);
+            keep.push_back(as_flag(flags.at(static_cast<Py_ssize_t>(chunk_id - offset))));
         }
     }
     const bool ok = walk_chunks(p, first, stop, n_hashes, [&](int64_t chunk_id) {

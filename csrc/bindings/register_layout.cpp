@@ -350,10 +350,7 @@ public:
         for (const WalkedChunk& c : *walked) {
             const int64_t block = floor_div(c.start, block_size_);
             if (block < 0 || block >= static_cast<int64_t>(flags.size())) continue;
-            py::object flag = flags.at(static_cast<Py_ssize_t>(block));
-            const int truth = PyObject_IsTrue(flag.ptr());
-            if (truth < 0) throw py::error_already_set();
-            if (truth == 1) kept.push_back(c);
+            if (as_flag(flags.at(static_cast<Py_ssize_t>(block)))) kept.push_back(c);
         }
         walked->swap(kept);
     }
