@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <utility>
 
@@ -128,12 +129,12 @@ PyObject* KeyWriter::make(const uint8_t* hash, std::size_t length) const {
     return key;
 }
 
-py::list build_key_list(const KeyWriter& writer, HashSource& hashes, const std::vector<int64_t>& indices) {
-    py::list keys(indices.size());
+py::list build_key_list(const std::vector<KeyWriter>& writers, HashSource& hashes, const std::vector<int64_t>& indices) {
+    py::list keys(static_cast<Py_ssize_t>(indices.size()));
     for (std::size_t i = 0; i < indices.size(); ++i) {
         std::size_t length = 0;
         const uint8_t* hash = hashes.at(static_cast<Py_ssize_t>(indices[i]), &length);
-        PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writer.make(hash, length));
+        PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writers[i % writers.size()].make(hash, length));
     }
     return keys;
 }
@@ -142,15 +143,11 @@ namespace {
 
 // The seed-era database's keys_for and the driver's build_keys: any buffer is a hash.
 py::list build_keys(py::handle prefix, py::handle hashes, py::handle hash_len) {
-    KeyWriter writer(prefix);
+    const std::vector<KeyWriter> writers{KeyWriter(prefix)};
     HashSource source(hashes, hash_len, HashItems::any_buffer);
-    py::list keys(source.size());
-    for (Py_ssize_t i = 0; i < source.size(); ++i) {
-        std::size_t length = 0;
-        const uint8_t* hash = source.at(i, &length);
-        PyList_SET_ITEM(keys.ptr(), i, writer.make(hash, length));
-    }
-    return keys;
+    std::vector<int64_t> indices(static_cast<std::size_t>(source.size()));
+    std::iota(indices.begin(), indices.end(), 0);
+    return build_key_list(writers, source, indices);
 }
 
 py::str build_key(py::handle prefix, py::handle hash) {

@@ -236,7 +236,7 @@ public:
         LoadWalk w = walk_keys(shard_prefixes, hashes, hash_len, token_len, mask_num, load_mask, tail_tokens);
         // Keys: vLLM's layouts read the hashes after every other argument; the seed-era database right after
         // the walk (its reference keys each chunk before it computes rows).
-        py::list keys = seed_ ? keys_of(w.writers, *w.source, w.hash_indices) : py::list();
+        py::list keys = seed_ ? build_key_list(w.writers, *w.source, w.hash_indices) : py::list();
         Parsed& parsed = w.parsed;
         if (parsed.starts.empty()) {
             // The seed-era arrays of nothing read no region; vLLM's layouts read them.
@@ -253,7 +253,7 @@ public:
             validate(parsed);
             resolve(parsed, block_ids);
         }
-        if (!seed_) keys = keys_of(w.writers, *w.source, w.hash_indices);
+        if (!seed_) keys = build_key_list(w.writers, *w.source, w.hash_indices);
         py::tuple rows = arrays ? engine_.rows_as_arrays(parsed.snapshot, parsed.plans)
                                 : engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
         return with_slots(py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]), slots, slot_alignment);
@@ -266,7 +266,7 @@ public:
         const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
         const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
         LoadWalk w = walk_keys(shard_prefixes, hashes, hash_len, token_len, mask_num, load_mask, tail_tokens);
-        py::list keys = keys_of(w.writers, *w.source, w.hash_indices);
+        py::list keys = build_key_list(w.writers, *w.source, w.hash_indices);
         const std::size_t n = w.parsed.starts.size();
         py::array_t<int64_t> chunks({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(3)});
         int64_t* out = chunks.mutable_data();
@@ -337,7 +337,7 @@ public:
                 id_list.append(id_out);
             }
         }
-        return py::make_tuple(keys_of(writers, source, hash_indices), std::move(chunk_list), std::move(id_list));
+        return py::make_tuple(build_key_list(writers, source, hash_indices), std::move(chunk_list), std::move(id_list));
     }
 
     // vLLM 0.34's receive rule: a walked chunk is kept when mask[start // block_size] is true (an index past
@@ -453,19 +453,6 @@ private:
             }
         }
         return w;
-    }
-
-    // The keys of walked entries, entry i keyed by hash hash_indices[i] under local shard i % n_shards (entries
-    // are expanded shard by shard): the load walk's and the store plan's.
-    py::list keys_of(const std::vector<KeyWriter>& writers, HashSource& source,
-                     const std::vector<int64_t>& hash_indices) const {
-        py::list keys(static_cast<Py_ssize_t>(hash_indices.size()));
-        for (std::size_t i = 0; i < hash_indices.size(); ++i) {
-            std::size_t length = 0;
-            const uint8_t* bytes = source.at(static_cast<Py_ssize_t>(hash_indices[i]), &length);
-            PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writers[i % n_shards_].make(bytes, length));
-        }
-        return keys;
     }
 
     void require_rank_local(const char* what) const {
