@@ -189,8 +189,7 @@ public:
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
         if (n == 0) return py::make_tuple(py::list(), py::list(), py::list());
-        Parsed parsed = chunks_per_block_ != 0 ? parse_store_chunks(chunks, block_ids, shard_ids)
-                                               : parse(chunks, block_ids, shard_ids);
+        Parsed parsed = parse(chunks, block_ids, shard_ids);
         return engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
     }
 
@@ -200,8 +199,7 @@ public:
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
         if (n == 0) return engine_.rows_as_arrays(engine_.snapshot(), {});
-        const Parsed parsed = chunks_per_block_ != 0 ? parse_store_chunks(chunks, block_ids, shard_ids)
-                                                     : parse(chunks, block_ids, shard_ids);
+        const Parsed parsed = parse(chunks, block_ids, shard_ids);
         return engine_.rows_as_arrays(parsed.snapshot, parsed.plans);
     }
 
@@ -459,7 +457,8 @@ private:
         if (tp_shared_) raise(PyExc_RuntimeError, std::string(what) + " is for the rank-local layout");
     }
 
-    // Every input to C++ values, in vLLM 0.33's error order.
+    // Every input to C++ values, in vLLM 0.33's error order, or with store chunks in vLLM 0.34's (its
+    // TPShardedStoreLayout.prepare_values, docs/vllm.md, "vLLM 0.34 rules": validate_store_chunks).
     Parsed parse(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
         Parsed p;
         std::vector<int64_t> shards = int64_values(shard_ids, "shard_ids");
@@ -474,9 +473,17 @@ private:
                 if (s != 0) raise(PyExc_AssertionError, "rank-local layout: shard id " + std::to_string(s) + " is not 0");
             }
         }
+        // vLLM 0.34 reads its first shard id next: a rank that owns none (store TP < local TP) fails as it does.
+        if (chunks_per_block_ != 0 && n_shards_ == 0) {
+            raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
+        }
         read_chunks(chunks, n_chunks, std::move(shards), &p);
-        validate(p);
-        resolve(p, block_ids);
+        if (chunks_per_block_ != 0) {
+            validate_store_chunks(p, block_ids);
+        } else {
+            validate(p);
+            resolve(p, block_ids);
+        }
         return p;
     }
 
@@ -493,27 +500,12 @@ private:
         p->shards = std::move(shards);
     }
 
-    // vLLM 0.34's TPShardedStoreLayout.prepare_values (docs/vllm.md, "vLLM 0.34 rules"). Each chunk lies in one
-    // store chunk of one block: start a multiple of store_chunk_size, 0 < end - start <= store_chunk_size; its
-    // key's template is (start's store chunk within its block, local shard). vLLM checks up to 16 chunks one
-    // by one (boundary, shard, block index, block id) and more in phases (every boundary, every shard, every
-    // block index, then the block ids in order); the same order here, so the same error comes first.
-    Parsed parse_store_chunks(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
-        Parsed p;
-        std::vector<int64_t> shards = int64_values(shard_ids, "shard_ids");
-        const Py_ssize_t n_chunks = PyObject_Length(chunks.ptr());
-        if (n_chunks < 0) throw py::error_already_set();
-        if (static_cast<std::size_t>(n_chunks) != shards.size()) {
-            raise(PyExc_ValueError, "Each Store chunk must have one shard ID");
-        }
-        // vLLM reads its first shard id next: a rank that owns none (store TP < local TP) fails as it does.
-        if (n_shards_ == 0) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
-        read_chunks(chunks, n_chunks, std::move(shards), &p);
-        validate_store_chunks(p, block_ids);
-        return p;
-    }
-
-    // parse_store_chunks' rules on chunks already read (p.starts, p.ends, p.shards): plans with block ids.
+    // vLLM 0.34's rules on chunks already read (p.starts, p.ends, p.shards): plans with block ids. Each chunk
+    // lies in one store chunk of one block: start a multiple of store_chunk_size, 0 < end - start <=
+    // store_chunk_size; its key's template is (start's store chunk within its block, local shard). vLLM checks
+    // up to 16 chunks one by one (boundary, shard, block index, block id) and more in phases (every boundary,
+    // every shard, every block index, then the block ids in order); the same order here, so the same error
+    // comes first.
     void validate_store_chunks(Parsed& p, py::handle block_ids) const {
         const std::size_t n = p.starts.size();
         p.plans.assign(n, KeyPlan{0, 1, 0});
@@ -532,13 +524,7 @@ private:
             if (offset < 0) offset += block_size_;
             p.plans[k].shard = static_cast<std::size_t>(offset / store_chunk_size_) * n_shards_;
         };
-        const auto owned = [&](std::size_t k) {
-            // first_shard_ >= 0: shards[k] - first_shard_ cannot overflow once shards[k] >= first_shard_.
-            if (p.shards[k] < first_shard_ || static_cast<uint64_t>(p.shards[k] - first_shard_) >= n_shards_) {
-                raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
-            }
-            p.plans[k].shard += static_cast<std::size_t>(p.shards[k] - first_shard_);
-        };
+        const auto owned = [&](std::size_t k) { p.plans[k].shard += owned_shard(p.shards[k]); };
         std::optional<BlockIds> ids;  // read where vLLM first calls len(block_ids)
         const auto has_block = [&](std::size_t k) {
             if (!ids) ids.emplace(block_ids);
@@ -618,15 +604,7 @@ private:
         if (tp_shared_) {
             // vLLM reads its first shard id here: a rank that owns none (store TP < local TP) fails as it does.
             if (n_shards_ == 0) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
-            const auto owned = static_cast<int64_t>(n_shards_);
-            for (std::size_t k = 0; k < n; ++k) {
-                // Compare before subtracting: a caller's shard id may be any int64 (first_shard_ >= 0, so
-                // shards[k] - first_shard_ cannot overflow once shards[k] >= first_shard_).
-                if (p.shards[k] < first_shard_ || p.shards[k] - first_shard_ >= owned) {
-                    raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
-                }
-                p.plans[k].shard = static_cast<std::size_t>(p.shards[k] - first_shard_);
-            }
+            for (std::size_t k = 0; k < n; ++k) p.plans[k].shard = owned_shard(p.shards[k]);
         }
     }
 
@@ -670,6 +648,16 @@ private:
         resolve(p, block_ids);
         return arrays ? engine_.rows_as_arrays(p.snapshot, p.plans)
                       : engine_.rows_as_lists(p.snapshot, p.plans, p.id_objects);
+    }
+
+    // The local index of a caller's shard id; ValueError unless this rank owns it. Compared before subtracting:
+    // a caller's shard id may be any int64 (first_shard_ >= 0, so shard - first_shard_ cannot overflow once
+    // shard >= first_shard_).
+    std::size_t owned_shard(int64_t shard) const {
+        if (shard < first_shard_ || shard - first_shard_ >= static_cast<int64_t>(n_shards_)) {
+            raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
+        }
+        return static_cast<std::size_t>(shard - first_shard_);
     }
 
     // TP-shared layouts compute in uint64 in vLLM, which rejects negative block ids.
