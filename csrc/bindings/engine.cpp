@@ -171,7 +171,7 @@ py::tuple RowEngine::rows_as_lists(const Snapshot& snapshot, const std::vector<K
         PyObject* row;
         if (fresh_at[k] != npos) {
             const int64_t* values = fresh.data() + fresh_at[k];
-            row = tuples ? new_int_tuple(values, width) : new_int_list(values, width);
+            row = new_int_row(values, width, tuples);
         } else {
             row = tuples ? addr[k]->tuple_ref() : addr[k]->new_list();
         }
@@ -225,8 +225,8 @@ py::tuple RowEngine::value_for_block(const Snapshot& snapshot, int64_t block_id)
     const layout::Segments& t = snapshot.templates->front();
     std::vector<int64_t> values(t.count());
     if (!layout::address_row(t, block_id, values.data())) raise_address_overflow(0, block_id);
-    py::object addrs = py::reinterpret_steal<py::object>(new_int_list(values.data(), values.size()));
-    py::object sizes = py::reinterpret_steal<py::object>(new_int_list(t.size.data(), t.count()));
+    py::object addrs = py::reinterpret_steal<py::object>(new_int_row(values.data(), values.size(), false));
+    py::object sizes = py::reinterpret_steal<py::object>(new_int_row(t.size.data(), t.count(), false));
     return py::make_tuple(std::move(addrs), std::move(sizes));
 }
 
