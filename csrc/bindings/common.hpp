@@ -42,18 +42,22 @@ void register_staging(py::module_& m);
 
 inline std::string type_name(PyObject* obj) { return Py_TYPE(obj)->tp_name; }
 
+// The int that `obj`, not an int itself, stands for through __index__ (numpy integers): TypeError naming
+// `what` for floats, strings, None... The caller must own a reference to `obj`: __index__ runs Python code.
+inline py::object index_of(PyObject* obj, const char* what) {
+    if (!PyIndex_Check(obj)) {
+        raise(PyExc_TypeError, std::string(what) + " must be an int, not " + type_name(obj));
+    }
+    py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(obj));
+    if (!index) throw py::error_already_set();
+    return index;
+}
+
 // A Python int (or any object with __index__, e.g. numpy integers; bool too, as in the reference) as int64.
 // TypeError for floats, strings, None...; OverflowError outside int64 (both signs). `what` names the argument.
 // The caller must own a reference to `obj`: __index__ runs Python code.
 inline int64_t as_int64(PyObject* obj, const char* what) {
-    if (!PyLong_Check(obj)) {
-        if (!PyIndex_Check(obj)) {
-            raise(PyExc_TypeError, std::string(what) + " must be an int, not " + type_name(obj));
-        }
-        py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(obj));
-        if (!index) throw py::error_already_set();
-        return as_int64(index.ptr(), what);
-    }
+    if (!PyLong_Check(obj)) return as_int64(index_of(obj, what).ptr(), what);
     int overflow = 0;
     const long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
     if (overflow != 0) {

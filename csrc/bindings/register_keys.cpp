@@ -262,13 +262,7 @@ std::vector<int64_t> exist_values(py::handle results) {
         py::object item = seq.at(i);
         // An __index__ object (a numpy integer) is read like an int: a value outside int64 is absent, not an
         // OverflowError (the same result as the int 2**64 - 1 gives).
-        if (!PyLong_Check(item.ptr())) {
-            if (!PyIndex_Check(item.ptr())) {
-                raise(PyExc_TypeError, "exist result must be an int, not " + type_name(item.ptr()));
-            }
-            item = py::reinterpret_steal<py::object>(PyNumber_Index(item.ptr()));
-            if (!item) throw py::error_already_set();
-        }
+        if (!PyLong_Check(item.ptr())) item = index_of(item.ptr(), "exist result");
         int overflow = 0;
         const long long v = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
         if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
