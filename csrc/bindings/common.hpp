@@ -42,6 +42,13 @@ void register_staging(py::module_& m);
 
 inline std::string type_name(PyObject* obj) { return Py_TYPE(obj)->tp_name; }
 
+// str/bytes/bytearray iterate as characters or byte values, dict/set as keys: never a sequence of ints, of
+// chunks or of rows, so refused (TypeError) wherever one is expected.
+inline bool refused_container(PyObject* obj) {
+    return PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj) || PyDict_Check(obj) ||
+           PyAnySet_Check(obj);
+}
+
 // The int that `obj`, not an int itself, stands for through __index__ (numpy integers): TypeError naming
 // `what` for floats, strings, None... The caller must own a reference to `obj`: __index__ runs Python code.
 inline py::object index_of(PyObject* obj, const char* what) {

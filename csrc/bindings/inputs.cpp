@@ -53,11 +53,6 @@ void add_span(Py_ssize_t c, int64_t start, int64_t end, int64_t block_size, int6
     out->plans.push_back(layout::KeyPlan{0, count, 0});
 }
 
-bool refused_container(PyObject* obj) {
-    return PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj) || PyDict_Check(obj) ||
-           PyAnySet_Check(obj);
-}
-
 }  // namespace
 
 bool is_exact_ndarray(py::handle obj) {

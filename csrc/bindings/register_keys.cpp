@@ -44,7 +44,7 @@ HashSource::HashSource(py::handle hashes, py::handle hash_len, HashItems items) 
         count_ = static_cast<Py_ssize_t>(bytes / hash_len_);
         return;
     }
-    if (PyUnicode_Check(hashes.ptr()) || PyDict_Check(hashes.ptr()) || PyAnySet_Check(hashes.ptr())) {
+    if (refused_container(hashes.ptr())) {  // bytes and bytearray are blobs (above)
         raise(PyExc_TypeError, "hashes must be a sequence of bytes-like items or one blob, not " +
                                    type_name(hashes.ptr()));
     }
