@@ -201,15 +201,7 @@ py::array_t<bool> slices_inside(py::handle addrs_obj, py::handle sizes_obj, py::
         for (std::size_t i = 0; i < rows; ++i) {
             for (std::size_t j = 0; j < cols; ++j) {
                 const std::size_t k = i * cols + j;
-                const auto address = static_cast<uint64_t>(a[k]);
-                const auto size = static_cast<uint64_t>(s[k]);
-                bool inside = slice_fault(address, size, true, true) == SliceFault::none;
-                if (inside) {
-                    const std::size_t found = allowed.find(a[k], a[k] + s[k], hints[j]);
-                    inside = found != RangeSet::npos;
-                    if (inside) hints[j] = found;
-                }
-                ok[k] = inside;
+                ok[k] = allowed.inside(static_cast<uint64_t>(a[k]), static_cast<uint64_t>(s[k]), true, true, &hints[j]);
             }
         }
     };
