@@ -149,6 +149,14 @@ private:
     PyObject* seq_ = nullptr;
 };
 
+// Every item of `seq` as int64 (as_int64 naming `what`), appended to `out`. The length is read once: a callback
+// (__index__) that grows the list is not followed, one that shrinks it makes seq.at raise.
+inline void append_int64s(const FastSequence& seq, const char* what, std::vector<int64_t>* out) {
+    const Py_ssize_t n = seq.size();
+    out->reserve(out->size() + static_cast<std::size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) out->push_back(as_int64(seq.at(i).ptr(), what));
+}
+
 // An owned buffer export, released by the destructor on every path (errors included): a bytearray stays
 // resizable once the call returns or raises. Move-only.
 //

@@ -58,16 +58,12 @@ Snapshot RowEngine::snapshot() {
     {
         FastSequence base(base_obj.ptr(), "kv_caches_base_addr");
         FastSequence block_len(lens_obj.ptr(), "block_len");
-        const auto read_all = [](const FastSequence& seq, const char* what, std::vector<int64_t>* out) {
-            const Py_ssize_t n = seq.size();
-            for (Py_ssize_t i = 0; i < n; ++i) out->push_back(as_int64(seq.at(i).ptr(), what));
-        };
-        if (words_.lens_first) read_all(block_len, "block_len item", &lens);
-        read_all(base, "kv_caches_base_addr item", &bases);
+        if (words_.lens_first) append_int64s(block_len, "block_len item", &lens);
+        append_int64s(base, "kv_caches_base_addr item", &bases);
         if (!words_.lens_first && !bases.empty()) {
             // vLLM 0.34 reads block_stride before block_len.
-            if (with_strides) read_all(FastSequence(strides_obj.ptr(), "block_stride"), "block_stride item", &strides);
-            read_all(block_len, "block_len item", &lens);
+            if (with_strides) append_int64s(FastSequence(strides_obj.ptr(), "block_stride"), "block_stride item", &strides);
+            append_int64s(block_len, "block_len item", &lens);
         }
     }
     // From here to the return no Python code runs: the comparison and the install are atomic.

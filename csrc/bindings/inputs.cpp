@@ -275,12 +275,8 @@ std::vector<int64_t> int64_values(py::handle obj, const char* what) {
     std::vector<int64_t> values;
     if (int64_array_values(obj, what, &values)) return values;
     require_id_container(obj.ptr(), what);
-    FastSequence seq(obj.ptr(), what);
-    // The length is read once: a callback (__index__) that grows the list is not followed, one that shrinks it
-    // makes seq.at raise (the same rule everywhere below).
-    const Py_ssize_t n = seq.size();
-    values.reserve(static_cast<std::size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) values.push_back(as_int64(seq.at(i).ptr(), what));
+    // The length is read once (append_int64s): the same rule everywhere below.
+    append_int64s(FastSequence(obj.ptr(), what), what, &values);
     return values;
 }
 
