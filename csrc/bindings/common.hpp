@@ -42,18 +42,29 @@ void register_staging(py::module_& m);
 
 inline std::string type_name(PyObject* obj) { return Py_TYPE(obj)->tp_name; }
 
+// str/bytes/bytearray iterate as characters or byte values, dict/set as keys: never a sequence of ints, of
+// chunks or of rows, so refused (TypeError) wherever one is expected.
+inline bool refused_container(PyObject* obj) {
+    return PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj) || PyDict_Check(obj) ||
+           PyAnySet_Check(obj);
+}
+
+// The int that `obj`, not an int itself, stands for through __index__ (numpy integers): TypeError naming
+// `what` for floats, strings, None... The caller must own a reference to `obj`: __index__ runs Python code.
+inline py::object index_of(PyObject* obj, const char* what) {
+    if (!PyIndex_Check(obj)) {
+        raise(PyExc_TypeError, std::string(what) + " must be an int, not " + type_name(obj));
+    }
+    py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(obj));
+    if (!index) throw py::error_already_set();
+    return index;
+}
+
 // A Python int (or any object with __index__, e.g. numpy integers; bool too, as in the reference) as int64.
 // TypeError for floats, strings, None...; OverflowError outside int64 (both signs). `what` names the argument.
 // The caller must own a reference to `obj`: __index__ runs Python code.
 inline int64_t as_int64(PyObject* obj, const char* what) {
-    if (!PyLong_Check(obj)) {
-        if (!PyIndex_Check(obj)) {
-            raise(PyExc_TypeError, std::string(what) + " must be an int, not " + type_name(obj));
-        }
-        py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(obj));
-        if (!index) throw py::error_already_set();
-        return as_int64(index.ptr(), what);
-    }
+    if (!PyLong_Check(obj)) return as_int64(index_of(obj, what).ptr(), what);
     int overflow = 0;
     const long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
     if (overflow != 0) {
@@ -137,6 +148,14 @@ public:
 private:
     PyObject* seq_ = nullptr;
 };
+
+// Every item of `seq` as int64 (as_int64 naming `what`), appended to `out`. The length is read once: a callback
+// (__index__) that grows the list is not followed, one that shrinks it makes seq.at raise.
+inline void append_int64s(const FastSequence& seq, const char* what, std::vector<int64_t>* out) {
+    const Py_ssize_t n = seq.size();
+    out->reserve(out->size() + static_cast<std::size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) out->push_back(as_int64(seq.at(i).ptr(), what));
+}
 
 // An owned buffer export, released by the destructor on every path (errors included): a bytearray stays
 // resizable once the call returns or raises. Move-only.

@@ -58,16 +58,12 @@ Snapshot RowEngine::snapshot() {
     {
         FastSequence base(base_obj.ptr(), "kv_caches_base_addr");
         FastSequence block_len(lens_obj.ptr(), "block_len");
-        const auto read_all = [](const FastSequence& seq, const char* what, std::vector<int64_t>* out) {
-            const Py_ssize_t n = seq.size();
-            for (Py_ssize_t i = 0; i < n; ++i) out->push_back(as_int64(seq.at(i).ptr(), what));
-        };
-        if (words_.lens_first) read_all(block_len, "block_len item", &lens);
-        read_all(base, "kv_caches_base_addr item", &bases);
+        if (words_.lens_first) append_int64s(block_len, "block_len item", &lens);
+        append_int64s(base, "kv_caches_base_addr item", &bases);
         if (!words_.lens_first && !bases.empty()) {
             // vLLM 0.34 reads block_stride before block_len.
-            if (with_strides) read_all(FastSequence(strides_obj.ptr(), "block_stride"), "block_stride item", &strides);
-            read_all(block_len, "block_len item", &lens);
+            if (with_strides) append_int64s(FastSequence(strides_obj.ptr(), "block_stride"), "block_stride item", &strides);
+            append_int64s(block_len, "block_len item", &lens);
         }
     }
     // From here to the return no Python code runs: the comparison and the install are atomic.
@@ -171,7 +167,7 @@ py::tuple RowEngine::rows_as_lists(const Snapshot& snapshot, const std::vector<K
         PyObject* row;
         if (fresh_at[k] != npos) {
             const int64_t* values = fresh.data() + fresh_at[k];
-            row = tuples ? new_int_tuple(values, width) : new_int_list(values, width);
+            row = new_int_row(values, width, tuples);
         } else {
             row = tuples ? addr[k]->tuple_ref() : addr[k]->new_list();
         }
@@ -225,8 +221,8 @@ py::tuple RowEngine::value_for_block(const Snapshot& snapshot, int64_t block_id)
     const layout::Segments& t = snapshot.templates->front();
     std::vector<int64_t> values(t.count());
     if (!layout::address_row(t, block_id, values.data())) raise_address_overflow(0, block_id);
-    py::object addrs = py::reinterpret_steal<py::object>(new_int_list(values.data(), values.size()));
-    py::object sizes = py::reinterpret_steal<py::object>(new_int_list(t.size.data(), t.count()));
+    py::object addrs = py::reinterpret_steal<py::object>(new_int_row(values.data(), values.size(), false));
+    py::object sizes = py::reinterpret_steal<py::object>(new_int_row(t.size.data(), t.count(), false));
     return py::make_tuple(std::move(addrs), std::move(sizes));
 }
 

@@ -11,25 +11,29 @@ namespace kvaddr::py_bindings {
 
 namespace {
 
-// Both bounds of one chunk, each held by a strong reference before either is converted: converting the
+// Items 0 and 1 of a chunk, each held by a strong reference before either is converted: converting the
 // start may run __index__, which may empty the chunk's own list (the bounds stay alive through our refs).
+// Exact tuples and lists of two or more items are read directly; anything else through c[0] and c[1], its
+// own __getitem__ (a subclass, say a named tuple, may override it), as the reference reads it.
+std::pair<py::object, py::object> first_two(PyObject* chunk) {
+    if ((PyTuple_CheckExact(chunk) || PyList_CheckExact(chunk)) && PySequence_Fast_GET_SIZE(chunk) >= 2) {
+        return {py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 0)),
+                py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 1))};
+    }
+    py::object start = py::reinterpret_steal<py::object>(PySequence_GetItem(chunk, 0));
+    if (!start) throw py::error_already_set();
+    py::object end = py::reinterpret_steal<py::object>(PySequence_GetItem(chunk, 1));
+    if (!end) throw py::error_already_set();
+    return {std::move(start), std::move(end)};
+}
+
+// Both bounds of one chunk (any (start, end, ...) sequence but a refused_container).
 std::pair<int64_t, int64_t> chunk_bounds(PyObject* chunk, Py_ssize_t index) {
     const std::string what = "chunk " + std::to_string(index);
-    py::object start, end;
-    // Exact tuples and lists only: a subclass may override __getitem__, which the reference's c[0] calls.
-    if ((PyTuple_CheckExact(chunk) || PyList_CheckExact(chunk)) && PySequence_Fast_GET_SIZE(chunk) >= 2) {
-        start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 0));
-        end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(chunk, 1));
-    } else {
-        if (PyUnicode_Check(chunk) || PyBytes_Check(chunk) || PyByteArray_Check(chunk) || PyDict_Check(chunk) ||
-            PyAnySet_Check(chunk)) {
-            raise(PyExc_TypeError, what + " must be a (start, end) sequence, not " + type_name(chunk));
-        }
-        start = py::reinterpret_steal<py::object>(PySequence_GetItem(chunk, 0));
-        if (!start) throw py::error_already_set();
-        end = py::reinterpret_steal<py::object>(PySequence_GetItem(chunk, 1));
-        if (!end) throw py::error_already_set();
+    if (refused_container(chunk)) {  // never an exact tuple or list
+        raise(PyExc_TypeError, what + " must be a (start, end) sequence, not " + type_name(chunk));
     }
+    const auto [start, end] = first_two(chunk);
     const int64_t s = as_int64(start.ptr(), (what + " start").c_str());
     const int64_t e = as_int64(end.ptr(), (what + " end").c_str());
     return {s, e};
@@ -51,11 +55,6 @@ void add_span(Py_ssize_t c, int64_t start, int64_t end, int64_t block_size, int6
     }
     out->starts.push_back(start);
     out->plans.push_back(layout::KeyPlan{0, count, 0});
-}
-
-bool refused_container(PyObject* obj) {
-    return PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj) || PyDict_Check(obj) ||
-           PyAnySet_Check(obj);
 }
 
 }  // namespace
@@ -276,12 +275,8 @@ std::vector<int64_t> int64_values(py::handle obj, const char* what) {
     std::vector<int64_t> values;
     if (int64_array_values(obj, what, &values)) return values;
     require_id_container(obj.ptr(), what);
-    FastSequence seq(obj.ptr(), what);
-    // The length is read once: a callback (__index__) that grows the list is not followed, one that shrinks it
-    // makes seq.at raise (the same rule everywhere below).
-    const Py_ssize_t n = seq.size();
-    values.reserve(static_cast<std::size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) values.push_back(as_int64(seq.at(i).ptr(), what));
+    // The length is read once (append_int64s): the same rule everywhere below.
+    append_int64s(FastSequence(obj.ptr(), what), what, &values);
     return values;
 }
 
@@ -314,26 +309,16 @@ void chunk_pairs(py::handle chunks, std::vector<int64_t>* starts, std::vector<in
         if (!(PyTuple_Check(p) || PyList_Check(p))) {
             raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple, not " + type_name(p));
         }
-        // Hold both items: converting the first can run __index__, which may shrink a list chunk. A subclass
-        // (say a named tuple with its own __getitem__) is read through c[0] and c[1], as vLLM reads it.
-        py::object start, end;
         if (exact_pairs) {
             const Py_ssize_t items = PySequence_Size(p);
             if (items < 0) throw py::error_already_set();
             if (items > 2) raise(PyExc_ValueError, "chunk " + std::to_string(c) + " has more than (start, end)");
         }
-        if (PyTuple_CheckExact(p) || PyList_CheckExact(p)) {
-            if (PySequence_Fast_GET_SIZE(p) < 2) {
-                raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple");
-            }
-            start = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 0));
-            end = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(p, 1));
-        } else {
-            start = py::reinterpret_steal<py::object>(PySequence_GetItem(p, 0));
-            if (!start) throw py::error_already_set();
-            end = py::reinterpret_steal<py::object>(PySequence_GetItem(p, 1));
-            if (!end) throw py::error_already_set();
+        if ((PyTuple_CheckExact(p) || PyList_CheckExact(p)) && PySequence_Fast_GET_SIZE(p) < 2) {
+            raise(PyExc_TypeError, "chunk " + std::to_string(c) + " must be a (start, end) tuple");
         }
+        // Both items held (first_two): converting the first can run __index__, which may shrink a list chunk.
+        const auto [start, end] = first_two(p);
         starts->push_back(as_int64(start.ptr(), "chunk start"));
         ends->push_back(as_int64(end.ptr(), "chunk end"));
     }

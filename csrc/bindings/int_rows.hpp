@@ -32,7 +32,7 @@ public:
         Row& row = rows_[k];
         PyObject* obj = PyTuple_GET_ITEM(outer_.ptr(), static_cast<Py_ssize_t>(k));
         Export view;
-        if (!refused(obj) && view.acquire(obj) && view.view().ndim == 1 && int64_kind(view.view()) == 1) {
+        if (!refused_container(obj) && view.acquire(obj) && view.view().ndim == 1 && int64_kind(view.view()) == 1) {
             const auto* data = static_cast<const int64_t*>(view.view().buf);
             row.values.assign(data, data + view.view().shape[0]);
             row.copied = true;
@@ -69,19 +69,13 @@ private:
         bool copied = false;
     };
 
-    // str/bytes/bytearray iterate as characters or byte values, dict/set as keys: never rows of ints.
-    static bool refused(PyObject* obj) {
-        return PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj) || PyDict_Check(obj) ||
-               PyAnySet_Check(obj);
-    }
-
     // A strong reference to a tuple of `obj`'s items (a tuple as is, anything iterable copied).
     static py::tuple tuple_of(PyObject* obj, const char* what, Py_ssize_t key) {
         const auto refuse = [&] {
             raise(PyExc_TypeError, std::string(what) + (key < 0 ? std::string(" rows") : " row " + std::to_string(key)) +
                                        " must be a sequence of ints, not " + type_name(obj));
         };
-        if (refused(obj)) refuse();
+        if (refused_container(obj)) refuse();
         PyObject* tuple = PySequence_Tuple(obj);
         if (tuple == nullptr) {
             // Only "not iterable" is ours to word; an exception raised by the caller's own __iter__/__next__

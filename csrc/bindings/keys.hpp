@@ -71,7 +71,8 @@ private:
 // `absolute_mask`, one indexed by absolute chunk id whose end also ends the walk (load path).
 std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle mask, bool absolute_mask);
 
-// Keys for hashes[indices[i]] under one prefix.
-py::list build_key_list(const KeyWriter& writer, HashSource& hashes, const std::vector<int64_t>& indices);
+// Keys for hashes[indices[i]], key i under writers[i % writers.size()] (entries expanded writer by writer:
+// build_keys' one prefix, the layouts' load walk and store plan, one writer per local shard).
+py::list build_key_list(const std::vector<KeyWriter>& writers, HashSource& hashes, const std::vector<int64_t>& indices);
 
 }  // namespace kvaddr::py_bindings

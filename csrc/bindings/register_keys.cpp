@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <utility>
 
@@ -43,7 +44,7 @@ HashSource::HashSource(py::handle hashes, py::handle hash_len, HashItems items) 
         count_ = static_cast<Py_ssize_t>(bytes / hash_len_);
         return;
     }
-    if (PyUnicode_Check(hashes.ptr()) || PyDict_Check(hashes.ptr()) || PyAnySet_Check(hashes.ptr())) {
+    if (refused_container(hashes.ptr())) {  // bytes and bytearray are blobs (above)
         raise(PyExc_TypeError, "hashes must be a sequence of bytes-like items or one blob, not " +
                                    type_name(hashes.ptr()));
     }
@@ -128,12 +129,12 @@ PyObject* KeyWriter::make(const uint8_t* hash, std::size_t length) const {
     return key;
 }
 
-py::list build_key_list(const KeyWriter& writer, HashSource& hashes, const std::vector<int64_t>& indices) {
-    py::list keys(indices.size());
+py::list build_key_list(const std::vector<KeyWriter>& writers, HashSource& hashes, const std::vector<int64_t>& indices) {
+    py::list keys(static_cast<Py_ssize_t>(indices.size()));
     for (std::size_t i = 0; i < indices.size(); ++i) {
         std::size_t length = 0;
         const uint8_t* hash = hashes.at(static_cast<Py_ssize_t>(indices[i]), &length);
-        PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writer.make(hash, length));
+        PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writers[i % writers.size()].make(hash, length));
     }
     return keys;
 }
@@ -142,15 +143,11 @@ namespace {
 
 // The seed-era database's keys_for and the driver's build_keys: any buffer is a hash.
 py::list build_keys(py::handle prefix, py::handle hashes, py::handle hash_len) {
-    KeyWriter writer(prefix);
+    const std::vector<KeyWriter> writers{KeyWriter(prefix)};
     HashSource source(hashes, hash_len, HashItems::any_buffer);
-    py::list keys(source.size());
-    for (Py_ssize_t i = 0; i < source.size(); ++i) {
-        std::size_t length = 0;
-        const uint8_t* hash = source.at(i, &length);
-        PyList_SET_ITEM(keys.ptr(), i, writer.make(hash, length));
-    }
-    return keys;
+    std::vector<int64_t> indices(static_cast<std::size_t>(source.size()));
+    std::iota(indices.begin(), indices.end(), 0);
+    return build_key_list(writers, source, indices);
 }
 
 py::str build_key(py::handle prefix, py::handle hash) {
@@ -265,13 +262,7 @@ std::vector<int64_t> exist_values(py::handle results) {
         py::object item = seq.at(i);
         // An __index__ object (a numpy integer) is read like an int: a value outside int64 is absent, not an
         // OverflowError (the same result as the int 2**64 - 1 gives).
-        if (!PyLong_Check(item.ptr())) {
-            if (!PyIndex_Check(item.ptr())) {
-                raise(PyExc_TypeError, "exist result must be an int, not " + type_name(item.ptr()));
-            }
-            item = py::reinterpret_steal<py::object>(PyNumber_Index(item.ptr()));
-            if (!item) throw py::error_already_set();
-        }
+        if (!PyLong_Check(item.ptr())) item = index_of(item.ptr(), "exist result");
         int overflow = 0;
         const long long v = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
         if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
@@ -378,10 +369,7 @@ std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle 
         if (!add_checked(offset, static_cast<int64_t>(flags.size()), &mask_end)) mask_end = INT64_MAX;
         stop = std::min(stop, mask_end);
         for (int64_t chunk_id = first; chunk_id < stop; ++chunk_id) {
-            py::object flag = flags.at(static_cast<Py_ssize_t>(chunk_id - offset));
-            const int truth = PyObject_IsTrue(flag.ptr());
-            if (truth < 0) throw py::error_already_set();
-            keep.push_back(truth == 1);
+            keep.push_back(as_flag(flags.at(static_cast<Py_ssize_t>(chunk_id - offset))));
         }
     }
     const bool ok = walk_chunks(p, first, stop, n_hashes, [&](int64_t chunk_id) {

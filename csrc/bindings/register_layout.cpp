@@ -189,8 +189,7 @@ public:
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
         if (n == 0) return py::make_tuple(py::list(), py::list(), py::list());
-        Parsed parsed = chunks_per_block_ != 0 ? parse_store_chunks(chunks, block_ids, shard_ids)
-                                               : parse(chunks, block_ids, shard_ids);
+        Parsed parsed = parse(chunks, block_ids, shard_ids);
         return engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
     }
 
@@ -200,8 +199,7 @@ public:
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
         if (n == 0) return engine_.rows_as_arrays(engine_.snapshot(), {});
-        const Parsed parsed = chunks_per_block_ != 0 ? parse_store_chunks(chunks, block_ids, shard_ids)
-                                                     : parse(chunks, block_ids, shard_ids);
+        const Parsed parsed = parse(chunks, block_ids, shard_ids);
         return engine_.rows_as_arrays(parsed.snapshot, parsed.plans);
     }
 
@@ -236,7 +234,7 @@ public:
         LoadWalk w = walk_keys(shard_prefixes, hashes, hash_len, token_len, mask_num, load_mask, tail_tokens);
         // Keys: vLLM's layouts read the hashes after every other argument; the seed-era database right after
         // the walk (its reference keys each chunk before it computes rows).
-        py::list keys = seed_ ? keys_of(w.writers, *w.source, w.hash_indices) : py::list();
+        py::list keys = seed_ ? build_key_list(w.writers, *w.source, w.hash_indices) : py::list();
         Parsed& parsed = w.parsed;
         if (parsed.starts.empty()) {
             // The seed-era arrays of nothing read no region; vLLM's layouts read them.
@@ -253,7 +251,7 @@ public:
             validate(parsed);
             resolve(parsed, block_ids);
         }
-        if (!seed_) keys = keys_of(w.writers, *w.source, w.hash_indices);
+        if (!seed_) keys = build_key_list(w.writers, *w.source, w.hash_indices);
         py::tuple rows = arrays ? engine_.rows_as_arrays(parsed.snapshot, parsed.plans)
                                 : engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
         return with_slots(py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]), slots, slot_alignment);
@@ -266,7 +264,7 @@ public:
         const int64_t token_len = as_int64(token_len_arg.ptr(), "token_len");
         const int64_t mask_num = as_int64(mask_num_arg.ptr(), "mask_num");
         LoadWalk w = walk_keys(shard_prefixes, hashes, hash_len, token_len, mask_num, load_mask, tail_tokens);
-        py::list keys = keys_of(w.writers, *w.source, w.hash_indices);
+        py::list keys = build_key_list(w.writers, *w.source, w.hash_indices);
         const std::size_t n = w.parsed.starts.size();
         py::array_t<int64_t> chunks({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(3)});
         int64_t* out = chunks.mutable_data();
@@ -337,7 +335,7 @@ public:
                 id_list.append(id_out);
             }
         }
-        return py::make_tuple(keys_of(writers, source, hash_indices), std::move(chunk_list), std::move(id_list));
+        return py::make_tuple(build_key_list(writers, source, hash_indices), std::move(chunk_list), std::move(id_list));
     }
 
     // vLLM 0.34's receive rule: a walked chunk is kept when mask[start // block_size] is true (an index past
@@ -350,10 +348,7 @@ public:
         for (const WalkedChunk& c : *walked) {
             const int64_t block = floor_div(c.start, block_size_);
             if (block < 0 || block >= static_cast<int64_t>(flags.size())) continue;
-            py::object flag = flags.at(static_cast<Py_ssize_t>(block));
-            const int truth = PyObject_IsTrue(flag.ptr());
-            if (truth < 0) throw py::error_already_set();
-            if (truth == 1) kept.push_back(c);
+            if (as_flag(flags.at(static_cast<Py_ssize_t>(block)))) kept.push_back(c);
         }
         walked->swap(kept);
     }
@@ -458,24 +453,12 @@ private:
         return w;
     }
 
-    // The keys of walked entries, entry i keyed by hash hash_indices[i] under local shard i % n_shards (entries
-    // are expanded shard by shard): the load walk's and the store plan's.
-    py::list keys_of(const std::vector<KeyWriter>& writers, HashSource& source,
-                     const std::vector<int64_t>& hash_indices) const {
-        py::list keys(static_cast<Py_ssize_t>(hash_indices.size()));
-        for (std::size_t i = 0; i < hash_indices.size(); ++i) {
-            std::size_t length = 0;
-            const uint8_t* bytes = source.at(static_cast<Py_ssize_t>(hash_indices[i]), &length);
-            PyList_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), writers[i % n_shards_].make(bytes, length));
-        }
-        return keys;
-    }
-
     void require_rank_local(const char* what) const {
         if (tp_shared_) raise(PyExc_RuntimeError, std::string(what) + " is for the rank-local layout");
     }
 
-    // Every input to C++ values, in vLLM 0.33's error order.
+    // Every input to C++ values, in vLLM 0.33's error order, or with store chunks in vLLM 0.34's (its
+    // TPShardedStoreLayout.prepare_values, docs/vllm.md, "vLLM 0.34 rules": validate_store_chunks).
     Parsed parse(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
         Parsed p;
         std::vector<int64_t> shards = int64_values(shard_ids, "shard_ids");
@@ -490,9 +473,17 @@ private:
                 if (s != 0) raise(PyExc_AssertionError, "rank-local layout: shard id " + std::to_string(s) + " is not 0");
             }
         }
+        // vLLM 0.34 reads its first shard id next: a rank that owns none (store TP < local TP) fails as it does.
+        if (chunks_per_block_ != 0 && n_shards_ == 0) {
+            raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
+        }
         read_chunks(chunks, n_chunks, std::move(shards), &p);
-        validate(p);
-        resolve(p, block_ids);
+        if (chunks_per_block_ != 0) {
+            validate_store_chunks(p, block_ids);
+        } else {
+            validate(p);
+            resolve(p, block_ids);
+        }
         return p;
     }
 
@@ -509,27 +500,12 @@ private:
         p->shards = std::move(shards);
     }
 
-    // vLLM 0.34's TPShardedStoreLayout.prepare_values (docs/vllm.md, "vLLM 0.34 rules"). Each chunk lies in one
-    // store chunk of one block: start a multiple of store_chunk_size, 0 < end - start <= store_chunk_size; its
-    // key's template is (start's store chunk within its block, local shard). vLLM checks up to 16 chunks one
-    // by one (boundary, shard, block index, block id) and more in phases (every boundary, every shard, every
-    // block index, then the block ids in order); the same order here, so the same error comes first.
-    Parsed parse_store_chunks(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
-        Parsed p;
-        std::vector<int64_t> shards = int64_values(shard_ids, "shard_ids");
-        const Py_ssize_t n_chunks = PyObject_Length(chunks.ptr());
-        if (n_chunks < 0) throw py::error_already_set();
-        if (static_cast<std::size_t>(n_chunks) != shards.size()) {
-            raise(PyExc_ValueError, "Each Store chunk must have one shard ID");
-        }
-        // vLLM reads its first shard id next: a rank that owns none (store TP < local TP) fails as it does.
-        if (n_shards_ == 0) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
-        read_chunks(chunks, n_chunks, std::move(shards), &p);
-        validate_store_chunks(p, block_ids);
-        return p;
-    }
-
-    // parse_store_chunks' rules on chunks already read (p.starts, p.ends, p.shards): plans with block ids.
+    // vLLM 0.34's rules on chunks already read (p.starts, p.ends, p.shards): plans with block ids. Each chunk
+    // lies in one store chunk of one block: start a multiple of store_chunk_size, 0 < end - start <=
+    // store_chunk_size; its key's template is (start's store chunk within its block, local shard). vLLM checks
+    // up to 16 chunks one by one (boundary, shard, block index, block id) and more in phases (every boundary,
+    // every shard, every block index, then the block ids in order); the same order here, so the same error
+    // comes first.
     void validate_store_chunks(Parsed& p, py::handle block_ids) const {
         const std::size_t n = p.starts.size();
         p.plans.assign(n, KeyPlan{0, 1, 0});
@@ -548,13 +524,7 @@ private:
             if (offset < 0) offset += block_size_;
             p.plans[k].shard = static_cast<std::size_t>(offset / store_chunk_size_) * n_shards_;
         };
-        const auto owned = [&](std::size_t k) {
-            // first_shard_ >= 0: shards[k] - first_shard_ cannot overflow once shards[k] >= first_shard_.
-            if (p.shards[k] < first_shard_ || static_cast<uint64_t>(p.shards[k] - first_shard_) >= n_shards_) {
-                raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
-            }
-            p.plans[k].shard += static_cast<std::size_t>(p.shards[k] - first_shard_);
-        };
+        const auto owned = [&](std::size_t k) { p.plans[k].shard += owned_shard(p.shards[k]); };
         std::optional<BlockIds> ids;  // read where vLLM first calls len(block_ids)
         const auto has_block = [&](std::size_t k) {
             if (!ids) ids.emplace(block_ids);
@@ -634,15 +604,7 @@ private:
         if (tp_shared_) {
             // vLLM reads its first shard id here: a rank that owns none (store TP < local TP) fails as it does.
             if (n_shards_ == 0) raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
-            const auto owned = static_cast<int64_t>(n_shards_);
-            for (std::size_t k = 0; k < n; ++k) {
-                // Compare before subtracting: a caller's shard id may be any int64 (first_shard_ >= 0, so
-                // shards[k] - first_shard_ cannot overflow once shards[k] >= first_shard_).
-                if (p.shards[k] < first_shard_ || p.shards[k] - first_shard_ >= owned) {
-                    raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
-                }
-                p.plans[k].shard = static_cast<std::size_t>(p.shards[k] - first_shard_);
-            }
+            for (std::size_t k = 0; k < n; ++k) p.plans[k].shard = owned_shard(p.shards[k]);
         }
     }
 
@@ -686,6 +648,16 @@ private:
         resolve(p, block_ids);
         return arrays ? engine_.rows_as_arrays(p.snapshot, p.plans)
                       : engine_.rows_as_lists(p.snapshot, p.plans, p.id_objects);
+    }
+
+    // The local index of a caller's shard id; ValueError unless this rank owns it. Compared before subtracting:
+    // a caller's shard id may be any int64 (first_shard_ >= 0, so shard - first_shard_ cannot overflow once
+    // shard >= first_shard_).
+    std::size_t owned_shard(int64_t shard) const {
+        if (shard < first_shard_ || shard - first_shard_ >= static_cast<int64_t>(n_shards_)) {
+            raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
+        }
+        return static_cast<std::size_t>(shard - first_shard_);
     }
 
     // TP-shared layouts compute in uint64 in vLLM, which rejects negative block ids.

@@ -157,8 +157,7 @@ public:
     // are freed before the GIL is taken back.
     py::list get_multi(py::handle keys, py::handle addrs, py::handle sizes, bool prefer_same_node, py::handle ranges) {
         t_refused = 0;
-        const KeyArgs key_args = key_args_of(keys);
-        const KeySource source(key_args.keys, key_args.offsets);
+        const KeySource source = key_source(keys);
         const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
         const RangeSet* guard = guard_of(ranges, scratch);
@@ -183,8 +182,7 @@ public:
 
     py::list put_multi(py::handle keys, py::handle addrs, py::handle sizes, py::object config, py::handle ranges) {
         t_refused = 0;
-        const KeyArgs key_args = key_args_of(keys);
-        const KeySource source(key_args.keys, key_args.offsets);
+        const KeySource source = key_source(keys);
         const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
         const RangeSet* guard = guard_of(ranges, scratch);
@@ -218,8 +216,7 @@ public:
 
     py::list get_into(py::handle keys, py::handle ptrs, py::handle sizes, py::handle ranges) {
         t_refused = 0;
-        const KeyArgs key_args = key_args_of(keys);
-        const KeySource source(key_args.keys, key_args.offsets);
+        const KeySource source = key_source(keys);
         const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
         const RangeSet* guard = guard_of(ranges, scratch);
@@ -240,8 +237,7 @@ public:
 
     py::list put_from(py::handle keys, py::handle ptrs, py::handle sizes, py::object config, py::handle ranges) {
         t_refused = 0;
-        const KeyArgs key_args = key_args_of(keys);
-        const KeySource source(key_args.keys, key_args.offsets);
+        const KeySource source = key_source(keys);
         const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
         const RangeSet* guard = guard_of(ranges, scratch);
@@ -267,8 +263,7 @@ public:
     }
 
     py::list is_exist(py::handle keys) {
-        const KeyArgs key_args = key_args_of(keys);
-        const KeySource source(key_args.keys, key_args.offsets);
+        const KeySource source = key_source(keys);
         const std::size_t n = source.size();
         if (n == 0) return py::list();
         auto client = live();
@@ -309,21 +304,20 @@ public:
     const std::string& abi_id() const noexcept { return abi_id_; }
 
 private:
-    // The keys argument as KeySource takes it: an instance of our own key-blob type (the `key_blob` given at
+    // The keys argument as a KeySource: an instance of our own key-blob type (the `key_blob` given at
     // construction, mooncake_kvaddr.driver.native_client.KeyBlob) is its bytes cut at its offsets; anything
     // else is a sequence of keys (offsets None). Decided by type, never by looking for attributes.
-    struct KeyArgs {
-        py::object keys;
-        py::object offsets;
-    };
-
-    KeyArgs key_args_of(py::handle keys) const {
+    KeySource key_source(py::handle keys) const {
         if (!key_blob_.is_none()) {
             const int is_blob = PyObject_IsInstance(keys.ptr(), key_blob_.ptr());
             if (is_blob < 0) throw py::error_already_set();
-            if (is_blob == 1) return {keys.attr("data"), keys.attr("offsets")};
+            if (is_blob == 1) {
+                const py::object data = keys.attr("data");  // the blob: KeySource holds it
+                const py::object offsets = keys.attr("offsets");
+                return KeySource(data, offsets);
+            }
         }
-        return {py::reinterpret_borrow<py::object>(keys), py::none()};
+        return KeySource(keys, py::none());
     }
 
     // The registered-range guard's set (docs/vllm-plugin.md, "Registered-range guard"): null without `ranges`;

@@ -201,15 +201,7 @@ py::array_t<bool> slices_inside(py::handle addrs_obj, py::handle sizes_obj, py::
         for (std::size_t i = 0; i < rows; ++i) {
             for (std::size_t j = 0; j < cols; ++j) {
                 const std::size_t k = i * cols + j;
-                const auto address = static_cast<uint64_t>(a[k]);
-                const auto size = static_cast<uint64_t>(s[k]);
-                bool inside = slice_fault(address, size, true, true) == SliceFault::none;
-                if (inside) {
-                    const std::size_t found = allowed.find(a[k], a[k] + s[k], hints[j]);
-                    inside = found != RangeSet::npos;
-                    if (inside) hints[j] = found;
-                }
-                ok[k] = inside;
+                ok[k] = allowed.inside(static_cast<uint64_t>(a[k]), static_cast<uint64_t>(s[k]), true, true, &hints[j]);
             }
         }
     };
@@ -224,6 +216,22 @@ py::array_t<bool> slices_inside(py::handle addrs_obj, py::handle sizes_obj, py::
     return out;
 }
 
+// _staging_gather and _staging_scatter: one signature and one body (run_job), `direction` apart.
+void def_staging_copy(py::module_& m, const char* name, st::Direction direction, const char* doc) {
+    m.def(
+        name,
+        [direction](py::handle addrs, py::handle sizes, py::handle staging_ptr, py::handle staging_len,
+                    py::handle offsets, py::handle allowed_ranges, py::handle select, py::handle threads,
+                    py::handle streaming) {
+            return run_job(direction, addrs, sizes, as_int64(staging_ptr, "staging_ptr"),
+                           as_int64(staging_len, "staging_len"), offsets, allowed_ranges, select,
+                           as_int64(threads, "threads"), as_flag(streaming));
+        },
+        py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
+        py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
+        py::arg("streaming") = true, doc);
+}
+
 }  // namespace
 
 void register_staging(py::module_& m) {
@@ -231,30 +239,11 @@ void register_staging(py::module_& m) {
     m.attr("STAGING_STREAMING_STORES") = static_cast<bool>(KVADDR_STREAMING_STORES);
     m.def("staging_plan_slots", &plan_slots, py::arg("sizes"), py::arg("alignment") = py::int_(st::kDefaultSlotAlignment),
           "Slot offsets (each aligned), per-key object sizes and total staging bytes for a sizes matrix.");
-    m.def(
-        "_staging_gather",
-        [](py::handle addrs, py::handle sizes, py::handle staging_ptr, py::handle staging_len, py::handle offsets,
-           py::handle allowed_ranges, py::handle select, py::handle threads, py::handle streaming) {
-            return run_job(st::Direction::gather, addrs, sizes, as_int64(staging_ptr, "staging_ptr"),
-                           as_int64(staging_len, "staging_len"), offsets, allowed_ranges, select,
-                           as_int64(threads, "threads"), as_flag(streaming));
-        },
-        py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
-        py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
-        py::arg("streaming") = true,
-        "Copy each selected key's slices, in region order, into its staging slot. Returns bytes copied.");
-    m.def(
-        "_staging_scatter",
-        [](py::handle addrs, py::handle sizes, py::handle staging_ptr, py::handle staging_len, py::handle offsets,
-           py::handle allowed_ranges, py::handle select, py::handle threads, py::handle streaming) {
-            return run_job(st::Direction::scatter, addrs, sizes, as_int64(staging_ptr, "staging_ptr"),
-                           as_int64(staging_len, "staging_len"), offsets, allowed_ranges, select,
-                           as_int64(threads, "threads"), as_flag(streaming));
-        },
-        py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
-        py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
-        py::arg("streaming") = true,
-        "Copy each selected key's staging slot back out to its slices, in region order. Returns bytes copied.");
+    def_staging_copy(m, "_staging_gather", st::Direction::gather,
+                     "Copy each selected key's slices, in region order, into its staging slot. Returns bytes copied.");
+    def_staging_copy(m, "_staging_scatter", st::Direction::scatter,
+                     "Copy each selected key's staging slot back out to its slices, in region order. Returns bytes "
+                     "copied.");
     py::class_<MemoryRanges>(m, "MemoryRanges", py::is_final(),
                              "Memory ranges converted once (made by memory_ranges): taken as is by slices_inside, the "
                              "staging copies and the native client's ranges=.")

@@ -41,21 +41,6 @@ PyObject* IntRow::tuple_ref() const {
     return tuple_;
 }
 
-PyObject* new_int_tuple(const int64_t* values, std::size_t count) {
-    PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(count));
-    if (tuple == nullptr) throw py::error_already_set();
-    for (std::size_t i = 0; i < count; ++i) {
-        PyObject* item = PyLong_FromLongLong(values[i]);  // ints are not GC-tracked: no collection, no Python code
-        if (item == nullptr) {
-            Py_DECREF(tuple);
-            throw py::error_already_set();
-        }
-        PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), item);
-    }
-    if (count > 0) PyObject_GC_UnTrack(tuple);  // the empty tuple is a shared singleton
-    return tuple;
-}
-
 PyObject* new_int_list(PyObject* const* items, std::size_t count) {
     PyObject* list = PyList_New(static_cast<Py_ssize_t>(count));
     if (list == nullptr) throw py::error_already_set();
@@ -67,19 +52,24 @@ PyObject* new_int_list(PyObject* const* items, std::size_t count) {
     return list;
 }
 
-PyObject* new_int_list(const int64_t* values, std::size_t count) {
-    PyObject* list = PyList_New(static_cast<Py_ssize_t>(count));
-    if (list == nullptr) throw py::error_already_set();
-    for (std::size_t i = 0; i < count; ++i) {
-        PyObject* item = PyLong_FromLongLong(values[i]);
+PyObject* new_int_row(const int64_t* values, std::size_t count, bool as_tuple) {
+    const auto n = static_cast<Py_ssize_t>(count);
+    PyObject* row = as_tuple ? PyTuple_New(n) : PyList_New(n);
+    if (row == nullptr) throw py::error_already_set();
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* item = PyLong_FromLongLong(values[i]);  // ints are not GC-tracked: no collection, no Python code
         if (item == nullptr) {
-            Py_DECREF(list);
+            Py_DECREF(row);
             throw py::error_already_set();
         }
-        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+        if (as_tuple) {
+            PyTuple_SET_ITEM(row, i, item);
+        } else {
+            PyList_SET_ITEM(row, i, item);
+        }
     }
-    PyObject_GC_UnTrack(list);
-    return list;
+    if (!as_tuple || count > 0) PyObject_GC_UnTrack(row);  // the empty tuple is a shared singleton
+    return row;
 }
 
 void RowCache::clear(std::vector<RowRef>* graveyard) {

@@ -50,9 +50,8 @@ using RowRef = std::shared_ptr<const IntRow>;
 // ints, and scanning hundreds of thousands of row items on every collection cost more than building them
 // (docs/address-rows.md). A caller that puts a reference cycle into a returned row leaks that cycle.
 PyObject* new_int_list(PyObject* const* items, std::size_t count);
-PyObject* new_int_list(const int64_t* values, std::size_t count);
-// A fresh tuple of new ints, untracked by the cyclic GC.
-PyObject* new_int_tuple(const int64_t* values, std::size_t count);
+// A fresh list (or, `as_tuple`, tuple) of new ints made from `values`, untracked by the cyclic GC.
+PyObject* new_int_row(const int64_t* values, std::size_t count, bool as_tuple);
 
 // A cached row's key: the layout's template index (0 for rank-local; the local shard for a TP-shared layout,
 // or chunk_index * n_shards + local shard under vLLM 0.34's store chunks) and the block id (or, for size rows,

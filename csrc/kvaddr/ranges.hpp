@@ -82,10 +82,15 @@ public:
     }
 
     // The slice (raw bits, read as signed or unsigned) obeys slice_fault's rule and lies inside one range.
-    bool inside(uint64_t address, uint64_t size, bool address_signed, bool size_signed) const noexcept {
+    // `hint` (may be null): find's hint, set to the range found when there is one.
+    bool inside(uint64_t address, uint64_t size, bool address_signed, bool size_signed,
+                std::size_t* hint = nullptr) const noexcept {
         if (slice_fault(address, size, address_signed, size_signed) != SliceFault::none) return false;
         const auto begin = static_cast<int64_t>(address);
-        return find(begin, begin + static_cast<int64_t>(size)) != npos;
+        const std::size_t found = find(begin, begin + static_cast<int64_t>(size), hint != nullptr ? *hint : npos);
+        if (found == npos) return false;
+        if (hint != nullptr) *hint = found;
+        return true;
     }
 
 private:
