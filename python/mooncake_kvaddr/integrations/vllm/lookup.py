@@ -26,7 +26,7 @@ from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.driver.native_client import KeyBlob
 from mooncake_kvaddr.driver.rules import floor_to
-from mooncake_kvaddr.integrations.vllm.receive_check import DropThread
+from mooncake_kvaddr.integrations.vllm.receive_check import quiet_thread
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
 
@@ -454,9 +454,7 @@ def self_check(worker_module: ModuleType, lookup: Callable[..., Any], *, seed: i
 
     original = getattr(lookup, "__wrapped__", None) or worker_module.MooncakeStoreWorker.lookup
     rng = random.Random(seed)
-    quiet = DropThread(threading.get_ident())
-    worker_module.logger.addFilter(quiet)  # the failing-store case logs vLLM's error line: not at start-up
-    try:
+    with quiet_thread(worker_module.logger):  # the failing-store case logs vLLM's error line: not at start-up
         for case in range(cases):
             hbs = 16
             sizes = [hbs * rng.choice((1, 2))] + ([hbs * 2] if case % 2 else [])
@@ -489,5 +487,3 @@ def self_check(worker_module: ModuleType, lookup: Callable[..., Any], *, seed: i
                 outcomes.append((got, store.asked, records))
             if outcomes[0] != outcomes[1]:
                 raise AssertionError(f"lookup self-check case {case}: vLLM {outcomes[0]!r}, ours {outcomes[1]!r}")
-    finally:
-        worker_module.logger.removeFilter(quiet)

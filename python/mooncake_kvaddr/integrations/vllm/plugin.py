@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -153,6 +153,34 @@ def _fingerprint_problem(report: PatchReport, release: Release, part: str, data:
     return fingerprint_problem(report.vllm_version, functions, release.fingerprints)
 
 
+def _install(report: PatchReport, release: Release, part: str, modules: tuple[ModuleType, ModuleType, ModuleType],
+             cls_name: str, attr: str, shape_problem: str, build: Callable[[Any], Any],
+             self_check: Callable[[Any], object]) -> None:
+    """Replace ``cls_name.attr`` of the worker module with ``build(vLLM's own)`` unless the part's shape check
+    (``shape_problem``) or its fingerprints name a problem, or ``self_check(replacement)`` raises; the reason
+    goes to the report's ``<part>_reason``."""
+    data, worker, layout = modules
+    problem = shape_problem or _fingerprint_problem(report, release, part, data, worker, layout)
+    if problem:
+        setattr(report, f"{part}_reason", problem)
+        return
+    cls = getattr(worker, cls_name)
+    replacement = build(static_attribute(cls, attr))
+    try:
+        self_check(replacement)
+    except Exception as exc:
+        setattr(report, f"{part}_reason", f"self-check failed: {exc}")
+        return
+    replace_attribute(cls, attr, replacement)
+    report.patched.append(f"{cls_name}.{attr}")
+
+
+def _sample_layouts(release: Release) -> Any:
+    if release.sample_layouts is None:
+        raise AssertionError("the release has no self-check layouts")
+    return release.sample_layouts
+
+
 def _patch_receive(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType,
                    report: PatchReport) -> None:
     """Replace ``KVCacheStoreRecvingThread._handle_request`` after its own shape check and self-check (the
@@ -160,27 +188,12 @@ def _patch_receive(release: Release, data: ModuleType, worker: ModuleType, layou
     from mooncake_kvaddr.integrations.vllm import receive, receive_check
 
     problem = receive_check.check_shape(data, worker, release.process_tokens)
-    if problem:
-        report.receive_reason = f"unexpected shape: {problem}"
-        return
-    problem = _fingerprint_problem(report, release, "receive", data, worker, layout)
-    if problem:
-        report.receive_reason = problem
-        return
-    cls = worker.KVCacheStoreRecvingThread
-    handler = receive.make_handler(
-        static_attribute(cls, "_handle_request"), data, worker, release.ours, release.plan_engines,
-        release.kinds(data, layout),
-    )
-    try:
-        if release.sample_layouts is None:
-            raise AssertionError("the release has no self-check layouts")
-        receive_check.self_check(data, worker, handler, layouts=layout, sample=release.sample_layouts)
-    except Exception as exc:
-        report.receive_reason = f"self-check failed: {exc}"
-        return
-    replace_attribute(cls, "_handle_request", handler)
-    report.patched.append("KVCacheStoreRecvingThread._handle_request")
+    _install(report, release, "receive", (data, worker, layout), "KVCacheStoreRecvingThread", "_handle_request",
+             f"unexpected shape: {problem}" if problem else "",
+             lambda original: receive.make_handler(original, data, worker, release.ours, release.plan_engines,
+                                                   release.kinds(data, layout)),
+             lambda handler: receive_check.self_check(data, worker, handler, layouts=layout,
+                                                      sample=_sample_layouts(release)))
 
 
 def _patch_lookup(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType,
@@ -189,21 +202,10 @@ def _patch_lookup(release: Release, data: ModuleType, worker: ModuleType, layout
     from mooncake_kvaddr.integrations.vllm import lookup
 
     rules = release.lookup_rules
-    problem = lookup.check_shape(worker, rules) or _fingerprint_problem(
-        report, release, "lookup", data, worker, layout
-    )
-    if problem:
-        report.lookup_reason = problem
-        return
-    cls = worker.MooncakeStoreWorker
-    replacement = lookup.make_lookup(static_attribute(cls, "lookup"), worker, rules)
-    try:
-        lookup.self_check(worker, replacement, rules=rules)
-    except Exception as exc:
-        report.lookup_reason = f"self-check failed: {exc}"
-        return
-    replace_attribute(cls, "lookup", replacement)
-    report.patched.append("MooncakeStoreWorker.lookup")
+    _install(report, release, "lookup", (data, worker, layout), "MooncakeStoreWorker", "lookup",
+             lookup.check_shape(worker, rules),
+             lambda original: lookup.make_lookup(original, worker, rules),
+             lambda replacement: lookup.self_check(worker, replacement, rules=rules))
 
 
 def _patch_send(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType,
@@ -216,26 +218,12 @@ def _patch_send(release: Release, data: ModuleType, worker: ModuleType, layout: 
     if rules is None:
         report.send_reason = "the release has no send rules"
         return
-    problem = send_check.check_shape(data, worker, rules) or _fingerprint_problem(
-        report, release, "send", data, worker, layout
-    )
-    if problem:
-        report.send_reason = problem
-        return
-    cls = worker.KVCacheStoreSendingThread
-    handler = send.make_handler(
-        static_attribute(cls, "_handle_request"), data, worker, release.ours, release.plan_engines,
-        release.kinds(data, layout), rules,
-    )
-    try:
-        if release.sample_layouts is None:
-            raise AssertionError("the release has no self-check layouts")
-        send_check.self_check(data, worker, handler, layouts=layout, sample=release.sample_layouts)
-    except Exception as exc:
-        report.send_reason = f"self-check failed: {exc}"
-        return
-    replace_attribute(cls, "_handle_request", handler)
-    report.patched.append("KVCacheStoreSendingThread._handle_request")
+    _install(report, release, "send", (data, worker, layout), "KVCacheStoreSendingThread", "_handle_request",
+             send_check.check_shape(data, worker, rules),
+             lambda original: send.make_handler(original, data, worker, release.ours, release.plan_engines,
+                                                release.kinds(data, layout), rules),
+             lambda handler: send_check.self_check(data, worker, handler, layouts=layout,
+                                                   sample=_sample_layouts(release)))
 
 
 def _patch_parts(release: Release, data: ModuleType, worker: ModuleType, layout: ModuleType, report: PatchReport,

@@ -6,12 +6,13 @@ module holds only what runs per request.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import queue
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -20,7 +21,8 @@ from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 
 __all__ = [
-    "RECEIVE_FUNCTIONS", "ArrayRecordingStore", "DropThread", "RecordingStore", "check_shape", "self_check",
+    "RECEIVE_FUNCTIONS", "ArrayRecordingStore", "DropThread", "RecordingStore", "Records", "check_shape", "outcome_of",
+    "quiet_thread", "self_check",
 ]  # fmt: skip
 
 #: The vLLM functions the receive handler was checked against, alike in every release (a release's
@@ -210,26 +212,16 @@ def _run_once(
     worker: ModuleType, handler: Callable[[Any, Any], Any], store: Any, coord: Any, dbs: list[Any],
     block_size: int, tp_rank: int, participates: list[bool], req_meta: Any, budget: int | None,
 ) -> tuple[Any, ...]:  # fmt: skip
-    records: list[tuple[Any, ...]] = []
-
-    def record(**kwargs: Any) -> None:
-        kwargs.pop("duration_seconds")
-        records.append(tuple(sorted(kwargs.items())))
-
+    records = Records()
     q: queue.Queue[Any] = queue.Queue()
     q.put(req_meta)
     q.get()
     thread = worker.KVCacheStoreRecvingThread(
         store, coord, dbs, block_size, tp_rank, threading.Event(), disk_offload_buffer_budget_bytes=budget,
-        record_operation=record, request_queue=q, group_participates=participates, is_hma_required=False,
+        record_operation=records, request_queue=q, group_participates=participates, is_hma_required=False,
     )  # fmt: skip
-    try:
-        handler(thread, req_meta)
-        outcome: Any = "ok"
-    except Exception as exc:  # the type is compared
-        outcome = type(exc)
     return (
-        outcome,
+        outcome_of(handler, thread, req_meta),
         store.calls,
         records,
         sorted(thread.get_and_clear_block_ids_with_load_errors()),
@@ -262,13 +254,8 @@ def self_check(
     """vLLM's own handler and ``handler`` on small generated requests (two groups, masks, tail keys, rotation,
     failing and raising stores, plain and array stores): identical store calls and side effects, else
     ``AssertionError``. ``layouts``/``sample``: where the release keeps its layouts and how it builds them."""
-    me = threading.get_ident()
-    quiet = DropThread(me)
-    worker.logger.addFilter(quiet)  # the failing-store cases log vLLM's warnings: not at start-up
-    try:
+    with quiet_thread(worker.logger):  # the failing-store cases log vLLM's warnings: not at start-up
         _self_check(data, worker, handler, random.Random(seed), cases, layouts or data, sample)
-    finally:
-        worker.logger.removeFilter(quiet)
 
 
 class DropThread(logging.Filter):
@@ -280,6 +267,35 @@ class DropThread(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.thread != self.ident
+
+
+@contextlib.contextmanager
+def quiet_thread(log: logging.Logger) -> Iterator[None]:
+    """While open, ``log`` drops this thread's records (:class:`DropThread`)."""
+    quiet = DropThread(threading.get_ident())
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
+class Records(list[tuple[Any, ...]]):
+    """A thread's ``record_operation``: each call's keywords, sorted, less the duration (a self-check compares
+    them)."""
+
+    def __call__(self, **kwargs: Any) -> None:
+        kwargs.pop("duration_seconds")
+        self.append(tuple(sorted(kwargs.items())))
+
+
+def outcome_of(handler: Callable[[Any, Any], Any], thread: Any, meta: Any) -> Any:
+    """``"ok"``, or the type of the exception ``handler(thread, meta)`` raised (a self-check compares types)."""
+    try:
+        handler(thread, meta)
+    except Exception as exc:
+        return type(exc)
+    return "ok"
 
 
 def _self_check(

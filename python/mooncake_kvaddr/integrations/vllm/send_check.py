@@ -16,9 +16,11 @@ from typing import Any
 
 from mooncake_kvaddr.integrations.vllm.receive_check import (
     ArrayRecordingStore,
-    DropThread,
     RecordingStore,
+    Records,
     SampleLayouts,
+    outcome_of,
+    quiet_thread,
     sample_layouts_033,
 )
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
@@ -219,18 +221,13 @@ def run_once(
     """Run ``handler`` on one job from :func:`make_case` with a fresh send thread over ``store``; everything a
     caller can observe: outcome, store calls, records, saved offsets, completions, pressure state, queue, kv
     events and retry token ids."""
-    records: list[tuple[Any, ...]] = []
-
-    def record(**kwargs: Any) -> None:
-        kwargs.pop("duration_seconds")
-        records.append(tuple(sorted(kwargs.items())))
-
+    records = Records()
     meta = case["meta"]
     thread = worker.KVCacheStoreSendingThread(
         store, case["coord"], case["dbs"], case["block_size"], case["tp_rank"], case["put_steps"],
         case.get("kv_role", "kv_both"),
         threading.Event(), enable_kv_event=case.get("kv_event", False), replicate_config=_Config(),
-        enable_group_semantics=case["semantics"], supports_group_ids=True, record_operation=record,
+        enable_group_semantics=case["semantics"], supports_group_ids=True, record_operation=records,
         group_participates=case["participates"],
     )  # fmt: skip
     q: queue.Queue[Any] = queue.Queue()
@@ -246,13 +243,8 @@ def run_once(
     if case["pressure"]:
         thread._store_pressure_active = True
         thread._skip_store_requests.add(meta.req_id if case["pressure"] == "this" else "another-request")
-    try:
-        handler(thread, meta)
-        outcome: Any = "ok"
-    except Exception as exc:  # the type is compared
-        outcome = type(exc)
     return (
-        outcome,
+        outcome_of(handler, thread, meta),
         store.calls,
         records,
         dict(thread._saved_offset),
@@ -272,12 +264,8 @@ def self_check(
     """vLLM's own handler and ``handler`` on generated jobs (plain and array stores; ``layouts``/``sample``: where
     the release keeps its layouts and how it builds them): identical observable behaviour, else
     ``AssertionError``; at least one job must take the fast path."""
-    quiet = DropThread(threading.get_ident())
-    worker.logger.addFilter(quiet)  # the failing-store cases log vLLM's warnings: not at start-up
-    try:
+    with quiet_thread(worker.logger):  # the failing-store cases log vLLM's warnings: not at start-up
         compare(data, worker, handler, random.Random(0), cases, layouts=layouts, sample=sample)
-    finally:
-        worker.logger.removeFilter(quiet)
 
 
 def compare(
