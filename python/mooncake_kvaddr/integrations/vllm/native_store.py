@@ -235,20 +235,21 @@ class NativeMooncakeStore(StoreWrapper):
         """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
         handler's entry, docs/vllm-plugin.md): the native client reads them without building a Python row;
         without a native client (or when it refuses them) Mooncake's bound method gets the rows as lists."""
+        return self._arrays("batch_get_into_multi_buffers", "batch_get_into_multi_buffers_arrays", keys, addrs, sizes)
+
+    def _arrays(self, name: str, refused_as: str, keys: list[str], addrs: Any, sizes: Any, *config: Any) -> Any:
+        """Mooncake's ``name`` (a put's one ``config`` after the rows) with int64 matrices for rows; the guard counts
+        the keys it refuses as ``refused_as``."""
+        what = f"{name} arrays"
         with self._gate.admitted():
             if self.ranges.armed:
                 # The native client checks the matrices itself, GIL released (docs/vllm-plugin.md).
-                what = "batch_get_into_multi_buffers arrays"
-                done, result = self._send(
-                    "batch_get_into_multi_buffers", (keys, addrs, sizes), what, guarded=True, fallback=False
-                )
+                done, result = self._send(name, (keys, addrs, sizes, *config), what, guarded=True, fallback=False)
                 if done:
                     return result
-            return self.guard.call_arrays(keys, addrs, sizes, self._get_arrays)
-
-    def _get_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
-        what = "batch_get_into_multi_buffers arrays"
-        return self._send("batch_get_into_multi_buffers", (keys, addrs, sizes), what)[1]
+            return self.guard.call_arrays(
+                keys, addrs, sizes, lambda *call: self._send(name, call, what)[1], refused_as, config=config
+            )
 
     def batch_put_from_multi_buffers(
         self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
@@ -259,21 +260,8 @@ class NativeMooncakeStore(StoreWrapper):
     def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
         """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with the rows as two (keys x regions) int64
         matrices (the send handler's entry, docs/vllm-plugin.md); as :meth:`batch_get_into_multi_buffers_arrays`."""
-        with self._gate.admitted():
-            if self.ranges.armed:
-                what = "batch_put_from_multi_buffers arrays"
-                done, result = self._send(
-                    "batch_put_from_multi_buffers", (keys, addrs, sizes, config), what, guarded=True, fallback=False
-                )
-                if done:
-                    return result
-            return self.guard.call_arrays(
-                keys, addrs, sizes, self._put_arrays, "batch_put_from_multi_buffers", config=(config,)
-            )
-
-    def _put_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
-        what = "batch_put_from_multi_buffers arrays"
-        return self._send("batch_put_from_multi_buffers", (keys, addrs, sizes, config), what)[1]
+        name = "batch_put_from_multi_buffers"
+        return self._arrays(name, name, keys, addrs, sizes, config)
 
     def batch_get_into(self, *args: Any, **kwargs: Any) -> Any:
         """Mooncake's ``batch_get_into(keys, buffer_ptrs, sizes)`` through the native client."""

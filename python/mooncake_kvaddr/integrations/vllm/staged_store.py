@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -158,15 +159,9 @@ class StagedMooncakeStore(StoreWrapper):
         """Mooncake's ``batch_get_into_multi_buffers``, staged for host KV caches (same results)."""
         with self._gate.admitted():
             return self.guard.call(
-                "batch_get_into_multi_buffers", self._get_multi, (keys, all_buffer_ptrs, all_sizes, *args), kwargs
+                "batch_get_into_multi_buffers", partial(self._multi, True), (keys, all_buffer_ptrs, all_sizes, *args),
+                kwargs,
             )
-
-    def _get_multi(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any) -> Any:
-        staged = None if (args or kwargs) else self._plan(keys, all_buffer_ptrs, all_sizes)
-        if staged is None:
-            self.stats.passthrough_gets += 1
-            return self._store.batch_get_into_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
-        return self._staged_get(keys, staged, _list_rows(all_buffer_ptrs, all_sizes))
 
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
@@ -174,7 +169,26 @@ class StagedMooncakeStore(StoreWrapper):
         take goes to the wrapped store's array entry when it is our native-client wrapper, else to its
         ``batch_get_into_multi_buffers`` with the rows as lists."""
         with self._gate.admitted():
-            return self.guard.call_arrays(keys, addrs, sizes, self._get_multi_arrays)
+            return self.guard.call_arrays(keys, addrs, sizes, partial(self._multi_arrays, True))
+
+    def batch_put_from_multi_buffers(
+        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Mooncake's ``batch_put_from_multi_buffers``, staged for host KV caches (same results)."""
+        with self._gate.admitted():
+            return self.guard.call(
+                "batch_put_from_multi_buffers", partial(self._multi, False), (keys, all_buffer_ptrs, all_sizes, *args),
+                kwargs,
+            )
+
+    def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
+        """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with the rows as two (keys x regions) int64
+        matrices (the send handler's entry, docs/vllm-plugin.md): staged without building a Python row; a call
+        staging does not take goes on as :meth:`batch_get_into_multi_buffers_arrays` describes."""
+        with self._gate.admitted():
+            return self.guard.call_arrays(
+                keys, addrs, sizes, partial(self._multi_arrays, False), "batch_put_from_multi_buffers", config=(config,)
+            )
 
     def _plan_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> KeyPlan | None:
         """The staging plan of an ``..._arrays`` call (int64 matrices, distinct keys), or None."""
@@ -190,108 +204,68 @@ class StagedMooncakeStore(StoreWrapper):
             return self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
         return None
 
-    def _get_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
+    def _count(self, get: bool, staged: bool) -> None:
+        name = f"{'staged' if staged else 'passthrough'}_{'gets' if get else 'puts'}"
+        setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _mooncake(self, get: bool) -> Any:
+        """The wrapped store's own multi-buffer get or put."""
+        return self._store.batch_get_into_multi_buffers if get else self._store.batch_put_from_multi_buffers
+
+    def _multi(self, get: bool, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any) -> Any:
+        """A multi-buffer get (``get``) or put as vLLM calls it (row lists), staged when it can be."""
+        config = _stageable_config(get, args, kwargs)
+        staged = None if config is None else self._plan(keys, all_buffer_ptrs, all_sizes)
+        if config is None or staged is None:
+            self._count(get, False)
+            return self._mooncake(get)(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+        return self._staged(get, keys, staged, config, _list_rows(all_buffer_ptrs, all_sizes))
+
+    def _multi_arrays(self, get: bool, keys: list[str], addrs: Any, sizes: Any, *config: Any) -> Any:
+        """An ``..._arrays`` get or put (a put's one ``config``), staged when it can be."""
         staged = self._plan_arrays(keys, addrs, sizes)
         if staged is None:
-            self.stats.passthrough_gets += 1
-            if isinstance(self._store, NativeMooncakeStore):  # our own type: never probe a foreign store
-                return self._store.batch_get_into_multi_buffers_arrays(keys, addrs, sizes)
-            rows = bound_rows(addrs, sizes)
-            return self._store.batch_get_into_multi_buffers(keys, *rows)
-        return self._staged_get(keys, staged, _matrix_rows(staged))
+            self._count(get, False)
+            store = self._store
+            if isinstance(store, NativeMooncakeStore):  # our own type: never probe a foreign store
+                own = store.batch_get_into_multi_buffers_arrays if get else store.batch_put_from_multi_buffers_arrays
+                return own(keys, addrs, sizes, *config)
+            return self._mooncake(get)(keys, *bound_rows(addrs, sizes), *config)
+        return self._staged(get, keys, staged, config, _matrix_rows(staged))
 
-    def _staged_get(self, keys: list[str], staged: KeyPlan, rows_of: Any) -> list[int]:
-        """Fetch ``keys`` through staging slots and scatter the ones read whole (:func:`run_staged`: a key whose
-        object is shorter than its regions answers -800, as Mooncake's multi-buffer get does); ``rows_of(picks)``
-        gives the rows of the keys at ``picks`` for Mooncake's own call when no staging span came free in time."""
+    def _staged(self, get: bool, keys: list[str], staged: KeyPlan, config: tuple[Any, ...], rows_of: Any) -> list[int]:
+        """Move ``keys`` through staging slots (:func:`run_staged`). A get scatters the keys read whole (a key whose
+        object is shorter than its regions answers -800, as Mooncake's multi-buffer get does); a put gathers
+        first, each round with ``config`` cut to its keys (:func:`~mooncake_kvaddr.driver.per_key.config_for`).
+        ``rows_of(picks)`` gives the rows of the keys at ``picks`` for Mooncake's own call when no staging span
+        came free in time."""
         lease = self._lease(staged)
         if lease is None:
-            self.stats.passthrough_gets += 1
-            return list(self._store.batch_get_into_multi_buffers(keys, *rows_of(list(range(len(keys))))))
-        self.stats.staged_gets += 1
+            self._count(get, False)
+            return list(self._mooncake(get)(keys, *rows_of(list(range(len(keys)))), *config))
+        self._count(get, True)
         allowed = self.ranges.ranges.pairs  # the buffers registered now: the copy checks every slice again
 
-        def get(start: int, end: int, ptrs: list[int], sizes: list[int]) -> Any:
-            return self._store.batch_get_into(keys[start:end], ptrs, sizes)
-
-        def put_back(start: int, end: int, slots: Any, whole: Any) -> bool:
-            scatter(staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, allowed,
-                    select=whole, threads=self._copy_threads)  # fmt: skip
-            return True
-
-        try:
-            run = run_staged(True, staged.slot_plan(), lease, get, put_back)
-        finally:
-            lease.release()
-        self.stats.short_reads += run.short
-        return [int(c) for c in run.codes.tolist()]
-
-    def batch_put_from_multi_buffers(
-        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Mooncake's ``batch_put_from_multi_buffers``, staged for host KV caches (same results)."""
-        with self._gate.admitted():
-            return self.guard.call(
-                "batch_put_from_multi_buffers", self._put_multi, (keys, all_buffer_ptrs, all_sizes, *args), kwargs
-            )
-
-    def _put_multi(self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any) -> Any:
-        config: tuple[Any, ...] = args
-        if kwargs:
-            if set(kwargs) != {"config"} or args:
-                self.stats.passthrough_puts += 1
-                return self._store.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
-            config = (kwargs["config"],)
-        staged = None if len(config) > 1 else self._plan(keys, all_buffer_ptrs, all_sizes)
-        if staged is None:
-            self.stats.passthrough_puts += 1
-            return self._store.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
-        return self._staged_put(keys, staged, config, _list_rows(all_buffer_ptrs, all_sizes))
-
-    def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
-        """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with the rows as two (keys x regions) int64
-        matrices (the send handler's entry, docs/vllm-plugin.md): staged without building a Python row; a call
-        staging does not take goes on as :meth:`batch_get_into_multi_buffers_arrays` describes."""
-        with self._gate.admitted():
-            return self.guard.call_arrays(
-                keys, addrs, sizes, self._put_multi_arrays, "batch_put_from_multi_buffers", config=(config,)
-            )
-
-    def _put_multi_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
-        staged = self._plan_arrays(keys, addrs, sizes)
-        if staged is None:
-            self.stats.passthrough_puts += 1
-            if isinstance(self._store, NativeMooncakeStore):  # our own type: never probe a foreign store
-                return self._store.batch_put_from_multi_buffers_arrays(keys, addrs, sizes, config)
-            rows = bound_rows(addrs, sizes)
-            return self._store.batch_put_from_multi_buffers(keys, *rows, config)
-        return self._staged_put(keys, staged, (config,), _matrix_rows(staged))
-
-    def _staged_put(self, keys: list[str], staged: KeyPlan, config: tuple[Any, ...], rows_of: Any) -> list[int]:
-        """Gather ``keys`` into staging slots and put them (:func:`run_staged`), each round with ``config`` cut
-        to its keys (:func:`~mooncake_kvaddr.driver.per_key.config_for`); ``rows_of`` as for
-        :meth:`_staged_get` (used when no staging span came free in time)."""
-        lease = self._lease(staged)
-        if lease is None:
-            self.stats.passthrough_puts += 1
-            rows = rows_of(list(range(len(keys))))
-            return list(self._store.batch_put_from_multi_buffers(keys, *rows, *config))
-        self.stats.staged_puts += 1
-        allowed = self.ranges.ranges.pairs
-
-        def fill(start: int, end: int, slots: Any, _select: Any) -> bool:
-            gather(staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, allowed,
-                   threads=self._copy_threads)  # fmt: skip
-            return True
-
-        def put(start: int, end: int, ptrs: list[int], sizes: list[int]) -> Any:
+        def call(start: int, end: int, ptrs: list[int], sizes: list[int]) -> Any:
+            if get:
+                return self._store.batch_get_into(keys[start:end], ptrs, sizes)
             part = per_key.configs_for(config, range(start, end), len(keys))
             return self._store.batch_put_from(keys[start:end], ptrs, sizes, *part)
 
+        def copy(start: int, end: int, slots: Any, whole: Any) -> bool:
+            rows = (staged.addrs[start:end], staged.sizes[start:end], lease.range, slots, allowed)
+            if get:
+                scatter(*rows, select=whole, threads=self._copy_threads)
+            else:
+                gather(*rows, threads=self._copy_threads)
+            return True
+
         try:
-            run = run_staged(False, staged.slot_plan(), lease, put, fill)
+            run = run_staged(get, staged.slot_plan(), lease, call, copy)
         finally:
             lease.release()
+        if get:
+            self.stats.short_reads += run.short
         return [int(c) for c in run.codes.tolist()]
 
     def __repr__(self) -> str:
@@ -306,3 +280,13 @@ def _list_rows(all_buffer_ptrs: Any, all_sizes: Any) -> Any:
 def _matrix_rows(staged: KeyPlan) -> Any:
     """``rows_of`` over a staging plan's int64 matrices, as lists for Mooncake's own call."""
     return lambda picks: bound_rows(staged.addrs[picks], staged.sizes[picks])
+
+
+def _stageable_config(get: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The arguments after the rows that staging hands on (none for a get; a put's one ``config``, positional or
+    by keyword), or None: the call goes to Mooncake unchanged."""
+    if get:
+        return None if args or kwargs else ()
+    if kwargs:
+        return (kwargs["config"],) if set(kwargs) == {"config"} and not args else None
+    return args if len(args) <= 1 else None
