@@ -1,10 +1,9 @@
 """Benchmark: the layout engine's ``prepare_values`` beside the installed vLLM's own (docs/vllm.md, "Performance").
 
-Release-aware (one section for every release the plugin knows): vLLM's own method is called as its original
-(``registry.original_of``) and the drop-in as the plugin installs it on vLLM's class, both on the same layout
-objects, interleaved, inputs built untimed. Cases: the rank-local headline request (on 0.34 with a block stride
-apart from the stored length) and the release's TP-shared layout (0.33: LBNHC; 0.34: head-major over real CPU
-tensors, heterogeneous TP, Store chunks half a block). Without vLLM a numpy stand-in is the reference.
+One section per release the plugin knows: vLLM's method called as its original (``registry.original_of``), the
+drop-in as the plugin installs it on vLLM's class, on the same layout objects, interleaved, inputs built untimed.
+Cases: the rank-local headline request (on 0.34 with a block stride apart from the stored length) and the release's
+TP-shared layout (0.33: LBNHC; 0.34: head-major over CPU tensors, heterogeneous TP, Store chunks half a block).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The installed vLLM's own Mooncake store threads (0.33 or 0.34), with and without the plugin and its transports.
 
-Usage: ``python -m mooncake_kvaddr.bench.vllm_plugin [--full] [--modes ...]``. The plugin exists to cut what vLLM's
-threads hold the GIL for; this measures it on vLLM's real threads (:class:`VllmStoreRig`, re-exported from
-:mod:`~mooncake_kvaddr.bench.vllm_rig`; the GIL accounting in :mod:`~mooncake_kvaddr.bench.vllm_instrument`):
-per request the wall time and GIL time by phase, and 1/2/4 receive threads. Needs vLLM, torch and Mooncake,
-imported only when called (docs/vllm-plugin.md, "Measured").
+Usage: ``python -m mooncake_kvaddr.bench.vllm_plugin [--full] [--modes ...]``. Measures what the plugin exists to
+cut, the GIL vLLM's real threads hold (:class:`VllmStoreRig` from :mod:`~mooncake_kvaddr.bench.vllm_rig`, GIL
+accounting in :mod:`~mooncake_kvaddr.bench.vllm_instrument`): per request the wall time and GIL time by phase,
+and 1/2/4 receive threads. Needs vLLM, torch and Mooncake, imported only when called (docs/vllm-plugin.md).
 """
 
 from __future__ import annotations

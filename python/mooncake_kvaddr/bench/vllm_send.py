@@ -1,10 +1,9 @@
 """The installed vLLM's own send thread (0.33; a release whose send handler the plugin ports) storing the
-headline request through a real Mooncake master, with and without the plugin: vLLM alone; the plugin's default
-(its send handler, int64 matrices to the native client); the plugin where no native client can be built (the
-store wrapper hands Mooncake's bound method lists); and the plugin with ``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=0``
-(a plain store: list rows from the handler). Per store (medians, ms, beside a busy Python thread): wall time,
-the send thread's CPU, its GIL-held time, the busy thread's stall. Every store writes new keys, each checked
-present afterwards. docs/benchmarks.md quotes it.
+headline request through a real Mooncake master: vLLM alone; the plugin's default (its send handler, int64
+matrices to the native client); the plugin without a native client (Mooncake's bound method gets lists); the
+plugin with ``MOONCAKE_KVADDR_VLLM_NATIVE_CLIENT=0`` (list rows). Per store (medians, ms, beside a busy Python
+thread): wall time, the send thread's CPU and GIL-held time, the busy thread's stall; every key checked present
+afterwards. docs/benchmarks.md quotes it.
 """
 
 from __future__ import annotations

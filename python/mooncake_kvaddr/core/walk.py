@@ -1,10 +1,9 @@
 """The chunk walk of ``process_tokens`` in bounded windows (docs/address-rows.md, "The chunk walk").
 
-``process_tokens`` is a generator, like the reference's: it reads a hash only when it yields its chunk. The
-native walk (``_native.chunk_walk``) computes all positions of a walk at once, so a walk is cut into windows of
-:data:`WINDOW` chunks: memory stays bounded whatever the request (and whatever a sequence's ``__len__`` claims),
-and a walk stops costing anything as soon as the caller stops iterating. Every window is the same walk: the
-first native call validates the arguments exactly as one call over the whole walk would.
+``process_tokens`` is a generator, like the reference's: it reads a hash only when it yields its chunk. The native
+walk (``_native.chunk_walk``) computes a walk's positions at once, so a walk is cut into windows of :data:`WINDOW`
+chunks: memory stays bounded whatever the request (and a sequence's ``__len__`` claims), and a walk costs nothing
+once the caller stops iterating. The first native call validates the arguments as one call over the whole walk.
 """
 
 from __future__ import annotations

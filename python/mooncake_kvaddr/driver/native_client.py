@@ -1,10 +1,9 @@
 """Mooncake's C++ client called directly, without its Python binding (:class:`NativeClient`).
 
-Mooncake's bound batch methods convert ``list[list[int]]`` arguments element by element with the GIL held;
-:class:`NativeClient` takes int64 arrays (or lists, converted once by our C++) and calls the client's methods
-with the GIL released, code for code the bound results. It stays off, with one logged reason, unless the
-platform, the Mooncake version and every symbol check out (docs/native-client.md); a ``close()`` racing a
-call must be excluded by the caller's in-flight accounting (as :class:`MooncakeStore` does).
+Mooncake's bound batch methods convert ``list[list[int]]`` arguments element by element with the GIL held; ours takes
+int64 arrays (or lists, converted once by our C++) and calls the client with the GIL released, code for code the
+bound results. It stays off, with one logged reason, unless the platform, the Mooncake version and every symbol check
+out (docs/native-client.md); a ``close()`` racing a call is the caller's to exclude (as :class:`MooncakeStore` does).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""The plugin's replacements of vLLM 0.32/0.33's store-layout methods (docs/vllm-plugin.md, "What is replaced"),
-the shape check of the modules they go into, and their self-check against vLLM's own methods. What every
-release does alike (the shape check's loop, the self-check's loop and shared cases, the plan engines) is here
-once; a release module keeps only its own classes, parameters and cases.
-
-Each replacement keeps its native engine on vLLM's own layout object (``layout.__dict__[ENGINE_ATTR]``) and
-rebuilds it whenever vLLM assigns new region lists or segment templates.
+"""The plugin's replacements of vLLM 0.32/0.33's store-layout methods (docs/vllm-plugin.md, "What is replaced"), the
+shape check of the modules they go into, and their self-check against vLLM's own methods. What every release does
+alike (the shape check's loop, the self-check's loop and shared cases, the plan engines) is here once; a release
+module keeps only its own classes, parameters and cases. Each replacement keeps its native engine on vLLM's own
+layout object (``layout.__dict__[ENGINE_ATTR]``) and rebuilds it whenever vLLM assigns new region lists or segment
+templates.
 """
 
 from __future__ import annotations

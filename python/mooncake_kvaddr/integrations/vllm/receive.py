@@ -1,10 +1,9 @@
-"""A replacement for vLLM 0.32/0.33's ``KVCacheStoreRecvingThread._handle_request`` (docs/vllm-plugin.md,
-"The receive handler").
+"""vLLM 0.32/0.33's ``KVCacheStoreRecvingThread._handle_request``, ours (docs/vllm-plugin.md, "The receive handler").
 
-vLLM builds every load's keys and rows chunk by chunk in Python; ours plans each KV-cache group in one native
-call (the layout engine's ``plan_load``) and hands our store wrappers int64 matrices (any other store gets
-vLLM's lists), with vLLM's records, errors and completion call for call. Anything off the fast path
-(:func:`fast_path_refusal`) runs vLLM's own handler; planning has no side effects, so handing over is safe.
+vLLM builds every load's keys and rows chunk by chunk in Python; ours plans each KV-cache group in one native call
+(the layout engine's ``plan_load``) and hands our store wrappers int64 matrices (any other store gets vLLM's lists),
+with vLLM's records, errors and completion call for call. Anything off the fast path (:func:`fast_path_refusal`)
+runs vLLM's own handler; planning has no side effects, so handing over is safe.
 """
 
 from __future__ import annotations
