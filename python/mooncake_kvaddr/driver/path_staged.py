@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -265,18 +265,9 @@ class StagedPath(TransferPath):
             raise ValueError(f"the staging pool handed out a lease that is not project-owned staging: {exc}") from exc
         return lease
 
-    def put(
-        self,
-        keys: list[str],
-        chunks: Sequence[tuple[int, int]],
-        groups: Sequence[int],
-        block_ids: Sequence[Sequence[int]],
-        clock: Clock,
-        result: StoreResult,
-        deadline: RequestDeadline,
+    def _put_prepared(
+        self, keys: list[str], addrs: Any, sizes: Any, clock: Clock, result: StoreResult, deadline: RequestDeadline
     ) -> tuple[list[bool], list[int]]:
-        addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
-        clock.lap("prepare")
         plan = plan_slots(sizes)
         lease = self._lease_unless_refused(plan, deadline, clock)
         if lease is None:
