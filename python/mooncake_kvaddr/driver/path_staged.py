@@ -132,20 +132,22 @@ class StagedPath(TransferPath):
         operation: str,
         call: Callable[[], BatchResult],
         lease: StagingLease,
-        span: int,
-        num_keys: int,
-        num_bytes: int,
+        ptrs: list[int],
+        object_sizes: list[int],
         deadline: RequestDeadline,
         made: list[PendingCall[BatchResult]],
     ) -> BatchResult | None:
-        """Make one staged Mooncake call, waiting for it at most until the deadline; appends it to ``made``.
+        """Make one staged Mooncake call of the keys in the slots at ``ptrs`` (inside ``lease``), waiting for it at
+        most until the deadline; appends it to ``made``.
 
         Returns its result, or ``None`` when the call was abandoned: the deadline is then stopped with the
-        reason, the lease shrunk to the ``span`` bytes the call uses, and the lease is the call's to release
-        once Mooncake returns. The caller must neither release nor reuse a lease whose call in ``made`` is
-        :attr:`~mooncake_kvaddr.driver.workers.PendingCall.abandoned` (also when this raised: an exception
-        such as ``KeyboardInterrupt`` while waiting abandons the call too).
+        reason, the lease shrunk to the bytes the call uses (up to the end of its last slot's object), and the
+        lease is the call's to release once Mooncake returns. The caller must neither release nor reuse a lease
+        whose call in ``made`` is :attr:`~mooncake_kvaddr.driver.workers.PendingCall.abandoned` (also when this
+        raised: an exception such as ``KeyboardInterrupt`` while waiting abandons the call too).
         """
+        span = ptrs[-1] - lease.ptr + object_sizes[-1]
+        num_keys, num_bytes = len(ptrs), sum(object_sizes)
         timeout = deadline.remaining()
         if deadline.expired():
             return None  # it passed since the caller's check: no call (nothing was handed over)
@@ -291,8 +293,7 @@ class StagedPath(TransferPath):
             config = per_key.config_for(self.ctx.replicate_config, range(start, end), len(keys))  # per-key fields cut
             call = partial(self.ctx.store.batch_put_from, keys[start:end], ptrs, object_sizes, config,
                            check_values=False, deadline=deadline)  # fmt: skip
-            got = self._call("save_put", call, lease, ptrs[-1] - lease.ptr + object_sizes[-1], end - start,
-                             sum(object_sizes), deadline, made)  # fmt: skip
+            got = self._call("save_put", call, lease, ptrs, object_sizes, deadline, made)
             clock.lap("put")
             if got is not None:
                 result.back_pressure = result.back_pressure or got.back_pressure
@@ -326,8 +327,7 @@ class StagedPath(TransferPath):
         def get(lo: int, hi: int, ptrs: list[int], expected: list[int]) -> tuple[int, ...] | None:
             call = partial(self.ctx.store.batch_get_into, keys[lo:hi], ptrs, expected, check_values=False,
                            deadline=deadline)  # fmt: skip
-            got = self._call("load_get", call, lease, ptrs[-1] - lease.ptr + expected[-1], hi - lo, sum(expected),
-                             deadline, made)  # fmt: skip
+            got = self._call("load_get", call, lease, ptrs, expected, deadline, made)
             clock.lap("get")
             # Abandoned (None): Mooncake may still write these slots, so nothing is scattered from them.
             return stop.answer(lo, got)
