@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -132,20 +132,22 @@ class StagedPath(TransferPath):
         operation: str,
         call: Callable[[], BatchResult],
         lease: StagingLease,
-        span: int,
-        num_keys: int,
-        num_bytes: int,
+        ptrs: list[int],
+        object_sizes: list[int],
         deadline: RequestDeadline,
         made: list[PendingCall[BatchResult]],
     ) -> BatchResult | None:
-        """Make one staged Mooncake call, waiting for it at most until the deadline; appends it to ``made``.
+        """Make one staged Mooncake call of the keys in the slots at ``ptrs`` (inside ``lease``), waiting for it at
+        most until the deadline; appends it to ``made``.
 
         Returns its result, or ``None`` when the call was abandoned: the deadline is then stopped with the
-        reason, the lease shrunk to the ``span`` bytes the call uses, and the lease is the call's to release
-        once Mooncake returns. The caller must neither release nor reuse a lease whose call in ``made`` is
-        :attr:`~mooncake_kvaddr.driver.workers.PendingCall.abandoned` (also when this raised: an exception
-        such as ``KeyboardInterrupt`` while waiting abandons the call too).
+        reason, the lease shrunk to the bytes the call uses (up to the end of its last slot's object), and the
+        lease is the call's to release once Mooncake returns. The caller must neither release nor reuse a lease
+        whose call in ``made`` is :attr:`~mooncake_kvaddr.driver.workers.PendingCall.abandoned` (also when this
+        raised: an exception such as ``KeyboardInterrupt`` while waiting abandons the call too).
         """
+        span = ptrs[-1] - lease.ptr + object_sizes[-1]
+        num_keys, num_bytes = len(ptrs), sum(object_sizes)
         timeout = deadline.remaining()
         if deadline.expired():
             return None  # it passed since the caller's check: no call (nothing was handed over)
@@ -265,18 +267,9 @@ class StagedPath(TransferPath):
             raise ValueError(f"the staging pool handed out a lease that is not project-owned staging: {exc}") from exc
         return lease
 
-    def put(
-        self,
-        keys: list[str],
-        chunks: Sequence[tuple[int, int]],
-        groups: Sequence[int],
-        block_ids: Sequence[Sequence[int]],
-        clock: Clock,
-        result: StoreResult,
-        deadline: RequestDeadline,
+    def _put_prepared(
+        self, keys: list[str], addrs: Any, sizes: Any, clock: Clock, result: StoreResult, deadline: RequestDeadline
     ) -> tuple[list[bool], list[int]]:
-        addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
-        clock.lap("prepare")
         plan = plan_slots(sizes)
         lease = self._lease_unless_refused(plan, deadline, clock)
         if lease is None:
@@ -300,8 +293,7 @@ class StagedPath(TransferPath):
             config = per_key.config_for(self.ctx.replicate_config, range(start, end), len(keys))  # per-key fields cut
             call = partial(self.ctx.store.batch_put_from, keys[start:end], ptrs, object_sizes, config,
                            check_values=False, deadline=deadline)  # fmt: skip
-            got = self._call("save_put", call, lease, ptrs[-1] - lease.ptr + object_sizes[-1], end - start,
-                             sum(object_sizes), deadline, made)  # fmt: skip
+            got = self._call("save_put", call, lease, ptrs, object_sizes, deadline, made)
             clock.lap("put")
             if got is not None:
                 result.back_pressure = result.back_pressure or got.back_pressure
@@ -335,8 +327,7 @@ class StagedPath(TransferPath):
         def get(lo: int, hi: int, ptrs: list[int], expected: list[int]) -> tuple[int, ...] | None:
             call = partial(self.ctx.store.batch_get_into, keys[lo:hi], ptrs, expected, check_values=False,
                            deadline=deadline)  # fmt: skip
-            got = self._call("load_get", call, lease, ptrs[-1] - lease.ptr + expected[-1], hi - lo, sum(expected),
-                             deadline, made)  # fmt: skip
+            got = self._call("load_get", call, lease, ptrs, expected, deadline, made)
             clock.lap("get")
             # Abandoned (None): Mooncake may still write these slots, so nothing is scattered from them.
             return stop.answer(lo, got)

@@ -8,7 +8,7 @@ the checked native copies and :func:`run_staged` live here; buffers, the pool an
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -285,16 +285,7 @@ class HostCopyBackend:
         select: KeySelection | None = None,
     ) -> int:
         """See :func:`gather`."""
-        return gather(
-            addrs,
-            sizes,
-            staging,
-            offsets,
-            self._ranges,
-            select=select,
-            threads=self.threads,
-            streaming=self.streaming,
-        )
+        return self._copy(gather, addrs, sizes, staging, offsets, select=select)
 
     def scatter(
         self,
@@ -306,16 +297,12 @@ class HostCopyBackend:
         select: KeySelection | None = None,
     ) -> int:
         """See :func:`scatter`."""
-        return scatter(
-            addrs,
-            sizes,
-            staging,
-            offsets,
-            self._ranges,
-            select=select,
-            threads=self.threads,
-            streaming=self.streaming,
-        )
+        return self._copy(scatter, addrs, sizes, staging, offsets, select=select)
+
+    def _copy(self, copy: Callable[..., int], *job: Any, select: KeySelection | None) -> int:
+        """``copy`` (:func:`gather` or :func:`scatter`) of ``job`` (``addrs, sizes, staging, offsets``) over this
+        backend's allowed ranges, with its threads and streaming."""
+        return copy(*job, self._ranges, select=select, threads=self.threads, streaming=self.streaming)
 
     def __repr__(self) -> str:
         return (

@@ -327,16 +327,6 @@ def _staging_range(staging: StagingArg) -> tuple[int, int, StagingBuffer | None]
         if not staging.held:
             raise ValueError(f"{staging!r} was released: its bytes may belong to another request now")
         ptr, nbytes = _int_pair(staging.ptr, staging.nbytes)
-        if nbytes == 0 and ptr >= 0:
-            return ptr, 0, None
-        owner = _owner_of(ptr, nbytes)
-        # Inside its own pool's buffer, not merely inside some live one (another pool's slots belong to other
-        # requests).
-        if owner is not staging._pool.buffer:
-            raise ValueError(
-                f"{staging!r}: range ({ptr:#x}, {nbytes}) is not inside its own pool's staging buffer"
-            )
-        return ptr, nbytes, owner
     elif isinstance(staging, (str, bytes)) or not isinstance(staging, Sequence) or len(staging) != 2:
         raise TypeError(
             f"staging must be a StagingBuffer, a StagingLease or a (ptr, nbytes) range, not {type(staging).__name__}"
@@ -345,7 +335,14 @@ def _staging_range(staging: StagingArg) -> tuple[int, int, StagingBuffer | None]
         ptr, nbytes = _int_pair(*staging)
     if nbytes == 0 and ptr >= 0:
         return ptr, 0, None  # nothing can be copied into or out of zero bytes
-    return ptr, nbytes, _owner_of(ptr, nbytes)
+    owner = _owner_of(ptr, nbytes)
+    # A lease lies inside its own pool's buffer, not merely inside some live one (another pool's slots belong to
+    # other requests).
+    if isinstance(staging, StagingLease) and owner is not staging._pool.buffer:
+        raise ValueError(
+            f"{staging!r}: range ({ptr:#x}, {nbytes}) is not inside its own pool's staging buffer"
+        )
+    return ptr, nbytes, owner
 
 
 def _int_pair(ptr: object, nbytes: object) -> tuple[int, int]:

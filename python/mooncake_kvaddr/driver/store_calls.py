@@ -223,20 +223,7 @@ class StoreCalls:
         """
         n = _check_keys(keys)
         counts = _check_rows(n, addrs, sizes, check_values)
-        if n == 0:
-            return BatchResult((), ())
-        with self._admitted_batch() as clients:
-            config = replicate_config if replicate_config is not None else self._replicate_default()
-            codes = self._split_call(
-                lambda k, a, s, c: clients.call("batch_put_from_multi_buffers", k, a, s, c),
-                keys,
-                addrs,
-                sizes,
-                counts,
-                deadline,
-                config=(config,),
-            )
-        return self._result(_Op.PUT, codes, n)
+        return self._transfer("batch_put_from_multi_buffers", keys, addrs, sizes, counts, deadline, (replicate_config,))
 
     def batch_get_into_multi_buffers(
         self,
@@ -254,19 +241,7 @@ class StoreCalls:
         """
         n = _check_keys(keys)
         counts = _check_rows(n, addrs, sizes, check_values)
-        if n == 0:
-            return BatchResult((), ())
-        with self._admitted_batch() as clients:
-            codes = self._split_call(
-                lambda k, a, s: clients.call("batch_get_into_multi_buffers", k, a, s),
-                keys,
-                addrs,
-                sizes,
-                counts,
-                deadline,
-                unique_keys=True,
-            )
-        return self._result(_Op.GET, codes, n)
+        return self._transfer("batch_get_into_multi_buffers", keys, addrs, sizes, counts, deadline)
 
     def batch_put_from(
         self,
@@ -281,15 +256,7 @@ class StoreCalls:
         """Store each key from one contiguous buffer ``(ptrs[i], sizes[i])``."""
         n = _check_keys(keys)
         _check_flat(n, ptrs, sizes, check_values)
-        if n == 0:
-            return BatchResult((), ())
-        with self._admitted_batch() as clients:
-            config = replicate_config if replicate_config is not None else self._replicate_default()
-            codes = self._split_call(
-                lambda k, p, s, c: clients.call("batch_put_from", k, p, s, c), keys, ptrs, sizes, [1] * n, deadline,
-                config=(config,),
-            )  # fmt: skip
-        return self._result(_Op.PUT, codes, n)
+        return self._transfer("batch_put_from", keys, ptrs, sizes, [1] * n, deadline, (replicate_config,))
 
     def batch_get_into(
         self,
@@ -303,14 +270,31 @@ class StoreCalls:
         """Read each key into one contiguous buffer ``(ptrs[i], sizes[i])``; codes are bytes read."""
         n = _check_keys(keys)
         _check_flat(n, ptrs, sizes, check_values)
+        return self._transfer("batch_get_into", keys, ptrs, sizes, [1] * n, deadline)
+
+    def _transfer(
+        self,
+        name: str,
+        keys: Sequence[str] | Sequence[bytes],
+        addrs: Any,
+        sizes: Any,
+        counts: Sequence[int],
+        deadline: RequestDeadline | None,
+        put: tuple[Any] | None = None,
+    ) -> BatchResult:
+        """The batch call ``name`` of checked arguments (``counts``: the regions of each key), in sub-batches
+        (:meth:`_split_call`). ``put``: a put's ``(replicate_config,)``, ``None`` (the store's default) replaced
+        once admitted; without it a get, whose sub-batches never name one key twice."""
+        n = len(counts)
         if n == 0:
             return BatchResult((), ())
         with self._admitted_batch() as clients:
+            config = () if put is None else (put[0] if put[0] is not None else self._replicate_default(),)
             codes = self._split_call(
-                lambda k, p, s: clients.call("batch_get_into", k, p, s), keys, ptrs, sizes, [1] * n, deadline,
-                unique_keys=True,
+                lambda *args: clients.call(name, *args), keys, addrs, sizes, counts, deadline,
+                unique_keys=put is None, config=config,
             )  # fmt: skip
-        return self._result(_Op.GET, codes, n)
+        return self._result(_Op.GET if put is None else _Op.PUT, codes, n)
 
     def replica_locations(self, keys: Sequence[str]) -> list[tuple[tuple[str, int], ...]] | None:
         """Where each key's memory replicas live: per key, ``(transport endpoint, object bytes)`` of each.
