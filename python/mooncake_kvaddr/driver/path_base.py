@@ -205,19 +205,20 @@ class TransferPath:
         Within ``deadline`` only: keys not tried once it expired are counted ``transfer_failed``. The rows of
         :meth:`_put_rows` (the "prepare" phase), then :meth:`_put_prepared`.
         """
-        addrs, sizes = self._put_rows(chunks, groups, block_ids)
+        rows = self._put_rows(chunks, groups, block_ids)
         clock.lap("prepare")
-        return self._put_prepared(keys, addrs, sizes, clock, result, deadline)
+        return self._put_prepared(keys, rows, clock, result, deadline)
 
-    def _put_rows(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, Any]:
-        """The address and size rows a put hands on (default: :meth:`prepare`'s, as they are)."""
+    def _put_rows(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, ...]:
+        """What a put hands on, computed in the "prepare" phase (default: :meth:`prepare`'s address and size rows,
+        as they are)."""
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
         return addrs, sizes
 
     def _put_prepared(
-        self, keys: list[str], addrs: Any, sizes: Any, clock: Clock, result: StoreResult, deadline: RequestDeadline
+        self, keys: list[str], rows: tuple[Any, ...], clock: Clock, result: StoreResult, deadline: RequestDeadline
     ) -> tuple[list[bool], list[int]]:
-        """:meth:`put` of the keys' rows from :meth:`_put_rows`."""
+        """:meth:`put` of the keys with what :meth:`_put_rows` computed."""
         raise NotImplementedError
 
     def get(

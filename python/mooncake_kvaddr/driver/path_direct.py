@@ -149,18 +149,19 @@ class MultiBufferPath(TransferPath):
             rotate(keys, tp_rank), rotate(addrs, tp_rank), rotate(sizes, tp_rank), rotate(ids, tp_rank), bounded=bounded
         )
 
-    def _put_rows(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, Any]:
+    def _put_rows(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, ...]:
+        """The rows to hand Mooncake and each key's bytes."""
         bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         addrs, sizes, _ = self.prepare(chunks, groups, block_ids)
-        return self._check_unbounded(addrs, sizes, bounded)
+        addrs, sizes = self._check_unbounded(addrs, sizes, bounded)
+        if isinstance(sizes, np.ndarray):
+            return addrs, sizes, sizes.sum(axis=1).tolist()
+        return addrs, sizes, [sum(row) for row in sizes]
 
     def _put_prepared(
-        self, keys: list[str], addrs: Any, sizes: Any, clock: Clock, result: StoreResult, deadline: RequestDeadline
+        self, keys: list[str], rows: tuple[Any, ...], clock: Clock, result: StoreResult, deadline: RequestDeadline
     ) -> tuple[list[bool], list[int]]:
-        if isinstance(sizes, np.ndarray):
-            key_bytes = sizes.sum(axis=1).tolist()
-        else:
-            key_bytes = [sum(row) for row in sizes]
+        addrs, sizes, key_bytes = rows
         # Rows come from prepare_values, so the non-negativity scan would only cost time.
         store = self.ctx.store
         put = self._call_inline("save_put", len(keys), sum(key_bytes), lambda: store.batch_put_from_multi_buffers(
@@ -199,13 +200,13 @@ class DirectPath(TransferPath):
 
     name = "direct"
 
-    def _put_rows(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, Any]:
-        addrs, sizes = super()._put_rows(chunks, groups, block_ids)
-        return check_rows_inside(self.ctx.caches, addrs, sizes)  # Mooncake gets the checked copies
+    def _put_rows(self, chunks: Any, groups: Sequence[int], block_ids: Sequence[Sequence[int]]) -> tuple[Any, ...]:
+        return check_rows_inside(self.ctx.caches, *super()._put_rows(chunks, groups, block_ids))  # checked copies
 
     def _put_prepared(
-        self, keys: list[str], addrs: Any, sizes: Any, clock: Clock, result: StoreResult, deadline: RequestDeadline
+        self, keys: list[str], rows: tuple[Any, ...], clock: Clock, result: StoreResult, deadline: RequestDeadline
     ) -> tuple[list[bool], list[int]]:
+        addrs, sizes = rows
         object_sizes = sizes[:, 0].tolist()
         put = self._call_inline("save_put", len(keys), sum(object_sizes), lambda: self.ctx.store.batch_put_from(
             keys, addrs[:, 0].tolist(), object_sizes, self.ctx.replicate_config, check_values=False, deadline=deadline

@@ -268,8 +268,9 @@ class StagedPath(TransferPath):
         return lease
 
     def _put_prepared(
-        self, keys: list[str], addrs: Any, sizes: Any, clock: Clock, result: StoreResult, deadline: RequestDeadline
+        self, keys: list[str], rows: tuple[Any, ...], clock: Clock, result: StoreResult, deadline: RequestDeadline
     ) -> tuple[list[bool], list[int]]:
+        addrs, sizes = rows
         plan = plan_slots(sizes)
         lease = self._lease_unless_refused(plan, deadline, clock)
         if lease is None:
