@@ -566,6 +566,30 @@ def test_switch_keeps_vllms_handler_and_unpatch_restores(monkeypatch: pytest.Mon
             plugin.patch(receive=True)
 
 
+def test_a_worker_module_of_another_shape_keeps_vllms_receive_handler(
+    vllm: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receive part's shape check decides before anything is built: a worker module whose direct-I/O
+    alignment is not a positive int keeps vLLM's handler, and the report says why (the fingerprints alone
+    would pass: no fingerprinted function changed)."""
+    _, worker = vllm
+    cls = worker.KVCacheStoreRecvingThread
+    plugin.unpatch()
+    vllms = cls.__dict__["_handle_request"]
+    try:
+        monkeypatch.setattr(worker, "_DIRECT_IO_ALIGNMENT", 0)
+        report = plugin.patch(receive=True)
+        assert report.active and "KVCacheStoreRecvingThread._handle_request" not in report.patched, report
+        why = f"{worker.__name__}._DIRECT_IO_ALIGNMENT is not a positive int"
+        assert report.receive_reason == f"unexpected shape: {why}", report
+        assert cls.__dict__["_handle_request"] is vllms
+    finally:
+        plugin.unpatch()
+        monkeypatch.undo()
+        plugin.patch(receive=True)
+    assert plugin.is_receive_patched()
+
+
 def test_receive_enabled_values() -> None:
     assert receive.receive_enabled({})
     assert receive.receive_enabled({receive.ENV_RECV: "1"})
