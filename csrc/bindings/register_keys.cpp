@@ -105,27 +105,18 @@ PyObject* KeyWriter::make(const uint8_t* hash, std::size_t length) const {
     if (key == nullptr) throw py::error_already_set();
     void* data = PyUnicode_DATA(key);
     std::memcpy(data, prefix_data_, static_cast<std::size_t>(prefix_len_) * static_cast<std::size_t>(kind_));
+    // '@' and the hex digits after the prefix, written in the code units `units` of the key's kind.
+    const auto finish = [&](auto* units) {
+        auto* out = units + prefix_len_;
+        *out = '@';
+        write_hex(hash, length, out + 1);
+        return key;
+    };
     switch (kind_) {
-        case PyUnicode_1BYTE_KIND: {
-            auto* out = static_cast<Py_UCS1*>(data) + prefix_len_;
-            *out = '@';
-            write_hex(hash, length, out + 1);
-            break;
-        }
-        case PyUnicode_2BYTE_KIND: {
-            auto* out = static_cast<Py_UCS2*>(data) + prefix_len_;
-            *out = '@';
-            write_hex(hash, length, out + 1);
-            break;
-        }
-        default: {
-            auto* out = static_cast<Py_UCS4*>(data) + prefix_len_;
-            *out = '@';
-            write_hex(hash, length, out + 1);
-            break;
-        }
+        case PyUnicode_1BYTE_KIND: return finish(static_cast<Py_UCS1*>(data));
+        case PyUnicode_2BYTE_KIND: return finish(static_cast<Py_UCS2*>(data));
+        default: return finish(static_cast<Py_UCS4*>(data));
     }
-    return key;
 }
 
 py::list build_key_list(const std::vector<KeyWriter>& writers, HashSource& hashes, const std::vector<int64_t>& indices) {
