@@ -245,12 +245,7 @@ public:
             return with_slots(py::make_tuple(std::move(keys), r[0], r[1], r[2]), slots, slot_alignment);
         }
         parsed.snapshot = engine_.snapshot();  // vLLM's prepare_values reads the regions after the walk
-        if (chunks_per_block_ != 0) {
-            validate_store_chunks(parsed, block_ids);
-        } else {
-            validate(parsed);
-            resolve(parsed, block_ids);
-        }
+        make_plans(parsed, block_ids);
         if (!seed_) keys = build_key_list(w.writers, *w.source, w.hash_indices);
         py::tuple rows = arrays ? engine_.rows_as_arrays(parsed.snapshot, parsed.plans)
                                 : engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
@@ -478,13 +473,19 @@ private:
             raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
         }
         read_chunks(chunks, n_chunks, std::move(shards), &p);
+        make_plans(p, block_ids);
+        return p;
+    }
+
+    // The plans, block ids resolved, of the chunks read into `p`: by vLLM 0.34's store-chunk rules when the
+    // engine has store chunks, else by vLLM 0.33's (and the seed-era) span rules.
+    void make_plans(Parsed& p, py::handle block_ids) const {
         if (chunks_per_block_ != 0) {
             validate_store_chunks(p, block_ids);
         } else {
             validate(p);
             resolve(p, block_ids);
         }
-        return p;
     }
 
     // The snapshot, then every chunk's (start, end) as C++ values, with the shard ids already read.
