@@ -188,9 +188,9 @@ public:
         if (seed_) return seed_values(chunks, block_ids, shard_ids, false);
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
-        if (n == 0) return py::make_tuple(py::list(), py::list(), py::list());
+        if (n == 0) return no_rows(false, true);
         Parsed parsed = parse(chunks, block_ids, shard_ids);
-        return engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
+        return rows_of(parsed, false);
     }
 
     // The same values as int64 arrays (keys × segments, keys × segments, keys); GIL released for big ones.
@@ -198,9 +198,9 @@ public:
         if (seed_) return seed_values(chunks, block_ids, shard_ids, true);
         const Py_ssize_t n = PyObject_Length(chunks.ptr());
         if (n < 0) throw py::error_already_set();
-        if (n == 0) return engine_.rows_as_arrays(engine_.snapshot(), {});
-        const Parsed parsed = parse(chunks, block_ids, shard_ids);
-        return engine_.rows_as_arrays(parsed.snapshot, parsed.plans);
+        if (n == 0) return no_rows(true, true);
+        Parsed parsed = parse(chunks, block_ids, shard_ids);
+        return rows_of(parsed, true);
     }
 
     // Rank-local boundary puts: (addresses, sizes) of one block in every region.
@@ -238,17 +238,13 @@ public:
         Parsed& parsed = w.parsed;
         if (parsed.starts.empty()) {
             // The seed-era arrays of nothing read no region; vLLM's layouts read them.
-            Snapshot snapshot{std::make_shared<const Templates>(), 0};
-            if (arrays && !seed_) snapshot = engine_.snapshot();
-            py::tuple r = arrays ? engine_.rows_as_arrays(snapshot, {})
-                                 : py::make_tuple(py::list(), py::list(), py::list());
+            py::tuple r = no_rows(arrays, !seed_);
             return with_slots(py::make_tuple(std::move(keys), r[0], r[1], r[2]), slots, slot_alignment);
         }
         parsed.snapshot = engine_.snapshot();  // vLLM's prepare_values reads the regions after the walk
         make_plans(parsed, block_ids);
         if (!seed_) keys = build_key_list(w.writers, *w.source, w.hash_indices);
-        py::tuple rows = arrays ? engine_.rows_as_arrays(parsed.snapshot, parsed.plans)
-                                : engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
+        py::tuple rows = rows_of(parsed, arrays);
         return with_slots(py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]), slots, slot_alignment);
     }
 
@@ -626,6 +622,21 @@ private:
         }
     }
 
+    // The rows of `p`'s plans: int64 arrays, or lists (with p's exact-int block ids reused).
+    py::tuple rows_of(Parsed& p, bool arrays) {
+        return arrays ? engine_.rows_as_arrays(p.snapshot, p.plans)
+                      : engine_.rows_as_lists(p.snapshot, p.plans, p.id_objects);
+    }
+
+    // The rows of no key: three empty lists, or arrays of no row, which read the regions (engine_.snapshot())
+    // only when `read_regions`.
+    py::tuple no_rows(bool arrays, bool read_regions) {
+        if (!arrays) return py::make_tuple(py::list(), py::list(), py::list());
+        Snapshot snapshot{std::make_shared<const Templates>(), 0};
+        if (read_regions) snapshot = engine_.snapshot();
+        return engine_.rows_as_arrays(snapshot, {});
+    }
+
     // The seed-era prepare_values (arrays: prepare_values_array), in its reference's error order: regions,
     // then every span (any (start, end, ...) item, or an (n, >=2) integer array for arrays), then block ids.
     py::tuple seed_values(py::handle chunks, py::handle block_ids, py::handle shard_ids, bool arrays) {
@@ -634,21 +645,18 @@ private:
         std::unique_ptr<FastSequence> items;
         if (!arrays) {
             items = chunk_sequence(chunks);
-            if (items->size() == 0) return py::make_tuple(py::list(), py::list(), py::list());
+            if (items->size() == 0) return no_rows(false, false);
             p.snapshot = engine_.snapshot();
         }
         ChunkSpans spans = arrays ? parse_chunks(chunks, block_size_, hash_block_size_, true)
                                   : parse_chunk_items(*items, block_size_, hash_block_size_);
         p.starts = std::move(spans.starts);
         p.plans = std::move(spans.plans);
-        if (p.plans.empty()) {  // no chunk (or a callback emptied the list): arrays of nothing read no region
-            if (!arrays) return py::make_tuple(py::list(), py::list(), py::list());
-            return engine_.rows_as_arrays(Snapshot{std::make_shared<const Templates>(), 0}, {});
-        }
+        // No chunk (or a callback emptied the list): arrays of nothing read no region.
+        if (p.plans.empty()) return no_rows(arrays, false);
         if (arrays) p.snapshot = engine_.snapshot();
         resolve(p, block_ids);
-        return arrays ? engine_.rows_as_arrays(p.snapshot, p.plans)
-                      : engine_.rows_as_lists(p.snapshot, p.plans, p.id_objects);
+        return rows_of(p, arrays);
     }
 
     // The local index of a caller's shard id; ValueError unless this rank owns it. Compared before subtracting:
