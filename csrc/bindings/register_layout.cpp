@@ -185,22 +185,12 @@ public:
 
     // vLLM's prepare_values: (addr rows, size rows, block ids) as lists of fresh lists of ints.
     py::tuple prepare_values(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
-        if (seed_) return seed_values(chunks, block_ids, shard_ids, false);
-        const Py_ssize_t n = PyObject_Length(chunks.ptr());
-        if (n < 0) throw py::error_already_set();
-        if (n == 0) return no_rows(false, true);
-        Parsed parsed = parse(chunks, block_ids, shard_ids);
-        return rows_of(parsed, false);
+        return values(chunks, block_ids, shard_ids, false);
     }
 
     // The same values as int64 arrays (keys × segments, keys × segments, keys); GIL released for big ones.
     py::tuple prepare_values_array(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
-        if (seed_) return seed_values(chunks, block_ids, shard_ids, true);
-        const Py_ssize_t n = PyObject_Length(chunks.ptr());
-        if (n < 0) throw py::error_already_set();
-        if (n == 0) return no_rows(true, true);
-        Parsed parsed = parse(chunks, block_ids, shard_ids);
-        return rows_of(parsed, true);
+        return values(chunks, block_ids, shard_ids, true);
     }
 
     // Rank-local boundary puts: (addresses, sizes) of one block in every region.
@@ -620,6 +610,16 @@ private:
             p.plans[k].block_id = ids.at(at, &p.id_objects[k]);
             check_block_id(p.plans[k].block_id);
         }
+    }
+
+    // prepare_values (lists) and prepare_values_array (arrays): one body, `arrays` apart.
+    py::tuple values(py::handle chunks, py::handle block_ids, py::handle shard_ids, bool arrays) {
+        if (seed_) return seed_values(chunks, block_ids, shard_ids, arrays);
+        const Py_ssize_t n = PyObject_Length(chunks.ptr());
+        if (n < 0) throw py::error_already_set();
+        if (n == 0) return no_rows(arrays, true);
+        Parsed parsed = parse(chunks, block_ids, shard_ids);
+        return rows_of(parsed, arrays);
     }
 
     // The rows of `p`'s plans: int64 arrays, or lists (with p's exact-int block ids reused).
