@@ -88,6 +88,18 @@ std::vector<std::string> platform_abi_ids() {
     return ids;
 }
 
+// The client held by `capsule`, a capsule named kCapsuleName (store._get_pyclient_capsule()); null, with no error
+// set, for any other object. Once its name matched, the capsule is valid and its pointer non-null: GetPointer
+// cannot fail.
+std::shared_ptr<mooncake::PyClient>* capsule_client(py::handle capsule) {
+    const char* name = PyCapsule_GetName(capsule.ptr());
+    if (name == nullptr || std::strcmp(name, kCapsuleName) != 0) {
+        PyErr_Clear();
+        return nullptr;
+    }
+    return static_cast<std::shared_ptr<mooncake::PyClient>*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
+}
+
 // Keys the calling thread's last guarded call refused (not sent to Mooncake; -600 in their slots).
 thread_local uint64_t t_refused = 0;
 
@@ -103,13 +115,8 @@ public:
             raise(PyExc_TypeError, "key_blob must be a type (or None), not " + type_name(key_blob.ptr()));
         }
         key_blob_ = std::move(key_blob);
-        const char* name = PyCapsule_GetName(capsule.ptr());
-        if (name == nullptr || std::strcmp(name, kCapsuleName) != 0) {
-            PyErr_Clear();
-            raise(PyExc_RuntimeError, std::string("expected a capsule named '") + kCapsuleName + "'");
-        }
-        auto* held = static_cast<std::shared_ptr<mooncake::PyClient>*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
-        if (held == nullptr) throw py::error_already_set();
+        auto* held = capsule_client(capsule);
+        if (held == nullptr) raise(PyExc_RuntimeError, std::string("expected a capsule named '") + kCapsuleName + "'");
         client_ = *held;  // our own reference: the client lives as long as this object (or close())
 
         mc::SymbolNames names;
@@ -280,17 +287,8 @@ public:
     // True if `capsule` (a fresh store._get_pyclient_capsule()) holds the client this object calls.
     bool same_client(py::handle capsule) const {
         if (capsule.is_none() || !client_) return false;
-        const char* name = PyCapsule_GetName(capsule.ptr());
-        if (name == nullptr || std::strcmp(name, kCapsuleName) != 0) {
-            PyErr_Clear();
-            return false;
-        }
-        auto* held = static_cast<std::shared_ptr<mooncake::PyClient>*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
-        if (held == nullptr) {
-            PyErr_Clear();
-            return false;
-        }
-        return held->get() == client_.get();
+        auto* held = capsule_client(capsule);
+        return held != nullptr && held->get() == client_.get();
     }
 
     void close() { client_.reset(); }
