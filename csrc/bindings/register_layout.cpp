@@ -322,8 +322,7 @@ public:
     // vLLM 0.34's receive rule: a walked chunk is kept when mask[start // block_size] is true (an index past
     // the mask drops it); the mask is read in walk order, as vLLM reads it.
     void keep_masked_blocks(py::handle mask, std::vector<WalkedChunk>* walked) const {
-        refuse_non_sequence(mask, "load mask");
-        FastSequence flags(mask.ptr(), "load mask");
+        FastSequence flags = checked_sequence(mask, "load mask");
         std::vector<WalkedChunk> kept;
         kept.reserve(walked->size());
         for (const WalkedChunk& c : *walked) {
@@ -368,8 +367,7 @@ private:
 
     // One key writer per local shard, from the caller's prefixes.
     std::vector<KeyWriter> key_writers(py::handle shard_prefixes) const {
-        refuse_non_sequence(shard_prefixes, "shard_prefixes");
-        FastSequence prefix_seq(shard_prefixes.ptr(), "shard_prefixes");
+        FastSequence prefix_seq = checked_sequence(shard_prefixes, "shard_prefixes");
         if (static_cast<std::size_t>(prefix_seq.size()) != n_shards_) {
             raise(PyExc_ValueError, "expected one key prefix per local shard (" + std::to_string(n_shards_) + ")");
         }
