@@ -88,16 +88,22 @@ std::vector<std::string> platform_abi_ids() {
     return ids;
 }
 
-// The client held by `capsule`, a capsule named kCapsuleName (store._get_pyclient_capsule()); null, with no error
-// set, for any other object. Once its name matched, the capsule is valid and its pointer non-null: GetPointer
-// cannot fail.
-std::shared_ptr<mooncake::PyClient>* capsule_client(py::handle capsule) {
-    const char* name = PyCapsule_GetName(capsule.ptr());
-    if (name == nullptr || std::strcmp(name, kCapsuleName) != 0) {
+// The pointer inside `capsule` when it is a capsule named `name` (PyCapsule_GetName refuses anything else); null,
+// with no error set, otherwise.
+void* capsule_pointer(py::handle capsule, const char* name) {
+    const char* held_name = PyCapsule_GetName(capsule.ptr());
+    if (held_name == nullptr || std::strcmp(held_name, name) != 0) {
         PyErr_Clear();
         return nullptr;
     }
-    return static_cast<std::shared_ptr<mooncake::PyClient>*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
+    void* pointer = PyCapsule_GetPointer(capsule.ptr(), name);
+    if (pointer == nullptr) PyErr_Clear();
+    return pointer;
+}
+
+// The client held by `capsule` (store._get_pyclient_capsule()), or null.
+std::shared_ptr<mooncake::PyClient>* capsule_client(py::handle capsule) {
+    return static_cast<std::shared_ptr<mooncake::PyClient>*>(capsule_pointer(capsule, kCapsuleName));
 }
 
 // Keys the calling thread's last guarded call refused (not sent to Mooncake; -600 in their slots).
@@ -356,15 +362,7 @@ private:
                                  typeid(std::type_info).name());
         py::object result = config.attr("_pybind11_conduit_v1_")(py::bytes(abi_id_), type_capsule,
                                                                   py::bytes("raw_pointer_ephemeral"));
-        if (!PyCapsule_CheckExact(result.ptr())) return nullptr;
-        const char* name = PyCapsule_GetName(result.ptr());
-        if (name == nullptr || std::strcmp(name, kReplicateConfigName) != 0) {
-            PyErr_Clear();
-            return nullptr;
-        }
-        void* pointer = PyCapsule_GetPointer(result.ptr(), name);
-        if (pointer == nullptr) PyErr_Clear();
-        return pointer;
+        return capsule_pointer(result, kReplicateConfigName);
     }
 
     const void* config_pointer(py::handle config) const {
