@@ -517,11 +517,7 @@ private:
                 raise(PyExc_ValueError, "Store chunk has no local cache block");
             }
         };
-        const auto block_id = [&](std::size_t k) {
-            const int64_t at = python_index(block_index[k], ids->size(), k);
-            p.plans[k].block_id = ids->at(at, &p.id_objects[k]);
-            check_block_id(p.plans[k].block_id);
-        };
+        const auto block_id = [&](std::size_t k) { resolve_one(p, *ids, k, block_index[k]); };
         if (n > 16) {
             for (std::size_t k = 0; k < n; ++k) boundary(k);
             for (std::size_t k = 0; k < n; ++k) owned(k);
@@ -603,11 +599,16 @@ private:
         const BlockIds ids(block_ids);
         const std::size_t n = p.plans.size();
         p.id_objects.resize(n);
-        for (std::size_t k = 0; k < n; ++k) {
-            const int64_t at = python_index(floor_div(p.starts[k], block_size_), ids.size(), k);
-            p.plans[k].block_id = ids.at(at, &p.id_objects[k]);
-            check_block_id(p.plans[k].block_id);
-        }
+        for (std::size_t k = 0; k < n; ++k) resolve_one(p, ids, k, floor_div(p.starts[k], block_size_));
+    }
+
+    // Key k's block id: block_ids[block_index] (Python indexing). TP-shared layouts compute in uint64 in vLLM,
+    // which rejects negative block ids.
+    void resolve_one(Parsed& p, const BlockIds& ids, std::size_t k, int64_t block_index) const {
+        const int64_t at = python_index(block_index, ids.size(), k);
+        const int64_t id = ids.at(at, &p.id_objects[k]);
+        if (tp_shared_ && id < 0) raise(PyExc_OverflowError, "block id " + std::to_string(id) + " is negative");
+        p.plans[k].block_id = id;
     }
 
     // prepare_values (lists) and prepare_values_array (arrays): one body, `arrays` apart.
@@ -665,11 +666,6 @@ private:
             raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
         }
         return static_cast<std::size_t>(shard - first_shard_);
-    }
-
-    // TP-shared layouts compute in uint64 in vLLM, which rejects negative block ids.
-    void check_block_id(int64_t id) const {
-        if (tp_shared_ && id < 0) raise(PyExc_OverflowError, "block id " + std::to_string(id) + " is negative");
     }
 
     int64_t block_size_;
