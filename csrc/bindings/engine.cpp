@@ -35,16 +35,11 @@ void RowEngine::set_region_sources(py::object base, py::object block_len, py::ob
     block_stride_source_ = std::move(block_stride);
 }
 
-void RowEngine::install(std::shared_ptr<const Templates> templates) {
+void RowEngine::set_templates(std::shared_ptr<const Templates> templates) {
     std::vector<RowRef> graveyard;  // freed after the engine is consistent again
     cache_.clear(&graveyard);
     cache_.set_row_width(templates->empty() ? 0 : templates->front().count());
     templates_ = std::move(templates);
-}
-
-void RowEngine::set_templates(std::shared_ptr<const Templates> templates) {
-    if (!tp_shared_) raise(PyExc_RuntimeError, "set_templates is for TP-shared layouts");
-    install(std::move(templates));
 }
 
 Snapshot RowEngine::snapshot() {
@@ -97,7 +92,7 @@ Snapshot RowEngine::snapshot() {
     }
     t.base = std::move(bases);
     t.finalize();
-    install(std::move(fresh));
+    set_templates(std::move(fresh));
     seen_lens_ = std::move(lens);
     seen_strides_ = std::move(strides);
     seen_with_strides_ = with_strides;
@@ -217,7 +212,6 @@ py::tuple RowEngine::rows_as_arrays(const Snapshot& snapshot, const std::vector<
 }
 
 py::tuple RowEngine::value_for_block(const Snapshot& snapshot, int64_t block_id) {
-    if (tp_shared_) raise(PyExc_RuntimeError, "prepare_value_for_block is for the rank-local layout");
     const layout::Segments& t = snapshot.templates->front();
     std::vector<int64_t> values(t.count());
     if (!layout::address_row(t, block_id, values.data())) raise_address_overflow(0, block_id);

@@ -60,7 +60,8 @@ public:
     // (stride = size0 = block_len[r % len(block_len)]); a sequence: vLLM 0.34's (stride = block_stride[r % L],
     // size0 = block_len[r % L], L = len(block_stride)).
     void set_region_sources(py::object base, py::object block_len, py::object block_stride = py::none());
-    // TP-shared: installs new templates (one per owned shard, one width) and drops the cache.
+    // Installs new templates and drops the cache: TP-shared, the face's (one per owned shard, one width, checked
+    // TP-shared by the face); rank-local, snapshot()'s.
     void set_templates(std::shared_ptr<const Templates> templates);
 
     // The templates to compute on. Rank-local: reads the caller's lists (may run Python code; the bases first,
@@ -84,7 +85,8 @@ public:
                             std::vector<py::object>& id_objects);
     // The same as fresh int64 arrays (addrs (n, S), sizes (n, S), ids (n,)); the GIL is released for big ones.
     py::tuple rows_as_arrays(const Snapshot& snapshot, const std::vector<KeyPlan>& plans);
-    // Rank-local: (addresses, sizes) of one block in every region of `snapshot`, as fresh lists.
+    // Rank-local (checked by the face): (addresses, sizes) of one block in every region of `snapshot`, as fresh
+    // lists.
     py::tuple value_for_block(const Snapshot& snapshot, int64_t block_id);
 
     std::size_t cache_capacity() const { return cache_.capacity(); }
@@ -96,7 +98,6 @@ public:
     void set_immutable_rows(bool value) { immutable_rows_ = value; }
 
 private:
-    void install(std::shared_ptr<const Templates> templates);
     [[noreturn]] void raise_address_overflow(std::size_t row, int64_t block_id) const;
     [[noreturn]] void raise_size_overflow(std::size_t row, int64_t block_count) const;
 

@@ -335,10 +335,11 @@ int64_t python_index(int64_t index, std::size_t available, std::size_t key) {
     return at;
 }
 
-void refuse_non_sequence(py::handle obj, const char* what) {
+FastSequence checked_sequence(py::handle obj, const char* what) {
     if (refused_container(obj.ptr())) {
         raise(PyExc_TypeError, std::string(what) + " must be a sequence, not " + type_name(obj.ptr()));
     }
+    return FastSequence(obj.ptr(), what);
 }
 
 void require_region_sequence(py::handle obj, const char* what) {

@@ -78,8 +78,8 @@ void chunk_pairs(py::handle chunks, std::vector<int64_t>* starts, std::vector<in
 // Python list indexing of `available` items at `index` (negative wraps; IndexError naming key `key` outside).
 int64_t python_index(int64_t index, std::size_t available, std::size_t key);
 
-// TypeError unless `obj` may be read as a sequence of flags or ints (dict, set, str, bytes are refused).
-void refuse_non_sequence(py::handle obj, const char* what);
+// `obj` read as a sequence of flags or ints: TypeError for a dict, set, str or bytes, else a FastSequence.
+FastSequence checked_sequence(py::handle obj, const char* what);
 
 // TypeError unless `obj` may be kept as a region list that every call re-reads: a sequence (dict, set, str,
 // bytes, iterators and generators are refused).

@@ -105,27 +105,18 @@ PyObject* KeyWriter::make(const uint8_t* hash, std::size_t length) const {
     if (key == nullptr) throw py::error_already_set();
     void* data = PyUnicode_DATA(key);
     std::memcpy(data, prefix_data_, static_cast<std::size_t>(prefix_len_) * static_cast<std::size_t>(kind_));
+    // '@' and the hex digits after the prefix, written in the code units `units` of the key's kind.
+    const auto finish = [&](auto* units) {
+        auto* out = units + prefix_len_;
+        *out = '@';
+        write_hex(hash, length, out + 1);
+        return key;
+    };
     switch (kind_) {
-        case PyUnicode_1BYTE_KIND: {
-            auto* out = static_cast<Py_UCS1*>(data) + prefix_len_;
-            *out = '@';
-            write_hex(hash, length, out + 1);
-            break;
-        }
-        case PyUnicode_2BYTE_KIND: {
-            auto* out = static_cast<Py_UCS2*>(data) + prefix_len_;
-            *out = '@';
-            write_hex(hash, length, out + 1);
-            break;
-        }
-        default: {
-            auto* out = static_cast<Py_UCS4*>(data) + prefix_len_;
-            *out = '@';
-            write_hex(hash, length, out + 1);
-            break;
-        }
+        case PyUnicode_1BYTE_KIND: return finish(static_cast<Py_UCS1*>(data));
+        case PyUnicode_2BYTE_KIND: return finish(static_cast<Py_UCS2*>(data));
+        default: return finish(static_cast<Py_UCS4*>(data));
     }
-    return key;
 }
 
 py::list build_key_list(const std::vector<KeyWriter>& writers, HashSource& hashes, const std::vector<int64_t>& indices) {
@@ -175,8 +166,7 @@ py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle ha
     const bool any_buffer = as_flag(any_buffer_arg);
     if (PyUnicode_Check(prefixes.ptr())) raise(PyExc_TypeError, "prefixes must be a sequence of str, not one str");
     // A set's order is arbitrary and a dict would be read by its keys: the key order must be the caller's.
-    refuse_non_sequence(prefixes, "prefixes");
-    FastSequence prefix_seq(prefixes.ptr(), "prefixes");
+    FastSequence prefix_seq = checked_sequence(prefixes, "prefixes");
     std::vector<KeyWriter> writers;
     writers.reserve(static_cast<std::size_t>(prefix_seq.size()));
     const Py_ssize_t n_prefixes = prefix_seq.size();
@@ -201,8 +191,7 @@ py::list build_lookup_keys(py::handle prefixes, py::handle hashes, py::handle ha
 // lookup builds no Python str per key. The bytes are what Mooncake's binding would make of each key str.
 py::tuple lookup_key_blob(py::handle prefixes, py::handle hashes, py::handle hash_len) {
     if (PyUnicode_Check(prefixes.ptr())) raise(PyExc_TypeError, "prefixes must be a sequence of str, not one str");
-    refuse_non_sequence(prefixes, "prefixes");
-    FastSequence prefix_seq(prefixes.ptr(), "prefixes");
+    FastSequence prefix_seq = checked_sequence(prefixes, "prefixes");
     std::vector<std::string> heads;  // each prefix's UTF-8 bytes and the '@'
     heads.reserve(static_cast<std::size_t>(prefix_seq.size()));
     for (Py_ssize_t p = 0; p < prefix_seq.size(); ++p) {
@@ -260,8 +249,7 @@ py::tuple lookup_key_blob(py::handle prefixes, py::handle hashes, py::handle has
 
 // Exist results as int64 values; values that do not fit (never 1) read as 0, i.e. absent.
 std::vector<int64_t> exist_values(py::handle results) {
-    refuse_non_sequence(results, "results");
-    FastSequence seq(results.ptr(), "results");
+    FastSequence seq = checked_sequence(results, "results");
     const Py_ssize_t n = seq.size();  // fixed: a callback that grows the list cannot extend the loop
     std::vector<int64_t> values(static_cast<std::size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
@@ -292,8 +280,7 @@ py::list reduce_exists(py::handle results, py::handle widths) {
         }
         unit_widths.assign(values.size() / static_cast<std::size_t>(w), w);
     } else {
-        refuse_non_sequence(widths, "widths");
-        FastSequence seq(widths.ptr(), "widths");
+        FastSequence seq = checked_sequence(widths, "widths");
         const Py_ssize_t n_units = seq.size();
         unit_widths.resize(static_cast<std::size_t>(n_units));
         int64_t total = 0;
@@ -368,8 +355,7 @@ std::vector<WalkedChunk> walk(const WalkParams& p, int64_t n_hashes, py::handle 
     std::vector<bool> keep;
     int64_t offset = 0;
     if (!mask.is_none()) {
-        refuse_non_sequence(mask, "chunk mask");
-        FastSequence flags(mask.ptr(), "chunk mask");
+        FastSequence flags = checked_sequence(mask, "chunk mask");
         offset = absolute_mask ? 0 : first;
         int64_t mask_end = 0;
         if (!add_checked(offset, static_cast<int64_t>(flags.size()), &mask_end)) mask_end = INT64_MAX;

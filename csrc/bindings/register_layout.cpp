@@ -185,22 +185,12 @@ public:
 
     // vLLM's prepare_values: (addr rows, size rows, block ids) as lists of fresh lists of ints.
     py::tuple prepare_values(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
-        if (seed_) return seed_values(chunks, block_ids, shard_ids, false);
-        const Py_ssize_t n = PyObject_Length(chunks.ptr());
-        if (n < 0) throw py::error_already_set();
-        if (n == 0) return py::make_tuple(py::list(), py::list(), py::list());
-        Parsed parsed = parse(chunks, block_ids, shard_ids);
-        return engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
+        return values(chunks, block_ids, shard_ids, false);
     }
 
     // The same values as int64 arrays (keys × segments, keys × segments, keys); GIL released for big ones.
     py::tuple prepare_values_array(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
-        if (seed_) return seed_values(chunks, block_ids, shard_ids, true);
-        const Py_ssize_t n = PyObject_Length(chunks.ptr());
-        if (n < 0) throw py::error_already_set();
-        if (n == 0) return engine_.rows_as_arrays(engine_.snapshot(), {});
-        const Parsed parsed = parse(chunks, block_ids, shard_ids);
-        return engine_.rows_as_arrays(parsed.snapshot, parsed.plans);
+        return values(chunks, block_ids, shard_ids, true);
     }
 
     // Rank-local boundary puts: (addresses, sizes) of one block in every region.
@@ -238,22 +228,13 @@ public:
         Parsed& parsed = w.parsed;
         if (parsed.starts.empty()) {
             // The seed-era arrays of nothing read no region; vLLM's layouts read them.
-            Snapshot snapshot{std::make_shared<const Templates>(), 0};
-            if (arrays && !seed_) snapshot = engine_.snapshot();
-            py::tuple r = arrays ? engine_.rows_as_arrays(snapshot, {})
-                                 : py::make_tuple(py::list(), py::list(), py::list());
+            py::tuple r = no_rows(arrays, !seed_);
             return with_slots(py::make_tuple(std::move(keys), r[0], r[1], r[2]), slots, slot_alignment);
         }
         parsed.snapshot = engine_.snapshot();  // vLLM's prepare_values reads the regions after the walk
-        if (chunks_per_block_ != 0) {
-            validate_store_chunks(parsed, block_ids);
-        } else {
-            validate(parsed);
-            resolve(parsed, block_ids);
-        }
+        make_plans(parsed, block_ids);
         if (!seed_) keys = build_key_list(w.writers, *w.source, w.hash_indices);
-        py::tuple rows = arrays ? engine_.rows_as_arrays(parsed.snapshot, parsed.plans)
-                                : engine_.rows_as_lists(parsed.snapshot, parsed.plans, parsed.id_objects);
+        py::tuple rows = rows_of(parsed, arrays);
         return with_slots(py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]), slots, slot_alignment);
     }
 
@@ -341,8 +322,7 @@ public:
     // vLLM 0.34's receive rule: a walked chunk is kept when mask[start // block_size] is true (an index past
     // the mask drops it); the mask is read in walk order, as vLLM reads it.
     void keep_masked_blocks(py::handle mask, std::vector<WalkedChunk>* walked) const {
-        refuse_non_sequence(mask, "load mask");
-        FastSequence flags(mask.ptr(), "load mask");
+        FastSequence flags = checked_sequence(mask, "load mask");
         std::vector<WalkedChunk> kept;
         kept.reserve(walked->size());
         for (const WalkedChunk& c : *walked) {
@@ -387,8 +367,7 @@ private:
 
     // One key writer per local shard, from the caller's prefixes.
     std::vector<KeyWriter> key_writers(py::handle shard_prefixes) const {
-        refuse_non_sequence(shard_prefixes, "shard_prefixes");
-        FastSequence prefix_seq(shard_prefixes.ptr(), "shard_prefixes");
+        FastSequence prefix_seq = checked_sequence(shard_prefixes, "shard_prefixes");
         if (static_cast<std::size_t>(prefix_seq.size()) != n_shards_) {
             raise(PyExc_ValueError, "expected one key prefix per local shard (" + std::to_string(n_shards_) + ")");
         }
@@ -478,13 +457,19 @@ private:
             raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
         }
         read_chunks(chunks, n_chunks, std::move(shards), &p);
+        make_plans(p, block_ids);
+        return p;
+    }
+
+    // The plans, block ids resolved, of the chunks read into `p`: by vLLM 0.34's store-chunk rules when the
+    // engine has store chunks, else by vLLM 0.33's (and the seed-era) span rules.
+    void make_plans(Parsed& p, py::handle block_ids) const {
         if (chunks_per_block_ != 0) {
             validate_store_chunks(p, block_ids);
         } else {
             validate(p);
             resolve(p, block_ids);
         }
-        return p;
     }
 
     // The snapshot, then every chunk's (start, end) as C++ values, with the shard ids already read.
@@ -532,11 +517,7 @@ private:
                 raise(PyExc_ValueError, "Store chunk has no local cache block");
             }
         };
-        const auto block_id = [&](std::size_t k) {
-            const int64_t at = python_index(block_index[k], ids->size(), k);
-            p.plans[k].block_id = ids->at(at, &p.id_objects[k]);
-            check_block_id(p.plans[k].block_id);
-        };
+        const auto block_id = [&](std::size_t k) { resolve_one(p, *ids, k, block_index[k]); };
         if (n > 16) {
             for (std::size_t k = 0; k < n; ++k) boundary(k);
             for (std::size_t k = 0; k < n; ++k) owned(k);
@@ -618,11 +599,41 @@ private:
         const BlockIds ids(block_ids);
         const std::size_t n = p.plans.size();
         p.id_objects.resize(n);
-        for (std::size_t k = 0; k < n; ++k) {
-            const int64_t at = python_index(floor_div(p.starts[k], block_size_), ids.size(), k);
-            p.plans[k].block_id = ids.at(at, &p.id_objects[k]);
-            check_block_id(p.plans[k].block_id);
-        }
+        for (std::size_t k = 0; k < n; ++k) resolve_one(p, ids, k, floor_div(p.starts[k], block_size_));
+    }
+
+    // Key k's block id: block_ids[block_index] (Python indexing). TP-shared layouts compute in uint64 in vLLM,
+    // which rejects negative block ids.
+    void resolve_one(Parsed& p, const BlockIds& ids, std::size_t k, int64_t block_index) const {
+        const int64_t at = python_index(block_index, ids.size(), k);
+        const int64_t id = ids.at(at, &p.id_objects[k]);
+        if (tp_shared_ && id < 0) raise(PyExc_OverflowError, "block id " + std::to_string(id) + " is negative");
+        p.plans[k].block_id = id;
+    }
+
+    // prepare_values (lists) and prepare_values_array (arrays): one body, `arrays` apart.
+    py::tuple values(py::handle chunks, py::handle block_ids, py::handle shard_ids, bool arrays) {
+        if (seed_) return seed_values(chunks, block_ids, shard_ids, arrays);
+        const Py_ssize_t n = PyObject_Length(chunks.ptr());
+        if (n < 0) throw py::error_already_set();
+        if (n == 0) return no_rows(arrays, true);
+        Parsed parsed = parse(chunks, block_ids, shard_ids);
+        return rows_of(parsed, arrays);
+    }
+
+    // The rows of `p`'s plans: int64 arrays, or lists (with p's exact-int block ids reused).
+    py::tuple rows_of(Parsed& p, bool arrays) {
+        return arrays ? engine_.rows_as_arrays(p.snapshot, p.plans)
+                      : engine_.rows_as_lists(p.snapshot, p.plans, p.id_objects);
+    }
+
+    // The rows of no key: three empty lists, or arrays of no row, which read the regions (engine_.snapshot())
+    // only when `read_regions`.
+    py::tuple no_rows(bool arrays, bool read_regions) {
+        if (!arrays) return py::make_tuple(py::list(), py::list(), py::list());
+        Snapshot snapshot{std::make_shared<const Templates>(), 0};
+        if (read_regions) snapshot = engine_.snapshot();
+        return engine_.rows_as_arrays(snapshot, {});
     }
 
     // The seed-era prepare_values (arrays: prepare_values_array), in its reference's error order: regions,
@@ -633,21 +644,18 @@ private:
         std::unique_ptr<FastSequence> items;
         if (!arrays) {
             items = chunk_sequence(chunks);
-            if (items->size() == 0) return py::make_tuple(py::list(), py::list(), py::list());
+            if (items->size() == 0) return no_rows(false, false);
             p.snapshot = engine_.snapshot();
         }
         ChunkSpans spans = arrays ? parse_chunks(chunks, block_size_, hash_block_size_, true)
                                   : parse_chunk_items(*items, block_size_, hash_block_size_);
         p.starts = std::move(spans.starts);
         p.plans = std::move(spans.plans);
-        if (p.plans.empty()) {  // no chunk (or a callback emptied the list): arrays of nothing read no region
-            if (!arrays) return py::make_tuple(py::list(), py::list(), py::list());
-            return engine_.rows_as_arrays(Snapshot{std::make_shared<const Templates>(), 0}, {});
-        }
+        // No chunk (or a callback emptied the list): arrays of nothing read no region.
+        if (p.plans.empty()) return no_rows(arrays, false);
         if (arrays) p.snapshot = engine_.snapshot();
         resolve(p, block_ids);
-        return arrays ? engine_.rows_as_arrays(p.snapshot, p.plans)
-                      : engine_.rows_as_lists(p.snapshot, p.plans, p.id_objects);
+        return rows_of(p, arrays);
     }
 
     // The local index of a caller's shard id; ValueError unless this rank owns it. Compared before subtracting:
@@ -658,11 +666,6 @@ private:
             raise(PyExc_ValueError, "Store shard is not owned by this TP rank");
         }
         return static_cast<std::size_t>(shard - first_shard_);
-    }
-
-    // TP-shared layouts compute in uint64 in vLLM, which rejects negative block ids.
-    void check_block_id(int64_t id) const {
-        if (tp_shared_ && id < 0) raise(PyExc_OverflowError, "block id " + std::to_string(id) + " is negative");
     }
 
     int64_t block_size_;

@@ -88,6 +88,24 @@ std::vector<std::string> platform_abi_ids() {
     return ids;
 }
 
+// The pointer inside `capsule` when it is a capsule named `name` (PyCapsule_GetName refuses anything else); null,
+// with no error set, otherwise.
+void* capsule_pointer(py::handle capsule, const char* name) {
+    const char* held_name = PyCapsule_GetName(capsule.ptr());
+    if (held_name == nullptr || std::strcmp(held_name, name) != 0) {
+        PyErr_Clear();
+        return nullptr;
+    }
+    void* pointer = PyCapsule_GetPointer(capsule.ptr(), name);
+    if (pointer == nullptr) PyErr_Clear();
+    return pointer;
+}
+
+// The client held by `capsule` (store._get_pyclient_capsule()), or null.
+std::shared_ptr<mooncake::PyClient>* capsule_client(py::handle capsule) {
+    return static_cast<std::shared_ptr<mooncake::PyClient>*>(capsule_pointer(capsule, kCapsuleName));
+}
+
 // Keys the calling thread's last guarded call refused (not sent to Mooncake; -600 in their slots).
 thread_local uint64_t t_refused = 0;
 
@@ -103,13 +121,8 @@ public:
             raise(PyExc_TypeError, "key_blob must be a type (or None), not " + type_name(key_blob.ptr()));
         }
         key_blob_ = std::move(key_blob);
-        const char* name = PyCapsule_GetName(capsule.ptr());
-        if (name == nullptr || std::strcmp(name, kCapsuleName) != 0) {
-            PyErr_Clear();
-            raise(PyExc_RuntimeError, std::string("expected a capsule named '") + kCapsuleName + "'");
-        }
-        auto* held = static_cast<std::shared_ptr<mooncake::PyClient>*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
-        if (held == nullptr) throw py::error_already_set();
+        auto* held = capsule_client(capsule);
+        if (held == nullptr) raise(PyExc_RuntimeError, std::string("expected a capsule named '") + kCapsuleName + "'");
         client_ = *held;  // our own reference: the client lives as long as this object (or close())
 
         mc::SymbolNames names;
@@ -151,146 +164,93 @@ public:
     }
 
     // Each call: keys located, arrays exported (or lists converted) and the config resolved under the GIL; then,
-    // with the GIL released, Mooncake's vectors are built, checked, passed, and freed again. Safe without the
-    // GIL: KeySource and Rows keep every object read alive (exported arrays cannot be resized), and nothing in
-    // the released scope touches a Python object. Declared first, `release` is destroyed last: the vectors
-    // are freed before the GIL is taken back.
+    // with the GIL released, Mooncake's vectors are built, checked, passed, and freed again (call_released).
+    // Safe without the GIL: KeySource and Rows keep every object read alive (exported arrays cannot be
+    // resized), and nothing in the released scope touches a Python object.
     py::list get_multi(py::handle keys, py::handle addrs, py::handle sizes, bool prefer_same_node, py::handle ranges) {
         t_refused = 0;
         const KeySource source = key_source(keys);
-        const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
-        const RangeSet* guard = guard_of(ranges, scratch);
-        Rows rows(addrs, sizes, n, guard);
-        if (n == 0) return py::list();
-        auto client = live();
-        Problem problem;
-        std::vector<int> codes;
-        {
-            TimedRelease release;
-            mc::Keys k = source.build();
+        Rows rows(addrs, sizes, source.size(), guard_of(ranges, scratch));
+        return call_released(source, "batch_get_into_multi_buffers", [&](void* client, mc::Keys& k, Problem& problem) {
             mc::PtrRows ptrs;
             mc::SizeRows sz;
             rows.materialise(ptrs, sz, problem);
-            if (!problem.found()) codes = call_kept(rows.keep(), k, ptrs, sz, [&] {
-                return fns_.get_multi(client.get(), k, ptrs, sz, prefer_same_node);
+            if (problem.found()) return std::vector<int>();
+            return call_kept(rows.keep(), k, ptrs, sz, [&] {
+                return fns_.get_multi(client, k, ptrs, sz, prefer_same_node);
             });
-        }
-        if (problem.found()) raise(PyExc_ValueError, problem.message);
-        return to_list(codes, n, "batch_get_into_multi_buffers");
+        });
     }
 
     py::list put_multi(py::handle keys, py::handle addrs, py::handle sizes, py::object config, py::handle ranges) {
         t_refused = 0;
         const KeySource source = key_source(keys);
-        const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
-        const RangeSet* guard = guard_of(ranges, scratch);
-        Rows rows(addrs, sizes, n, guard);
+        Rows rows(addrs, sizes, source.size(), guard_of(ranges, scratch));
         // `held_config` keeps the ReplicateConfig alive; Mooncake's binding reads it without the GIL too.
         const py::object held_config = config.is_none() ? default_config_ : config;
         const void* cfg = config_pointer(held_config);
-        if (n == 0) return py::list();
-        auto client = live();
-        Problem problem;
-        std::vector<int> codes;
         py::object kept_config;  // the kept keys' config when the guard refused some (freed with the GIL held)
-        {
-            TimedRelease release;
-            mc::Keys k = source.build();
+        return call_released(source, "batch_put_from_multi_buffers", [&](void* client, mc::Keys& k, Problem& problem) {
             mc::PtrRows ptrs;
             mc::SizeRows sz;
             rows.materialise(ptrs, sz, problem);
-            if (!problem.found() && partly_kept(rows.keep())) {
+            if (problem.found()) return std::vector<int>();
+            if (partly_kept(rows.keep())) {
                 py::gil_scoped_acquire gil;  // only when the guard refused some keys, not all
                 kept_config = config_for_kept(held_config, rows.keep());
                 cfg = config_pointer(kept_config);
             }
-            if (!problem.found()) codes = call_kept(rows.keep(), k, ptrs, sz, [&] {
-                return fns_.put_multi(client.get(), k, ptrs, sz, cfg);
-            });
-        }
-        if (problem.found()) raise(PyExc_ValueError, problem.message);
-        return to_list(codes, n, "batch_put_from_multi_buffers");
+            return call_kept(rows.keep(), k, ptrs, sz, [&] { return fns_.put_multi(client, k, ptrs, sz, cfg); });
+        });
     }
 
     py::list get_into(py::handle keys, py::handle ptrs, py::handle sizes, py::handle ranges) {
         t_refused = 0;
         const KeySource source = key_source(keys);
-        const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
-        const RangeSet* guard = guard_of(ranges, scratch);
-        std::vector<char> keep(n, 1);
+        std::vector<char> keep(source.size(), 1);
         mc::Ptrs p;
         mc::Sizes s;
-        convert_flat(ptrs, sizes, n, p, s, guard, &keep);
-        if (n == 0) return py::list();
-        auto client = live();
-        std::vector<int64_t> codes;
-        {
-            TimedRelease release;
-            mc::Keys k = source.build();
-            codes = call_kept(keep, k, p, s, [&] { return fns_.get_into(client.get(), k, p, s); });
-        }
-        return to_list(codes, n, "batch_get_into");
+        convert_flat(ptrs, sizes, source.size(), p, s, guard_of(ranges, scratch), &keep);
+        return call_released(source, "batch_get_into", [&](void* client, mc::Keys& k, Problem&) {
+            return call_kept(keep, k, p, s, [&] { return fns_.get_into(client, k, p, s); });
+        });
     }
 
     py::list put_from(py::handle keys, py::handle ptrs, py::handle sizes, py::object config, py::handle ranges) {
         t_refused = 0;
         const KeySource source = key_source(keys);
-        const std::size_t n = source.size();
         std::optional<RangeSet> scratch;
-        const RangeSet* guard = guard_of(ranges, scratch);
-        std::vector<char> keep(n, 1);
+        std::vector<char> keep(source.size(), 1);
         mc::Ptrs p;
         mc::Sizes s;
-        convert_flat(ptrs, sizes, n, p, s, guard, &keep);
+        convert_flat(ptrs, sizes, source.size(), p, s, guard_of(ranges, scratch), &keep);
         py::object held_config = config.is_none() ? default_config_ : config;
         const void* cfg = config_pointer(held_config);
         if (partly_kept(keep)) {  // the guard refused some keys: the others go on with their own config
             held_config = config_for_kept(held_config, keep);
             cfg = config_pointer(held_config);
         }
-        if (n == 0) return py::list();
-        auto client = live();
-        std::vector<int> codes;
-        {
-            TimedRelease release;
-            mc::Keys k = source.build();
-            codes = call_kept(keep, k, p, s, [&] { return fns_.put_from(client.get(), k, p, s, cfg); });
-        }
-        return to_list(codes, n, "batch_put_from");
+        return call_released(source, "batch_put_from", [&](void* client, mc::Keys& k, Problem&) {
+            return call_kept(keep, k, p, s, [&] { return fns_.put_from(client, k, p, s, cfg); });
+        });
     }
 
     py::list is_exist(py::handle keys) {
         const KeySource source = key_source(keys);
-        const std::size_t n = source.size();
-        if (n == 0) return py::list();
-        auto client = live();
-        std::vector<int> codes;
-        {
-            TimedRelease release;
-            const mc::Keys k = source.build();
+        return call_released(source, "batchIsExist", [&](void* client, const mc::Keys& k, Problem&) {
             g_calls.fetch_add(1, std::memory_order_relaxed);
-            codes = fns_.is_exist(client.get(), k);
-        }
-        return to_list(codes, n, "batchIsExist");
+            return fns_.is_exist(client, k);
+        });
     }
 
     // True if `capsule` (a fresh store._get_pyclient_capsule()) holds the client this object calls.
     bool same_client(py::handle capsule) const {
         if (capsule.is_none() || !client_) return false;
-        const char* name = PyCapsule_GetName(capsule.ptr());
-        if (name == nullptr || std::strcmp(name, kCapsuleName) != 0) {
-            PyErr_Clear();
-            return false;
-        }
-        auto* held = static_cast<std::shared_ptr<mooncake::PyClient>*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
-        if (held == nullptr) {
-            PyErr_Clear();
-            return false;
-        }
-        return held->get() == client_.get();
+        auto* held = capsule_client(capsule);
+        return held != nullptr && held->get() == client_.get();
     }
 
     void close() { client_.reset(); }
@@ -369,6 +329,27 @@ private:
         return merge_refused(std::move(codes), keep, n);
     }
 
+    // The shared end of every call: nothing for no key; else, on the live client and with the GIL released
+    // (TimedRelease), Mooncake's key vector is built and `fn(client, keys, problem)` (no Python API) returns
+    // Mooncake's codes, then a `problem` it found is raised (ValueError) and the codes become a list (to_list
+    // names `method`). Declared first, `release` is destroyed last: every vector is freed before the GIL is
+    // taken back.
+    template <typename Fn>
+    py::list call_released(const KeySource& source, const char* method, Fn&& fn) {
+        const std::size_t n = source.size();
+        if (n == 0) return py::list();
+        auto client = live();
+        Problem problem;
+        decltype(fn(client.get(), std::declval<mc::Keys&>(), problem)) codes;
+        {
+            TimedRelease release;
+            mc::Keys k = source.build();
+            codes = fn(client.get(), k, problem);
+        }
+        if (problem.found()) raise(PyExc_ValueError, problem.message);
+        return to_list(codes, n, method);
+    }
+
     std::shared_ptr<mooncake::PyClient> live() const {
         if (!client_) raise(PyExc_RuntimeError, "this native Mooncake client is closed");
         return client_;  // a copy: close() in another thread cannot free the client under a running call
@@ -381,15 +362,7 @@ private:
                                  typeid(std::type_info).name());
         py::object result = config.attr("_pybind11_conduit_v1_")(py::bytes(abi_id_), type_capsule,
                                                                   py::bytes("raw_pointer_ephemeral"));
-        if (!PyCapsule_CheckExact(result.ptr())) return nullptr;
-        const char* name = PyCapsule_GetName(result.ptr());
-        if (name == nullptr || std::strcmp(name, kReplicateConfigName) != 0) {
-            PyErr_Clear();
-            return nullptr;
-        }
-        void* pointer = PyCapsule_GetPointer(result.ptr(), name);
-        if (pointer == nullptr) PyErr_Clear();
-        return pointer;
+        return capsule_pointer(result, kReplicateConfigName);
     }
 
     const void* config_pointer(py::handle config) const {

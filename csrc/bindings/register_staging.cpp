@@ -197,21 +197,17 @@ py::array_t<bool> slices_inside(py::handle addrs_obj, py::handle sizes_obj, py::
     const auto* s = static_cast<const int64_t*>(sizes.data());
     bool* ok = out.mutable_data();
     std::vector<std::size_t> hints(cols, RangeSet::npos);
-    auto check = [&]() noexcept {
+    {
+        // Safe without the GIL: only the two exported arrays (kept alive by `addrs`/`sizes`), the C++ range set
+        // and `out` are read or written.
+        std::optional<py::gil_scoped_release> release;
+        if (release_gil_for(work_ns(static_cast<uint64_t>(rows) * cols, kNsPerSliceCheck))) release.emplace();
         for (std::size_t i = 0; i < rows; ++i) {
             for (std::size_t j = 0; j < cols; ++j) {
                 const std::size_t k = i * cols + j;
                 ok[k] = allowed.inside(static_cast<uint64_t>(a[k]), static_cast<uint64_t>(s[k]), true, true, &hints[j]);
             }
         }
-    };
-    if (release_gil_for(work_ns(static_cast<uint64_t>(rows) * cols, kNsPerSliceCheck))) {
-        // Safe: only the two exported arrays (kept alive by `addrs`/`sizes`), the C++ range set and `out` are read
-        // or written.
-        py::gil_scoped_release release;
-        check();
-    } else {
-        check();
     }
     return out;
 }
