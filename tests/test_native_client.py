@@ -579,6 +579,40 @@ def test_bad_contiguous_input_raises_before_calling(
     assert _native.mooncake_client_call_count() == before
 
 
+class _Resizes:
+    """An int whose ``__index__`` grows or empties the list that holds it (a callback run mid-conversion)."""
+
+    def __init__(self, victim: list[Any], grow: bool) -> None:
+        self.victim, self.grow = victim, grow
+
+    def __index__(self) -> int:
+        if self.grow:
+            self.victim.extend([4096] * 100_000)
+        else:
+            self.victim.clear()
+        return 4096
+
+
+@pytest.mark.parametrize("grow", [True, False])
+def test_contiguous_rows_resized_while_converted_raise_before_calling(client: NativeClient, grow: bool) -> None:
+    """The pointer list is read at its length when the conversion starts: one that grows under an item's
+    ``__index__`` is not followed (the call goes on with the items it had; here the guard refuses both, so
+    Mooncake is not called), one that empties raises. Before the fix a growing list was written past its rows."""
+    buffer = np.zeros(64, np.uint8)
+    ranges = np.array([[buffer.ctypes.data, buffer.ctypes.data + buffer.nbytes]], np.int64)
+    before = _native.mooncake_client_call_count()
+    for call in (client.batch_get_into, client.batch_put_from):
+        ptrs: list[Any] = []
+        ptrs.extend([_Resizes(ptrs, grow), 4096])
+        if grow:
+            assert call(["a", "b"], ptrs, [16, 16], ranges=ranges) == [CODE_INVALID_PARAMS] * 2
+            assert client.last_refused() == 2
+        else:
+            with pytest.raises(RuntimeError, match="changed size"):
+                call(["a", "b"], ptrs, [16, 16], ranges=ranges)
+    assert _native.mooncake_client_call_count() == before
+
+
 # ---------------------------------------------------------------------------------------------- threads, GIL
 
 

@@ -328,9 +328,12 @@ void convert_flat(py::handle ptrs, py::handle sizes, std::size_t keys, mc::Ptrs&
                 }
             }
         } else {
+            // The length is read once, as append_int64s does: an item's __index__ that grows the list is not
+            // followed (the rows stay the size they were made), one that shrinks it makes seq.at raise.
             FastSequence seq(obj.ptr(), what);
-            values.resize(static_cast<std::size_t>(seq.size()));
-            for (Py_ssize_t i = 0; i < seq.size(); ++i) {
+            const Py_ssize_t n = seq.size();
+            values.resize(static_cast<std::size_t>(n));
+            for (Py_ssize_t i = 0; i < n; ++i) {
                 values[static_cast<std::size_t>(i)] = static_cast<uint64_t>(as_int64(seq.at(i).ptr(), what));
             }
         }
