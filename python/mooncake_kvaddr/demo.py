@@ -171,6 +171,14 @@ def _setup_progress() -> Iterator[None]:
         source.setLevel(level)
 
 
+@contextlib.contextmanager
+def _timed(into: dict[str, float], name: str) -> Iterator[None]:
+    """Time the block into ``into[name]``, in seconds (nothing when it raises)."""
+    started = time.perf_counter()
+    yield
+    into[name] = time.perf_counter() - started
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo; returns the JSON report (``verified`` tells whether every byte matched)."""
     block_size = args.block_size
@@ -184,27 +192,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     config = _config(args, data_bytes)
     metadata = KeyMetadata("demo-model", 0, 0, 0, 0)
-    started = time.perf_counter()
-    with _setup_progress():
+    with _timed(timings, "setup"), _setup_progress():
         store = MooncakeStore(config).setup()
-    timings["setup"] = time.perf_counter() - started
     _say(f"store set up in {timings['setup']:.2f} s")
     pool = None
     try:
         if "staged" in planned_modes(args, config):
             # One pool for both sides (as a worker's send and receive threads share one), pre-faulted here.
-            started = time.perf_counter()
-            pool = StagingPool(min(config.staging_buffer_size, data_bytes + chunks * SLOT_ALIGNMENT))
-            timings["staging_pool"] = time.perf_counter() - started
+            with _timed(timings, "staging_pool"):
+                pool = StagingPool(min(config.staging_buffer_size, data_bytes + chunks * SLOT_ALIGNMENT))
         # The caches are built once the store is up: a master that cannot be reached is reported first.
         rng = np.random.default_rng(args.seed)
-        started = time.perf_counter()
-        cache_a = kv_cache(args.regions, num_blocks, args.block_bytes, rng)
-        cache_b = kv_cache(args.regions, num_blocks, args.block_bytes, None)
-        ids_a = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
-        ids_b = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
-        hashes = chained_hashes(token_len // hbs, args.seed)
-        timings["build_cache"] = time.perf_counter() - started
+        with _timed(timings, "build_cache"):
+            cache_a = kv_cache(args.regions, num_blocks, args.block_bytes, rng)
+            cache_b = kv_cache(args.regions, num_blocks, args.block_bytes, None)
+            ids_a = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
+            ids_b = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
+            hashes = chained_hashes(token_len // hbs, args.seed)
         writer = KVTransfer(
             store, [ChunkedTokenDatabase(metadata, block_size, hbs)], transfer_mode=args.mode, staging_pool=pool
         )
@@ -229,37 +233,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for phase, seconds in stored.timings.items():
                 timings[f"store_{phase}"] = seconds
 
-            started = time.perf_counter()
             # A prompt one token longer than what was stored: the whole stored prefix is a hit.
-            hit = reader.lookup(token_len + 1, hashes)
-            timings["lookup"] = time.perf_counter() - started
+            with _timed(timings, "lookup"):
+                hit = reader.lookup(token_len + 1, hashes)
             full_hit = reader.lookup(token_len, hashes)  # everything cached: the last block is recomputed
 
             loaded = reader.submit_load(TransferRequest("demo", hit, hashes, [ids_b])).result(_RESULT_TIMEOUT_S)
             for phase, seconds in loaded.timings.items():
                 timings[f"load_{phase}"] = seconds
 
-            started = time.perf_counter()
-            verified = (
-                stored.ok
-                and loaded.ok
-                and hit == token_len
-                and full_hit == token_len - block_size
-                and all(np.array_equal(a[ids_a], b[ids_b]) for a, b in zip(cache_a, cache_b, strict=True))
-            )
-            timings["verify"] = time.perf_counter() - started
+            with _timed(timings, "verify"):
+                verified = (
+                    stored.ok
+                    and loaded.ok
+                    and hit == token_len
+                    and full_hit == token_len - block_size
+                    and all(np.array_equal(a[ids_a], b[ids_b]) for a, b in zip(cache_a, cache_b, strict=True))
+                )
 
             # Re-measurements, after the run: the load's fused plan split into its two halves (keys, address
             # rows), and in multi-buffer mode Mooncake's own share of the get (converting the argument lists,
             # GIL held), each timed again on its own.
-            started = time.perf_counter()
-            reader_db.keys_for(list(chunk_hashes_for_block_size(hashes, hbs, block_size))[:chunks])
-            remeasured["load_plan_keys"] = time.perf_counter() - started
-            started = time.perf_counter()
-            addrs, sizes, _ = reader_db.prepare_values(
-                [(c * block_size, (c + 1) * block_size) for c in range(chunks)], ids_b
-            )
-            remeasured["load_plan_address_rows"] = time.perf_counter() - started
+            with _timed(remeasured, "load_plan_keys"):
+                reader_db.keys_for(list(chunk_hashes_for_block_size(hashes, hbs, block_size))[:chunks])
+            with _timed(remeasured, "load_plan_address_rows"):
+                addrs, sizes, _ = reader_db.prepare_values(
+                    [(c * block_size, (c + 1) * block_size) for c in range(chunks)], ids_b
+                )
             if loaded.mode == "multi_buffer":
                 conversion = statistics.median(store.time_argument_conversion(addrs, sizes) for _ in range(3))
                 remeasured["load_get_mooncake_argument_conversion"] = conversion
@@ -268,9 +268,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reader.close()
     finally:
         _say("closing the store (Mooncake's client takes about 2 s to stop)")
-        started = time.perf_counter()
-        store.close()
-        timings["close"] = time.perf_counter() - started
+        with _timed(timings, "close"):
+            store.close()
 
     def ms(seconds: float) -> float:
         return round(seconds * 1e3, 3)

@@ -212,10 +212,7 @@ class StoreConfig:
                     "(an address names a running master; embedded_master starts a private one)"
                 )
             put("master_server_address", address)
-        protocol = check_str("protocol", self.protocol).strip().lower()
-        if protocol not in _PROTOCOLS:
-            raise ValueError(f"protocol: must be one of {_PROTOCOLS}, got {show(self.protocol)}")
-        put("protocol", protocol)
+        put("protocol", _choice("protocol", self.protocol, _PROTOCOLS))
         segment = parse_size(self.global_segment_size, "global_segment_size")
         if 0 < segment < MIN_GLOBAL_SEGMENT_SIZE:
             raise ValueError(
@@ -225,9 +222,7 @@ class StoreConfig:
         put("local_buffer_size", parse_size(self.local_buffer_size, "local_buffer_size"))
         put("tenant_id", _normalize_tenant(self.tenant_id))
         if self.mode is not None:
-            mode = check_str("mode", self.mode).strip().lower()
-            if mode not in MODES:
-                raise ValueError(f"mode: must be one of {MODES}, got {show(self.mode)}")
+            mode = _choice("mode", self.mode, MODES)
             if mode == "embedded" and segment == 0:
                 raise ValueError("mode 'embedded' needs global_segment_size > 0 (use 'standalone-store' for 0)")
             if mode == "standalone-store" and segment != 0:
@@ -235,10 +230,7 @@ class StoreConfig:
             put("mode", mode)
         put("enable_offload", check_bool("enable_offload", self.enable_offload))
         put("native_client", check_bool("native_client", self.native_client))
-        mode_name = check_str("transfer_mode", self.transfer_mode).strip().lower().replace("-", "_")
-        if mode_name not in TRANSFER_MODES:
-            raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {show(self.transfer_mode)}")
-        put("transfer_mode", mode_name)
+        put("transfer_mode", _choice("transfer_mode", self.transfer_mode, TRANSFER_MODES, dashes=True))
         staging = parse_size(self.staging_buffer_size, "staging_buffer_size")
         if staging == 0:
             raise ValueError("staging_buffer_size: must be > 0 (use transfer_mode='multi_buffer' to stage nothing)")
@@ -371,6 +363,15 @@ class StoreConfig:
         if "tenant" in changes and "tenant_id" not in changes:
             fields.pop("tenant_id")
         return StoreConfig.from_dict(fields, **changes)
+
+
+def _choice(field: str, value: object, choices: tuple[str, ...], *, dashes: bool = False) -> str:
+    """``value`` stripped and lower-cased (``dashes``: with ``-`` read as ``_``) if it is one of ``choices``."""
+    text = check_str(field, value).strip().lower()
+    text = text.replace("-", "_") if dashes else text
+    if text not in choices:
+        raise ValueError(f"{field}: must be one of {choices}, got {show(value)}")
+    return text
 
 
 def _normalize_tenant(value: object) -> str:

@@ -7,9 +7,9 @@ its rows inside the caches the transfer registered.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,7 @@ from mooncake_kvaddr.driver.path_base import register_bounded_rows
 __all__ = ["LayoutGroup", "group_databases", "host_regions", "install_segments"]
 
 Int64Array = npt.NDArray[np.int64]
+_Rows = TypeVar("_Rows", bound=tuple[Any, ...])
 
 
 class LayoutGroup:
@@ -194,13 +195,20 @@ class LayoutGroup:
         self, token_len: int, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], mask_num: int = 0
     ) -> KeyPlan:
         """The layout's fused load plan (keys, rows, block ids), with this thread's tail boundary if any."""
-        version = self._segments_version()
-        keys, addrs, sizes, ids = self.layout.plan_load(
+        keys, addrs, sizes, ids = self._bounded_rows(2, lambda: self.layout.plan_load(
             token_len, block_hashes, mask_num, None, list(block_ids), self._tail_tokens()
-        )
-        self._same_segments(version)
-        self._check_rows(sizes)
+        ))
         return KeyPlan(keys, addrs, sizes, ids)
+
+    def _bounded_rows(self, sizes_at: int, compute: Callable[[], _Rows]) -> _Rows:
+        """``compute()``'s rows (the sizes at index ``sizes_at``), computed between two reads of the TP-shared
+        segment templates' version (:meth:`_segments_version`, :meth:`_same_segments`) and checked to have
+        segments (:meth:`_check_rows`)."""
+        version = self._segments_version()
+        rows = compute()
+        self._same_segments(version)
+        self._check_rows(rows[sizes_at])
+        return rows
 
     def _check_rows(self, sizes: Any) -> None:
         """Refuse rows without a segment: a TP-shared layout whose caches were never registered would put
@@ -228,22 +236,14 @@ class LayoutGroup:
     ) -> tuple[list[list[int]], list[list[int]], list[int]]:
         """The layout's rows of ``(start, end, shard_id)`` entries (lists)."""
         pairs, shards = self._split(chunks)
-        version = self._segments_version()
-        rows = self.layout.prepare_values(pairs, list(block_ids), shards)
-        self._same_segments(version)
-        self._check_rows(rows[1])
-        return rows
+        return self._bounded_rows(1, lambda: self.layout.prepare_values(pairs, list(block_ids), shards))
 
     def prepare_values_array(
         self, chunks: Any, block_ids: Sequence[int] | Int64Array
     ) -> tuple[Int64Array, Int64Array, Int64Array]:
         """The layout's rows of ``(start, end, shard_id)`` entries (int64 arrays)."""
         pairs, shards = self._split(chunks)
-        version = self._segments_version()
-        rows = self.layout.prepare_values_array(pairs, block_ids, shards)
-        self._same_segments(version)
-        self._check_rows(rows[1])
-        return rows
+        return self._bounded_rows(1, lambda: self.layout.prepare_values_array(pairs, block_ids, shards))
 
 
 _ROW_METHODS = ("prepare_values", "prepare_values_array", "plan_load", "plan_load_arrays")

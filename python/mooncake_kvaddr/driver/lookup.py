@@ -160,15 +160,7 @@ class StoreLookup:
         before an aligned boundary, a Mamba group only the block that ends on one. Coarse mode only. The lists
         have ``ceil(token_len / block_size)`` entries: :meth:`lookup` itself never builds them.
         """
-        masks: list[list[bool] | None] = []
-        for g, bs in enumerate(self.block_sizes):
-            rule = self._mask_rule(g)
-            if rule is None:
-                masks.append(None)
-                continue
-            per, needed = rule
-            masks.append([i % per >= per - needed for i in range(-(-token_len // bs))])
-        return masks
+        return [self._rule_mask(g, -(-token_len // bs)) for g, bs in enumerate(self.block_sizes)]
 
     def plan(
         self,
@@ -195,15 +187,8 @@ class StoreLookup:
         for g, bs in enumerate(self.block_sizes):
             group_hashes = chunk_hashes_for_block_size(block_hashes, hbs, bs)
             count = max(0, min(len(group_hashes), -(-token_len // bs)))
-            units: Sequence[int]
-            if lookup_masks is not None:
-                mask = lookup_masks[g]
-                units = range(count) if mask is None else [i for i in range(min(count, len(mask))) if mask[i]]
-            elif (rule := self._mask_rule(g)) is None:
-                units = range(count)
-            else:
-                per, needed = rule
-                units = [i for i in range(count) if i % per >= per - needed]
+            mask = self._rule_mask(g, count) if lookup_masks is None else lookup_masks[g]
+            units = range(count) if mask is None else [i for i in range(min(count, len(mask))) if mask[i]]
             self._probe(plan, g, group_hashes, units, count)
         return plan
 
@@ -293,14 +278,15 @@ class StoreLookup:
                              "feeds every group, so they must share it")
         return self.hash_block_size
 
-    def _mask_rule(self, g: int) -> tuple[int, int] | None:
-        """Coarse mode: ``(chunks per aligned boundary, chunks needed before one)``, or None (probe all)."""
+    def _rule_mask(self, g: int, count: int) -> list[bool] | None:
+        """Coarse mode: which of group ``g``'s first ``count`` chunks can decide a hit at an aligned boundary (the
+        last ``needed`` chunks before each one), or None (probe all)."""
         spec, bs = self.specs[g], self.block_sizes[g]
         per_boundary = self.alignment // bs
         if self.partial_hash_hits or spec.is_full_attention or per_boundary <= 1:
             return None
         needed = 1 if spec.is_mamba else window_blocks(spec, bs)
-        return None if needed >= per_boundary else (per_boundary, needed)
+        return None if needed >= per_boundary else [i % per_boundary >= per_boundary - needed for i in range(count)]
 
     def _probe(
         self, plan: LookupPlan, g: int, hashes: Sequence[BlockHash], units: Sequence[int], count: int

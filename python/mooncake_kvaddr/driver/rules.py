@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr.driver.errors import StoreError
+from mooncake_kvaddr.driver.store_args import _plan
 
 if TYPE_CHECKING:  # the plugin's handlers import these rules: no store modules at their start-up
     from mooncake_kvaddr.driver.config import StoreConfig
@@ -124,21 +125,8 @@ def split_by_staging_budget(
     for i, need in enumerate(estimates):
         if need > budget_bytes:
             return i
-    if fits:
-        return [(0, len(estimates))] if estimates else []
-    batches: list[tuple[int, int]] = []
-    start, total = 0, 0
-    for i, need in enumerate(estimates):
-        if i > start and total + need > usable_bytes:
-            batches.append((start, i))
-            start, total = i, 0
-        total += need
-        if need > usable_bytes:  # alone
-            batches.append((start, i + 1))
-            start, total = i + 1, 0
-    if start < len(estimates):
-        batches.append((start, len(estimates)))
-    return batches
+    # The store's region-budget packing: one span when everything fits, a key over usable_bytes alone.
+    return _plan(estimates, usable_bytes) if estimates else []
 
 
 class RecordOperation(Protocol):
