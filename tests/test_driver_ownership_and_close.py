@@ -494,6 +494,29 @@ def test_multi_buffer_rows_from_a_database_subclass_stay_inside_the_caches(
         xfer.close()
 
 
+def test_direct_rows_from_a_database_subclass_stay_inside_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct path (one region per key) checks a planner's rows against the registered caches on a put as
+    on a load: Mooncake's contiguous calls would read or write them unchecked."""
+    secret = np.full(1 << 16, 0x53, np.uint8)
+    with fake_store(monkeypatch) as (store, fake):
+        db = _WildRows(KeyMetadata("m", 0, 0, 0, 0), 16)
+        db.target = int(secret.ctypes.data)
+        xfer = KVTransfer(store, [db], transfer_mode="auto", start_threads=False)  # one region: direct
+        cache = Cache(1, 4, 256, seed=9)
+        xfer.register_kv_caches(cache.regions, 4)
+        assert xfer.mode == "direct"
+        h = hashes("m", 2)
+        with pytest.raises(ValueError, match="outside the registered"):
+            xfer.store(TransferRequest("r", 32, h, [[1, 2]]))
+        assert not any(b"\x53" * 64 in v for v in fake.objects.values()), "process memory put into the store"
+        fake.objects.update({k: bytes(256) for k in db.keys_for(h)})
+        loaded = xfer.load(TransferRequest("r", 32, h, [[1, 2]]))
+        assert loaded.failed_block_ids == {1, 2} and not loaded.loaded_block_ids
+        assert loaded.error is not None and "outside the registered" in loaded.error
+        assert (secret == 0x53).all(), "a load wrote outside the registered caches"
+        xfer.close()
+
+
 @pytest.mark.parametrize("method", ["prepare_values", "prepare_values_array", "plan_load", "plan_load_arrays"])
 def test_one_row_method_replaced_on_a_database_instance_is_not_trusted(
     monkeypatch: pytest.MonkeyPatch, method: str

@@ -614,6 +614,27 @@ def test_self_check_catches_a_handler_that_differs(vllm: tuple[Any, Any]) -> Non
     receive_check.self_check(data, worker, ours)
 
 
+def test_self_check_compares_every_field_of_a_record(vllm: tuple[Any, Any]) -> None:
+    """A handler whose records differ from vLLM's in one field only (the status it reports, last in sorted
+    order) fails the self-check: each record is compared whole, less its duration."""
+    data, worker = vllm
+    _, ours = _handlers(worker)
+
+    def misreports(self: Any, req_meta: Any) -> None:
+        record = self._record_operation
+
+        def off_by_one(operation: str, start: float, num_keys: int, **fields: Any) -> None:
+            fields["status"] = f"{fields.get('status')}, misreported"
+            record(operation, start, num_keys, **fields)
+
+        self._record_operation = off_by_one
+        ours(self, req_meta)
+
+    misreports.stats = ours.stats  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="receive handler"):
+        receive_check.self_check(data, worker, misreports)
+
+
 def test_self_check_needs_stats_only_to_demand_the_fast_path(vllm: tuple[Any, Any]) -> None:
     """A handler without ``stats`` (vLLM's own) is checked for equality alone; one with ``stats`` must raise its
     fast-path count during the self-check, counted from where it stood before (not from zero)."""
