@@ -213,16 +213,34 @@ class ChildProcess:
         """
         for attempt in range(1, attempts + 1):
             self._spawn(name, command(), env)
+            deadline = time.monotonic() + timeout_s
+            delay = 0.01
             try:
-                self._wait_ready(name, ready, timeout_s, ports, waited_for, error)
-                return
-            except _EarlyExit as exc:
-                self.stop()  # reaps it
-                if attempt == attempts:
-                    raise error(str(exc)) from None
+                while True:
+                    popen = self.popen
+                    assert popen is not None
+                    if popen.poll() is not None:
+                        early_exit = (
+                            f"{name} exited with code {popen.returncode} during startup ({ports()}); "
+                            f"log tail:\n{self.stderr_tail() or '<empty>'}"
+                        )
+                        break
+                    if ready(popen.pid):
+                        return
+                    if time.monotonic() >= deadline:
+                        self.stop(kill=True)
+                        raise error(
+                            f"{name} (pid {popen.pid}) not ready after {timeout_s:.1f} s ({ports()}): {waited_for}; "
+                            f"log tail:\n{self.stderr_tail() or '<empty>'}"
+                        )
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.1)
             except BaseException:
                 self.stop()
                 raise
+            self.stop()  # reaps the child that exited early
+            if attempt == attempts:
+                raise error(early_exit) from None
         raise AssertionError("unreachable")
 
     def _spawn(self, name: str, command: Sequence[str], env: Mapping[str, str] | None) -> None:
@@ -246,36 +264,6 @@ class ChildProcess:
                 )  # fmt: skip
 
             self.popen = Spawner.spawn(make)
-
-    def _wait_ready(
-        self,
-        name: str,
-        ready: Callable[[int], bool],
-        timeout_s: float,
-        ports: Callable[[], str],
-        waited_for: str,
-        error: type[Exception],
-    ) -> None:
-        deadline = time.monotonic() + timeout_s
-        delay = 0.01
-        while True:
-            popen = self.popen
-            assert popen is not None
-            if popen.poll() is not None:
-                raise _EarlyExit(
-                    f"{name} exited with code {popen.returncode} during startup ({ports()}); "
-                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
-                )
-            if ready(popen.pid):
-                return
-            if time.monotonic() >= deadline:
-                self.stop(kill=True)
-                raise error(
-                    f"{name} (pid {popen.pid}) not ready after {timeout_s:.1f} s ({ports()}): {waited_for}; "
-                    f"log tail:\n{self.stderr_tail() or '<empty>'}"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
 
     def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
         with self.lock:
@@ -368,10 +356,6 @@ class ChildOwner:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-class _EarlyExit(Exception):
-    """The child exited before it was ready; :meth:`ChildProcess.start` may run it again."""
 
 
 def health_ok(port: int) -> bool:
