@@ -21,7 +21,7 @@ from types import FrameType
 from typing import IO, Final
 
 from mooncake_kvaddr.core.flags import flag
-from mooncake_kvaddr.driver.process import children
+from mooncake_kvaddr.driver.process import children, read_tail
 
 __all__ = [
     "INTERRUPTED_EXIT",
@@ -54,15 +54,7 @@ class NativeLog:
 
     def tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines captured, for an error report."""
-        if self._file is None:
-            return ""
-        try:
-            self._file.flush()
-            self._file.seek(0)
-            text = self._file.read().decode("utf-8", "replace")
-        except (OSError, ValueError):
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return "\n".join(read_tail(self._file).splitlines()[-lines:])
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ __all__ = [
     "owns_listener",
     "pdeathsig_preexec",
     "process_is_running",
+    "read_tail",
 ]
 
 LOOPBACK: Final = "127.0.0.1"
@@ -267,16 +268,7 @@ class ChildProcess:
 
     def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
         with self.lock:
-            if self.stderr is None:
-                return ""
-            try:
-                self.stderr.flush()
-                size = self.stderr.seek(0, os.SEEK_END)
-                self.stderr.seek(max(0, size - limit))
-                data = self.stderr.read()
-            except (OSError, ValueError):
-                return ""
-        return data.decode("utf-8", "replace").strip()
+            return read_tail(self.stderr, limit).strip()
 
     def stop(self, *, kill: bool = False, grace_s: float = _TERM_GRACE_S) -> int | None:
         """Terminate (or kill) the child and reap it; returns its exit code (None if there was none)."""
@@ -356,6 +348,20 @@ class ChildOwner:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def read_tail(file: IO[bytes] | None, limit: int | None = None) -> str:
+    """The last ``limit`` bytes (``None``: all) of a log ``file``, decoded; ``""`` without a file or when it
+    cannot be read."""
+    if file is None:
+        return ""
+    try:
+        file.flush()
+        size = file.seek(0, os.SEEK_END)
+        file.seek(0 if limit is None else max(0, size - limit))
+        return file.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return ""
 
 
 def health_ok(port: int) -> bool:
