@@ -137,11 +137,10 @@ def connect(config: StoreConfig, module: ModuleType, address: str, master: Embed
     retries = config.setup_retries
     if retries is None and master is not None:
         retries = _EMBEDDED_SETUP_RETRIES
-    if retries is None:
-        # Mooncake's own policy: it picks the client port and retries as its environment says.
+    if retries is None or _has_port(config.local_hostname):
+        # No retries asked: Mooncake's own policy (it picks the client port and retries as its environment
+        # says). A pinned port: one attempt, as it does not get free by retrying.
         hosts = [config.local_hostname]
-    elif _has_port(config.local_hostname):
-        hosts = [config.local_hostname]  # a pinned port does not get free by retrying
     else:
         # Our own attempts, each on a port picked here, so the retry count is this call's alone (the
         # process environment, shared by every thread, is never written).
