@@ -217,7 +217,6 @@ public:
             copy_.clear();
         }
     }
-    bool held() const noexcept { return held_ || copied_; }
     const uint8_t* data() const noexcept {
         return copied_ ? copy_.data() : static_cast<const uint8_t*>(view_.buf);
     }
