@@ -315,27 +315,20 @@ private:
 void convert_flat(py::handle ptrs, py::handle sizes, std::size_t keys, mc::Ptrs& out_ptrs, mc::Sizes& out_sizes,
                   const RangeSet* ranges = nullptr, std::vector<char>* keep = nullptr) {
     auto read = [keys](py::handle obj, const char* what) {
-        std::vector<uint64_t> values;
+        std::vector<int64_t> values;
         Export view;
         if (view.acquire(obj.ptr()) && view.view().ndim == 1 && int64_kind(view.view()) != 0) {
-            const auto* data = static_cast<const uint64_t*>(view.view().buf);
+            const auto* data = static_cast<const int64_t*>(view.view().buf);
             values.assign(data, data + view.view().shape[0]);
-            if (int64_kind(view.view()) == 2) {
-                for (uint64_t& v : values) {
-                    if (v > static_cast<uint64_t>(INT64_MAX)) {
-                        raise(PyExc_OverflowError, std::string(what) + " value does not fit in int64");
-                    }
-                }
+            // A uint64 above INT64_MAX reads as a negative int64.
+            if (int64_kind(view.view()) == 2 &&
+                std::any_of(values.begin(), values.end(), [](int64_t v) { return v < 0; })) {
+                raise(PyExc_OverflowError, std::string(what) + " value does not fit in int64");
             }
         } else {
-            // The length is read once, as append_int64s does: an item's __index__ that grows the list is not
-            // followed (the rows stay the size they were made), one that shrinks it makes seq.at raise.
-            FastSequence seq(obj.ptr(), what);
-            const Py_ssize_t n = seq.size();
-            values.resize(static_cast<std::size_t>(n));
-            for (Py_ssize_t i = 0; i < n; ++i) {
-                values[static_cast<std::size_t>(i)] = static_cast<uint64_t>(as_int64(seq.at(i).ptr(), what));
-            }
+            // The length is read once (append_int64s): an item's __index__ that grows the list is not followed
+            // (the rows stay the size they were made), one that shrinks it makes seq.at raise.
+            append_int64s(FastSequence(obj.ptr(), what), what, &values);
         }
         if (values.size() != keys) {
             raise(PyExc_ValueError, std::string(what) + " has " + std::to_string(values.size()) + " entries for " +
@@ -343,8 +336,8 @@ void convert_flat(py::handle ptrs, py::handle sizes, std::size_t keys, mc::Ptrs&
         }
         return values;
     };
-    const std::vector<uint64_t> p = read(ptrs, "ptrs");
-    const std::vector<uint64_t> s = read(sizes, "sizes");
+    const std::vector<int64_t> p = read(ptrs, "ptrs");
+    const std::vector<int64_t> s = read(sizes, "sizes");
     out_ptrs.resize(keys);
     out_sizes.resize(keys);
     Problem problem;

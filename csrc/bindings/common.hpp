@@ -29,10 +29,14 @@ struct Errors {
 };
 Errors& errors();
 
+// One registration function per register_*.cpp, called by module.cpp.
 void register_errors(py::module_& m);
 void register_addr(py::module_& m);
 void register_keys(py::module_& m);
 void register_staging(py::module_& m);
+void register_layout(py::module_& m);
+void register_rows(py::module_& m);
+void register_mooncake_client(py::module_& m);
 
 // Raise `type` with `message` as a C++ exception pybind11 turns back into that Python exception.
 [[noreturn]] inline void raise(PyObject* type, const std::string& message) {
@@ -213,7 +217,6 @@ public:
             copy_.clear();
         }
     }
-    bool held() const noexcept { return held_ || copied_; }
     const uint8_t* data() const noexcept {
         return copied_ ? copy_.data() : static_cast<const uint8_t*>(view_.buf);
     }

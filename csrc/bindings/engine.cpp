@@ -26,9 +26,9 @@ RowEngine::RowEngine(bool tp_shared, std::size_t n_templates, std::size_t cache_
 }
 
 void RowEngine::set_region_sources(py::object base, py::object block_len, py::object block_stride) {
-    require_region_sequence(base, "kv_caches_base_addr");
-    require_region_sequence(block_len, "block_len");
-    if (!block_stride.is_none()) require_region_sequence(block_stride, "block_stride");
+    require_int_sequence(base, "kv_caches_base_addr");
+    require_int_sequence(block_len, "block_len");
+    if (!block_stride.is_none()) require_int_sequence(block_stride, "block_stride");
     // The next snapshot compares values (and rules): equal ones keep the cache.
     base_source_ = std::move(base);
     block_len_source_ = std::move(block_len);

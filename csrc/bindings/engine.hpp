@@ -52,7 +52,6 @@ public:
     RowEngine(const RowEngine&) = delete;
     RowEngine& operator=(const RowEngine&) = delete;
 
-    bool tp_shared() const noexcept { return tp_shared_; }
     std::size_t template_count() const noexcept { return templates_count_; }
 
     // Rank-local: keeps references to the caller's lists (the reference stores them by reference too); their

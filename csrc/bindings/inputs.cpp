@@ -147,10 +147,7 @@ BlockIdSource::BlockIdSource(py::handle obj) : obj_(py::reinterpret_borrow<py::o
         }
         return;
     }
-    if (refused_container(o) || !PySequence_Check(o)) {
-        raise(PyExc_TypeError, "block_ids must be a sequence of ints (list, tuple or integer array), not " +
-                                   type_name(o));
-    }
+    require_int_sequence(obj, "block_ids");
     kind_ = Kind::sequence;
     length_ = PyObject_Length(o);  // user code: its exceptions propagate unchanged
     if (length_ < 0) throw py::error_already_set();
@@ -342,8 +339,8 @@ FastSequence checked_sequence(py::handle obj, const char* what) {
     return FastSequence(obj.ptr(), what);
 }
 
-void require_region_sequence(py::handle obj, const char* what) {
-    // An iterator or generator would be consumed by the first call and read as empty by every later one.
+void require_int_sequence(py::handle obj, const char* what) {
+    // An iterator or generator would be consumed by its first read and read as empty by every later one.
     if (refused_container(obj.ptr()) || !PySequence_Check(obj.ptr())) {
         raise(PyExc_TypeError, std::string(what) + " must be a sequence of ints (list, tuple or integer array), not " +
                                    type_name(obj.ptr()));

@@ -81,8 +81,8 @@ int64_t python_index(int64_t index, std::size_t available, std::size_t key);
 // `obj` read as a sequence of flags or ints: TypeError for a dict, set, str or bytes, else a FastSequence.
 FastSequence checked_sequence(py::handle obj, const char* what);
 
-// TypeError unless `obj` may be kept as a region list that every call re-reads: a sequence (dict, set, str,
-// bytes, iterators and generators are refused).
-void require_region_sequence(py::handle obj, const char* what);
+// TypeError unless `obj` may be kept as a region list that every call re-reads, or read by index as block ids:
+// a sequence (dict, set, str, bytes, iterators and generators are refused).
+void require_int_sequence(py::handle obj, const char* what);
 
 }  // namespace kvaddr::py_bindings

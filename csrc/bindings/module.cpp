@@ -2,10 +2,6 @@
 #include <pybind11/pybind11.h>
 
 #include "bindings/common.hpp"
-#include "bindings/register_mooncake_client.hpp"
-
-namespace kvaddr::py_bindings { void register_layout(py::module_& m); }  // register_layout.cpp
-namespace kvaddr::py_bindings { void register_rows(py::module_& m); }  // register_rows.cpp
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "Native kernels of mooncake_kvaddr (address matrix, keys, lookup). Use the mooncake_kvaddr "

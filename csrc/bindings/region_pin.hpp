@@ -72,7 +72,7 @@ public:
 
 private:
     static std::vector<int64_t> read(py::handle obj, const char* what) {
-        require_region_sequence(obj, what);  // dict/set/str/bytes/iterators refused, as for set_regions
+        require_int_sequence(obj, what);  // dict/set/str/bytes/iterators refused, as for set_regions
         FastSequence seq(obj.ptr(), what);
         std::vector<int64_t> out;
         // At most the length it had at the start (an __index__ that keeps appending is not followed), and only

@@ -196,12 +196,11 @@ public:
     // Rank-local boundary puts: (addresses, sizes) of one block in every region.
     py::tuple prepare_value_for_block(py::handle block_id) {
         require_rank_local("prepare_value_for_block");
-        if (seed_) {  // the seed-era database converts the id first
-            const int64_t id = as_int64(block_id.ptr(), "block_id");
-            return engine_.value_for_block(engine_.snapshot(), id);
-        }
-        const Snapshot snapshot = engine_.snapshot();  // vLLM reads the regions before the id
-        return engine_.value_for_block(snapshot, as_int64(block_id.ptr(), "block_id"));
+        // The seed-era database converts the id before it reads the regions; vLLM reads the regions first.
+        int64_t id = seed_ ? as_int64(block_id.ptr(), "block_id") : 0;
+        const Snapshot snapshot = engine_.snapshot();
+        if (!seed_) id = as_int64(block_id.ptr(), "block_id");
+        return engine_.value_for_block(snapshot, id);
     }
 
     // The receive thread's per-group work in one call (docs/vllm.md, "Fused plan"): walk_keys' walk, then the

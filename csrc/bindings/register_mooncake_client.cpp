@@ -18,8 +18,6 @@
 #include <utility>
 #include <vector>
 
-#include "bindings/register_mooncake_client.hpp"
-
 #include "bindings/client_inputs.hpp"
 #include "bindings/common.hpp"
 #include "kvaddr/mooncake_client.hpp"

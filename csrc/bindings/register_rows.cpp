@@ -17,8 +17,6 @@
 
 namespace kvaddr::py_bindings {
 
-void register_rows(py::module_& m);
-
 namespace {
 
 py::tuple multi_buffer_arrays(py::handle addr_rows, py::handle size_rows) {

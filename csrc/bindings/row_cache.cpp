@@ -24,13 +24,7 @@ PyObject* IntRow::new_list() const { return new_int_list(items_.data(), items_.s
 
 PyObject* IntRow::tuple_ref() const {
     if (tuple_ == nullptr) {
-        PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(items_.size()));  // may run a GC pass
-        if (tuple == nullptr) throw py::error_already_set();
-        for (std::size_t i = 0; i < items_.size(); ++i) {
-            Py_INCREF(items_[i]);
-            PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), items_[i]);
-        }
-        if (!items_.empty()) PyObject_GC_UnTrack(tuple);  // ints only; the empty tuple is a shared singleton
+        PyObject* tuple = new_int_list(items_.data(), items_.size(), true);  // may run a GC pass
         if (tuple_ == nullptr) {
             tuple_ = tuple;
         } else {
@@ -41,35 +35,39 @@ PyObject* IntRow::tuple_ref() const {
     return tuple_;
 }
 
-PyObject* new_int_list(PyObject* const* items, std::size_t count) {
-    PyObject* list = PyList_New(static_cast<Py_ssize_t>(count));
-    if (list == nullptr) throw py::error_already_set();
-    for (std::size_t i = 0; i < count; ++i) {
-        Py_INCREF(items[i]);
-        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), items[i]);
-    }
-    PyObject_GC_UnTrack(list);
-    return list;
-}
+namespace {
 
-PyObject* new_int_row(const int64_t* values, std::size_t count, bool as_tuple) {
+// A fresh list (or, `as_tuple`, tuple) of `count` items, item i a new reference from `item(i)` (null: an error
+// is set), untracked by the cyclic GC once filled.
+template <typename Item>
+PyObject* new_row(std::size_t count, bool as_tuple, Item item) {
     const auto n = static_cast<Py_ssize_t>(count);
     PyObject* row = as_tuple ? PyTuple_New(n) : PyList_New(n);
     if (row == nullptr) throw py::error_already_set();
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject* item = PyLong_FromLongLong(values[i]);  // ints are not GC-tracked: no collection, no Python code
-        if (item == nullptr) {
+    PyObject** slots = PySequence_Fast_ITEMS(row);  // a list's or a tuple's own item array
+    for (std::size_t i = 0; i < count; ++i) {
+        slots[i] = item(i);
+        if (slots[i] == nullptr) {
             Py_DECREF(row);
             throw py::error_already_set();
-        }
-        if (as_tuple) {
-            PyTuple_SET_ITEM(row, i, item);
-        } else {
-            PyList_SET_ITEM(row, i, item);
         }
     }
     if (!as_tuple || count > 0) PyObject_GC_UnTrack(row);  // the empty tuple is a shared singleton
     return row;
+}
+
+}  // namespace
+
+PyObject* new_int_list(PyObject* const* items, std::size_t count, bool as_tuple) {
+    return new_row(count, as_tuple, [items](std::size_t i) {
+        Py_INCREF(items[i]);
+        return items[i];
+    });
+}
+
+PyObject* new_int_row(const int64_t* values, std::size_t count, bool as_tuple) {
+    // Ints are not GC-tracked: making them runs no collection, no Python code.
+    return new_row(count, as_tuple, [values](std::size_t i) { return PyLong_FromLongLong(values[i]); });
 }
 
 void RowCache::clear(std::vector<RowRef>* graveyard) {

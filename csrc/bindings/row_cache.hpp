@@ -46,10 +46,10 @@ private:
 };
 using RowRef = std::shared_ptr<const IntRow>;
 
-// A fresh list of `count` existing objects (new references taken), untracked by the cyclic GC: rows hold only
-// ints, and scanning hundreds of thousands of row items on every collection cost more than building them
-// (docs/address-rows.md). A caller that puts a reference cycle into a returned row leaks that cycle.
-PyObject* new_int_list(PyObject* const* items, std::size_t count);
+// A fresh list (or, `as_tuple`, tuple) of `count` existing objects (new references taken), untracked by the
+// cyclic GC: rows hold only ints, and scanning hundreds of thousands of row items on every collection cost more
+// than building them (docs/address-rows.md). A caller that puts a reference cycle into a returned row leaks it.
+PyObject* new_int_list(PyObject* const* items, std::size_t count, bool as_tuple = false);
 // A fresh list (or, `as_tuple`, tuple) of new ints made from `values`, untracked by the cyclic GC.
 PyObject* new_int_row(const int64_t* values, std::size_t count, bool as_tuple);
 

@@ -252,9 +252,8 @@ inline std::string describe(const Problem& p, const Job& job) {
             return "key " + std::to_string(p.key) + ": " + slot + " overlaps the slot of key " +
                    std::to_string(p.other_key) + " (gather slots must be disjoint)";
         case Fault::changed_during_copy:
-            return "key " + std::to_string(p.key) + " region " + std::to_string(p.region) +
-                   ": the address/size/offset/select arrays changed while they were being copied (another "
-                   "thread wrote them); the slices after this point were not copied";
+            return where + ": the address/size/offset/select arrays changed while they were being copied (another "
+                           "thread wrote them); the slices after this point were not copied";
     }
     return "unknown fault";
 }
