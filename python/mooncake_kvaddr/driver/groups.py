@@ -26,7 +26,7 @@ from mooncake_kvaddr.core.layouts import (
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
-from mooncake_kvaddr.driver.path_base import register_bounded_rows
+from mooncake_kvaddr.driver.path_base import _no_instance_overrides, register_bounded_rows
 
 __all__ = ["LayoutGroup", "group_databases", "host_regions", "install_segments"]
 
@@ -246,7 +246,6 @@ class LayoutGroup:
         return self._bounded_rows(1, lambda: self.layout.prepare_values_array(pairs, block_ids, shards))
 
 
-_ROW_METHODS = ("prepare_values", "prepare_values_array", "plan_load", "plan_load_arrays")
 #: The layouts whose rows come from the native engine over the registered regions (rank-local) or over
 #: segment templates proven inside the registered buffers (TP-shared).
 _ENGINE_LAYOUTS: frozenset[type] = frozenset(
@@ -255,14 +254,10 @@ _ENGINE_LAYOUTS: frozenset[type] = frozenset(
 
 
 def _layout_rows_bounded(group: LayoutGroup) -> bool:
-    """A group's rows are bounded by construction when its layout is one of ours, used as is."""
+    """A group's rows are bounded by construction when its layout is one of ours, used as is (no row method
+    replaced on the layout or on the group)."""
     layout = group.layout
-    own = getattr(layout, "__dict__", {})
-    return (
-        type(layout) in _ENGINE_LAYOUTS
-        and not any(name in own for name in _ROW_METHODS)
-        and not any(name in group.__dict__ for name in _ROW_METHODS)
-    )
+    return type(layout) in _ENGINE_LAYOUTS and _no_instance_overrides(layout) and _no_instance_overrides(group)
 
 
 register_bounded_rows(LayoutGroup, _layout_rows_bounded)
