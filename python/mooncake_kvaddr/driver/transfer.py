@@ -260,21 +260,15 @@ class KVTransfer(TransferRequests):
 
     def start(self) -> None:
         """Start the send thread and the receive threads (idempotent)."""
-        with self._queue_lock:  # close() marks the transfer closed under this lock before it stops the threads
-            self._refuse_if_closed()
-            self._workers.start()
+        self._unless_closed(self._workers.start)
 
     def submit_store(self, request: TransferRequest) -> Future[StoreResult]:
         """Queue a store on the send thread."""
-        with self._queue_lock:  # queued before close() stops the threads (so it runs), or refused
-            self._refuse_if_closed()
-            return self._workers.submit_store(request)
+        return self._unless_closed(self._workers.submit_store, request)
 
     def submit_load(self, request: TransferRequest) -> Future[LoadResult]:
         """Queue a load; the first free receive thread takes it."""
-        with self._queue_lock:  # queued before close() stops the threads (so it runs), or refused
-            self._refuse_if_closed()
-            return self._workers.submit_load(request)
+        return self._unless_closed(self._workers.submit_load, request)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued work, stop the threads, wait for calls in flight, unregister the buffers.
@@ -314,9 +308,14 @@ class KVTransfer(TransferRequests):
         closing began (``queued``: a job accepted before ``close``, which still runs)."""
         return self._gate.admitted(queued=queued)
 
-    def _refuse_if_closed(self) -> None:
-        if self._gate.closed:
-            raise StoreClosedError("KVTransfer is closed: no calls after close()")
+    def _unless_closed(self, action: Callable[..., _T], *args: Any) -> _T:
+        """``action(*args)`` under the queue lock, or ``StoreClosedError`` once the transfer is closed: close()
+        marks it closed under this lock before it stops the threads, so a job is queued before that (and
+        runs) or refused."""
+        with self._queue_lock:
+            if self._gate.closed:
+                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+            return action(*args)
 
     def _run_queued(self, work: Callable[[TransferRequest], _T], request: TransferRequest) -> _T:
         with self._admitted(queued=True):
