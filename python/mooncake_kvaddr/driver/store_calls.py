@@ -197,12 +197,7 @@ class StoreCalls:
 
     def batch_is_exist(self, keys: Sequence[str] | Sequence[bytes]) -> BatchResult:
         """Which keys exist (``present``); absent keys are ``NOT_FOUND``. Grants each object a read lease."""
-        n = _check_keys(keys)
-        if n == 0:
-            return BatchResult((), ())
-        with self._admitted_batch() as clients:
-            codes = clients.call("batch_is_exist", keys)
-        return self._result(_Op.EXIST, codes, n)
+        return self._batch(_Op.EXIST, _check_keys(keys), lambda clients: clients.call("batch_is_exist", keys))
 
     def batch_put_from_multi_buffers(
         self,
@@ -285,16 +280,24 @@ class StoreCalls:
         """The batch call ``name`` of checked arguments (``counts``: the regions of each key), in sub-batches
         (:meth:`_split_call`). ``put``: a put's ``(replicate_config,)``, ``None`` (the store's default) replaced
         once admitted; without it a get, whose sub-batches never name one key twice."""
-        n = len(counts)
-        if n == 0:
-            return BatchResult((), ())
-        with self._admitted_batch() as clients:
+
+        def call(clients: Clients) -> list[int]:
             config = () if put is None else (put[0] if put[0] is not None else self._replicate_default(),)
-            codes = self._split_call(
+            return self._split_call(
                 lambda *args: clients.call(name, *args), keys, addrs, sizes, counts, deadline,
                 unique_keys=put is None, config=config,
             )  # fmt: skip
-        return self._result(_Op.GET if put is None else _Op.PUT, codes, n)
+
+        return self._batch(_Op.GET if put is None else _Op.PUT, len(counts), call)
+
+    def _batch(self, op: _Op, n: int, call: Callable[[Clients], Sequence[int]]) -> BatchResult:
+        """``call(clients)`` once admitted, for a batch of ``n`` checked keys (none: no call, an empty result),
+        its codes read as ``op``'s (one per key, else :class:`StoreError`)."""
+        if n == 0:
+            return BatchResult((), ())
+        with self._admitted_batch() as clients:
+            codes = call(clients)
+        return self._result(op, codes, n)
 
     def replica_locations(self, keys: Sequence[str]) -> list[tuple[tuple[str, int], ...]] | None:
         """Where each key's memory replicas live: per key, ``(transport endpoint, object bytes)`` of each.
@@ -325,12 +328,7 @@ class StoreCalls:
 
     def batch_remove(self, keys: Sequence[str] | Sequence[bytes], force: bool = False) -> BatchResult:
         """Remove keys: ``OK``, ``NOT_FOUND``, or ``HAS_LEASE`` (read recently) unless ``force``."""
-        n = _check_keys(keys)
-        if n == 0:
-            return BatchResult((), ())
-        with self._admitted() as client:
-            codes = client.batch_remove(keys, force)
-        return self._result(_Op.REMOVE, codes, n)
+        return self._batch(_Op.REMOVE, _check_keys(keys), lambda clients: clients.bound.batch_remove(keys, force))
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every object; returns how many. Leased objects are skipped unless ``force``."""
