@@ -297,7 +297,8 @@ class StoreCalls:
             return BatchResult((), ())
         with self._admitted_batch() as clients:
             codes = call(clients)
-        return self._result(op, codes, n)
+        per_key.check_count(codes, n, error=StoreError)
+        return BatchResult._build(op, codes)
 
     def replica_locations(self, keys: Sequence[str]) -> list[tuple[tuple[str, int], ...]] | None:
         """Where each key's memory replicas live: per key, ``(transport endpoint, object bytes)`` of each.
@@ -448,8 +449,3 @@ class StoreCalls:
             raise TypeError(f"Mooncake rejected the arguments{note}: {exc}") from exc
         per_key.check_count(part, end - start, error=StoreError)
         return part
-
-    @staticmethod
-    def _result(op: _Op, codes: Sequence[int], n: int) -> BatchResult:
-        per_key.check_count(codes, n, error=StoreError)
-        return BatchResult._build(op, codes)
