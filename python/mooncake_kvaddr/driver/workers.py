@@ -49,15 +49,10 @@ class TransferThreads(Generic[_Req, _S, _L]):
         """Start the threads (idempotent)."""
         if self.threads:
             return
-        self.threads.append(
-            threading.Thread(target=_serve, args=(self._send, self._store), name="KVCacheStoreSendingThread",
-                             daemon=True)
-        )
-        for i in range(self._num_recv_threads):
-            self.threads.append(
-                threading.Thread(target=_serve, args=(self._recv, self._load), name=f"KVCacheStoreRecvingThread-{i}",
-                                 daemon=True)
-            )
+        receivers = [f"KVCacheStoreRecvingThread-{i}" for i in range(self._num_recv_threads)]
+        for i, name in enumerate(["KVCacheStoreSendingThread", *receivers]):
+            args = (self._send, self._store) if i == 0 else (self._recv, self._load)
+            self.threads.append(threading.Thread(target=_serve, args=args, name=name, daemon=True))
         for thread in self.threads:
             thread.start()
 
