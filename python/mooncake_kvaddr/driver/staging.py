@@ -174,14 +174,13 @@ def run_staged(
         answer = call(start, end, (slots + lease.ptr).tolist(), sizes.tolist())
         if answer is None:
             break
+        got = np.asarray(answer, dtype=np.int64).reshape(-1)
         if get:
-            ok = read_whole(answer, sizes)
-            got = np.asarray(answer, dtype=np.int64)
+            ok = read_whole(got, sizes)
             short += int(np.count_nonzero((got >= 0) & ~ok))
             codes[start:end] = np.where(ok | (got < 0), got, CODE_TRANSFER_FAILED)
             copy(start, end, slots, ok)
         else:
-            got = np.asarray(answer, dtype=np.int64).reshape(-1)
             per_key.check_count(got, end - start)
             ok = got == 0
             codes[start:end] = got
