@@ -181,12 +181,6 @@ class StoreCalls:
         with self._gate.admitted():
             yield self._client
 
-    @contextlib.contextmanager
-    def _admitted_batch(self) -> Iterator[Clients]:
-        """Like :meth:`_admitted`, yielding both clients: batch transfers go native when they can."""
-        with self._gate.admitted():
-            yield Clients(self._client, self._native)
-
     # ------------------------------------------------------------------ internals
 
     def deadline(self) -> RequestDeadline:
@@ -295,8 +289,8 @@ class StoreCalls:
         its codes read as ``op``'s (one per key, else :class:`StoreError`)."""
         if n == 0:
             return BatchResult((), ())
-        with self._admitted_batch() as clients:
-            codes = call(clients)
+        with self._gate.admitted():  # both clients: batch calls go native when they can
+            codes = call(Clients(self._client, self._native))
         per_key.check_count(codes, n, error=StoreError)
         return BatchResult._build(op, codes)
 
