@@ -7,6 +7,7 @@ whose memory the driver owns may be (docs/transfer-modes.md, "Requests and threa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -163,16 +164,13 @@ class PendingCall(Generic[_T]):
             self._result = self._fn()
         except BaseException as exc:  # handed to the caller, or to on_late_return
             self._error = exc
-        if self._runner is None:
-            self._finished = True
-            self._done.set()
-            return
-        with self._runner._cond:
+        runner = self._runner
+        with runner._cond if runner is not None else contextlib.nullcontext():  # inline: no other thread looks
             self._finished = True
             abandoned = self._abandoned
             self._done.set()
-        if abandoned:
-            self._runner._late_return(self)
+        if abandoned and runner is not None:
+            runner._late_return(self)
 
     def _release(self) -> None:
         seconds = time.monotonic() - self.started
