@@ -269,10 +269,7 @@ class MooncakeStore(StoreCalls):
         then returns ``[]`` at once because the key count does not match. For benchmarks.
         """
         _check_rows(len(addrs), addrs, sizes, check_values=True)
-        with self._admitted() as client:
-            start = time.perf_counter()
-            out = client.batch_get_into_multi_buffers([], addrs, sizes)
-            elapsed: float = time.perf_counter() - start
+        out, elapsed = self._timed("batch_get_into_multi_buffers", [], addrs, sizes)
         if list(out):
             raise StoreError(f"conversion probe unexpectedly returned {list(out)[:4]}")
         return elapsed
@@ -288,13 +285,17 @@ class MooncakeStore(StoreCalls):
         """
         if not (len(keys) == len(ptrs) == len(sizes)) or not keys:
             raise ValueError("keys, ptrs and sizes must be non-empty and of equal length")
-        with self._admitted() as client:
-            start = time.perf_counter()
-            out = client.batch_get_into(keys, ptrs[:-1], sizes[:-1])
-            elapsed: float = time.perf_counter() - start
+        out, elapsed = self._timed("batch_get_into", keys, ptrs[:-1], sizes[:-1])
         if any(code >= 0 for code in out):
             raise StoreError(f"conversion probe unexpectedly transferred: {list(out)[:4]}")
         return elapsed
+
+    def _timed(self, name: str, *args: Any) -> tuple[Any, float]:
+        """Mooncake's bound ``name(*args)`` once admitted, and the seconds the call took."""
+        with self._admitted() as client:
+            start = time.perf_counter()
+            out = getattr(client, name)(*args)
+            return out, time.perf_counter() - start
 
     def _replicate_default(self) -> Any:
         if self._default_replicate is None:
