@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -149,8 +148,8 @@ class KVTransfer(TransferRequests):
         self._pool_registered = False
         self._back_pressure = threading.Event()
         self._workers: TransferThreads[TransferRequest, StoreResult, LoadResult] = TransferThreads(
-            partial(self._run_queued, self._store_request),
-            partial(self._run_queued, self._load_request),
+            partial(self._admitted, self._store_request, queued=True),
+            partial(self._admitted, self._load_request, queued=True),
             num_recv_threads,
         )
         self._gate = CallGate("KVTransfer")
@@ -183,8 +182,7 @@ class KVTransfer(TransferRequests):
         ``"multi_buffer"`` and ``"direct"`` modes, only the staging pool in the ``"staged"`` mode (the KV
         caches are then touched by the native copy alone, bounds-checked against these buffers).
         """
-        with self._admitted():
-            self._register(regions, num_blocks)
+        self._admitted(self._register, regions, num_blocks)
 
     # ------------------------------------------------------------------ the three operations
 
@@ -199,8 +197,7 @@ class KVTransfer(TransferRequests):
         Within the request's deadline (``StoreConfig.request_timeout_s``): keys not tried once it passed, or
         after a call waited out Mooncake's transfer timeout, are in ``failed_keys`` and ``stopped`` says why.
         """
-        with self._admitted():
-            return self._store_request(request)
+        return self._admitted(self._store_request, request)
 
     def load(self, request: TransferRequest) -> LoadResult:
         """Get the request's chunks into their blocks; report which block ids failed.
@@ -214,8 +211,7 @@ class KVTransfer(TransferRequests):
         ``TypeError``/``ValueError`` for ``tail_key_boundaries`` that are malformed or name no group (on a
         transfer over seed-era databases any boundary is refused).
         """
-        with self._admitted():
-            return self._load_request(request)
+        return self._admitted(self._load_request, request)
 
     def lookup(
         self,
@@ -233,8 +229,9 @@ class KVTransfer(TransferRequests):
         another RPC. ``lookup_masks`` optionally replaces the per-group chunk masks (absolute chunk ids; a
         masked chunk is neither read nor probed). Store errors count as a miss (returns 0).
         """
-        with self._admitted():
-            return self.store_lookup.lookup(self._store, num_tokens, block_hashes, lookup_masks=lookup_masks)
+        return self._admitted(
+            self.store_lookup.lookup, self._store, num_tokens, block_hashes, lookup_masks=lookup_masks
+        )
 
     def lookup_with_boundaries(
         self,
@@ -246,10 +243,9 @@ class KVTransfer(TransferRequests):
         """vLLM 0.33's lookup: :meth:`lookup`'s hit and, for a non-zero hit, every group's tail-key boundary
         (docs/lookup.md, "Tail key boundaries"; a load honours them with
         ``TransferRequest.tail_key_boundaries``). Store errors count as a miss."""
-        with self._admitted():
-            return self.store_lookup.lookup_with_boundaries(
-                self._store, num_tokens, block_hashes, lookup_masks=lookup_masks
-            )
+        return self._admitted(
+            self.store_lookup.lookup_with_boundaries, self._store, num_tokens, block_hashes, lookup_masks=lookup_masks
+        )
 
     # ------------------------------------------------------------------ threads and lifecycle
 
@@ -303,10 +299,11 @@ class KVTransfer(TransferRequests):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _admitted(self, *, queued: bool = False) -> AbstractContextManager[None]:
-        """Count a call in flight so that :meth:`close` releases nothing under it; refuse new calls once
-        closing began (``queued``: a job accepted before ``close``, which still runs)."""
-        return self._gate.admitted(queued=queued)
+    def _admitted(self, work: Callable[..., _T], *args: Any, queued: bool = False, **kwargs: Any) -> _T:
+        """``work(*args, **kwargs)`` counted as a call in flight so that :meth:`close` releases nothing under it;
+        refused once closing began (``queued``: a job accepted before ``close``, which still runs)."""
+        with self._gate.admitted(queued=queued):
+            return work(*args, **kwargs)
 
     def _unless_closed(self, action: Callable[..., _T], *args: Any) -> _T:
         """``action(*args)`` under the queue lock, or ``StoreClosedError`` once the transfer is closed: close()
@@ -316,7 +313,3 @@ class KVTransfer(TransferRequests):
             if self._gate.closed:
                 raise StoreClosedError("KVTransfer is closed: no calls after close()")
             return action(*args)
-
-    def _run_queued(self, work: Callable[[TransferRequest], _T], request: TransferRequest) -> _T:
-        with self._admitted(queued=True):
-            return work(request)
