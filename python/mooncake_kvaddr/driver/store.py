@@ -292,9 +292,9 @@ class MooncakeStore(StoreCalls):
 
     def _timed(self, name: str, *args: Any) -> tuple[Any, float]:
         """Mooncake's bound ``name(*args)`` once admitted, and the seconds the call took."""
-        with self._admitted() as client:
+        with self._gate.admitted():
             start = time.perf_counter()
-            out = getattr(client, name)(*args)
+            out = getattr(self._client, name)(*args)
             return out, time.perf_counter() - start
 
     def _replicate_default(self) -> Any:

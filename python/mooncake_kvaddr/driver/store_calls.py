@@ -6,10 +6,9 @@ sub-batches of the region budget and request deadlines. ``MooncakeStore`` adds s
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
@@ -175,11 +174,10 @@ class StoreCalls:
     _native: NativeClient | None
     _replicate_default: Callable[[], Any]
 
-    @contextlib.contextmanager
-    def _admitted(self) -> Iterator[Any]:
-        """Hold an in-flight slot: the client cannot be closed until the block exits."""
+    def _bound(self, name: str, *args: Any) -> Any:
+        """Mooncake's bound ``name(*args)`` in an in-flight slot: the client cannot be closed until it returns."""
         with self._gate.admitted():
-            yield self._client
+            return getattr(self._client, name)(*args)
 
     # ------------------------------------------------------------------ internals
 
@@ -305,8 +303,8 @@ class StoreCalls:
         n = _check_keys(keys)
         if n == 0:
             return []
-        with self._admitted() as client:
-            query = getattr(client, "batch_get_replica_desc", None)
+        with self._gate.admitted():
+            query = getattr(self._client, "batch_get_replica_desc", None)
             if query is None:
                 return None
             found = query(list(keys))
@@ -327,8 +325,7 @@ class StoreCalls:
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every object; returns how many. Leased objects are skipped unless ``force``."""
-        with self._admitted() as client:
-            removed: int = client.remove_all(force)
+        removed: int = self._bound("remove_all", force)
         if removed < 0:
             raise StoreError(f"remove_all failed with code {removed} ({Outcome.from_error(removed).value})", removed)
         return removed
@@ -342,8 +339,7 @@ class StoreCalls:
         """
         _check_address("ptr", ptr)
         _check_address("size", size)
-        with self._admitted() as client:
-            rc: int = client.register_buffer(ptr, size)
+        rc: int = self._bound("register_buffer", ptr, size)
         if rc != 0:
             raise StoreError(
                 f"register_buffer(0x{ptr:x}, {size}) failed with code {rc}: overlaps an already registered range?",
@@ -353,16 +349,14 @@ class StoreCalls:
     def unregister_buffer(self, ptr: int) -> None:
         """Unregister a buffer by its start address; :class:`StoreError` if it was not registered."""
         _check_address("ptr", ptr)
-        with self._admitted() as client:
-            rc: int = client.unregister_buffer(ptr)
+        rc: int = self._bound("unregister_buffer", ptr)
         if rc != 0:
             raise StoreError(f"unregister_buffer(0x{ptr:x}) failed with code {rc}: not a registered start address", rc)
 
     def health_check(self) -> Health:
         """``OK``, ``NOT_READY`` (not set up / closed; Mooncake is not called) or ``MASTER_UNREACHABLE``."""
         try:
-            with self._admitted() as client:
-                return Health(client.health_check())
+            return Health(self._bound("health_check"))
         except StoreClosedError:
             return Health.NOT_READY
 
