@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 
-from mooncake_kvaddr.driver.path_base import _BOUNDED_ROWS as _BOUNDED_ROWS
-from mooncake_kvaddr.driver.path_base import _ROW_METHODS as _ROW_METHODS
 from mooncake_kvaddr.driver.path_base import NOT_TRIED as NOT_TRIED
 from mooncake_kvaddr.driver.path_base import BoolArray as BoolArray
 from mooncake_kvaddr.driver.path_base import GetOutcome as GetOutcome
@@ -22,15 +20,9 @@ from mooncake_kvaddr.driver.path_base import (
     register_bounded_rows,
     rows_bounded,
 )
-from mooncake_kvaddr.driver.path_base import _no_instance_overrides as _no_instance_overrides
 from mooncake_kvaddr.driver.path_direct import DirectPath, MultiBufferPath
-from mooncake_kvaddr.driver.path_direct import _after_peers as _after_peers
-from mooncake_kvaddr.driver.path_direct import _screen_peers as _screen_peers
-from mooncake_kvaddr.driver.path_direct import _spread as _spread
-from mooncake_kvaddr.driver.path_direct import _take as _take
 from mooncake_kvaddr.driver.path_staged import STAGING_WAIT_S as STAGING_WAIT_S
 from mooncake_kvaddr.driver.path_staged import StagedPath
-from mooncake_kvaddr.driver.path_staged import _lay_out as _lay_out
 from mooncake_kvaddr.driver.path_staged import _sub_plan as _sub_plan
 
 __all__ = [

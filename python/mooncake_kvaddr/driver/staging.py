@@ -18,10 +18,7 @@ from mooncake_kvaddr.core.plan import SlotPlan
 from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.outcomes import CODE_TRANSFER_FAILED
 
-# Buffers, pool and leases live in staging_buffers; every name this module offered is re-exported here.
-from mooncake_kvaddr.driver.staging_buffers import _LIVE_STAGING as _LIVE_STAGING
-from mooncake_kvaddr.driver.staging_buffers import _LIVE_STAGING_LOCK as _LIVE_STAGING_LOCK
-from mooncake_kvaddr.driver.staging_buffers import _PAGE as _PAGE
+# Buffers, pool and leases live in staging_buffers; every public name this module offered is re-exported here.
 from mooncake_kvaddr.driver.staging_buffers import (
     SLOT_ALIGNMENT,
     MemoryRange,
@@ -33,10 +30,6 @@ from mooncake_kvaddr.driver.staging_buffers import (
     check_staging,
 )
 from mooncake_kvaddr.driver.staging_buffers import BufferRegistrar as BufferRegistrar
-from mooncake_kvaddr.driver.staging_buffers import _align_up as _align_up
-from mooncake_kvaddr.driver.staging_buffers import _int_pair as _int_pair
-from mooncake_kvaddr.driver.staging_buffers import _owner_of as _owner_of
-from mooncake_kvaddr.driver.staging_buffers import _register_staging as _register_staging
 
 __all__ = [
     "SLOT_ALIGNMENT",

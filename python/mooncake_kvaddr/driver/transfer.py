@@ -32,7 +32,6 @@ from mooncake_kvaddr.driver.rules import OperationRecorder, RecordOperation
 from mooncake_kvaddr.driver.staging import StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore, StoreClosedError
 from mooncake_kvaddr.driver.transfer_requests import TransferRequests
-from mooncake_kvaddr.driver.transfer_requests import _plain_ids as _plain_ids
 from mooncake_kvaddr.driver.values import check_bool
 from mooncake_kvaddr.driver.workers import TransferThreads
 
