@@ -7,8 +7,6 @@ bytes of its keys move. The paths are imported from here: the base in ``path_bas
 
 from __future__ import annotations
 
-import logging
-
 from mooncake_kvaddr.driver.path_base import NOT_TRIED as NOT_TRIED
 from mooncake_kvaddr.driver.path_base import BoolArray as BoolArray
 from mooncake_kvaddr.driver.path_base import GetOutcome as GetOutcome
@@ -35,5 +33,3 @@ __all__ = [
     "register_bounded_rows",
     "rows_bounded",
 ]
-
-logger = logging.getLogger(__name__)

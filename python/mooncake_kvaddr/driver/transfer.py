@@ -7,7 +7,6 @@ logic in ``transfer_requests``; each transfer mode is a path of :mod:`~mooncake_
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -36,8 +35,6 @@ from mooncake_kvaddr.driver.values import check_bool
 from mooncake_kvaddr.driver.workers import TransferThreads
 
 __all__ = ["KVTransfer", "LoadResult", "StoreResult", "TransferRequest"]
-
-logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
