@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 import numpy as np
-import numpy.typing as npt
 
 from mooncake_kvaddr.core.database import LoadWalk, StorePlan
 from mooncake_kvaddr.core.hashes import BlockHash
@@ -27,10 +26,10 @@ from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
 from mooncake_kvaddr.driver.path_base import _no_instance_overrides, register_bounded_rows
+from mooncake_kvaddr.driver.staging import Int64Array
 
 __all__ = ["LayoutGroup", "group_databases", "host_regions", "install_segments"]
 
-Int64Array = npt.NDArray[np.int64]
 _Rows = TypeVar("_Rows", bound=tuple[Any, ...])
 
 

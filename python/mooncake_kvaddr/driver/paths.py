@@ -8,9 +8,7 @@ bytes of its keys move. The paths are imported from here: the base in ``path_bas
 from __future__ import annotations
 
 from mooncake_kvaddr.driver.path_base import NOT_TRIED as NOT_TRIED
-from mooncake_kvaddr.driver.path_base import BoolArray as BoolArray
 from mooncake_kvaddr.driver.path_base import GetOutcome as GetOutcome
-from mooncake_kvaddr.driver.path_base import Int64Array as Int64Array
 from mooncake_kvaddr.driver.path_base import (
     PathContext,
     TransferPath,
@@ -22,6 +20,8 @@ from mooncake_kvaddr.driver.path_direct import DirectPath, MultiBufferPath
 from mooncake_kvaddr.driver.path_staged import STAGING_WAIT_S as STAGING_WAIT_S
 from mooncake_kvaddr.driver.path_staged import StagedPath
 from mooncake_kvaddr.driver.path_staged import _sub_plan as _sub_plan
+from mooncake_kvaddr.driver.staging import BoolArray as BoolArray
+from mooncake_kvaddr.driver.staging import Int64Array as Int64Array
 
 __all__ = [
     "DirectPath",
