@@ -218,10 +218,10 @@ class StoreLookup:
         A store failure (an exception or a malformed answer) is a miss: 0. A hit covering the whole prompt
         is re-derived below ``num_tokens`` from the same answers, so the last token is recomputed.
         """
+        num_tokens = _as_int("num_tokens", num_tokens)
         present = self._present(store, num_tokens, block_hashes, lookup_masks)
         if present is None:
             return 0
-        num_tokens = _as_int("num_tokens", num_tokens)
         # The longest loadable length strictly below num_tokens (docs/lookup.md, "The last token").
         return self.hit_length(present, self.align_lookup_length(num_tokens - 1))
 
@@ -236,11 +236,11 @@ class StoreLookup:
         """vLLM 0.33's lookup: the hit as its hybrid coordinator converges on it, and per group the boundary
         whose key stores the tail block (docs/lookup.md, "Tail key boundaries"). A loader must honour the
         boundaries: with partial-hash hits a group's tail may be loadable only from a longer stored key."""
+        num_tokens = _as_int("num_tokens", num_tokens)
         present = self._present(store, num_tokens, block_hashes, lookup_masks)
         if present is None:
             return LookupResult(0)
         tables = self._tables(present)
-        num_tokens = _as_int("num_tokens", num_tokens)
         token_len = self.align_lookup_length(num_tokens)
         hit = self._converge(tables, token_len)
         if hit >= num_tokens:
@@ -307,8 +307,8 @@ class StoreLookup:
         block_hashes: Sequence[BlockHash],
         lookup_masks: Sequence[Sequence[bool] | None] | None,
     ) -> list[BoolArray] | None:
-        """Per-unit presence for a ``num_tokens`` lookup, or None when nothing can hit (or the store failed)."""
-        num_tokens = _as_int("num_tokens", num_tokens)
+        """Per-unit presence for a ``num_tokens`` lookup (an int, checked by the caller), or None when nothing can
+        hit (or the store failed)."""
         token_len = self.align_lookup_length(num_tokens)
         if not block_hashes or token_len <= 0:
             return None
