@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 import numpy as np
-import numpy.typing as npt
 
 from mooncake_kvaddr.core.database import LoadWalk, StorePlan
 from mooncake_kvaddr.core.hashes import BlockHash
@@ -26,11 +25,11 @@ from mooncake_kvaddr.core.layouts import (
 from mooncake_kvaddr.core.metadata import KeyMetadata, PoolKey
 from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import RegisteredCaches
-from mooncake_kvaddr.driver.path_base import register_bounded_rows
+from mooncake_kvaddr.driver.path_base import _no_instance_overrides, register_bounded_rows
+from mooncake_kvaddr.driver.staging import Int64Array
 
 __all__ = ["LayoutGroup", "group_databases", "host_regions", "install_segments"]
 
-Int64Array = npt.NDArray[np.int64]
 _Rows = TypeVar("_Rows", bound=tuple[Any, ...])
 
 
@@ -246,7 +245,6 @@ class LayoutGroup:
         return self._bounded_rows(1, lambda: self.layout.prepare_values_array(pairs, block_ids, shards))
 
 
-_ROW_METHODS = ("prepare_values", "prepare_values_array", "plan_load", "plan_load_arrays")
 #: The layouts whose rows come from the native engine over the registered regions (rank-local) or over
 #: segment templates proven inside the registered buffers (TP-shared).
 _ENGINE_LAYOUTS: frozenset[type] = frozenset(
@@ -255,14 +253,10 @@ _ENGINE_LAYOUTS: frozenset[type] = frozenset(
 
 
 def _layout_rows_bounded(group: LayoutGroup) -> bool:
-    """A group's rows are bounded by construction when its layout is one of ours, used as is."""
+    """A group's rows are bounded by construction when its layout is one of ours, used as is (no row method
+    replaced on the layout or on the group)."""
     layout = group.layout
-    own = getattr(layout, "__dict__", {})
-    return (
-        type(layout) in _ENGINE_LAYOUTS
-        and not any(name in own for name in _ROW_METHODS)
-        and not any(name in group.__dict__ for name in _ROW_METHODS)
-    )
+    return type(layout) in _ENGINE_LAYOUTS and _no_instance_overrides(layout) and _no_instance_overrides(group)
 
 
 register_bounded_rows(LayoutGroup, _layout_rows_bounded)

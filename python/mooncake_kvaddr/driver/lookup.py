@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,8 +84,7 @@ class StoreLookup:
     ) -> None:
         if not databases:
             raise ValueError("databases: need one ChunkedTokenDatabase per KV-cache group (at least one)")
-        if specs is not None and len(specs) != len(databases):
-            raise ValueError(f"specs: {len(specs)} specs for {len(databases)} KV-cache groups")
+        _check_groups("specs", specs, "specs", len(databases))
         if layout is not None and not isinstance(layout, ParallelLayout):
             raise TypeError(f"layout: expected a ParallelLayout, got {type(layout).__name__}")
         self.databases = list(databases)
@@ -130,8 +129,7 @@ class StoreLookup:
     ) -> StoreLookup:
         """A lookup whose prefixes come from per-group store layouts (vLLM 0.33's
         ``lookup_key_prefixes(rank_namespaces)``), fed this layout's namespaces for each group."""
-        if len(sources) != len(databases):
-            raise ValueError(f"sources: {len(sources)} prefix sources for {len(databases)} KV-cache groups")
+        _check_groups("sources", sources, "prefix sources", len(databases))
         probe = cls(databases, specs, layout)
         namespaces = probe.rank_namespaces()
         prefixes = [tuple(src.lookup_key_prefixes(ns)) for src, ns in zip(sources, namespaces, strict=True)]
@@ -182,8 +180,7 @@ class StoreLookup:
             for g in range(len(self.databases)):
                 self._probe(plan, g, block_hashes, range(count), count)
             return plan
-        if lookup_masks is not None and len(lookup_masks) != len(self.databases):
-            raise ValueError(f"lookup_masks: {len(lookup_masks)} masks for {len(self.databases)} KV-cache groups")
+        _check_groups("lookup_masks", lookup_masks, "masks", len(self.databases))
         for g, bs in enumerate(self.block_sizes):
             group_hashes = chunk_hashes_for_block_size(block_hashes, hbs, bs)
             count = max(0, min(len(group_hashes), -(-token_len // bs)))
@@ -221,10 +218,10 @@ class StoreLookup:
         A store failure (an exception or a malformed answer) is a miss: 0. A hit covering the whole prompt
         is re-derived below ``num_tokens`` from the same answers, so the last token is recomputed.
         """
+        num_tokens = _as_int("num_tokens", num_tokens)
         present = self._present(store, num_tokens, block_hashes, lookup_masks)
         if present is None:
             return 0
-        num_tokens = _as_int("num_tokens", num_tokens)
         # The longest loadable length strictly below num_tokens (docs/lookup.md, "The last token").
         return self.hit_length(present, self.align_lookup_length(num_tokens - 1))
 
@@ -239,11 +236,11 @@ class StoreLookup:
         """vLLM 0.33's lookup: the hit as its hybrid coordinator converges on it, and per group the boundary
         whose key stores the tail block (docs/lookup.md, "Tail key boundaries"). A loader must honour the
         boundaries: with partial-hash hits a group's tail may be loadable only from a longer stored key."""
+        num_tokens = _as_int("num_tokens", num_tokens)
         present = self._present(store, num_tokens, block_hashes, lookup_masks)
         if present is None:
             return LookupResult(0)
         tables = self._tables(present)
-        num_tokens = _as_int("num_tokens", num_tokens)
         token_len = self.align_lookup_length(num_tokens)
         hit = self._converge(tables, token_len)
         if hit >= num_tokens:
@@ -255,10 +252,7 @@ class StoreLookup:
     # ------------------------------------------------------------------ internals: probing
 
     def _checked_prefixes(self, key_prefixes: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
-        if len(key_prefixes) != len(self.databases):
-            raise ValueError(
-                f"key_prefixes: {len(key_prefixes)} prefix lists for {len(self.databases)} KV-cache groups"
-            )
+        _check_groups("key_prefixes", key_prefixes, "prefix lists", len(self.databases))
         checked: list[tuple[str, ...]] = []
         for g, group in enumerate(key_prefixes):
             if isinstance(group, (str, bytes)):
@@ -313,8 +307,8 @@ class StoreLookup:
         block_hashes: Sequence[BlockHash],
         lookup_masks: Sequence[Sequence[bool] | None] | None,
     ) -> list[BoolArray] | None:
-        """Per-unit presence for a ``num_tokens`` lookup, or None when nothing can hit (or the store failed)."""
-        num_tokens = _as_int("num_tokens", num_tokens)
+        """Per-unit presence for a ``num_tokens`` lookup (an int, checked by the caller), or None when nothing can
+        hit (or the store failed)."""
         token_len = self.align_lookup_length(num_tokens)
         if not block_hashes or token_len <= 0:
             return None
@@ -348,8 +342,7 @@ class StoreLookup:
         return self._require_hash_block_size() if self.partial_hash_hits else self.block_sizes[g]
 
     def _tables(self, present: Presence) -> list[BoolArray]:
-        if len(present) != len(self.databases):
-            raise ValueError(f"present: {len(present)} rows for {len(self.databases)} KV-cache groups")
+        _check_groups("present", present, "rows", len(self.databases))
         return [np.asarray(row, dtype=np.bool_).reshape(-1) for row in present]
 
     def _top(self, tables: Sequence[BoolArray], max_length: int) -> int:
@@ -407,6 +400,12 @@ class StoreLookup:
                 raise RuntimeError(f"lookup: no tail key for group {g} at hit length {hit} (hash unit {hbs})")
             boundaries.append(TailKeyBoundary(g, (at + 2 + int(later[0])) * unit))
         return tuple(boundaries)
+
+
+def _check_groups(name: str, values: Sized | None, what: str, groups: int) -> None:
+    """``ValueError`` unless ``values`` (``None``: not given) holds one entry per KV-cache group."""
+    if values is not None and len(values) != groups:
+        raise ValueError(f"{name}: {len(values)} {what} for {groups} KV-cache groups")
 
 
 def _as_int(name: str, value: int) -> int:

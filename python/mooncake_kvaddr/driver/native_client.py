@@ -15,7 +15,7 @@ import logging
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -170,17 +170,19 @@ def _provides(name: str, library: str | None) -> str | None:
     return dist.version
 
 
-@functools.cache
-def _distribution_of(library: str | None) -> tuple[str, str] | None:
-    for name in _KNOWN_DISTRIBUTIONS:
-        version = _provides(name, library)
-        if version is not None:
-            return name, version
+def _candidates() -> Iterator[str]:
+    """The known Mooncake wheels, then (only if none provides it) every distribution that installs ``mooncake``."""
+    yield from _KNOWN_DISTRIBUTIONS
     try:
         names = importlib.metadata.packages_distributions().get("mooncake", [])
     except Exception:  # metadata of unrelated packages can be broken; then we know nothing
-        return None
-    for name in sorted(set(names)):
+        return
+    yield from sorted(set(names))
+
+
+@functools.cache
+def _distribution_of(library: str | None) -> tuple[str, str] | None:
+    for name in _candidates():
         version = _provides(name, library)
         if version is not None:
             return name, version

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 import numpy as np
-import numpy.typing as npt
 
 from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import BlockHash
@@ -20,6 +19,7 @@ from mooncake_kvaddr.driver.bounds import RegisteredCaches, Screened
 from mooncake_kvaddr.driver.probe import PeerProbe
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import OperationRecorder, group_runs, rotate
+from mooncake_kvaddr.driver.staging import BoolArray, Int64Array
 from mooncake_kvaddr.driver.store import BatchResult, MooncakeStore, Outcome, RequestDeadline
 
 __all__ = [
@@ -32,8 +32,6 @@ __all__ = [
     "rows_bounded",
 ]
 
-Int64Array = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 #: The outcome of keys a request no longer tries once its deadline has expired.
 NOT_TRIED: Final = Outcome.TRANSFER_FAILED.value

@@ -16,7 +16,6 @@ from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import Screened
 from mooncake_kvaddr.driver.path_base import (
     NOT_TRIED,
-    BoolArray,
     GetOutcome,
     PathContext,
     TransferPath,
@@ -26,7 +25,7 @@ from mooncake_kvaddr.driver.path_base import (
 from mooncake_kvaddr.driver.probe import PeerScreen
 from mooncake_kvaddr.driver.results import Clock, StoreResult, count
 from mooncake_kvaddr.driver.rules import group_runs, rotate
-from mooncake_kvaddr.driver.staging import read_whole
+from mooncake_kvaddr.driver.staging import BoolArray, read_whole
 from mooncake_kvaddr.driver.store import CODE_MASTER_UNREACHABLE, BatchResult, Outcome, RequestDeadline
 
 __all__ = ["DirectPath", "MultiBufferPath"]

@@ -21,7 +21,6 @@ from mooncake_kvaddr.driver.config import DEFAULT_MAX_ABANDONED_CALLS
 from mooncake_kvaddr.driver.path_base import (
     NOT_TRIED,
     GetOutcome,
-    Int64Array,
     PathContext,
     TransferPath,
     rows_bounded,
@@ -32,6 +31,7 @@ from mooncake_kvaddr.driver.staging import (
     SLOT_ALIGNMENT,
     BoolArray,
     HostCopyBackend,
+    Int64Array,
     SlotPlan,
     StagingLease,
     StagingPool,

@@ -7,14 +7,8 @@ bytes of its keys move. The paths are imported from here: the base in ``path_bas
 
 from __future__ import annotations
 
-import logging
-
-from mooncake_kvaddr.driver.path_base import _BOUNDED_ROWS as _BOUNDED_ROWS
-from mooncake_kvaddr.driver.path_base import _ROW_METHODS as _ROW_METHODS
 from mooncake_kvaddr.driver.path_base import NOT_TRIED as NOT_TRIED
-from mooncake_kvaddr.driver.path_base import BoolArray as BoolArray
 from mooncake_kvaddr.driver.path_base import GetOutcome as GetOutcome
-from mooncake_kvaddr.driver.path_base import Int64Array as Int64Array
 from mooncake_kvaddr.driver.path_base import (
     PathContext,
     TransferPath,
@@ -22,16 +16,12 @@ from mooncake_kvaddr.driver.path_base import (
     register_bounded_rows,
     rows_bounded,
 )
-from mooncake_kvaddr.driver.path_base import _no_instance_overrides as _no_instance_overrides
 from mooncake_kvaddr.driver.path_direct import DirectPath, MultiBufferPath
-from mooncake_kvaddr.driver.path_direct import _after_peers as _after_peers
-from mooncake_kvaddr.driver.path_direct import _screen_peers as _screen_peers
-from mooncake_kvaddr.driver.path_direct import _spread as _spread
-from mooncake_kvaddr.driver.path_direct import _take as _take
 from mooncake_kvaddr.driver.path_staged import STAGING_WAIT_S as STAGING_WAIT_S
 from mooncake_kvaddr.driver.path_staged import StagedPath
-from mooncake_kvaddr.driver.path_staged import _lay_out as _lay_out
 from mooncake_kvaddr.driver.path_staged import _sub_plan as _sub_plan
+from mooncake_kvaddr.driver.staging import BoolArray as BoolArray
+from mooncake_kvaddr.driver.staging import Int64Array as Int64Array
 
 __all__ = [
     "DirectPath",
@@ -43,5 +33,3 @@ __all__ = [
     "register_bounded_rows",
     "rows_bounded",
 ]
-
-logger = logging.getLogger(__name__)

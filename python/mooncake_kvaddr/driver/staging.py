@@ -18,10 +18,7 @@ from mooncake_kvaddr.core.plan import SlotPlan
 from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.outcomes import CODE_TRANSFER_FAILED
 
-# Buffers, pool and leases live in staging_buffers; every name this module offered is re-exported here.
-from mooncake_kvaddr.driver.staging_buffers import _LIVE_STAGING as _LIVE_STAGING
-from mooncake_kvaddr.driver.staging_buffers import _LIVE_STAGING_LOCK as _LIVE_STAGING_LOCK
-from mooncake_kvaddr.driver.staging_buffers import _PAGE as _PAGE
+# Buffers, pool and leases live in staging_buffers; every public name this module offered is re-exported here.
 from mooncake_kvaddr.driver.staging_buffers import (
     SLOT_ALIGNMENT,
     MemoryRange,
@@ -33,10 +30,6 @@ from mooncake_kvaddr.driver.staging_buffers import (
     check_staging,
 )
 from mooncake_kvaddr.driver.staging_buffers import BufferRegistrar as BufferRegistrar
-from mooncake_kvaddr.driver.staging_buffers import _align_up as _align_up
-from mooncake_kvaddr.driver.staging_buffers import _int_pair as _int_pair
-from mooncake_kvaddr.driver.staging_buffers import _owner_of as _owner_of
-from mooncake_kvaddr.driver.staging_buffers import _register_staging as _register_staging
 
 __all__ = [
     "SLOT_ALIGNMENT",
@@ -174,14 +167,13 @@ def run_staged(
         answer = call(start, end, (slots + lease.ptr).tolist(), sizes.tolist())
         if answer is None:
             break
+        got = np.asarray(answer, dtype=np.int64).reshape(-1)
         if get:
-            ok = read_whole(answer, sizes)
-            got = np.asarray(answer, dtype=np.int64)
+            ok = read_whole(got, sizes)
             short += int(np.count_nonzero((got >= 0) & ~ok))
             codes[start:end] = np.where(ok | (got < 0), got, CODE_TRANSFER_FAILED)
             copy(start, end, slots, ok)
         else:
-            got = np.asarray(answer, dtype=np.int64).reshape(-1)
             per_key.check_count(got, end - start)
             ok = got == 0
             codes[start:end] = got

@@ -35,24 +35,12 @@ from mooncake_kvaddr.driver.outcomes import (
 )
 from mooncake_kvaddr.driver.outcomes import _Op as _Op
 
-# The helpers below lived in this module; they are re-exported so that every name it offered still imports.
-from mooncake_kvaddr.driver.store_args import _INT64_MAX as _INT64_MAX
-from mooncake_kvaddr.driver.store_args import _check_address as _check_address
-from mooncake_kvaddr.driver.store_args import _check_flat as _check_flat
-from mooncake_kvaddr.driver.store_args import _check_keys as _check_keys
+# The helpers below lived in this module; the ones the tests import from it are re-exported.
 from mooncake_kvaddr.driver.store_args import _check_rows as _check_rows
-from mooncake_kvaddr.driver.store_args import _first_out_of_range as _first_out_of_range
-from mooncake_kvaddr.driver.store_args import _out_of_range as _out_of_range
 from mooncake_kvaddr.driver.store_args import _plan as _plan
-from mooncake_kvaddr.driver.store_args import _unique_spans as _unique_spans
-from mooncake_kvaddr.driver.store_args import _why_out_of_range as _why_out_of_range
 from mooncake_kvaddr.driver.store_calls import HUNG_CALL_THRESHOLD_S as HUNG_CALL_THRESHOLD_S
 from mooncake_kvaddr.driver.store_calls import RequestDeadline as RequestDeadline
 from mooncake_kvaddr.driver.store_calls import StoreCalls
-from mooncake_kvaddr.driver.store_setup import _CLIENT_PORT_RANGE as _CLIENT_PORT_RANGE
-from mooncake_kvaddr.driver.store_setup import _CLIENT_PORT_RANGE_ENV as _CLIENT_PORT_RANGE_ENV
-from mooncake_kvaddr.driver.store_setup import _EMBEDDED_SETUP_RETRIES as _EMBEDDED_SETUP_RETRIES
-from mooncake_kvaddr.driver.store_setup import _PAUSE_BETWEEN_ATTEMPTS_S as _PAUSE_BETWEEN_ATTEMPTS_S
 from mooncake_kvaddr.driver.store_setup import PROGRESS, connect, open_native
 from mooncake_kvaddr.driver.store_setup import _client_ports as _client_ports
 from mooncake_kvaddr.driver.store_setup import _has_port as _has_port
@@ -269,10 +257,7 @@ class MooncakeStore(StoreCalls):
         then returns ``[]`` at once because the key count does not match. For benchmarks.
         """
         _check_rows(len(addrs), addrs, sizes, check_values=True)
-        with self._admitted() as client:
-            start = time.perf_counter()
-            out = client.batch_get_into_multi_buffers([], addrs, sizes)
-            elapsed: float = time.perf_counter() - start
+        out, elapsed = self._timed("batch_get_into_multi_buffers", [], addrs, sizes)
         if list(out):
             raise StoreError(f"conversion probe unexpectedly returned {list(out)[:4]}")
         return elapsed
@@ -288,13 +273,17 @@ class MooncakeStore(StoreCalls):
         """
         if not (len(keys) == len(ptrs) == len(sizes)) or not keys:
             raise ValueError("keys, ptrs and sizes must be non-empty and of equal length")
-        with self._admitted() as client:
-            start = time.perf_counter()
-            out = client.batch_get_into(keys, ptrs[:-1], sizes[:-1])
-            elapsed: float = time.perf_counter() - start
+        out, elapsed = self._timed("batch_get_into", keys, ptrs[:-1], sizes[:-1])
         if any(code >= 0 for code in out):
             raise StoreError(f"conversion probe unexpectedly transferred: {list(out)[:4]}")
         return elapsed
+
+    def _timed(self, name: str, *args: Any) -> tuple[Any, float]:
+        """Mooncake's bound ``name(*args)`` once admitted, and the seconds the call took."""
+        with self._gate.admitted():
+            start = time.perf_counter()
+            out = getattr(self._client, name)(*args)
+            return out, time.perf_counter() - start
 
     def _replicate_default(self) -> Any:
         if self._default_replicate is None:

@@ -6,10 +6,9 @@ sub-batches of the region budget and request deadlines. ``MooncakeStore`` adds s
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
@@ -175,17 +174,10 @@ class StoreCalls:
     _native: NativeClient | None
     _replicate_default: Callable[[], Any]
 
-    @contextlib.contextmanager
-    def _admitted(self) -> Iterator[Any]:
-        """Hold an in-flight slot: the client cannot be closed until the block exits."""
+    def _bound(self, name: str, *args: Any) -> Any:
+        """Mooncake's bound ``name(*args)`` in an in-flight slot: the client cannot be closed until it returns."""
         with self._gate.admitted():
-            yield self._client
-
-    @contextlib.contextmanager
-    def _admitted_batch(self) -> Iterator[Clients]:
-        """Like :meth:`_admitted`, yielding both clients: batch transfers go native when they can."""
-        with self._gate.admitted():
-            yield Clients(self._client, self._native)
+            return getattr(self._client, name)(*args)
 
     # ------------------------------------------------------------------ internals
 
@@ -197,12 +189,7 @@ class StoreCalls:
 
     def batch_is_exist(self, keys: Sequence[str] | Sequence[bytes]) -> BatchResult:
         """Which keys exist (``present``); absent keys are ``NOT_FOUND``. Grants each object a read lease."""
-        n = _check_keys(keys)
-        if n == 0:
-            return BatchResult((), ())
-        with self._admitted_batch() as clients:
-            codes = clients.call("batch_is_exist", keys)
-        return self._result(_Op.EXIST, codes, n)
+        return self._batch(_Op.EXIST, _check_keys(keys), lambda clients: clients.call("batch_is_exist", keys))
 
     def batch_put_from_multi_buffers(
         self,
@@ -285,16 +272,25 @@ class StoreCalls:
         """The batch call ``name`` of checked arguments (``counts``: the regions of each key), in sub-batches
         (:meth:`_split_call`). ``put``: a put's ``(replicate_config,)``, ``None`` (the store's default) replaced
         once admitted; without it a get, whose sub-batches never name one key twice."""
-        n = len(counts)
-        if n == 0:
-            return BatchResult((), ())
-        with self._admitted_batch() as clients:
+
+        def call(clients: Clients) -> list[int]:
             config = () if put is None else (put[0] if put[0] is not None else self._replicate_default(),)
-            codes = self._split_call(
+            return self._split_call(
                 lambda *args: clients.call(name, *args), keys, addrs, sizes, counts, deadline,
                 unique_keys=put is None, config=config,
             )  # fmt: skip
-        return self._result(_Op.GET if put is None else _Op.PUT, codes, n)
+
+        return self._batch(_Op.GET if put is None else _Op.PUT, len(counts), call)
+
+    def _batch(self, op: _Op, n: int, call: Callable[[Clients], Sequence[int]]) -> BatchResult:
+        """``call(clients)`` once admitted, for a batch of ``n`` checked keys (none: no call, an empty result),
+        its codes read as ``op``'s (one per key, else :class:`StoreError`)."""
+        if n == 0:
+            return BatchResult((), ())
+        with self._gate.admitted():  # both clients: batch calls go native when they can
+            codes = call(Clients(self._client, self._native))
+        per_key.check_count(codes, n, error=StoreError)
+        return BatchResult._build(op, codes)
 
     def replica_locations(self, keys: Sequence[str]) -> list[tuple[tuple[str, int], ...]] | None:
         """Where each key's memory replicas live: per key, ``(transport endpoint, object bytes)`` of each.
@@ -307,8 +303,8 @@ class StoreCalls:
         n = _check_keys(keys)
         if n == 0:
             return []
-        with self._admitted() as client:
-            query = getattr(client, "batch_get_replica_desc", None)
+        with self._gate.admitted():
+            query = getattr(self._client, "batch_get_replica_desc", None)
             if query is None:
                 return None
             found = query(list(keys))
@@ -325,17 +321,11 @@ class StoreCalls:
 
     def batch_remove(self, keys: Sequence[str] | Sequence[bytes], force: bool = False) -> BatchResult:
         """Remove keys: ``OK``, ``NOT_FOUND``, or ``HAS_LEASE`` (read recently) unless ``force``."""
-        n = _check_keys(keys)
-        if n == 0:
-            return BatchResult((), ())
-        with self._admitted() as client:
-            codes = client.batch_remove(keys, force)
-        return self._result(_Op.REMOVE, codes, n)
+        return self._batch(_Op.REMOVE, _check_keys(keys), lambda clients: clients.bound.batch_remove(keys, force))
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every object; returns how many. Leased objects are skipped unless ``force``."""
-        with self._admitted() as client:
-            removed: int = client.remove_all(force)
+        removed: int = self._bound("remove_all", force)
         if removed < 0:
             raise StoreError(f"remove_all failed with code {removed} ({Outcome.from_error(removed).value})", removed)
         return removed
@@ -349,8 +339,7 @@ class StoreCalls:
         """
         _check_address("ptr", ptr)
         _check_address("size", size)
-        with self._admitted() as client:
-            rc: int = client.register_buffer(ptr, size)
+        rc: int = self._bound("register_buffer", ptr, size)
         if rc != 0:
             raise StoreError(
                 f"register_buffer(0x{ptr:x}, {size}) failed with code {rc}: overlaps an already registered range?",
@@ -360,16 +349,14 @@ class StoreCalls:
     def unregister_buffer(self, ptr: int) -> None:
         """Unregister a buffer by its start address; :class:`StoreError` if it was not registered."""
         _check_address("ptr", ptr)
-        with self._admitted() as client:
-            rc: int = client.unregister_buffer(ptr)
+        rc: int = self._bound("unregister_buffer", ptr)
         if rc != 0:
             raise StoreError(f"unregister_buffer(0x{ptr:x}) failed with code {rc}: not a registered start address", rc)
 
     def health_check(self) -> Health:
         """``OK``, ``NOT_READY`` (not set up / closed; Mooncake is not called) or ``MASTER_UNREACHABLE``."""
         try:
-            with self._admitted() as client:
-                return Health(client.health_check())
+            return Health(self._bound("health_check"))
         except StoreClosedError:
             return Health.NOT_READY
 
@@ -450,8 +437,3 @@ class StoreCalls:
             raise TypeError(f"Mooncake rejected the arguments{note}: {exc}") from exc
         per_key.check_count(part, end - start, error=StoreError)
         return part
-
-    @staticmethod
-    def _result(op: _Op, codes: Sequence[int], n: int) -> BatchResult:
-        per_key.check_count(codes, n, error=StoreError)
-        return BatchResult._build(op, codes)

@@ -7,13 +7,11 @@ logic in ``transfer_requests``; each transfer mode is a path of :mod:`~mooncake_
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -33,13 +31,10 @@ from mooncake_kvaddr.driver.rules import OperationRecorder, RecordOperation
 from mooncake_kvaddr.driver.staging import StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore, StoreClosedError
 from mooncake_kvaddr.driver.transfer_requests import TransferRequests
-from mooncake_kvaddr.driver.transfer_requests import _plain_ids as _plain_ids
 from mooncake_kvaddr.driver.values import check_bool
 from mooncake_kvaddr.driver.workers import TransferThreads
 
 __all__ = ["KVTransfer", "LoadResult", "StoreResult", "TransferRequest"]
-
-logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -149,8 +144,8 @@ class KVTransfer(TransferRequests):
         self._pool_registered = False
         self._back_pressure = threading.Event()
         self._workers: TransferThreads[TransferRequest, StoreResult, LoadResult] = TransferThreads(
-            partial(self._run_queued, self._store_request),
-            partial(self._run_queued, self._load_request),
+            partial(self._admitted, self._store_request, queued=True),
+            partial(self._admitted, self._load_request, queued=True),
             num_recv_threads,
         )
         self._gate = CallGate("KVTransfer")
@@ -183,8 +178,7 @@ class KVTransfer(TransferRequests):
         ``"multi_buffer"`` and ``"direct"`` modes, only the staging pool in the ``"staged"`` mode (the KV
         caches are then touched by the native copy alone, bounds-checked against these buffers).
         """
-        with self._admitted():
-            self._register(regions, num_blocks)
+        self._admitted(self._register, regions, num_blocks)
 
     # ------------------------------------------------------------------ the three operations
 
@@ -199,8 +193,7 @@ class KVTransfer(TransferRequests):
         Within the request's deadline (``StoreConfig.request_timeout_s``): keys not tried once it passed, or
         after a call waited out Mooncake's transfer timeout, are in ``failed_keys`` and ``stopped`` says why.
         """
-        with self._admitted():
-            return self._store_request(request)
+        return self._admitted(self._store_request, request)
 
     def load(self, request: TransferRequest) -> LoadResult:
         """Get the request's chunks into their blocks; report which block ids failed.
@@ -214,8 +207,7 @@ class KVTransfer(TransferRequests):
         ``TypeError``/``ValueError`` for ``tail_key_boundaries`` that are malformed or name no group (on a
         transfer over seed-era databases any boundary is refused).
         """
-        with self._admitted():
-            return self._load_request(request)
+        return self._admitted(self._load_request, request)
 
     def lookup(
         self,
@@ -233,8 +225,9 @@ class KVTransfer(TransferRequests):
         another RPC. ``lookup_masks`` optionally replaces the per-group chunk masks (absolute chunk ids; a
         masked chunk is neither read nor probed). Store errors count as a miss (returns 0).
         """
-        with self._admitted():
-            return self.store_lookup.lookup(self._store, num_tokens, block_hashes, lookup_masks=lookup_masks)
+        return self._admitted(
+            self.store_lookup.lookup, self._store, num_tokens, block_hashes, lookup_masks=lookup_masks
+        )
 
     def lookup_with_boundaries(
         self,
@@ -246,10 +239,9 @@ class KVTransfer(TransferRequests):
         """vLLM 0.33's lookup: :meth:`lookup`'s hit and, for a non-zero hit, every group's tail-key boundary
         (docs/lookup.md, "Tail key boundaries"; a load honours them with
         ``TransferRequest.tail_key_boundaries``). Store errors count as a miss."""
-        with self._admitted():
-            return self.store_lookup.lookup_with_boundaries(
-                self._store, num_tokens, block_hashes, lookup_masks=lookup_masks
-            )
+        return self._admitted(
+            self.store_lookup.lookup_with_boundaries, self._store, num_tokens, block_hashes, lookup_masks=lookup_masks
+        )
 
     # ------------------------------------------------------------------ threads and lifecycle
 
@@ -260,21 +252,15 @@ class KVTransfer(TransferRequests):
 
     def start(self) -> None:
         """Start the send thread and the receive threads (idempotent)."""
-        with self._queue_lock:  # close() marks the transfer closed under this lock before it stops the threads
-            self._refuse_if_closed()
-            self._workers.start()
+        self._unless_closed(self._workers.start)
 
     def submit_store(self, request: TransferRequest) -> Future[StoreResult]:
         """Queue a store on the send thread."""
-        with self._queue_lock:  # queued before close() stops the threads (so it runs), or refused
-            self._refuse_if_closed()
-            return self._workers.submit_store(request)
+        return self._unless_closed(self._workers.submit_store, request)
 
     def submit_load(self, request: TransferRequest) -> Future[LoadResult]:
         """Queue a load; the first free receive thread takes it."""
-        with self._queue_lock:  # queued before close() stops the threads (so it runs), or refused
-            self._refuse_if_closed()
-            return self._workers.submit_load(request)
+        return self._unless_closed(self._workers.submit_load, request)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued work, stop the threads, wait for calls in flight, unregister the buffers.
@@ -309,15 +295,17 @@ class KVTransfer(TransferRequests):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _admitted(self, *, queued: bool = False) -> AbstractContextManager[None]:
-        """Count a call in flight so that :meth:`close` releases nothing under it; refuse new calls once
-        closing began (``queued``: a job accepted before ``close``, which still runs)."""
-        return self._gate.admitted(queued=queued)
+    def _admitted(self, work: Callable[..., _T], *args: Any, queued: bool = False, **kwargs: Any) -> _T:
+        """``work(*args, **kwargs)`` counted as a call in flight so that :meth:`close` releases nothing under it;
+        refused once closing began (``queued``: a job accepted before ``close``, which still runs)."""
+        with self._gate.admitted(queued=queued):
+            return work(*args, **kwargs)
 
-    def _refuse_if_closed(self) -> None:
-        if self._gate.closed:
-            raise StoreClosedError("KVTransfer is closed: no calls after close()")
-
-    def _run_queued(self, work: Callable[[TransferRequest], _T], request: TransferRequest) -> _T:
-        with self._admitted(queued=True):
-            return work(request)
+    def _unless_closed(self, action: Callable[..., _T], *args: Any) -> _T:
+        """``action(*args)`` under the queue lock, or ``StoreClosedError`` once the transfer is closed: close()
+        marks it closed under this lock before it stops the threads, so a job is queued before that (and
+        runs) or refused."""
+        with self._queue_lock:
+            if self._gate.closed:
+                raise StoreClosedError("KVTransfer is closed: no calls after close()")
+            return action(*args)

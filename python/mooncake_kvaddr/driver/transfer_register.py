@@ -149,7 +149,7 @@ class TransferRegistration:
             ctx = self._context(caches)
             get_mode, put_mode = self._resolve_modes(caches)
             paths: dict[str, TransferPath] = {}
-            undo.callback(self._undo_paths, paths)
+            undo.callback(self._close_paths, paths)
             if "staged" in (get_mode, put_mode):
                 undo.callback(self._undo_staging)
                 paths["staged"] = self._start_staging(ctx, caches)
@@ -181,8 +181,8 @@ class TransferRegistration:
         detail = "; ".join(dict.fromkeys(path.describe() for path in paths.values()))
         logger.info("KVTransfer: transfer mode %s -> %s (%s)", self.transfer_mode, chosen, detail)
 
-    def _undo_paths(self, paths: dict[str, TransferPath]) -> None:
-        """A failed registration: close the paths it built (their call threads)."""
+    def _close_paths(self, paths: dict[Any, TransferPath]) -> None:
+        """Close the paths (their call threads): those a failed registration built, or all of them at close."""
         for path in paths.values():
             path.close()
 
@@ -261,8 +261,7 @@ class TransferRegistration:
                     "pool stays registered and allocated until they return", staged.calls.abandoned, timeout,
                 )  # fmt: skip
                 staged.calls.when_settled(unregister)
-        for path in paths.values():
-            path.close()
+        self._close_paths(paths)
         self._close_probe()
         self._unpin_regions()
         if self._owns_pool:

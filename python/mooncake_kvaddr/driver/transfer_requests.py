@@ -99,20 +99,18 @@ class TransferRequests(TransferRegistration):
             count(result.outcomes, "invalid_block_id", len(invalid))
             logger.warning("store %s: %d chunk(s) not stored: %s", request.req_id, len(invalid),
                            next(iter(result.invalid_block_ids.values())))
-        if not keys:
-            result.failed_keys = invalid
-            result.saved_tokens = 0 if invalid else token_len
-            return result
 
-        t0 = time.perf_counter()
-        try:
-            exists = self._store.batch_is_exist(keys)
-        except BaseException:
-            self._metrics.record("save_exists", t0, len(keys), 0, None)
-            raise
-        self._metrics.record("save_exists", t0, len(keys), 0, 0)
-        clock.lap("exist")
-        missing = exists.failed  # absent or errored: put it (a duplicate put is harmless)
+        missing: list[int] = []  # no key: nothing to ask the store, nothing to put
+        if keys:
+            t0 = time.perf_counter()
+            try:
+                exists = self._store.batch_is_exist(keys)
+            except BaseException:
+                self._metrics.record("save_exists", t0, len(keys), 0, None)
+                raise
+            self._metrics.record("save_exists", t0, len(keys), 0, 0)
+            clock.lap("exist")
+            missing = exists.failed  # absent or errored: put it (a duplicate put is harmless)
         result.already_present = len(keys) - len(missing)
         if not missing:
             result.failed_keys = invalid

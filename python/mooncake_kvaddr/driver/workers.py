@@ -7,6 +7,7 @@ whose memory the driver owns may be (docs/transfer-modes.md, "Requests and threa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -49,15 +50,10 @@ class TransferThreads(Generic[_Req, _S, _L]):
         """Start the threads (idempotent)."""
         if self.threads:
             return
-        self.threads.append(
-            threading.Thread(target=_serve, args=(self._send, self._store), name="KVCacheStoreSendingThread",
-                             daemon=True)
-        )
-        for i in range(self._num_recv_threads):
-            self.threads.append(
-                threading.Thread(target=_serve, args=(self._recv, self._load), name=f"KVCacheStoreRecvingThread-{i}",
-                                 daemon=True)
-            )
+        receivers = [f"KVCacheStoreRecvingThread-{i}" for i in range(self._num_recv_threads)]
+        for i, name in enumerate(["KVCacheStoreSendingThread", *receivers]):
+            args = (self._send, self._store) if i == 0 else (self._recv, self._load)
+            self.threads.append(threading.Thread(target=_serve, args=args, name=name, daemon=True))
         for thread in self.threads:
             thread.start()
 
@@ -168,16 +164,13 @@ class PendingCall(Generic[_T]):
             self._result = self._fn()
         except BaseException as exc:  # handed to the caller, or to on_late_return
             self._error = exc
-        if self._runner is None:
-            self._finished = True
-            self._done.set()
-            return
-        with self._runner._cond:
+        runner = self._runner
+        with runner._cond if runner is not None else contextlib.nullcontext():  # inline: no other thread looks
             self._finished = True
             abandoned = self._abandoned
             self._done.set()
-        if abandoned:
-            self._runner._late_return(self)
+        if abandoned and runner is not None:
+            runner._late_return(self)
 
     def _release(self) -> None:
         seconds = time.monotonic() - self.started
