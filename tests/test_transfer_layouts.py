@@ -159,9 +159,8 @@ def test_tail_key_boundary_load(store: MooncakeStore, model: str, mode: str) -> 
         assert transfer.load(TransferRequest("t", 12, chained, [[8, 9, 10]])).failed_block_ids == set()
         group = transfer.databases[0]
         assert isinstance(group, LayoutGroup)
-        with group.tail_boundary(16):
-            tail_keys = group.walk_load(12, chained).keys
-            assert group.plan_load(12, chained, [5, 6, 7]).keys == tail_keys
+        tail_keys = group.walk_load(12, chained, 0, group.tail_tokens(16)).keys
+        assert group.plan_load(12, chained, [5, 6, 7], 0, 16).keys == tail_keys
         assert tail_keys[-1] == db.key_for(chained[3]) and group.walk_load(12, chained).keys[-1] == db.key_for(
             chained[2])
         with pytest.raises(ValueError, match="group_id"):
@@ -193,7 +192,8 @@ def test_submit_load_carries_tail_key_boundaries(store: MooncakeStore, model: st
         plain = transfer.submit_load(TransferRequest("q", 12, chained, [[14, 14, 14], [14, 14, 14]]))
         assert plain.result(timeout=60).failed_block_ids == set()
         group = transfer.databases[1]
-        assert isinstance(group, LayoutGroup) and group._tail_tokens() is None
+        assert isinstance(group, LayoutGroup)
+        assert group.walk_load(12, chained).keys[-1] == groups[1].key_for(chained[2])  # no boundary left behind
         for bad, error, match in (
             (((2, 16),), ValueError, "group_id 2"),
             (((0, 16), (0, 12)), ValueError, "twice"),
@@ -243,8 +243,7 @@ def test_layout_group_refusals(store: MooncakeStore, model: str) -> None:
     with pytest.raises(ValueError, match="shard_id"):
         group.prepare_values([(0, 4)], [1])
     with pytest.raises(ValueError, match="below one hash block"):
-        with group.tail_boundary(0):
-            pass
+        group.tail_tokens(0)
     # A TP-shared layout whose caches were never registered has no segments: nothing may move.
     with pytest.raises(RuntimeError, match="register its KV caches"):
         group.prepare_values_array(np.asarray([[0, 4, 0], [0, 4, 1]]), [1])
@@ -282,8 +281,9 @@ def test_layout_transfer_refusals_of_caches_boundaries_and_transfers(store: Moon
         assert isinstance(group, LayoutGroup)
         for bad in (True, 16.0, "16"):
             with pytest.raises(TypeError, match="tail boundary: num_tokens must be an int"):
-                with group.tail_boundary(bad):  # type: ignore[arg-type]
-                    pass
+                group.tail_tokens(bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="tail boundary: num_tokens must be an int"):
+                transfer.load(TransferRequest("b", 12, hashes("b", 3), [[4, 5, 6]], tail_key_boundaries=[(0, bad)]))
         with pytest.raises(TypeError, match="expected numpy arrays or CPU tensors, got list"):
             transfer.register_kv_caches([[0.0] * 24 for _ in range(2)], NB)
         strided = torch.zeros((NB, 48))[:, ::2]
@@ -344,9 +344,8 @@ def test_walk_equals_fused_plan(fmt: str, n_hashes: int, drop: int, mask_num: in
         if tail_tokens is not None and end == token_len:
             chunk_hash = chained[tail_tokens // hbs - 1]
         expected.extend(group.layout.key_for(shard, chunk_hash) for shard in group.shard_ids)
-    with group.tail_boundary(tail_tokens):
-        walked = group.walk_load(token_len, chained, mask_num)
-        plan = group.plan_load(token_len, chained, block_ids, mask_num)
+    walked = group.walk_load(token_len, chained, mask_num, tail_tokens)
+    plan = group.plan_load(token_len, chained, block_ids, mask_num, tail_tokens)
     assert walked.keys == plan.keys == expected
     assert walked.chunks.shape == (len(expected), 3)
     if expected:

@@ -6,9 +6,7 @@ its rows inside the caches the transfer registered.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -70,7 +68,6 @@ class LayoutGroup:
         self.key_prefix = PoolKey.build_prefix(self.metadata, tp_rank=first)
         self._bases: list[int] = []
         self._lens: list[int] = []
-        self._tail = threading.local()
         # TP-shared: the caches the transfer registered, and the template version last proven inside them.
         self._caches: RegisteredCaches | None = None
         self._checked_version: int | None = None
@@ -150,27 +147,15 @@ class LayoutGroup:
 
     # ------------------------------------------------------------------ tail-key boundary
 
-    @contextmanager
-    def tail_boundary(self, num_tokens: int | None) -> Iterator[None]:
-        """Within the block, this thread's loads key the chunk ending at ``token_len`` by
-        ``block_hashes[num_tokens // hash_block_size - 1]`` (``None``: by its own hash)."""
-        if num_tokens is not None:
-            if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-                raise TypeError(f"tail boundary: num_tokens must be an int, got {type(num_tokens).__name__}")
-            if num_tokens < self.hash_block_size:
-                raise ValueError(f"tail boundary: num_tokens {num_tokens} is below one hash block "
-                                 f"({self.hash_block_size} tokens)")
-            num_tokens = int(num_tokens)
-        previous = getattr(self._tail, "tokens", None)
-        self._tail.tokens = num_tokens
-        try:
-            yield
-        finally:
-            self._tail.tokens = previous
-
-    def _tail_tokens(self) -> int | None:
-        tokens: int | None = getattr(self._tail, "tokens", None)
-        return tokens
+    def tail_tokens(self, num_tokens: int) -> int:
+        """``num_tokens`` checked as a tail-key boundary of this group: a load given it keys the chunk ending at
+        ``token_len`` by ``block_hashes[num_tokens // hash_block_size - 1]``."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise TypeError(f"tail boundary: num_tokens must be an int, got {type(num_tokens).__name__}")
+        if num_tokens < self.hash_block_size:
+            raise ValueError(f"tail boundary: num_tokens {num_tokens} is below one hash block "
+                             f"({self.hash_block_size} tokens)")
+        return int(num_tokens)
 
     # ------------------------------------------------------------------ walks and plans
 
@@ -184,18 +169,27 @@ class LayoutGroup:
         # The paths accept any (start, end, ...) chunk; StorePlan's annotation names the seed's pairs.
         return StorePlan(keys, cast(list[tuple[int, int]], chunks), ids)
 
-    def walk_load(self, token_len: int, block_hashes: Sequence[BlockHash], mask_num: int = 0) -> LoadWalk:
-        """A load's keys and ``(n, 3)`` ``(start, end, shard_id)`` entries, in :meth:`plan_load`'s order, with
-        this thread's tail boundary if any."""
-        keys, chunks = self.layout.walk_load(token_len, block_hashes, mask_num, None, self._tail_tokens())
+    def walk_load(
+        self, token_len: int, block_hashes: Sequence[BlockHash], mask_num: int = 0, tail: int | None = None
+    ) -> LoadWalk:
+        """A load's keys and ``(n, 3)`` ``(start, end, shard_id)`` entries, in :meth:`plan_load`'s order; ``tail``:
+        a tail-key boundary (:meth:`tail_tokens`)."""
+        tail = None if tail is None else self.tail_tokens(tail)
+        keys, chunks = self.layout.walk_load(token_len, block_hashes, mask_num, None, tail)
         return LoadWalk(keys, chunks)
 
     def plan_load(
-        self, token_len: int, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], mask_num: int = 0
+        self,
+        token_len: int,
+        block_hashes: Sequence[BlockHash],
+        block_ids: Sequence[int],
+        mask_num: int = 0,
+        tail: int | None = None,
     ) -> KeyPlan:
-        """The layout's fused load plan (keys, rows, block ids), with this thread's tail boundary if any."""
+        """The layout's fused load plan (keys, rows, block ids); ``tail``: a tail-key boundary."""
+        tail = None if tail is None else self.tail_tokens(tail)
         keys, addrs, sizes, ids = self._bounded_rows(2, lambda: self.layout.plan_load(
-            token_len, block_hashes, mask_num, None, list(block_ids), self._tail_tokens()
+            token_len, block_hashes, mask_num, None, list(block_ids), tail
         ))
         return KeyPlan(keys, addrs, sizes, ids)
 

@@ -6,8 +6,9 @@ Every path module builds on this one; :mod:`mooncake_kvaddr.driver.paths` re-exp
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar, Final
 
 import numpy as np
@@ -41,6 +42,8 @@ NOT_TRIED: Final = Outcome.TRANSFER_FAILED.value
 _ROW_METHODS: Final = ("prepare_values", "prepare_values_array", "plan_load", "plan_load_arrays")
 #: Database types whose rows are bounded by construction (computed natively from the pinned, registered regions
 #: and screened block ids): exact type -> a per-instance check (e.g. no row method overridden on the instance).
+#: No tail-key boundary in any group (a load's default).
+_NO_TAILS: Final[Mapping[int, int]] = MappingProxyType({})
 _BOUNDED_ROWS: dict[type, Callable[[Any], bool]] = {}
 
 
@@ -146,18 +149,21 @@ class TransferPath:
         screened: Sequence[Screened],
         skip: int,
         tp_rank: int,
+        tails: Mapping[int, int] = _NO_TAILS,
     ) -> KeyPlan:
         """Keys and rows of a load in the rank's rotated order: the walk per group, then :meth:`prepare`.
 
         ``screened`` holds each group's block ids (a snapshot) and the positions of invalid ones: chunks on
-        those are dropped before any row is computed and reported in :attr:`KeyPlan.invalid`.
+        those are dropped before any row is computed and reported in :attr:`KeyPlan.invalid`. ``tails``: per
+        group, a checked tail-key boundary (layout groups only, driver/groups.py).
         """
         bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         keys: list[str] = []
         parts: list[Int64Array] = []
         groups: list[int] = []
         for g, db in enumerate(self.ctx.databases):
-            walk = db.walk_load(token_len, block_hashes, skip)
+            tail = (tails[g],) if g in tails else ()  # layout groups only
+            walk = db.walk_load(token_len, block_hashes, skip, *tail)
             keys.extend(walk.keys)
             parts.append(walk.chunks)
             groups.extend([g] * len(walk.keys))

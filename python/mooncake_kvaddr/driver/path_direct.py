@@ -5,7 +5,7 @@ responsive first).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,7 @@ from mooncake_kvaddr.core.hashes import BlockHash
 from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.bounds import Screened
 from mooncake_kvaddr.driver.path_base import (
+    _NO_TAILS,
     NOT_TRIED,
     GetOutcome,
     PathContext,
@@ -124,6 +125,7 @@ class MultiBufferPath(TransferPath):
         screened: Sequence[Screened],
         skip: int,
         tp_rank: int,
+        tails: Mapping[int, int] = _NO_TAILS,
     ) -> KeyPlan:
         """The walk, the keys and the rows in one native pass per group (``plan_load``), then rotated.
 
@@ -131,14 +133,15 @@ class MultiBufferPath(TransferPath):
         chunks on it before any row is computed.
         """
         if self._arrays or any(s.bad for s in screened):
-            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank, tails)
         bounded = rows_bounded(self.ctx.databases)  # before any row is computed
         keys: list[str] = []
         addrs: list[Sequence[int]] = []
         sizes: list[Sequence[int]] = []
         ids: list[int] = []
         for g, db in enumerate(self.ctx.databases):
-            plan = db.plan_load(token_len, block_hashes, screened[g].ids, skip)
+            tail = (tails[g],) if g in tails else ()  # layout groups only
+            plan = db.plan_load(token_len, block_hashes, screened[g].ids, skip, *tail)
             keys.extend(plan.keys)
             addrs.extend(plan.addrs)
             sizes.extend(plan.sizes)

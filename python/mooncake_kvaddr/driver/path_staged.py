@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Final
 
@@ -19,6 +19,7 @@ from mooncake_kvaddr.driver import per_key
 from mooncake_kvaddr.driver.bounds import Screened
 from mooncake_kvaddr.driver.config import DEFAULT_MAX_ABANDONED_CALLS
 from mooncake_kvaddr.driver.path_base import (
+    _NO_TAILS,
     NOT_TRIED,
     GetOutcome,
     PathContext,
@@ -185,6 +186,7 @@ class StagedPath(TransferPath):
         screened: Sequence[Screened],
         skip: int,
         tp_rank: int,
+        tails: Mapping[int, int] = _NO_TAILS,
     ) -> KeyPlan:
         """The walk, keys, int64 rows and staging slots in one native call per group (``plan_load_arrays``).
 
@@ -204,13 +206,13 @@ class StagedPath(TransferPath):
         ):
             # The fused plan's slot layout decides where Mooncake writes inside the lease: only a database whose
             # plan is ours is trusted with it; any other gets slots laid out here from its sizes.
-            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank, tails)
         parts = [
             db.plan_load_arrays(token_len, block_hashes, screened[g].ids, skip, slot_alignment=SLOT_ALIGNMENT)
             for g, db in enumerate(self.ctx.databases)
         ]
         if not rows_bounded(self.ctx.databases):  # changed while planning: lay the slots out here after all
-            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank)
+            return super().plan_get(token_len, block_hashes, screened, skip, tp_rank, tails)
         parts = [p for p in parts if p.keys]
         if not parts:
             return KeyPlan([], [], [], [])

@@ -9,7 +9,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -143,8 +142,8 @@ class TransferRequests(TransferRegistration):
             )
         return result
 
-    def _tail_boundaries(self, boundaries: Sequence[Any]) -> list[tuple[Any, int]]:
-        """``(database, num_tokens)`` per boundary, checked (docs/vllm.md, "Driver")."""
+    def _tail_boundaries(self, boundaries: Sequence[Any]) -> dict[int, int]:
+        """The tail-key boundaries of a load, ``{group: num_tokens}``, checked (docs/vllm.md, "Driver")."""
         databases = self.databases
         if not all(isinstance(db, LayoutGroup) for db in databases):
             raise ValueError("tail_key_boundaries: only a transfer over layout databases (integrations.vllm.data) "
@@ -164,17 +163,10 @@ class TransferRequests(TransferRegistration):
             if group in tails:
                 raise ValueError(f"tail boundary: group_id {group} is given twice")
             tails[group] = tokens
-        return [(databases[group], tokens) for group, tokens in sorted(tails.items())]
+        return {group: databases[group].tail_tokens(tokens) for group, tokens in sorted(tails.items())}
 
     def _load_request(self, request: TransferRequest) -> LoadResult:
-        if not request.tail_key_boundaries:
-            return self._load_keyed(request)
-        with ExitStack() as boundaries:  # this thread's loads key the tails by the request's boundaries
-            for database, tokens in self._tail_boundaries(request.tail_key_boundaries):
-                boundaries.enter_context(database.tail_boundary(tokens))
-            return self._load_keyed(request)
-
-    def _load_keyed(self, request: TransferRequest) -> LoadResult:
+        tails = self._tail_boundaries(request.tail_key_boundaries) if request.tail_key_boundaries else {}
         deadline = self._store.deadline()  # from the moment the request runs (not when it was queued)
         clock = Clock()
         result = LoadResult(request.req_id, timings=clock.timings, mode=self.mode)
@@ -183,7 +175,7 @@ class TransferRequests(TransferRegistration):
             skip = floor_to(request.skip_tokens, self.lcm_block_size)
             path = self._registered_path(self._get_path)
             _, screened = self._screen(path, request)
-            plan = path.plan_get(request.token_len, request.block_hashes, screened, skip, self.tp_rank)
+            plan = path.plan_get(request.token_len, request.block_hashes, screened, skip, self.tp_rank, tails)
         except LOAD_ERRORS as exc:
             # Nothing moved; every block the request names is reported failed.
             self._fail_request(request, result, exc, screened)
