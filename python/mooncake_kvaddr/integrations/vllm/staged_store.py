@@ -27,6 +27,7 @@ from mooncake_kvaddr.driver.staging import (
     scatter,
 )
 from mooncake_kvaddr.driver.store_calls import bound_rows
+from mooncake_kvaddr.integrations.vllm.guard import int64_matrices
 from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore, StoreWrapper
 
 __all__ = ["StagedMooncakeStore", "StagedStats"]
@@ -192,15 +193,7 @@ class StagedMooncakeStore(StoreWrapper):
 
     def _plan_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> KeyPlan | None:
         """The staging plan of an ``..._arrays`` call (int64 matrices, distinct keys), or None."""
-        if (
-            isinstance(addrs, np.ndarray)
-            and isinstance(sizes, np.ndarray)
-            and addrs.dtype == np.int64
-            and sizes.dtype == np.int64
-            and addrs.ndim == 2
-            and addrs.shape == sizes.shape
-            and self._keys_stageable(keys)
-        ):
+        if int64_matrices(addrs, sizes) and self._keys_stageable(keys):
             return self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
         return None
 
