@@ -27,6 +27,7 @@ from mooncake_kvaddr.integrations.vllm.plans import (
     finish_handler,
     hash_source,
     join_groups,
+    multi_buffers_call,
 )
 
 __all__ = [
@@ -304,22 +305,6 @@ def before_put(thread: Any, req_meta: Any, keys: list[str], groups: list[int], w
         thread.replicate_config.group_ids = group_ids
 
 
-def _put(store: Any, rows: KeyPlan, config: Any) -> Any:
-    if rows.arrays and isinstance(store, ArrayStore):
-        widths = rows.widths
-        if widths is None:
-            return store.batch_put_from_multi_buffers_arrays(rows.keys, rows.addrs, rows.sizes, config)
-        if widths.size and bool((widths == widths[0]).all()):  # the missing keys are of one width: one matrix
-            width = int(widths[0])
-            return store.batch_put_from_multi_buffers_arrays(
-                rows.keys, rows.addrs[:, :width], rows.sizes[:, :width], config
-            )
-        return store.batch_put_from_multi_buffers_ragged(rows.keys, rows.addrs, rows.sizes, widths, config)
-    if rows.arrays:
-        return store.batch_put_from_multi_buffers(rows.keys, *rows.row_lists(), config)
-    return store.batch_put_from_multi_buffers(rows.keys, rows.addrs, rows.sizes, config)
-
-
 def put_and_record(thread: Any, req_meta: Any, rows: KeyPlan, worker: ModuleType) -> set[int] | None:
     """The put and vLLM's bookkeeping of its outcome (records, warnings, pressure marked); the indices of the
     failed keys, or None when the put raised."""
@@ -328,7 +313,7 @@ def put_and_record(thread: Any, req_meta: Any, rows: KeyPlan, worker: ModuleType
     batch_bytes = rows.num_bytes()
     put_start = time.perf_counter()
     try:
-        res = _put(thread.store, rows, thread.replicate_config)
+        res = multi_buffers_call(thread.store, rows, "put_from", thread.replicate_config)
     except Exception as e:
         thread._record_operation(
             "save_put", put_start, len(keys), num_bytes=batch_bytes, status="error", num_failed_keys=len(keys)
