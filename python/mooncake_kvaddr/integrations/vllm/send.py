@@ -1,9 +1,10 @@
 """A replacement for vLLM's ``KVCacheStoreSendingThread._handle_request`` (docs/vllm-plugin.md, "The send handler").
 
 Each group is planned in one native call and its rows go to our store wrappers as int64 matrices. What every
-release does alike (the walk, the put, its records, pressure, group ids, ``BlockStored`` events) is here; what a
-release does its own way (lengths, store masks, retry ids, the job's control flow) is its :class:`SendRules`, in
-its release module. Any other job runs vLLM's own handler (the rules' ``prepare`` and :func:`plan_store` say why).
+release does alike (the walk, the put, its records, pressure, group ids, ``BlockStored`` events, the job's control
+flow) is here; what a release does its own way (lengths, store masks, retry ids, when a save is complete) is its
+:class:`SendRules`, in its release module. Any other job runs vLLM's own handler (the rules' ``prepare`` and
+:func:`plan_store` say why).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "narrow",
     "plan_store",
     "put_and_record",
+    "run_job",
     "send_enabled",
     "stored_events",
 ]
@@ -83,8 +85,8 @@ class SendRules:
 
     #: ``(thread, req_meta) -> Job``, or why vLLM's handler must run the job. Reads only (no side effects).
     prepare: Callable[[Any, Any], Job | str]
-    #: ``(thread, req_meta, plan, job, worker)``: the job from the liveness check on, vLLM's control flow.
-    run: Callable[[Any, Any, SendPlan, Job, ModuleType], None]
+    #: ``(retry_start, retry_ids, start, ids)``: a failed job's retry ids merged in front (:class:`EventIds`).
+    merge_retry: Callable[[int, list[int], int, list[int]], tuple[int, Any] | None]
     #: The send thread's methods the handler relies on, with their parameters after self (the shape check).
     thread_methods: Mapping[str, tuple[str, ...]]
     #: ``ReqMeta`` fields the handler reads besides the 0.32 ones (the shape check).
@@ -93,6 +95,10 @@ class SendRules:
     db_chunk: str = "block_size"
     #: Whether ``BlockStored`` events carry the lookahead token ids (``ReqMeta.num_hash_lookahead_tokens``).
     lookahead: bool = False
+    #: vLLM 0.34's checkpoint rule: a save with an unavailable source block is incomplete, and a complete one
+    #: records the job's length (``_record_saved_offset``) in the ``finally``; else (0.33) every success records it
+    #: at once (``_record_saved``).
+    checkpoint: bool = False
     #: Other rules, by name, for a release module's own use.
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -408,6 +414,48 @@ def stored_events(
     return stored
 
 
+def run_job(thread: Any, req_meta: Any, plan: SendPlan, job: Job, worker: ModuleType, rules: SendRules) -> None:
+    """A planned job from the boundary-state puts on, in vLLM's control flow: nothing more for a stale job; no
+    key or every key present, or a put with no failed key, completes the save (``rules.checkpoint``: unless a
+    source block was unavailable); the kv events of the stored chunks; the retry ids and the completion in the
+    ``finally``."""
+    ids = EventIds(thread, req_meta, rules.merge_retry)
+    complete = not (rules.checkpoint and plan.missing)
+    save_completed = False
+    try:
+        if not thread._maybe_offload_boundary_states(req_meta) or job.stale:
+            return
+        log_skipped(worker, req_meta.req_id, plan)
+        missing = missing_keys(thread, plan.rows.keys) if plan.rows.keys else []
+        if not missing:  # no key, or every key present
+            save_completed = complete and _saved(thread, req_meta, job, rules)
+            return
+        rows, groups, chunks = narrow(plan, missing, ids.on)
+        before_put(thread, req_meta, rows.keys, groups, worker)
+        failed = put_and_record(thread, req_meta, rows, worker)
+        if failed is not None and not failed and complete:
+            save_completed = _saved(thread, req_meta, job, rules)
+            clear_pressure(thread, worker)
+        if ids.on and failed is not None:
+            stored = stored_events(thread, req_meta, groups, chunks, failed, ids, worker, rules)
+            if stored:
+                thread.update_kv_event(stored)
+    finally:
+        if save_completed and rules.checkpoint:
+            thread._record_saved_offset(req_meta, job.token_len)
+        if ids.on and job.available:
+            thread._update_retry_token_ids(req_meta, save_completed, ids.start, ids.token_ids)
+        thread.finish_store_job(req_meta)
+        thread.request_queue.task_done()
+
+
+def _saved(thread: Any, req_meta: Any, job: Job, rules: SendRules) -> bool:
+    """A complete save: recorded at once without the checkpoint rule (vLLM 0.33), in the ``finally`` with it."""
+    if not rules.checkpoint:
+        thread._record_saved(req_meta, job.token_len)
+    return True
+
+
 # --- the handler -------------------------------------------------------------------------------------------------
 
 
@@ -462,7 +510,7 @@ def make_handler(
             return original(self, req_meta)
         with lock:
             stats.fast_requests += 1
-        release.run(self, req_meta, planned[0], planned[1], worker)
+        run_job(self, req_meta, planned[0], planned[1], worker, release)
         return None
 
     return finish_handler(_handle_request, original, "KVCacheStoreSendingThread._handle_request", stats)
