@@ -253,10 +253,10 @@ class HandlerStats:
 
 
 def finish_handler(
-    handler: Callable[[Any, Any], Any], original: Callable[[Any, Any], Any], qualname: str, stats: HandlerStats
-) -> Callable[[Any, Any], Any]:
+    handler: Callable[..., Any], original: Callable[..., Any], qualname: str, stats: object
+) -> Callable[..., Any]:
     """``handler`` dressed as the vLLM method it replaces: ``__wrapped__`` (vLLM's), its qualified name, and
-    its :class:`HandlerStats` as ``.stats``."""
+    its counters (:class:`HandlerStats`, the lookup's ``LookupStats``) as ``.stats``."""
     dressed: Any = handler
     dressed.__wrapped__ = original
     dressed.__qualname__ = qualname
