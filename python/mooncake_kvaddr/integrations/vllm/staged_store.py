@@ -154,15 +154,11 @@ class StagedMooncakeStore(StoreWrapper):
             self.stats.lease_timeouts += 1
             return None
 
-    def batch_get_into_multi_buffers(
-        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Mooncake's ``batch_get_into_multi_buffers``, staged for host KV caches (same results)."""
+    def _call(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Mooncake's multi-buffer get or put ``name`` (the inherited entries), staged for host KV caches (same
+        results)."""
         with self._gate.admitted():
-            return self.guard.call(
-                "batch_get_into_multi_buffers", partial(self._multi, True), (keys, all_buffer_ptrs, all_sizes, *args),
-                kwargs,
-            )
+            return self.guard.call(name, partial(self._multi, name == "batch_get_into_multi_buffers"), args, kwargs)
 
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
@@ -171,16 +167,6 @@ class StagedMooncakeStore(StoreWrapper):
         ``batch_get_into_multi_buffers`` with the rows as lists."""
         with self._gate.admitted():
             return self.guard.call_arrays(keys, addrs, sizes, partial(self._multi_arrays, True))
-
-    def batch_put_from_multi_buffers(
-        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Mooncake's ``batch_put_from_multi_buffers``, staged for host KV caches (same results)."""
-        with self._gate.admitted():
-            return self.guard.call(
-                "batch_put_from_multi_buffers", partial(self._multi, False), (keys, all_buffer_ptrs, all_sizes, *args),
-                kwargs,
-            )
 
     def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
         """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with the rows as two (keys x regions) int64
