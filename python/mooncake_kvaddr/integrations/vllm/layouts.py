@@ -8,7 +8,6 @@ templates.
 
 from __future__ import annotations
 
-import inspect
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
@@ -20,6 +19,7 @@ from mooncake_kvaddr.integrations.vllm.registry import (
     DATA_MODULE,
     WORKER_MODULE,
     original_of,
+    params_after_self,
     signature_problem,
     static_attribute,
 )
@@ -209,10 +209,6 @@ OURS: dict[str, Any] = layout_roles(REPLACEMENTS)
 # --- the shape check ------------------------------------------------------------------------------------------
 
 
-def _params(func: Any) -> tuple[str, ...]:
-    return tuple(inspect.signature(func).parameters)[1:]
-
-
 #: "Class.method" -> vLLM's function, filled by :func:`_check_shape` (the self-check calls these).
 _ORIGINAL_FUNCS: dict[str, Callable[..., Any]] = {}
 
@@ -254,8 +250,8 @@ def check_shape(data: ModuleType, worker: ModuleType | None) -> str:
             func = static_attribute(cls, method)
             if not callable(func):
                 return f"MooncakeStoreWorker.{method} is missing"
-            if _params(func)[: len(params)] != params:
-                return f"MooncakeStoreWorker.{method} takes {_params(func)}, expected {params}"
+            if params_after_self(func)[: len(params)] != params:
+                return f"MooncakeStoreWorker.{method} takes {params_after_self(func)}, expected {params}"
     return ""
 
 
