@@ -24,7 +24,7 @@ from mooncake_kvaddr.core.plan import KeyPlan
 from mooncake_kvaddr.driver.rules import estimate_staging_bytes, split_by_staging_budget
 from mooncake_kvaddr.driver.staging import StagingBuffer
 from mooncake_kvaddr.integrations.vllm import layouts as vllm_layouts
-from mooncake_kvaddr.integrations.vllm import plugin, receive, receive_check
+from mooncake_kvaddr.integrations.vllm import plans, plugin, receive, receive_check
 from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore
 from mooncake_kvaddr.integrations.vllm.releases import for_version, v0_33
 from mooncake_kvaddr.integrations.vllm.staged_store import StagedMooncakeStore
@@ -430,7 +430,7 @@ def test_the_call_follows_the_store_it_reaches_not_the_plan() -> None:
     as_lists = KeyPlan(keys, addrs, sizes, [0, 1])
     assert as_arrays.arrays and not as_lists.arrays
     for plan, store in ((as_arrays, ListStore("ok")), (as_lists, ArrayStore("ok"))):
-        assert receive._get(store, plan) == [4096, 4096]
+        assert plans.multi_buffers_call(store, plan, "get_into") == [4096, 4096]
         assert store.calls == [(keys, addrs, sizes, (list, list, {list}, {int}))]
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "RangeTable",
     "Ranges",
     "StoreGuard",
+    "int64_matrices",
 ]
 
 logger = logging.getLogger("vllm.mooncake_kvaddr")
@@ -57,6 +58,18 @@ class GuardRefused(TypeError):
 
 
 # --- the guard ---------------------------------------------------------------------------------------------------
+
+
+def int64_matrices(addrs: Any, sizes: Any) -> bool:
+    """Two int64 matrices of one shape (the form the array entries and the native checks take)."""
+    return (
+        isinstance(addrs, np.ndarray)
+        and isinstance(sizes, np.ndarray)
+        and addrs.dtype == np.int64
+        and sizes.dtype == np.int64
+        and addrs.ndim == 2
+        and addrs.shape == sizes.shape
+    )
 
 
 def _bind(names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
@@ -138,15 +151,8 @@ class StoreGuard:
             n = len(keys)
         except TypeError:
             return None
-        if isinstance(all_ptrs, np.ndarray) and isinstance(all_sizes, np.ndarray):
-            if (
-                all_ptrs.dtype == np.int64
-                and all_sizes.dtype == np.int64
-                and all_ptrs.ndim == 2
-                and all_ptrs.shape == all_sizes.shape
-                and all_ptrs.shape[0] == n
-            ):
-                return self.check_matrices(all_ptrs, all_sizes)
+        if int64_matrices(all_ptrs, all_sizes) and all_ptrs.shape[0] == n:
+            return self.check_matrices(all_ptrs, all_sizes)
         try:
             if len(all_ptrs) != n or len(all_sizes) != n:
                 return RowCheck([], n)  # rows cannot be paired with keys: every key refused (Mooncake: -600)
@@ -224,18 +230,7 @@ class StoreGuard:
         to them: :func:`~mooncake_kvaddr.driver.per_key.config_for`), -600 for the others."""
         if not self.table.armed:
             return func(keys, addrs, sizes, *config)
-        if (
-            not isinstance(addrs, np.ndarray)
-            or not isinstance(sizes, np.ndarray)
-            or addrs.dtype != np.int64
-            or sizes.dtype != np.int64
-            or addrs.ndim != 2
-            or addrs.shape != sizes.shape
-            or addrs.shape[0] != len(keys)
-        ):
-            check = self.check_multi(keys, addrs, sizes) or RowCheck([], len(keys))
-        else:
-            check = self.check_matrices(addrs, sizes)
+        check = self.check_multi(keys, addrs, sizes) or RowCheck([], len(keys))  # int64 matrices: check_matrices
         if check.good is None:
             return func(keys, addrs, sizes, *config)
         good = check.good

@@ -8,7 +8,6 @@ templates.
 
 from __future__ import annotations
 
-import inspect
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
@@ -20,6 +19,7 @@ from mooncake_kvaddr.integrations.vllm.registry import (
     DATA_MODULE,
     WORKER_MODULE,
     original_of,
+    params_after_self,
     signature_problem,
     static_attribute,
 )
@@ -114,16 +114,24 @@ def _sharded_engine(layout: Any) -> Any:
     return state[0]
 
 
-def _rank_local_prepare_values(
-    self: Any, chunks: Any, block_ids: Any, shard_ids: Any
-) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """mooncake_kvaddr's ``RankLocalStoreLayout.prepare_values`` (docs/vllm-plugin.md)."""
-    if not chunks:
-        return [], [], []
-    result: tuple[list[list[int]], list[list[int]], list[int]] = _rank_local_engine(self).prepare_values(
-        chunks, block_ids, shard_ids
-    )
-    return result
+_Rows = tuple[list[list[int]], list[list[int]], list[int]]
+
+
+def _prepare_values(engine_of: Callable[[Any], Any]) -> Callable[[Any, Any, Any, Any], _Rows]:
+    """mooncake_kvaddr's ``prepare_values`` of the layouts whose engine ``engine_of(layout)`` gives:
+    ``RankLocalStoreLayout``'s and ``TPShardedStoreLayout``'s alike."""
+
+    def prepare_values(self: Any, chunks: Any, block_ids: Any, shard_ids: Any) -> _Rows:
+        """mooncake_kvaddr's ``prepare_values`` on the layout's native engine (docs/vllm-plugin.md)."""
+        if not chunks:
+            return [], [], []
+        result: _Rows = engine_of(self).prepare_values(chunks, block_ids, shard_ids)
+        return result
+
+    return prepare_values
+
+
+_rank_local_prepare_values = _prepare_values(_rank_local_engine)
 
 
 def _rank_local_prepare_value_for_block(self: Any, block_id: int) -> tuple[list[int], list[int]]:
@@ -138,16 +146,7 @@ def _rank_local_key_for(self: Any, shard_id: int, chunk_hash: Any) -> str:
     return f"{self._key_prefix}@{chunk_hash.hex()}"
 
 
-def _sharded_prepare_values(
-    self: Any, chunks: Any, block_ids: Any, shard_ids: Any
-) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """mooncake_kvaddr's ``TPShardedStoreLayout.prepare_values`` (docs/vllm-plugin.md)."""
-    if not chunks:
-        return [], [], []
-    result: tuple[list[list[int]], list[list[int]], list[int]] = _sharded_engine(self).prepare_values(
-        chunks, block_ids, shard_ids
-    )
-    return result
+_sharded_prepare_values = _prepare_values(_sharded_engine)
 
 
 def _sharded_key_for(self: Any, shard_id: int, chunk_hash: Any) -> str:
@@ -210,10 +209,6 @@ OURS: dict[str, Any] = layout_roles(REPLACEMENTS)
 # --- the shape check ------------------------------------------------------------------------------------------
 
 
-def _params(func: Any) -> tuple[str, ...]:
-    return tuple(inspect.signature(func).parameters)[1:]
-
-
 #: "Class.method" -> vLLM's function, filled by :func:`_check_shape` (the self-check calls these).
 _ORIGINAL_FUNCS: dict[str, Callable[..., Any]] = {}
 
@@ -255,8 +250,8 @@ def check_shape(data: ModuleType, worker: ModuleType | None) -> str:
             func = static_attribute(cls, method)
             if not callable(func):
                 return f"MooncakeStoreWorker.{method} is missing"
-            if _params(func)[: len(params)] != params:
-                return f"MooncakeStoreWorker.{method} takes {_params(func)}, expected {params}"
+            if params_after_self(func)[: len(params)] != params:
+                return f"MooncakeStoreWorker.{method} takes {params_after_self(func)}, expected {params}"
     return ""
 
 

@@ -26,6 +26,7 @@ from mooncake_kvaddr import _native
 from mooncake_kvaddr.core.flags import flag
 from mooncake_kvaddr.driver.native_client import KeyBlob
 from mooncake_kvaddr.driver.rules import floor_to
+from mooncake_kvaddr.integrations.vllm.plans import finish_handler
 from mooncake_kvaddr.integrations.vllm.receive_check import quiet_thread
 from mooncake_kvaddr.integrations.vllm.registry import signature_problem
 from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
@@ -400,10 +401,7 @@ def make_lookup(
             return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool, masks))
         return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool))
 
-    lookup.stats = stats  # type: ignore[attr-defined]
-    lookup.__wrapped__ = original  # type: ignore[attr-defined]
-    lookup.__qualname__ = "MooncakeStoreWorker.lookup"
-    return lookup
+    return finish_handler(lookup, original, "MooncakeStoreWorker.lookup", stats)
 
 
 # --- the self-check ------------------------------------------------------------------------------------------

@@ -134,6 +134,23 @@ class StoreWrapper(ArrayStore):
         self._release()
         return self._store.close(*args, **kwargs)
 
+    def batch_get_into_multi_buffers(
+        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Mooncake's ``batch_get_into_multi_buffers`` through the wrapper's transport (same results)."""
+        return self._call("batch_get_into_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+
+    def batch_put_from_multi_buffers(
+        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Mooncake's ``batch_put_from_multi_buffers`` through the wrapper's transport (``ReplicateConfig`` passed
+        through)."""
+        return self._call("batch_put_from_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
+
+    @abc.abstractmethod
+    def _call(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Mooncake's ``name(*args, **kwargs)`` through the wrapper's transport, behind the gate and the guard."""
+
     @abc.abstractmethod
     def _release(self) -> None:
         """Release what the wrapper holds beside the store (called once, by :meth:`close`, when idle)."""
@@ -225,12 +242,6 @@ class NativeMooncakeStore(StoreWrapper):
 
     # --- the replaced calls ---------------------------------------------------------------------------------
 
-    def batch_get_into_multi_buffers(
-        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Mooncake's ``batch_get_into_multi_buffers`` through the native client (same results)."""
-        return self._call("batch_get_into_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
-
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
         handler's entry, docs/vllm-plugin.md): the native client reads them without building a Python row;
@@ -250,12 +261,6 @@ class NativeMooncakeStore(StoreWrapper):
             return self.guard.call_arrays(
                 keys, addrs, sizes, lambda *call: self._send(name, call, what)[1], refused_as, config=config
             )
-
-    def batch_put_from_multi_buffers(
-        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Mooncake's ``batch_put_from_multi_buffers`` (``ReplicateConfig`` passed through)."""
-        return self._call("batch_put_from_multi_buffers", keys, all_buffer_ptrs, all_sizes, *args, **kwargs)
 
     def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
         """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with the rows as two (keys x regions) int64

@@ -28,6 +28,7 @@ __all__ = [
     "finish_handler",
     "hash_source",
     "join_groups",
+    "multi_buffers_call",
     "ragged_calls",
 ]
 
@@ -63,6 +64,24 @@ class ArrayStore(abc.ABC):
         """The array put for rows of different widths (as :meth:`batch_get_into_multi_buffers_ragged`; each put
         gets ``config`` cut to its keys)."""
         return ragged_calls(self.batch_put_from_multi_buffers_arrays, keys, addrs, sizes, widths, config)
+
+
+def multi_buffers_call(store: Any, rows: KeyPlan, verb: str, *config: Any) -> Any:
+    """``store.batch_<verb>_multi_buffers`` (``verb``: ``get_into``, or ``put_from`` with its one ``config``) on a
+    plan's rows: an :class:`ArrayStore` gets them as matrices (one width: its array entry; else its ragged entry),
+    any other store as vLLM's lists."""
+    name = f"batch_{verb}_multi_buffers"
+    if rows.arrays and isinstance(store, ArrayStore):
+        widths = rows.widths
+        if widths is None:
+            return getattr(store, f"{name}_arrays")(rows.keys, rows.addrs, rows.sizes, *config)
+        if widths.size and bool((widths == widths[0]).all()):  # rows of one width: one matrix
+            width = int(widths[0])
+            return getattr(store, f"{name}_arrays")(rows.keys, rows.addrs[:, :width], rows.sizes[:, :width], *config)
+        return getattr(store, f"{name}_ragged")(rows.keys, rows.addrs, rows.sizes, widths, *config)
+    if rows.arrays:
+        return getattr(store, name)(rows.keys, *rows.row_lists(), *config)
+    return getattr(store, name)(rows.keys, rows.addrs, rows.sizes, *config)
 
 
 def ragged_calls(
@@ -234,10 +253,10 @@ class HandlerStats:
 
 
 def finish_handler(
-    handler: Callable[[Any, Any], Any], original: Callable[[Any, Any], Any], qualname: str, stats: HandlerStats
-) -> Callable[[Any, Any], Any]:
+    handler: Callable[..., Any], original: Callable[..., Any], qualname: str, stats: object
+) -> Callable[..., Any]:
     """``handler`` dressed as the vLLM method it replaces: ``__wrapped__`` (vLLM's), its qualified name, and
-    its :class:`HandlerStats` as ``.stats``."""
+    its counters (:class:`HandlerStats`, the lookup's ``LookupStats``) as ``.stats``."""
     dressed: Any = handler
     dressed.__wrapped__ = original
     dressed.__qualname__ = qualname

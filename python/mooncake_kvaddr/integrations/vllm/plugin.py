@@ -439,20 +439,19 @@ def _activate() -> None:
             ", ".join(report.patched),
             " (+ staged-transport hook)" if report.staged_hook else "",
         )
-        if report.hook_reason:
-            _kept("store transports off (vLLM's worker kept as is)", report.hook_reason)
-        if report.receive_reason:
-            _kept("vLLM's own receive handler kept", report.receive_reason)
-        if report.lookup_reason:
-            _kept("vLLM's own lookup kept", report.lookup_reason)
-        if report.send_reason:
-            _kept("vLLM's own send handler kept", report.send_reason)
+        _kept("store transports off (vLLM's worker kept as is)", report.hook_reason)
+        _kept("vLLM's own receive handler kept", report.receive_reason)
+        _kept("vLLM's own lookup kept", report.lookup_reason)
+        _kept("vLLM's own send handler kept", report.send_reason)
     else:
         _warn_once(report.reason)
 
 
 def _kept(what: str, reason: str) -> None:
-    """One line for a part that stays vLLM's: a warning, or INFO where the release has it not ported (by design)."""
+    """One line for a part that stays vLLM's (none without a ``reason``): a warning, or INFO where the release has it
+    not ported (by design)."""
+    if not reason:
+        return
     level = logging.INFO if reason.startswith(NOT_PORTED) else logging.WARNING
     logger.log(level, "mooncake_kvaddr: %s: %s", what, reason)
 

@@ -25,6 +25,7 @@ from mooncake_kvaddr.integrations.vllm.plans import (
     finish_handler,
     hash_source,
     join_groups,
+    multi_buffers_call,
 )
 
 __all__ = [
@@ -119,20 +120,6 @@ def _skip_oversized(
     thread.request_queue.task_done()
 
 
-def _get(store: Any, batch: KeyPlan) -> Any:
-    if batch.arrays and isinstance(store, ArrayStore):
-        widths = batch.widths
-        if widths is None:
-            return store.batch_get_into_multi_buffers_arrays(batch.keys, batch.addrs, batch.sizes)
-        if widths.size and bool((widths == widths[0]).all()):  # a batch of one width: one matrix
-            width = int(widths[0])
-            return store.batch_get_into_multi_buffers_arrays(batch.keys, batch.addrs[:, :width], batch.sizes[:, :width])
-        return store.batch_get_into_multi_buffers_ragged(batch.keys, batch.addrs, batch.sizes, widths)
-    if batch.arrays:
-        return store.batch_get_into_multi_buffers(batch.keys, *batch.row_lists())
-    return store.batch_get_into_multi_buffers(batch.keys, batch.addrs, batch.sizes)
-
-
 def _execute(thread: Any, req_id: Any, plan: KeyPlan, batches: list[tuple[int, int]], logger: Any) -> None:
     """One store call per batch and vLLM's bookkeeping around each; the first batch with a failed key ends
     the load, and an exception fails the batch in flight (vLLM's rules)."""
@@ -146,7 +133,7 @@ def _execute(thread: Any, req_id: Any, plan: KeyPlan, batches: list[tuple[int, i
             batch_bytes = batch.num_bytes()
             store = thread.store
             load_get_start = time.perf_counter()
-            res = _get(store, batch)
+            res = multi_buffers_call(store, batch, "get_into")
             codes = res if type(res) is list else list(res)
             per_key.check_count(codes, len(keys), "the store", ValueError)
             failed = [i for i, value in enumerate(codes) if value < 0]

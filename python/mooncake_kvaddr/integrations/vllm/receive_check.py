@@ -18,7 +18,7 @@ from typing import Any
 
 from mooncake_kvaddr.driver.outcomes import CODE_INVALID_PARAMS as INVALID_PARAMS
 from mooncake_kvaddr.integrations.vllm.receive import ArrayStore
-from mooncake_kvaddr.integrations.vllm.registry import signature_problem
+from mooncake_kvaddr.integrations.vllm.registry import params_after_self, signature_problem
 
 __all__ = [
     "RECEIVE_FUNCTIONS", "ArrayRecordingStore", "DropThread", "RecordingStore", "Records", "check_shape", "outcome_of",
@@ -49,10 +49,6 @@ _EXPECTED_THREAD: dict[str, tuple[str, ...]] = {
 _EXPECTED_PROCESS_TOKENS = ("token_len", "block_hashes", "mask_num", "chunk_mask", "put_step", "put_step_rank")
 
 
-def _params(func: Any) -> tuple[str, ...]:
-    return tuple(inspect.signature(func).parameters)[1:]
-
-
 def check_shape(
     data: ModuleType, worker: ModuleType, process_tokens: tuple[str, ...] = _EXPECTED_PROCESS_TOKENS
 ) -> str:
@@ -68,7 +64,7 @@ def check_shape(
             return problem
     db = getattr(data, "ChunkedTokenDatabase", None)
     func = inspect.getattr_static(db, "process_tokens", None) if isinstance(db, type) else None
-    if not callable(func) or _params(func) != process_tokens:
+    if not callable(func) or params_after_self(func) != process_tokens:
         return "ChunkedTokenDatabase.process_tokens is missing or has another signature"
     for name in ("envs", "logger"):
         if getattr(worker, name, None) is None:

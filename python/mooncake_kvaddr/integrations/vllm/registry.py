@@ -24,6 +24,7 @@ __all__ = [
     "fingerprint_problem",
     "fingerprint_source",
     "original_of",
+    "params_after_self",
     "replace_attribute",
     "restore_all",
     "signature_problem",
@@ -70,12 +71,17 @@ def signature_problem(cls: type, method: str, params: tuple[str, ...]) -> str:
     if not callable(func):
         return f"{cls.__name__}.{method} is missing"
     try:
-        actual = tuple(inspect.signature(func).parameters)[1:]
+        actual = params_after_self(func)
     except (TypeError, ValueError):
         return f"{cls.__name__}.{method} has no readable signature"
     if actual != params:
         return f"{cls.__name__}.{method} takes {actual}, expected {params}"
     return ""
+
+
+def params_after_self(func: Any) -> tuple[str, ...]:
+    """The parameter names of a method after ``self`` (``inspect.signature``'s errors raised as they come)."""
+    return tuple(inspect.signature(func).parameters)[1:]
 
 
 def original_of(cls: type, name: str) -> Callable[..., Any]:

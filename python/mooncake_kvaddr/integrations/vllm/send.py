@@ -1,9 +1,10 @@
 """A replacement for vLLM's ``KVCacheStoreSendingThread._handle_request`` (docs/vllm-plugin.md, "The send handler").
 
 Each group is planned in one native call and its rows go to our store wrappers as int64 matrices. What every
-release does alike (the walk, the put, its records, pressure, group ids, ``BlockStored`` events) is here; what a
-release does its own way (lengths, store masks, retry ids, the job's control flow) is its :class:`SendRules`, in
-its release module. Any other job runs vLLM's own handler (the rules' ``prepare`` and :func:`plan_store` say why).
+release does alike (the walk, the put, its records, pressure, group ids, ``BlockStored`` events, the job's control
+flow) is here; what a release does its own way (lengths, store masks, retry ids, when a save is complete) is its
+:class:`SendRules`, in its release module. Any other job runs vLLM's own handler (the rules' ``prepare`` and
+:func:`plan_store` say why).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mooncake_kvaddr.integrations.vllm.plans import (
     finish_handler,
     hash_source,
     join_groups,
+    multi_buffers_call,
 )
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "narrow",
     "plan_store",
     "put_and_record",
+    "run_job",
     "send_enabled",
     "stored_events",
 ]
@@ -82,8 +85,8 @@ class SendRules:
 
     #: ``(thread, req_meta) -> Job``, or why vLLM's handler must run the job. Reads only (no side effects).
     prepare: Callable[[Any, Any], Job | str]
-    #: ``(thread, req_meta, plan, job, worker)``: the job from the liveness check on, vLLM's control flow.
-    run: Callable[[Any, Any, SendPlan, Job, ModuleType], None]
+    #: ``(retry_start, retry_ids, start, ids)``: a failed job's retry ids merged in front (:class:`EventIds`).
+    merge_retry: Callable[[int, list[int], int, list[int]], tuple[int, Any] | None]
     #: The send thread's methods the handler relies on, with their parameters after self (the shape check).
     thread_methods: Mapping[str, tuple[str, ...]]
     #: ``ReqMeta`` fields the handler reads besides the 0.32 ones (the shape check).
@@ -92,6 +95,10 @@ class SendRules:
     db_chunk: str = "block_size"
     #: Whether ``BlockStored`` events carry the lookahead token ids (``ReqMeta.num_hash_lookahead_tokens``).
     lookahead: bool = False
+    #: vLLM 0.34's checkpoint rule: a save with an unavailable source block is incomplete, and a complete one
+    #: records the job's length (``_record_saved_offset``) in the ``finally``; else (0.33) every success records it
+    #: at once (``_record_saved``).
+    checkpoint: bool = False
     #: Other rules, by name, for a release module's own use.
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -304,22 +311,6 @@ def before_put(thread: Any, req_meta: Any, keys: list[str], groups: list[int], w
         thread.replicate_config.group_ids = group_ids
 
 
-def _put(store: Any, rows: KeyPlan, config: Any) -> Any:
-    if rows.arrays and isinstance(store, ArrayStore):
-        widths = rows.widths
-        if widths is None:
-            return store.batch_put_from_multi_buffers_arrays(rows.keys, rows.addrs, rows.sizes, config)
-        if widths.size and bool((widths == widths[0]).all()):  # the missing keys are of one width: one matrix
-            width = int(widths[0])
-            return store.batch_put_from_multi_buffers_arrays(
-                rows.keys, rows.addrs[:, :width], rows.sizes[:, :width], config
-            )
-        return store.batch_put_from_multi_buffers_ragged(rows.keys, rows.addrs, rows.sizes, widths, config)
-    if rows.arrays:
-        return store.batch_put_from_multi_buffers(rows.keys, *rows.row_lists(), config)
-    return store.batch_put_from_multi_buffers(rows.keys, rows.addrs, rows.sizes, config)
-
-
 def put_and_record(thread: Any, req_meta: Any, rows: KeyPlan, worker: ModuleType) -> set[int] | None:
     """The put and vLLM's bookkeeping of its outcome (records, warnings, pressure marked); the indices of the
     failed keys, or None when the put raised."""
@@ -328,7 +319,7 @@ def put_and_record(thread: Any, req_meta: Any, rows: KeyPlan, worker: ModuleType
     batch_bytes = rows.num_bytes()
     put_start = time.perf_counter()
     try:
-        res = _put(thread.store, rows, thread.replicate_config)
+        res = multi_buffers_call(thread.store, rows, "put_from", thread.replicate_config)
     except Exception as e:
         thread._record_operation(
             "save_put", put_start, len(keys), num_bytes=batch_bytes, status="error", num_failed_keys=len(keys)
@@ -423,6 +414,48 @@ def stored_events(
     return stored
 
 
+def run_job(thread: Any, req_meta: Any, plan: SendPlan, job: Job, worker: ModuleType, rules: SendRules) -> None:
+    """A planned job from the boundary-state puts on, in vLLM's control flow: nothing more for a stale job; no
+    key or every key present, or a put with no failed key, completes the save (``rules.checkpoint``: unless a
+    source block was unavailable); the kv events of the stored chunks; the retry ids and the completion in the
+    ``finally``."""
+    ids = EventIds(thread, req_meta, rules.merge_retry)
+    complete = not (rules.checkpoint and plan.missing)
+    save_completed = False
+    try:
+        if not thread._maybe_offload_boundary_states(req_meta) or job.stale:
+            return
+        log_skipped(worker, req_meta.req_id, plan)
+        missing = missing_keys(thread, plan.rows.keys) if plan.rows.keys else []
+        if not missing:  # no key, or every key present
+            save_completed = complete and _saved(thread, req_meta, job, rules)
+            return
+        rows, groups, chunks = narrow(plan, missing, ids.on)
+        before_put(thread, req_meta, rows.keys, groups, worker)
+        failed = put_and_record(thread, req_meta, rows, worker)
+        if failed is not None and not failed and complete:
+            save_completed = _saved(thread, req_meta, job, rules)
+            clear_pressure(thread, worker)
+        if ids.on and failed is not None:
+            stored = stored_events(thread, req_meta, groups, chunks, failed, ids, worker, rules)
+            if stored:
+                thread.update_kv_event(stored)
+    finally:
+        if save_completed and rules.checkpoint:
+            thread._record_saved_offset(req_meta, job.token_len)
+        if ids.on and job.available:
+            thread._update_retry_token_ids(req_meta, save_completed, ids.start, ids.token_ids)
+        thread.finish_store_job(req_meta)
+        thread.request_queue.task_done()
+
+
+def _saved(thread: Any, req_meta: Any, job: Job, rules: SendRules) -> bool:
+    """A complete save: recorded at once without the checkpoint rule (vLLM 0.33), in the ``finally`` with it."""
+    if not rules.checkpoint:
+        thread._record_saved(req_meta, job.token_len)
+    return True
+
+
 # --- the handler -------------------------------------------------------------------------------------------------
 
 
@@ -477,7 +510,7 @@ def make_handler(
             return original(self, req_meta)
         with lock:
             stats.fast_requests += 1
-        release.run(self, req_meta, planned[0], planned[1], worker)
+        run_job(self, req_meta, planned[0], planned[1], worker, release)
         return None
 
     return finish_handler(_handle_request, original, "KVCacheStoreSendingThread._handle_request", stats)

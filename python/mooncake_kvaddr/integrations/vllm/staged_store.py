@@ -27,6 +27,7 @@ from mooncake_kvaddr.driver.staging import (
     scatter,
 )
 from mooncake_kvaddr.driver.store_calls import bound_rows
+from mooncake_kvaddr.integrations.vllm.guard import int64_matrices
 from mooncake_kvaddr.integrations.vllm.native_store import NativeMooncakeStore, StoreWrapper
 
 __all__ = ["StagedMooncakeStore", "StagedStats"]
@@ -153,15 +154,11 @@ class StagedMooncakeStore(StoreWrapper):
             self.stats.lease_timeouts += 1
             return None
 
-    def batch_get_into_multi_buffers(
-        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Mooncake's ``batch_get_into_multi_buffers``, staged for host KV caches (same results)."""
+    def _call(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Mooncake's multi-buffer get or put ``name`` (the inherited entries), staged for host KV caches (same
+        results)."""
         with self._gate.admitted():
-            return self.guard.call(
-                "batch_get_into_multi_buffers", partial(self._multi, True), (keys, all_buffer_ptrs, all_sizes, *args),
-                kwargs,
-            )
+            return self.guard.call(name, partial(self._multi, name == "batch_get_into_multi_buffers"), args, kwargs)
 
     def batch_get_into_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> Any:
         """``batch_get_into_multi_buffers`` with the rows as two (keys x regions) int64 matrices (the receive
@@ -170,16 +167,6 @@ class StagedMooncakeStore(StoreWrapper):
         ``batch_get_into_multi_buffers`` with the rows as lists."""
         with self._gate.admitted():
             return self.guard.call_arrays(keys, addrs, sizes, partial(self._multi_arrays, True))
-
-    def batch_put_from_multi_buffers(
-        self, keys: Any, all_buffer_ptrs: Any, all_sizes: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Mooncake's ``batch_put_from_multi_buffers``, staged for host KV caches (same results)."""
-        with self._gate.admitted():
-            return self.guard.call(
-                "batch_put_from_multi_buffers", partial(self._multi, False), (keys, all_buffer_ptrs, all_sizes, *args),
-                kwargs,
-            )
 
     def batch_put_from_multi_buffers_arrays(self, keys: list[str], addrs: Any, sizes: Any, config: Any) -> Any:
         """``batch_put_from_multi_buffers(keys, addrs, sizes, config)`` with the rows as two (keys x regions) int64
@@ -192,15 +179,7 @@ class StagedMooncakeStore(StoreWrapper):
 
     def _plan_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> KeyPlan | None:
         """The staging plan of an ``..._arrays`` call (int64 matrices, distinct keys), or None."""
-        if (
-            isinstance(addrs, np.ndarray)
-            and isinstance(sizes, np.ndarray)
-            and addrs.dtype == np.int64
-            and sizes.dtype == np.int64
-            and addrs.ndim == 2
-            and addrs.shape == sizes.shape
-            and self._keys_stageable(keys)
-        ):
+        if int64_matrices(addrs, sizes) and self._keys_stageable(keys):
             return self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
         return None
 

@@ -6,7 +6,6 @@ wheel, not installed), so one table covers both.
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 from mooncake_kvaddr.driver.rules import floor_to
@@ -90,43 +89,7 @@ def _send_merge_retry(retry_start: int, retry_ids: list[int], start: int, ids: l
     return (retry_start, retry_ids + ids) if retry_start + len(retry_ids) == start else None
 
 
-def _send_run(thread: Any, req_meta: Any, plan: send.SendPlan, job: send.Job, worker: ModuleType) -> None:
-    """vLLM 0.33's job from the boundary-state puts on: the saved offset recorded at each success (no key, every
-    key present, every put ok), the retry ids and the completion in the ``finally``."""
-    ids = send.EventIds(thread, req_meta, _send_merge_retry)
-    save_completed = False
-    try:
-        if not thread._maybe_offload_boundary_states(req_meta):
-            return
-        send.log_skipped(worker, req_meta.req_id, plan)
-        if not plan.rows.keys:
-            thread._record_saved(req_meta, job.token_len)
-            save_completed = True
-            return
-        missing = send.missing_keys(thread, plan.rows.keys)
-        if not missing:
-            thread._record_saved(req_meta, job.token_len)
-            save_completed = True
-            return
-        rows, groups, chunks = send.narrow(plan, missing, ids.on)
-        send.before_put(thread, req_meta, rows.keys, groups, worker)
-        failed = send.put_and_record(thread, req_meta, rows, worker)
-        if failed is not None and not failed:
-            thread._record_saved(req_meta, job.token_len)
-            save_completed = True
-            send.clear_pressure(thread, worker)
-        if ids.on and failed is not None:
-            stored = send.stored_events(thread, req_meta, groups, chunks, failed, ids, worker, SEND)
-            if stored:
-                thread.update_kv_event(stored)
-    finally:
-        if ids.on and job.available:
-            thread._update_retry_token_ids(req_meta, save_completed, ids.start, ids.token_ids)
-        thread.finish_store_job(req_meta)
-        thread.request_queue.task_done()
-
-
-SEND = send.SendRules(prepare=_send_prepare, run=_send_run, thread_methods=THREAD_METHODS_033)
+SEND = send.SendRules(prepare=_send_prepare, merge_retry=_send_merge_retry, thread_methods=THREAD_METHODS_033)
 
 RELEASE = Release(
     series=("0.32.", "0.33."),

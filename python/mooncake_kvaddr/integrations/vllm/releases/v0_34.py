@@ -277,52 +277,17 @@ def _send_merge_retry(retry_start: int, retry_ids: list[int], start: int, ids: l
     return None
 
 
-def _send_run(thread: Any, req_meta: Any, plan: send.SendPlan, job: send.Job, worker: ModuleType) -> None:
-    """vLLM 0.34's job from the liveness check on: a save with an unavailable source block is incomplete; a
-    complete one records the checkpoint as the saved offset in the ``finally``, before the retry ids and the
-    completion."""
-    ids = send.EventIds(thread, req_meta, _send_merge_retry)
-    save_completed = False
-    try:
-        if not thread._maybe_offload_boundary_states(req_meta) or job.stale:
-            return
-        send.log_skipped(worker, req_meta.req_id, plan)
-        if not plan.rows.keys:
-            save_completed = not plan.missing
-            return
-        missing = send.missing_keys(thread, plan.rows.keys)
-        if not missing:
-            save_completed = not plan.missing
-            return
-        rows, groups, chunks = send.narrow(plan, missing, ids.on)
-        send.before_put(thread, req_meta, rows.keys, groups, worker)
-        failed = send.put_and_record(thread, req_meta, rows, worker)
-        if failed is not None and not failed and not plan.missing:
-            save_completed = True
-            send.clear_pressure(thread, worker)
-        if ids.on and failed is not None:
-            stored = send.stored_events(thread, req_meta, groups, chunks, failed, ids, worker, SEND)
-            if stored:
-                thread.update_kv_event(stored)
-    finally:
-        if save_completed:
-            thread._record_saved_offset(req_meta, job.token_len)
-        if ids.on and job.available:
-            thread._update_retry_token_ids(req_meta, save_completed, ids.start, ids.token_ids)
-        thread.finish_store_job(req_meta)
-        thread.request_queue.task_done()
-
-
 _SEND_THREAD_METHODS = {name: params for name, params in THREAD_METHODS_033.items() if name != "_record_saved"}
 _SEND_THREAD_METHODS["_record_saved_offset"] = ("req_meta", "offset")
 
 SEND = send.SendRules(
     prepare=_send_prepare,
-    run=_send_run,
+    merge_retry=_send_merge_retry,
     thread_methods=_SEND_THREAD_METHODS,
     req_meta_fields=("prefill_end_tokens", "num_hash_lookahead_tokens"),
     db_chunk="chunk_size",
     lookahead=True,
+    checkpoint=True,
 )
 
 # --- the lookup's rules (lookup.py runs them) -------------------------------------------------------------------
