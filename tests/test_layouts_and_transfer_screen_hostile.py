@@ -248,6 +248,31 @@ def test_region_lists_accept_lists_tuples_ranges_and_int_arrays() -> None:
         assert db.prepare_value_for_block(2) == ([1020, 2020], [10, 10])
 
 
+def test_boundary_block_id_whose_index_edits_the_regions_reads_them_in_each_rules_order() -> None:
+    """The seed-era database converts the id before it reads the regions, vLLM's rules read the regions first:
+    an id whose ``__index__`` edits the region list in place is seen by the one and not by the other."""
+    from mooncake_kvaddr.core.database import ChunkedTokenDatabase as SeedDatabase
+
+    class EditingId:
+        def __init__(self, bases: list[int]) -> None:
+            self.bases = bases
+
+        def __index__(self) -> int:
+            self.bases[0] = 5000
+            return 2
+
+    seed_bases, vllm_bases = [1000, 2000], [1000, 2000]
+    seed = SeedDatabase(MD, 16)
+    seed.set_kv_caches_base_addr(seed_bases)
+    seed.set_block_len([10])
+    layout = RankLocalStoreLayout(MD, 16, 16)
+    layout.set_kv_caches_base_addr(vllm_bases)
+    layout.set_block_len([10])
+    assert seed.prepare_value_for_block(EditingId(seed_bases)) == ([5020, 2020], [10, 10])
+    assert layout.prepare_value_for_block(EditingId(vllm_bases)) == ([1020, 2020], [10, 10])
+    assert vllm_bases == [5000, 2000] and layout.prepare_value_for_block(2) == ([5020, 2020], [10, 10])
+
+
 # --- TP-shared shard ids: compared before any arithmetic ---------------------------------------------------
 
 
