@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import replace
 from typing import Any
@@ -140,32 +141,39 @@ def test_tp_shared_keys_equal_vllm_key_for(model: str) -> None:
             assert list(prefixes) == list(vlayout.lookup_key_prefixes([(rank, 0, 0, 0)]))
 
 
-@pytest.mark.parametrize("mode", ["multi_buffer", "staged"])
-def test_tail_key_boundary_load(store: MooncakeStore, model: str, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["multi_buffer", "staged", "multi_buffer_lists"])
+def test_tail_key_boundary_load(store: MooncakeStore, store_config: Any, model: str, mode: str) -> None:
+    """A load keyed by a tail-key boundary reads the boundary's object, on each path: the walk (native client
+    on, or staged) and, without the native client, the fused list plan (``plan_load`` per group)."""
     bs = 4
     db = M.ChunkedTokenDatabase(M.KeyMetadata(model, 0, 0, 0, 0), bs, bs)
     caches = _rank_local_caches(2)
     chained = hashes("t", 4)
-    with KVTransfer(store, [db], transfer_mode=mode, start_threads=False) as transfer:
-        transfer.register_kv_caches(caches, NB)
-        assert transfer.store(TransferRequest("t", 16, chained, [[1, 2, 3, 4]])).stored == 4
-        found = transfer.lookup_with_boundaries(17, chained)
-        assert found.hit_length == 16 and found.tail_key_boundaries == (TailKeyBoundary(0, 16),)
-        # A 12-token load whose tail is stored under the 16-token key: its last chunk reads block 4's object.
-        boundary = M.TailKeyBoundary(0, 16)
-        got = transfer.load(TransferRequest("t", 12, chained, [[5, 6, 7]], tail_key_boundaries=[boundary]))
-        assert got.failed_block_ids == set()
-        # Without the boundary the same load keys its last chunk by its own hash.
-        assert transfer.load(TransferRequest("t", 12, chained, [[8, 9, 10]])).failed_block_ids == set()
-        group = transfer.databases[0]
-        assert isinstance(group, LayoutGroup)
-        tail_keys = group.walk_load(12, chained, 0, group.tail_tokens(16)).keys
-        assert group.plan_load(12, chained, [5, 6, 7], 0, 16).keys == tail_keys
-        assert tail_keys[-1] == db.key_for(chained[3]) and group.walk_load(12, chained).keys[-1] == db.key_for(
-            chained[2])
-        with pytest.raises(ValueError, match="group_id"):
-            transfer.load(TransferRequest("t", 12, chained, [[5, 6, 7]],
-                                          tail_key_boundaries=[M.TailKeyBoundary(1, 16)]))
+    with contextlib.ExitStack() as stack:
+        if mode == "multi_buffer_lists":
+            store = stack.enter_context(MooncakeStore(store_config, native_client=False))
+            mode = "multi_buffer"
+            assert not store.native_client_active
+        with KVTransfer(store, [db], transfer_mode=mode, start_threads=False) as transfer:
+            transfer.register_kv_caches(caches, NB)
+            assert transfer.store(TransferRequest("t", 16, chained, [[1, 2, 3, 4]])).stored == 4
+            found = transfer.lookup_with_boundaries(17, chained)
+            assert found.hit_length == 16 and found.tail_key_boundaries == (TailKeyBoundary(0, 16),)
+            # A 12-token load whose tail is stored under the 16-token key: its last chunk reads block 4's object.
+            boundary = M.TailKeyBoundary(0, 16)
+            got = transfer.load(TransferRequest("t", 12, chained, [[5, 6, 7]], tail_key_boundaries=[boundary]))
+            assert got.failed_block_ids == set()
+            # Without the boundary the same load keys its last chunk by its own hash.
+            assert transfer.load(TransferRequest("t", 12, chained, [[8, 9, 10]])).failed_block_ids == set()
+            group = transfer.databases[0]
+            assert isinstance(group, LayoutGroup)
+            tail_keys = group.walk_load(12, chained, 0, group.tail_tokens(16)).keys
+            assert group.plan_load(12, chained, [5, 6, 7], 0, 16).keys == tail_keys
+            assert tail_keys[-1] == db.key_for(chained[3]) and group.walk_load(12, chained).keys[-1] == db.key_for(
+                chained[2])
+            with pytest.raises(ValueError, match="group_id"):
+                transfer.load(TransferRequest("t", 12, chained, [[5, 6, 7]],
+                                              tail_key_boundaries=[M.TailKeyBoundary(1, 16)]))
     for cache in caches:
         assert torch.equal(cache[5:7], cache[1:3]) and torch.equal(cache[7], cache[4])
         assert torch.equal(cache[8:11], cache[1:4])
