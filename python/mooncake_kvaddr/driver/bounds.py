@@ -117,9 +117,8 @@ class RegisteredCaches:
                     if not hasattr(type(value), "__index__"):
                         raise TypeError(f"block_ids[{i}]: expected an int, got {type(value).__name__}") from None
                 raise  # an __index__ of the caller's raised it: unchanged
-        if not ids:
-            return Screened(ids, {})
-        if min(ids) >= 0 and max(ids) < self.num_blocks:  # the common case: two C-level passes over exact ints
+        # The common case: none, or two C-level passes over exact ints find every id in range.
+        if not ids or (min(ids) >= 0 and max(ids) < self.num_blocks):
             return Screened(ids, {})
         bad: dict[int, str] = {}
         for i, value in enumerate(ids):

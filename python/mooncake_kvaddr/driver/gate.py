@@ -100,10 +100,8 @@ class CallGate:
         """Admit no new call; False when the gate was already released (or never opened: then it is now).
         ``StoreClosedError`` in a forked child of the process that opened it (nothing of it is released)."""
         with self._cond:
-            if self._state is GateState.NEW:
-                self._state = GateState.CLOSED
-                return False
-            if self._state is GateState.CLOSED:
+            if self._state in (GateState.NEW, GateState.CLOSED):
+                self._state = GateState.CLOSED  # never opened: released now (already released: unchanged)
                 return False
             self._refuse_forked()
             self._state = GateState.CLOSING

@@ -47,22 +47,23 @@ def _spread(values: BoolArray, picks: npt.NDArray[np.intp], n: int) -> BoolArray
 
 
 def _screen_peers(
-    ctx: PathContext, keys: list[str], deadline: RequestDeadline, outcomes: dict[str, int], clock: Clock
-) -> tuple[PeerScreen | None, npt.NDArray[np.intp] | None]:
-    """Ask the probe which of ``keys`` may go to Mooncake: ``(screen, picks)``; ``picks`` is ``None`` for all
-    of them, else the indices allowed (the others are counted not tried here). Its time is the "probe" phase."""
+    ctx: PathContext, deadline: RequestDeadline, outcomes: dict[str, int], clock: Clock, keys: list[str], *rows: Any
+) -> tuple[PeerScreen | None, npt.NDArray[np.intp] | None, tuple[Any, ...]]:
+    """Ask the probe which of ``keys`` may go to Mooncake: ``(screen, picks, (keys, *rows))``; ``picks`` is
+    ``None`` for all of them, else the indices allowed (the others are counted not tried here), and the keys and
+    each of ``rows`` are then taken at ``picks`` (none: nothing to send). Its time is the "probe" phase."""
     if ctx.probe is None:
-        return None, None
+        return None, None, (keys, *rows)
     screen = ctx.probe.screen(keys, deadline)
     clock.lap("probe")
     if screen.stop:
         count(outcomes, NOT_TRIED, len(keys))
-        return screen, np.zeros(0, dtype=np.intp)
+        return screen, np.zeros(0, dtype=np.intp), (keys, *rows)
     if screen.allowed is None:
-        return screen, None
+        return screen, None, (keys, *rows)
     picks = np.flatnonzero(screen.allowed)
     count(outcomes, NOT_TRIED, len(keys) - len(picks))
-    return screen, picks
+    return screen, picks, tuple(_take(r, picks) for r in (keys, *rows))
 
 
 def _after_peers(
@@ -179,11 +180,9 @@ class MultiBufferPath(TransferPath):
         addrs, sizes = plan.addrs[start:end], plan.sizes[start:end]
         addrs, sizes = self._check_unbounded(addrs, sizes, plan.bounded)
         n = len(keys)
-        screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
-        if picks is not None:
-            if len(picks) == 0:
-                return GetOutcome(np.zeros(n, dtype=bool), False, 0)
-            keys, addrs, sizes = _take(keys, picks), _take(addrs, picks), _take(sizes, picks)
+        screen, picks, (keys, addrs, sizes) = _screen_peers(self.ctx, deadline, outcomes, clock, keys, addrs, sizes)
+        if picks is not None and len(picks) == 0:
+            return GetOutcome(np.zeros(n, dtype=bool), False, 0)
         if self.ctx.metrics.callback is None:
             nbytes = 0
         elif isinstance(sizes, np.ndarray):
@@ -224,11 +223,9 @@ class DirectPath(TransferPath):
         ptrs, expected = addrs[:, 0], sizes[:, 0]
         keys = plan.keys[start:end]
         n = len(keys)
-        screen, picks = _screen_peers(self.ctx, keys, deadline, outcomes, clock)
-        if picks is not None:
-            if len(picks) == 0:
-                return GetOutcome(np.zeros(n, dtype=bool), False, 0)
-            keys, ptrs, expected = _take(keys, picks), ptrs[picks], expected[picks]
+        screen, picks, (keys, ptrs, expected) = _screen_peers(self.ctx, deadline, outcomes, clock, keys, ptrs, expected)
+        if picks is not None and len(picks) == 0:
+            return GetOutcome(np.zeros(n, dtype=bool), False, 0)
         got = self._call_inline("load_get", len(keys), int(expected.sum()), lambda: self.ctx.store.batch_get_into(
             keys, ptrs.tolist(), expected.tolist(), check_values=False, deadline=deadline
         ), clock, "get", outcomes)  # fmt: skip

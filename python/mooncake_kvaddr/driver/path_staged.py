@@ -120,13 +120,7 @@ class StagedPath(TransferPath):
 
     def _refused(self, deadline: RequestDeadline) -> bool:
         """Whether too many abandoned calls are in flight to make another (then the request is stopped)."""
-        if not self.calls.saturated:
-            return False
-        deadline.stop(
-            f"{self.calls.abandoned} staged Mooncake call(s) abandoned at their deadline are still in flight "
-            f"(max_abandoned_calls={self.calls.max_abandoned}): a peer hangs; no new staged call until one returns"
-        )
-        return True
+        return self.calls.refuse(deadline.stop, "staged Mooncake call(s)", "staged call")
 
     def _call(
         self,

@@ -29,8 +29,6 @@ def config_for(config: Any, picks: Sequence[int], n: int) -> Any:
     A per-key field that does not hold ``n`` values (Mooncake refuses the whole call) stays wrong in every
     part: it keeps its values, or gets one more when their number happens to be the part's, so that each part
     is refused as the whole call would be."""
-    if config is None:
-        return None
     per_key = [(name, value) for name in PER_KEY_CONFIG_FIELDS if (value := getattr(config, name, None)) is not None]
     if not per_key:
         return config

@@ -87,7 +87,7 @@ class PeerProbe:
         """Probe the new peers holding ``keys``; which keys may go to Mooncake (see :class:`PeerScreen`)."""
         if self._unsupported or not keys:
             return _GO
-        if deadline.expired() or self._refused(deadline):
+        if deadline.expired() or self.calls.refuse(deadline.stop, "peer probe(s)", "get"):
             return PeerScreen(stop=True)
         try:
             pending = self.calls.submit(
@@ -140,15 +140,6 @@ class PeerProbe:
         gone = {e for i in np.flatnonzero(failed) for e in endpoints[int(i)]}
         with self._lock:
             self._known -= gone
-
-    def _refused(self, deadline: RequestDeadline) -> bool:
-        if not self.calls.saturated:
-            return False
-        deadline.stop(
-            f"{self.calls.abandoned} peer probe(s) abandoned at their deadline are still in flight "
-            f"(max_abandoned_calls={self.calls.max_abandoned}): a peer hangs; no new get until one returns"
-        )
-        return True
 
     def _probe(self, endpoint: str, key: str, nbytes: int, deadline: RequestDeadline) -> Outcome | None:
         """Read ``key`` (``nbytes``, held by ``endpoint``) into a fresh buffer; its outcome, or ``None`` when

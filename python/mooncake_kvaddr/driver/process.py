@@ -101,11 +101,10 @@ def process_is_running(pid: int) -> bool:
     except OSError:
         # No procfs (not Linux): fall back to the signal probe.
         try:
-            os.kill(pid, 0)
+            with contextlib.suppress(PermissionError):  # it exists, owned by another user
+                os.kill(pid, 0)
         except ProcessLookupError:
             return False
-        except PermissionError:
-            return True
         return True
     # Field 3 follows the parenthesised command name, which may itself contain spaces or parentheses.
     state = stat[stat.rfind(")") + 2 :].split(" ", 1)[0]

@@ -201,13 +201,8 @@ def gather(
     to some keys; unselected keys are neither read nor checked. ``threads=0`` picks a count by job size;
     ``streaming=False`` uses plain ``memcpy`` (for comparison).
     """
-    ptr, nbytes, owner = _staging_range(staging)
-    try:
-        return _native._staging_gather(
-            addrs, sizes, ptr, nbytes, offsets, allowed_ranges, select=select, threads=threads, streaming=streaming
-        )
-    finally:
-        del owner  # held until the native copy returned
+    return _held_copy(_native._staging_gather, staging, addrs, sizes, offsets, allowed_ranges, select=select,
+                      threads=threads, streaming=streaming)  # fmt: skip
 
 
 def scatter(
@@ -227,11 +222,17 @@ def scatter(
     per-key success of the Mooncake get as ``select`` so a failed key's regions are never written from stale
     staging bytes. Destination slices of different keys should not overlap: which write lands is unspecified.
     """
+    return _held_copy(_native._staging_scatter, staging, addrs, sizes, offsets, allowed_ranges, select=select,
+                      threads=threads, streaming=streaming)  # fmt: skip
+
+
+def _held_copy(copy: Callable[..., int], staging: StagingArg, *job: Any, **options: Any) -> int:
+    """The native ``copy`` of ``job`` (``addrs, sizes, offsets, allowed_ranges``) on ``staging``'s proven range
+    (checked first), the buffer that owns it held until the copy returned."""
+    addrs, sizes, *rest = job
     ptr, nbytes, owner = _staging_range(staging)
     try:
-        return _native._staging_scatter(
-            addrs, sizes, ptr, nbytes, offsets, allowed_ranges, select=select, threads=threads, streaming=streaming
-        )
+        return copy(addrs, sizes, ptr, nbytes, *rest, **options)
     finally:
         del owner  # held until the native copy returned
 

@@ -252,12 +252,10 @@ class StagingPool:
     def register_with(self, store: BufferRegistrar) -> None:
         """Register the whole buffer with ``store`` once; later calls for the same store only count."""
         with self._registration_lock:
-            entry = self._registrations.get(id(store))
-            if entry is None:
+            registered = self._registrations.get(id(store), (store, 0))[1]
+            if not registered:
                 store.register_buffer(self.buffer.ptr, self.buffer.nbytes)
-                self._registrations[id(store)] = (store, 1)
-            else:
-                self._registrations[id(store)] = (store, entry[1] + 1)
+            self._registrations[id(store)] = (store, registered + 1)
 
     def unregister_from(self, store: BufferRegistrar) -> None:
         """Undo one :meth:`register_with`; the last one unregisters the buffer from ``store``."""

@@ -58,14 +58,8 @@ def _check_rows(n: int, addrs: Any, sizes: Any, check_values: bool) -> list[int]
             f"{n} keys but {len(addrs)} address rows and {len(sizes)} size rows: need one row of each per key"
         )
     if isinstance(addrs, np.ndarray) and isinstance(sizes, np.ndarray) and addrs.ndim == sizes.ndim == 2:
-        if n and addrs.shape[1] != sizes.shape[1]:
-            raise ValueError(
-                f"key 0: {addrs.shape[1]} addresses but {sizes.shape[1]} sizes; rows must be the same length"
-            )
-        if n and addrs.shape[1] == 0:
-            raise ValueError("key 0: no regions; every key needs at least one (address, size) region")
         counts = [addrs.shape[1]] * n  # every row of a matrix has the same length: no per-row loop
-        pairs: Any = ()
+        pairs: Any = [(addrs.shape[1], sizes[0])] if n else ()  # so key 0 is checked for all
     else:
         counts = [len(a) for a in addrs]
         pairs = zip(counts, sizes, strict=True)

@@ -412,11 +412,7 @@ class StoreCalls:
                 deadline.stop(
                     f"a Mooncake call failed transfer_failed after {elapsed:.0f} s, its transfer timeout: a peer "
                     "holding the data hangs (no further call would do better)"
-                )
-                if end < n:
-                    codes.extend([CODE_TRANSFER_FAILED] * (n - end))
-                    logger.warning("%d of %d key(s) not attempted: %s", n - end, n, deadline.reason)
-                break
+                )  # the next sub-batch, if any, finds the request stopped: the rest fail unattempted
         return codes
 
     @staticmethod

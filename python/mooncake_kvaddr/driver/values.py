@@ -26,21 +26,9 @@ __all__ = [
 # Mooncake takes sizes as C++ size_t.
 _SIZE_LIMIT: Final = 1 << 64
 
-_UNITS: Final = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 1 << 40,
-    "tib": 1 << 40,
+# Each binary unit as "k", "kb" or "kib" (parse_size lower-cases the unit).
+_UNITS: Final = {"": 1, "b": 1} | {
+    prefix + suffix: 1 << (10 * power) for power, prefix in enumerate("kmgt", 1) for suffix in ("", "b", "ib")
 }
 # re.ASCII: "\d" is [0-9] only, so full-width or Arabic-Indic digits are rejected, not read as numbers.
 _SIZE_RE: Final = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", re.ASCII)

@@ -241,6 +241,17 @@ class CallRunner:
         with self._cond:
             return 0 < self.max_abandoned <= self._abandoned
 
+    def refuse(self, stop: Callable[[str], None], calls: str, blocked: str) -> bool:
+        """Whether the caller must make no new call: while :attr:`saturated`, ``stop`` (a request deadline's
+        ``stop``) is told why, naming the abandoned ``calls`` and what is ``blocked``."""
+        if not self.saturated:
+            return False
+        stop(
+            f"{self.abandoned} {calls} abandoned at their deadline are still in flight "
+            f"(max_abandoned_calls={self.max_abandoned}): a peer hangs; no new {blocked} until one returns"
+        )
+        return True
+
     def submit(
         self, fn: Callable[[], _T], timeout: float | None, on_late_return: Callable[[BaseException | None], None]
     ) -> PendingCall[_T]:
