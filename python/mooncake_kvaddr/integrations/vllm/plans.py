@@ -30,6 +30,7 @@ __all__ = [
     "join_groups",
     "multi_buffers_call",
     "ragged_calls",
+    "record_batch",
 ]
 
 #: The array entry point our store wrappers offer (keys, (n, w) int64 addrs, (n, w) int64 sizes).
@@ -82,6 +83,19 @@ def multi_buffers_call(store: Any, rows: KeyPlan, verb: str, *config: Any) -> An
     if rows.arrays:
         return getattr(store, name)(rows.keys, *rows.row_lists(), *config)
     return getattr(store, name)(rows.keys, rows.addrs, rows.sizes, *config)
+
+
+def record_batch(thread: Any, operation: str, start: float, num_keys: int, num_bytes: int, failed: int | None) -> None:
+    """vLLM's record of one batch get or put of ``num_keys`` keys: ``failed`` of them failed (a partial failure
+    unless none), or the call raised (None: every key failed, status ``error``)."""
+    thread._record_operation(
+        operation,
+        start,
+        num_keys,
+        num_bytes=num_bytes,
+        status="error" if failed is None else "partial_failure" if failed else "ok",
+        num_failed_keys=num_keys if failed is None else failed,
+    )
 
 
 def ragged_calls(
