@@ -230,9 +230,8 @@ def plan_store(
                     chunks.extend([(start, min(start + chunk, token_len))] * len(prefixes))
                 if len(chunks) != len(groups):
                     raise RuntimeError("the plan's keys do not match the walk")
-    if not parts:
-        return SendPlan(KeyPlan([], [], [], []), groups, skipped, chunks)
-    return SendPlan(join_groups(parts, arrays), groups, skipped, chunks)
+    rows = join_groups(parts, arrays) if parts else KeyPlan([], [], [], [])
+    return SendPlan(rows, groups, skipped, chunks)
 
 
 # --- the steps of a job (a release's ``run`` calls them in its own order) -----------------------------------------
