@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -140,17 +140,22 @@ class Kinds:
         self._layout_types: dict[type, str] = {}
         self._lock = threading.Lock()
 
-    def db_ok(self, db: Any) -> bool:
-        cls = type(db)
-        known = self._db_types.get(cls)
+    def _cached(self, table: dict[type, Any], cls: type, compute: Callable[[type], Any]) -> Any:
+        """``table``'s answer for ``cls``, computed by ``compute(cls)`` on the first ask."""
+        known = table.get(cls)
         if known is None:
-            base = self._data.ChunkedTokenDatabase
-            known = isinstance(db, base) and inspect.getattr_static(cls, "process_tokens") is inspect.getattr_static(
-                base, "process_tokens"
-            )
+            known = compute(cls)
             with self._lock:
-                self._db_types[cls] = known
+                table[cls] = known
         return known
+
+    def db_ok(self, db: Any) -> bool:
+        def ours(cls: type) -> bool:
+            base = self._data.ChunkedTokenDatabase
+            static = inspect.getattr_static
+            return isinstance(db, base) and static(cls, "process_tokens") is static(base, "process_tokens")
+
+        return cast(bool, self._cached(self._db_types, type(db), ours))
 
     def engine_of(
         self, db: Any, engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]]
@@ -172,12 +177,7 @@ class Kinds:
 
     def layout_kind(self, layout: Any) -> str:
         """``"rank_local"``, ``"sharded"`` or ``""`` (not ours: vLLM's handler)."""
-        cls = type(layout)
-        kind = self._layout_types.get(cls)
-        if kind is None:
-            kind = self._classify(cls)
-            with self._lock:
-                self._layout_types[cls] = kind
+        kind: str = self._cached(self._layout_types, type(layout), self._classify)
         if kind and ("prepare_values" in layout.__dict__ or "key_for" in layout.__dict__):
             return ""  # an instance override: vLLM would call it
         return kind
