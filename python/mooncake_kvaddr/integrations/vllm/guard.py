@@ -140,9 +140,7 @@ class StoreGuard:
         ranges = self.table.ranges
         if ranges.all_inside(addrs, sizes):
             return RowCheck(None, n, addrs, sizes)
-        ok = ranges.cells_inside(addrs, sizes).all(axis=1)
-        good = [int(i) for i in np.flatnonzero(ok)]
-        return RowCheck(None if len(good) == n else good, n, addrs, sizes)
+        return _verdict(ranges.cells_inside(addrs, sizes).all(axis=1), n, addrs, sizes)
 
     def check_multi(self, keys: Any, all_ptrs: Any, all_sizes: Any) -> RowCheck | None:
         """Rows of a multi-buffer call (lists of lists, arrays); None when ``keys`` has no length (Mooncake's
@@ -167,8 +165,7 @@ class StoreGuard:
             # Ragged rows: padding cells (past a row's width) are not slices.
             ok = self.table.ranges.cells_inside(addrs, sizes)
             ok |= np.arange(addrs.shape[1])[None, :] >= np.asarray(widths)[:, None]
-            good = [int(i) for i in np.flatnonzero(ok.all(axis=1))]
-            return RowCheck(None if len(good) == n else good, n)
+            return _verdict(ok.all(axis=1), n)
         return self.check_matrices(addrs, sizes)
 
     def _check_rows_one_by_one(self, all_ptrs: Any, all_sizes: Any, n: int) -> RowCheck:
@@ -211,9 +208,7 @@ class StoreGuard:
             except (TypeError, IndexError, KeyError):
                 good = []
             return RowCheck(None if len(good) == n else good, n)
-        ok = self.table.ranges.cells_inside(a, s)
-        good = [int(i) for i in np.flatnonzero(ok)]
-        return RowCheck(None if len(good) == n else good, n, a, s)
+        return _verdict(self.table.ranges.cells_inside(a, s), n, a, s)
 
     def call_arrays(
         self,
@@ -368,6 +363,12 @@ class StoreGuard:
             new_args, new_kwargs = _rebind(names, args, kwargs, values)
             per_key.put_back(results, good, func(*new_args, **new_kwargs), f"Mooncake's {name}")
         return results
+
+
+def _verdict(ok: Any, n: int, *rows: Int64Array) -> RowCheck:
+    """The verdict on ``n`` keys from each key's flag ``ok`` (all good: None), with the rows it was read from."""
+    good = [int(i) for i in np.flatnonzero(ok)]
+    return RowCheck(None if len(good) == n else good, n, *rows)
 
 
 def _sized(value: Any, n: int) -> bool:

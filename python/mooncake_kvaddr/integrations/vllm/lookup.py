@@ -397,9 +397,8 @@ def make_lookup(
             if usable <= 0:
                 return result_cls(0)
             masks, hit = find(usable)
-        if with_masks:  # vLLM 0.34's _longest_hit
-            return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool, masks))
-        return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool))
+        given = (masks,) if with_masks else ()  # vLLM 0.34's _longest_hit passes the load masks
+        return result_cls(hit, self._tail_key_boundaries(block_hashes, hit, pool, *given))
 
     return finish_handler(lookup, original, "MooncakeStoreWorker.lookup", stats)
 

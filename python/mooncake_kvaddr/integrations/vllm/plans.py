@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -30,6 +30,7 @@ __all__ = [
     "join_groups",
     "multi_buffers_call",
     "ragged_calls",
+    "record_batch",
 ]
 
 #: The array entry point our store wrappers offer (keys, (n, w) int64 addrs, (n, w) int64 sizes).
@@ -84,6 +85,19 @@ def multi_buffers_call(store: Any, rows: KeyPlan, verb: str, *config: Any) -> An
     return getattr(store, name)(rows.keys, rows.addrs, rows.sizes, *config)
 
 
+def record_batch(thread: Any, operation: str, start: float, num_keys: int, num_bytes: int, failed: int | None) -> None:
+    """vLLM's record of one batch get or put of ``num_keys`` keys: ``failed`` of them failed (a partial failure
+    unless none), or the call raised (None: every key failed, status ``error``)."""
+    thread._record_operation(
+        operation,
+        start,
+        num_keys,
+        num_bytes=num_bytes,
+        status="error" if failed is None else "partial_failure" if failed else "ok",
+        num_failed_keys=num_keys if failed is None else failed,
+    )
+
+
 def ragged_calls(
     call: Callable[..., Any], keys: list[str], addrs: Any, sizes: Any, widths: Any, *config: Any
 ) -> list[Any]:
@@ -126,17 +140,22 @@ class Kinds:
         self._layout_types: dict[type, str] = {}
         self._lock = threading.Lock()
 
-    def db_ok(self, db: Any) -> bool:
-        cls = type(db)
-        known = self._db_types.get(cls)
+    def _cached(self, table: dict[type, Any], cls: type, compute: Callable[[type], Any]) -> Any:
+        """``table``'s answer for ``cls``, computed by ``compute(cls)`` on the first ask."""
+        known = table.get(cls)
         if known is None:
-            base = self._data.ChunkedTokenDatabase
-            known = isinstance(db, base) and inspect.getattr_static(cls, "process_tokens") is inspect.getattr_static(
-                base, "process_tokens"
-            )
+            known = compute(cls)
             with self._lock:
-                self._db_types[cls] = known
+                table[cls] = known
         return known
+
+    def db_ok(self, db: Any) -> bool:
+        def ours(cls: type) -> bool:
+            base = self._data.ChunkedTokenDatabase
+            static = inspect.getattr_static
+            return isinstance(db, base) and static(cls, "process_tokens") is static(base, "process_tokens")
+
+        return cast(bool, self._cached(self._db_types, type(db), ours))
 
     def engine_of(
         self, db: Any, engines: Mapping[str, Callable[[Any], tuple[Any, list[str]]]]
@@ -158,12 +177,7 @@ class Kinds:
 
     def layout_kind(self, layout: Any) -> str:
         """``"rank_local"``, ``"sharded"`` or ``""`` (not ours: vLLM's handler)."""
-        cls = type(layout)
-        kind = self._layout_types.get(cls)
-        if kind is None:
-            kind = self._classify(cls)
-            with self._lock:
-                self._layout_types[cls] = kind
+        kind: str = self._cached(self._layout_types, type(layout), self._classify)
         if kind and ("prepare_values" in layout.__dict__ or "key_for" in layout.__dict__):
             return ""  # an instance override: vLLM would call it
         return kind

@@ -133,17 +133,17 @@ def is_patched() -> bool:
 def is_receive_patched() -> bool:
     """True while vLLM's receive threads run our ``_handle_request`` (resolves deferred work as
     :func:`is_patched`)."""
-    _run_deferred()
     return _replaced("KVCacheStoreRecvingThread", "_handle_request")
 
 
 def is_send_patched() -> bool:
     """True while vLLM's send threads run our ``_handle_request`` (resolves deferred work as :func:`is_patched`)."""
-    _run_deferred()
     return _replaced("KVCacheStoreSendingThread", "_handle_request")
 
 
 def _replaced(cls_name: str, name: str) -> bool:
+    """Whether ``cls_name.name`` is replaced now, deferred work resolved first (as :func:`is_patched`)."""
+    _run_deferred()
     return any(cls.__name__ == cls_name and attr == name for cls, attr in ORIGINALS)
 
 

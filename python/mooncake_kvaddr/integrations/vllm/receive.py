@@ -26,6 +26,7 @@ from mooncake_kvaddr.integrations.vllm.plans import (
     hash_source,
     join_groups,
     multi_buffers_call,
+    record_batch,
 )
 
 __all__ = [
@@ -137,14 +138,7 @@ def _execute(thread: Any, req_id: Any, plan: KeyPlan, batches: list[tuple[int, i
             codes = res if type(res) is list else list(res)
             per_key.check_count(codes, len(keys), "the store", ValueError)
             failed = [i for i, value in enumerate(codes) if value < 0]
-            thread._record_operation(
-                "load_get",
-                load_get_start,
-                len(keys),
-                num_bytes=batch_bytes,
-                status="partial_failure" if failed else "ok",
-                num_failed_keys=len(failed),
-            )
+            record_batch(thread, "load_get", load_get_start, len(keys), batch_bytes, len(failed))
             if failed:
                 thread._report_load_error(req_id, batch.block_id_list(failed))
                 logger.warning(
@@ -157,14 +151,7 @@ def _execute(thread: Any, req_id: Any, plan: KeyPlan, batches: list[tuple[int, i
                 break
     except Exception as exc:
         thread._report_load_error(req_id, batch.block_id_list())
-        thread._record_operation(
-            "load_get",
-            load_get_start,
-            len(batch.keys),
-            num_bytes=batch_bytes,
-            status="error",
-            num_failed_keys=len(batch.keys),
-        )
+        record_batch(thread, "load_get", load_get_start, len(batch.keys), batch_bytes, None)
         logger.warning("Mooncake load of request %s (keys %s...) raised: %s", req_id, batch.keys[:3], exc)
     thread.set_finished_request(req_id)
     thread.request_queue.task_done()

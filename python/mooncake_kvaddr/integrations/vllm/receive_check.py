@@ -129,18 +129,20 @@ class ArrayRecordingStore(RecordingStore, ArrayStore):
         self._parts: list[tuple[list[str], list[str] | None]] | None = None  # set while a ragged call is split
 
     def batch_get_into_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any) -> Any:
-        assert addrs.dtype.kind == "i" and sizes.dtype.kind == "i", "rows must come as integer matrices"
-        if self._parts is None:
-            return self.batch_get_into_multi_buffers(keys, addrs.tolist(), sizes.tolist())
-        self._parts.append((list(keys), None))
-        return [None] * len(keys)  # answered by the ragged call, once every part is known
+        return self._arrays(self.batch_get_into_multi_buffers, keys, addrs, sizes)
 
     def batch_put_from_multi_buffers_arrays(self, keys: Any, addrs: Any, sizes: Any, config: Any) -> Any:
+        return self._arrays(self.batch_put_from_multi_buffers, keys, addrs, sizes, config)
+
+    def _arrays(self, plain: Callable[..., Any], keys: Any, addrs: Any, sizes: Any, *config: Any) -> Any:
+        """An array get or put (a put's one ``config`` after the rows): the plain entry ``plain`` with the rows as
+        lists, or, while a ragged call is split, one part of it (a put's part in ``puts`` too)."""
         assert addrs.dtype.kind == "i" and sizes.dtype.kind == "i", "rows must come as integer matrices"
         if self._parts is None:
-            return self.batch_put_from_multi_buffers(keys, addrs.tolist(), sizes.tolist(), config)
-        ids = _group_ids(config)
-        self.puts.append((list(keys), ids))
+            return plain(keys, addrs.tolist(), sizes.tolist(), *config)
+        ids = _group_ids(config[0]) if config else None
+        if config:
+            self.puts.append((list(keys), ids))
         self._parts.append((list(keys), ids))
         return [None] * len(keys)  # answered by the ragged call, once every part is known
 

@@ -29,6 +29,7 @@ from mooncake_kvaddr.integrations.vllm.plans import (
     hash_source,
     join_groups,
     multi_buffers_call,
+    record_batch,
 )
 
 __all__ = [
@@ -229,9 +230,8 @@ def plan_store(
                     chunks.extend([(start, min(start + chunk, token_len))] * len(prefixes))
                 if len(chunks) != len(groups):
                     raise RuntimeError("the plan's keys do not match the walk")
-    if not parts:
-        return SendPlan(KeyPlan([], [], [], []), groups, skipped, chunks)
-    return SendPlan(join_groups(parts, arrays), groups, skipped, chunks)
+    rows = join_groups(parts, arrays) if parts else KeyPlan([], [], [], [])
+    return SendPlan(rows, groups, skipped, chunks)
 
 
 # --- the steps of a job (a release's ``run`` calls them in its own order) -----------------------------------------
@@ -321,20 +321,11 @@ def put_and_record(thread: Any, req_meta: Any, rows: KeyPlan, worker: ModuleType
     try:
         res = multi_buffers_call(thread.store, rows, "put_from", thread.replicate_config)
     except Exception as e:
-        thread._record_operation(
-            "save_put", put_start, len(keys), num_bytes=batch_bytes, status="error", num_failed_keys=len(keys)
-        )
+        record_batch(thread, "save_put", put_start, len(keys), batch_bytes, None)
         logger.error("Failed to put key %s, error: %s", keys, e)
         return None
     failed_indices = {i for i, value in enumerate(res) if value < 0}
-    thread._record_operation(
-        "save_put",
-        put_start,
-        len(keys),
-        num_bytes=batch_bytes,
-        status="partial_failure" if failed_indices else "ok",
-        num_failed_keys=len(failed_indices),
-    )
+    record_batch(thread, "save_put", put_start, len(keys), batch_bytes, len(failed_indices))
     failed_codes = {res[i] for i in failed_indices}
     if failed_indices:
         logger.warning(

@@ -177,12 +177,7 @@ def wrap_worker(worker_cls: type, through: Iterable[str] = (_FINAL,)) -> None:
         if transport is store:
             return original_register(self, kv_caches, *args, **kwargs)
         self.__dict__[TRANSPORT_ATTR] = (store, transport)
-        self.store = transport
-        try:
-            return original_register(self, kv_caches, *args, **kwargs)
-        finally:
-            if self.store is transport:
-                self.store = store
+        return _with_transport(self, (store, transport), False, original_register, kv_caches, *args, **kwargs)
 
     wrappers: list[tuple[str, Any, Any]] = [
         ("__init__", __init__, original_init),
@@ -208,14 +203,20 @@ def _through_transport(original: Any, *, final: bool) -> Any:
         pair = self.__dict__.pop(TRANSPORT_ATTR, None) if final else self.__dict__.get(TRANSPORT_ATTR)
         if pair is None or pair[0] is None or self.store is not pair[0]:
             return original(self, *args, **kwargs)
-        store, transport = pair
-        self.store = transport
-        if final:
-            return original(self, *args, **kwargs)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            if self.store is transport:
-                self.store = store
+        return _with_transport(self, pair, final, original, *args, **kwargs)
 
     return method
+
+
+def _with_transport(worker: Any, pair: Any, final: bool, original: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """``original`` (a worker method) run with the wrapper of ``pair`` (vLLM's store, the wrapper) as
+    ``worker.store``; unless ``final``, vLLM's store is put back afterwards where the wrapper is still there."""
+    store, transport = pair
+    worker.store = transport
+    if final:
+        return original(worker, *args, **kwargs)
+    try:
+        return original(worker, *args, **kwargs)
+    finally:
+        if worker.store is transport:
+            worker.store = store
