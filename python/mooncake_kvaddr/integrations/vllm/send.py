@@ -34,20 +34,13 @@ from mooncake_kvaddr.integrations.vllm.plans import (
 
 __all__ = [
     "ENV_SEND",
-    "EventIds",
     "Job",
     "SendPlan",
     "SendRules",
     "SendStats",
-    "before_put",
-    "clear_pressure",
     "group_walk",
-    "log_skipped",
     "make_handler",
-    "missing_keys",
-    "narrow",
     "plan_store",
-    "put_and_record",
     "run_job",
     "send_enabled",
     "stored_events",
@@ -234,7 +227,7 @@ def plan_store(
     return SendPlan(rows, groups, skipped, chunks)
 
 
-# --- the steps of a job (a release's ``run`` calls them in its own order) -----------------------------------------
+# --- the steps of a job (:func:`run_job` calls them in vLLM's order) ----------------------------------------------
 
 
 class EventIds:
