@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.errors import StoreSetupError
-from mooncake_kvaddr.driver.master import EmbeddedMaster
+from mooncake_kvaddr.driver.master import EmbeddedMaster, free_ports
 from mooncake_kvaddr.driver.native_client import NativeClient
 from mooncake_kvaddr.driver.outcomes import CODE_MASTER_UNREACHABLE
 from mooncake_kvaddr.driver.values import parse_address
@@ -145,6 +145,9 @@ def connect(config: StoreConfig, module: ModuleType, address: str, master: Embed
         # Our own attempts, each on a port picked here, so the retry count is this call's alone (the
         # process environment, shared by every thread, is never written).
         hosts = [f"{config.local_hostname}:{port}" for port in _client_ports(retries)]
+    extra: dict[str, str] = {}
+    if config.tenant_id != "default":
+        extra["tenant_id"] = config.tenant_id  # older wheels lack the keyword; pass it only when needed
     rc, tried = -1, 0
     for attempt, host in enumerate(hosts):
         if attempt:
@@ -153,7 +156,16 @@ def connect(config: StoreConfig, module: ModuleType, address: str, master: Embed
             time.sleep(_PAUSE_BETWEEN_ATTEMPTS_S)
         tried = attempt + 1
         client = module.MooncakeDistributedStore()
-        rc = _setup_once(config, client, host, address)
+        rc = client.setup(
+            host,
+            config.metadata_server,
+            config.global_segment_size,
+            config.local_buffer_size,
+            config.protocol,
+            config.device_name,
+            address,
+            **extra,
+        )
         if rc == 0:
             return client
         # A failed setup may leave a half-built client behind; close() on it is safe and frees it.
@@ -170,23 +182,6 @@ def connect(config: StoreConfig, module: ModuleType, address: str, master: Embed
         f"{config.metadata_server!r}): is the master running and reachable? Mooncake's log has details{detail}",
         code=rc,
     )
-
-
-def _setup_once(config: StoreConfig, client: Any, host: str, address: str) -> int:
-    extra: dict[str, str] = {}
-    if config.tenant_id != "default":
-        extra["tenant_id"] = config.tenant_id  # older wheels lack the keyword; pass it only when needed
-    rc: int = client.setup(
-        host,
-        config.metadata_server,
-        config.global_segment_size,
-        config.local_buffer_size,
-        config.protocol,
-        config.device_name,
-        address,
-        **extra,
-    )
-    return rc
 
 
 def _has_port(hostname: str) -> bool:
@@ -218,9 +213,5 @@ def _client_ports(count: int) -> list[int]:
                 continue
         ports.append(port)
     while len(ports) < count:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("0.0.0.0", 0))
-            port = sock.getsockname()[1]
-        if port not in ports:
-            ports.append(port)
+        ports.extend(port for port in free_ports(count - len(ports), "0.0.0.0") if port not in ports)
     return ports
