@@ -9,7 +9,6 @@ ask who leads, break (SIGKILL the leader) and stop without leaking a process; th
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from mooncake_kvaddr.driver.master import (
     find_master_binary,
     free_ports,
 )
-from mooncake_kvaddr.driver.process import LOOPBACK, STDERR_TAIL_BYTES, ChildOwner, ChildProcess, owns_listener
+from mooncake_kvaddr.driver.process import LOOPBACK, STDERR_TAIL_BYTES, ChildOwner, ChildProcess, health, owns_listener
 
 __all__ = [
     "ETCD_PACKAGE",
@@ -85,25 +84,12 @@ class MasterStatus:
         return self.role == "leader" and self.service_ready
 
 
-def _http_get(port: int, path: str, timeout: float = 0.5) -> tuple[int, bytes] | None:
-    # http.client, not urllib: urllib honours proxy variables, which must never see loopback probes.
-    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read()
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
-
-
 def _master_status(port: int) -> MasterStatus | None:
-    answer = _http_get(port, "/health")
-    if answer is None or answer[0] != 200:
+    answer = health(port)
+    if answer is None:
         return None
     try:
-        body = json.loads(answer[1])
+        body = json.loads(answer)
         return MasterStatus(
             role=str(body["role"]),
             ha_state=str(body.get("ha_state", "")),
@@ -154,11 +140,11 @@ class EmbeddedEtcd(_Child):
 
     def healthy(self) -> bool:
         """etcd answers ``{"health": "true"}`` on its client port."""
-        answer = _http_get(self.client_port, "/health")
-        if answer is None or answer[0] != 200:
+        answer = health(self.client_port)
+        if answer is None:
             return False
         with contextlib.suppress(ValueError, AttributeError):
-            return str(json.loads(answer[1]).get("health")) == "true"
+            return str(json.loads(answer).get("health")) == "true"
         return False
 
     def start(self, timeout_s: float) -> None:

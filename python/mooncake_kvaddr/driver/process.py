@@ -34,6 +34,7 @@ __all__ = [
     "Spawner",
     "children",
     "free_ports",
+    "health",
     "health_ok",
     "owns_listener",
     "pdeathsig_preexec",
@@ -363,16 +364,23 @@ def read_tail(file: IO[bytes] | None, limit: int | None = None) -> str:
         return ""
 
 
-def health_ok(port: int) -> bool:
+def health(port: int) -> bytes | None:
+    """The body of a status-200 answer to ``GET /health`` on loopback ``port``; ``None`` for any other answer
+    or none (the readiness probe of the embedded master, the cluster's etcd and its masters)."""
     # http.client, not urllib: urllib honours http_proxy variables, which must never see loopback probes.
     conn = http.client.HTTPConnection(LOOPBACK, port, timeout=0.5)
     try:
         conn.request("GET", "/health")
-        return conn.getresponse().status == 200
+        response = conn.getresponse()
+        return response.read() if response.status == 200 else None
     except (OSError, http.client.HTTPException):
-        return False
+        return None
     finally:
         conn.close()
+
+
+def health_ok(port: int) -> bool:
+    return health(port) is not None
 
 
 def owns_listener(pid: int, port: int) -> bool:
