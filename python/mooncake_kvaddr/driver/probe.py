@@ -146,7 +146,12 @@ class PeerProbe:
         the probe was abandoned at the deadline (which is then stopped with the reason)."""
         buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
         ptr = int(buffer.ctypes.data)
-        registered = self._register(ptr, nbytes)
+        registered = True
+        try:  # needed on RDMA, harmless on TCP
+            self._store.register_buffer(ptr, max(nbytes, 1))
+        except StoreError as exc:
+            logger.debug("peer probe: buffer not registered (%s); probing anyway", exc)
+            registered = False
         keep = [buffer]  # the buffer lives until Mooncake no longer writes it
 
         def release(_exc: BaseException | None = None) -> None:
@@ -190,15 +195,6 @@ class PeerProbe:
         outcome = got.outcomes[0]
         logger.info("peer probe of %s: %s (code %d)", endpoint, outcome.value, code)
         return Outcome.OTHER if outcome is Outcome.OK else outcome
-
-    def _register(self, ptr: int, nbytes: int) -> bool:
-        """Register the probe buffer (needed on RDMA, harmless on TCP); whether it is registered."""
-        try:
-            self._store.register_buffer(ptr, max(nbytes, 1))
-        except StoreError as exc:
-            logger.debug("peer probe: buffer not registered (%s); probing anyway", exc)
-            return False
-        return True
 
 
 def _probe_key(
