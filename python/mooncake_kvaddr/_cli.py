@@ -169,7 +169,9 @@ def _end() -> None:
         if owner != threading.get_ident():
             threading.Event().wait()  # the other taker ends the process; this thread must not run on meanwhile
         return  # a second Ctrl-C inside the first one's clean-up
-    _kill_children()
+    for pid, _name in children():  # SIGKILL every direct child of this process (found through /proc)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     terminal = _ENDING.terminal
     with contextlib.suppress(OSError, TypeError):
         os.write(terminal if terminal is not None else 2, f"{INTERRUPTED_LINE}\n".encode())
@@ -179,10 +181,3 @@ def _end() -> None:
     runner.start()
     runner.join(_EXIT_HANDLERS_S)
     os._exit(INTERRUPTED_EXIT)
-
-
-def _kill_children() -> None:
-    """SIGKILL every direct child of this process (found through ``/proc``; nothing without it)."""
-    for pid, _name in children():
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
