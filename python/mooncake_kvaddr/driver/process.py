@@ -387,7 +387,18 @@ def owns_listener(pid: int, port: int) -> bool:
     """True if process ``pid`` holds a listening TCP socket on ``port`` (a connect() cannot tell: the
     port may belong to another process). Without procfs, falls back to a connect() probe."""
     try:
-        inodes = _listening_inodes(pid, port)
+        # The ``socket:[inode]`` names of the LISTEN sockets on ``port`` in ``pid``'s network namespace.
+        inodes: set[str] = set()
+        for table in ("tcp", "tcp6"):
+            try:
+                lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            except FileNotFoundError:
+                continue
+            for line in lines:
+                fields = line.split()
+                # fields: sl, local "ADDR:PORT" (hex), remote, state (0A = LISTEN), ..., inode at index 9
+                if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
         if not inodes:
             return False
         fd_dir = Path(f"/proc/{pid}/fd")
@@ -400,19 +411,3 @@ def owns_listener(pid: int, port: int) -> bool:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.settimeout(0.5)
             return sock.connect_ex((LOOPBACK, port)) == 0
-
-
-def _listening_inodes(pid: int, port: int) -> set[str]:
-    """``socket:[inode]`` names of the LISTEN sockets on ``port`` in ``pid``'s network namespace."""
-    found: set[str] = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            fields = line.split()
-            # fields: sl, local "ADDR:PORT" (hex), remote, state (0A = LISTEN), ..., inode at index 9
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                found.add(f"socket:[{fields[9]}]")
-    return found
