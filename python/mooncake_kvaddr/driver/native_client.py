@@ -195,12 +195,6 @@ def mooncake_distribution() -> tuple[str, str] | None:
     return _distribution_of(store_library())
 
 
-def _log_once(reason: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.info("native Mooncake client off: %s", reason)
-
-
 class NativeClient:
     """Calls ``mooncake::RealClient`` directly; build it with :meth:`from_store` or :meth:`probe`.
 
@@ -234,8 +228,9 @@ class NativeClient:
     def from_store(cls, store: Any) -> NativeClient | None:
         """The native client for ``store``, or ``None`` (the reason is logged once at INFO)."""
         client, reason = cls.probe(store)
-        if client is None:
-            _log_once(reason)
+        if client is None and reason not in _logged:
+            _logged.add(reason)
+            logger.info("native Mooncake client off: %s", reason)
         return client
 
     @classmethod
