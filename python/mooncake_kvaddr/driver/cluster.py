@@ -44,8 +44,6 @@ ETCD_PACKAGE: Final = "etcd-server"
 _ETCD_PATH: Final = "/usr/bin/etcd"
 _PORT_ATTEMPTS: Final = 3
 _POLL_S: Final = 0.05
-# A master the cluster stops goes down within about a second on SIGTERM; etcd within two.
-_STOP_GRACE_S: Final = 10.0
 
 
 class ClusterError(MasterError):
@@ -236,8 +234,8 @@ class HaMaster(_Child):
         self._state.stop(kill=True)
 
     def stop(self) -> None:
-        """SIGTERM it, SIGKILL after a bounded grace period."""
-        self._state.stop(grace_s=_STOP_GRACE_S)
+        """SIGTERM it, SIGKILL after a bounded grace period (it goes down within about a second)."""
+        self._state.stop()
 
     def __repr__(self) -> str:
         state = f"pid={self.pid}" if self.alive else "stopped"
