@@ -51,9 +51,6 @@ class TransferRegistration:
     _owns_pool: bool
     _pool_registered: bool
 
-    def _context(self, caches: RegisteredCaches) -> PathContext:
-        return PathContext(self._store, self.databases, caches, self.replicate_config, self._metrics)
-
     def _pin_regions(self, caches: RegisteredCaches) -> None:
         """Pin each database's regions to the registered ones (ours: a database of another type is checked by
         :meth:`~mooncake_kvaddr.driver.bounds.RegisteredCaches.check_databases` alone)."""
@@ -146,7 +143,7 @@ class TransferRegistration:
             # A failure below undoes everything registered so far (in reverse order): nothing leaks, and a
             # later register_kv_caches starts from scratch.
             undo.callback(self._unpin_regions)
-            ctx = self._context(caches)
+            ctx = PathContext(self._store, self.databases, caches, self.replicate_config, self._metrics)
             get_mode, put_mode = self._resolve_modes(caches)
             paths: dict[str, TransferPath] = {}
             undo.callback(self._close_paths, paths)
