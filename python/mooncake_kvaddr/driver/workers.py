@@ -172,17 +172,6 @@ class PendingCall(Generic[_T]):
         if abandoned and runner is not None:
             runner._late_return(self)
 
-    def _release(self) -> None:
-        seconds = time.monotonic() - self.started
-        if self._error is not None:
-            logger.warning("an abandoned call returned after %.1f s by raising %r", seconds, self._error)
-        else:
-            logger.info("an abandoned call returned after %.1f s", seconds)
-        try:
-            self._on_late_return(self._error)
-        except Exception:  # the release callback must not kill the thread before the count drops
-            logger.exception("releasing what an abandoned call used failed")
-
 
 class _Worker:
     """A daemon thread that runs the calls handed to it, one at a time, and waits idle between them."""
@@ -284,7 +273,15 @@ class CallRunner:
             return True
 
     def _late_return(self, call: PendingCall[Any]) -> None:
-        call._release()
+        seconds = time.monotonic() - call.started
+        if call._error is not None:
+            logger.warning("an abandoned call returned after %.1f s by raising %r", seconds, call._error)
+        else:
+            logger.info("an abandoned call returned after %.1f s", seconds)
+        try:
+            call._on_late_return(call._error)
+        except Exception:  # the release callback must not kill the thread before the count drops
+            logger.exception("releasing what an abandoned call used failed")
         with self._cond:
             self._abandoned -= 1
             settled = self._settled if self._abandoned == 0 else []
