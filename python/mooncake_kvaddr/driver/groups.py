@@ -83,7 +83,7 @@ class LayoutGroup:
     def _segments_version(self) -> int | None:
         """TP-shared: prove the layout's installed segment templates keep every slice of every registered block
         (ids ``[0, num_blocks)``, which the transfer's screen enforces) inside one registered buffer, and return
-        the templates' version; the caller re-reads the version after computing rows (:meth:`_same_segments`).
+        the templates' version; the caller re-reads the version after computing rows (:meth:`_bounded_rows`).
         A layout re-registered after the transfer registered its caches (other tensors, other memory) is
         refused: its rows would move process memory the transfer never registered. Rank-local: ``None`` (its
         regions are checked against the registration by the transfer itself) and before a transfer registered
@@ -99,11 +99,6 @@ class LayoutGroup:
         caches.check_templates(templates, self.shard_ids)
         self._checked_version = version
         return version
-
-    def _same_segments(self, version: int | None) -> None:
-        """Raise unless the templates are still those of ``version`` (an install ran meanwhile)."""
-        if version is not None and self.layout.segment_templates[0] != version:  # type: ignore[union-attr]
-            raise RuntimeError("the store layout was re-registered during the call: nothing moved")
 
     # ------------------------------------------------------------------ regions
 
@@ -195,22 +190,20 @@ class LayoutGroup:
 
     def _bounded_rows(self, sizes_at: int, compute: Callable[[], _Rows]) -> _Rows:
         """``compute()``'s rows (the sizes at index ``sizes_at``), computed between two reads of the TP-shared
-        segment templates' version (:meth:`_segments_version`, :meth:`_same_segments`) and checked to have
-        segments (:meth:`_check_rows`)."""
+        segment templates' version (:meth:`_segments_version`; refused unless the templates are still those of
+        that version: an install ran meanwhile), and refused without a segment: a TP-shared layout whose caches
+        were never registered would put empty objects (or read nothing) under real keys."""
         version = self._segments_version()
         rows = compute()
-        self._same_segments(version)
-        self._check_rows(rows[sizes_at])
-        return rows
-
-    def _check_rows(self, sizes: Any) -> None:
-        """Refuse rows without a segment: a TP-shared layout whose caches were never registered would put
-        empty objects (or read nothing) under real keys."""
+        if version is not None and self.layout.segment_templates[0] != version:  # type: ignore[union-attr]
+            raise RuntimeError("the store layout was re-registered during the call: nothing moved")
+        sizes = rows[sizes_at]
         empty = sizes.shape[1] == 0 if isinstance(sizes, np.ndarray) else any(len(row) == 0 for row in sizes)
         if len(sizes) and empty:
             raise RuntimeError(
                 "the store layout has no segments: register its KV caches first (KVTransfer.register_kv_caches)"
             )
+        return rows
 
     @staticmethod
     def _split(chunks: Any) -> tuple[list[tuple[int, int]], list[int]]:
