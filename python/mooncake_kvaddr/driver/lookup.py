@@ -117,7 +117,11 @@ class StoreLookup:
             for spec, bs in zip(self.specs, self.block_sizes, strict=True)
         )
         self.alignment = hbs if self.partial_hash_hits and hbs is not None else self.scheduler_block_size
-        self._spec_groups = self._merge_spec_groups()
+        merged: dict[tuple[GroupSpec, int], list[int]] = {}
+        for g, (spec, bs) in enumerate(zip(self.specs, self.block_sizes, strict=True)):
+            merged.setdefault((spec, bs), []).append(g)
+        self._spec_groups = [_SpecGroup(spec, bs, tuple(members)) for (spec, bs), members in merged.items()]
+        self._spec_groups.sort(key=lambda group: not group.spec.is_full_attention)  # stable: full attention first
 
     @classmethod
     def from_prefix_sources(
@@ -194,7 +198,11 @@ class StoreLookup:
         presence (docs/lookup.md, "What a group needs to load H"): the loader keys each group's last chunk
         with the hash at the hit's end, so that exact key must be stored. Linear in the units."""
         tables = self._tables(present)
-        top = self._top(tables, max_length)
+        # The highest step worth testing: below max_length and within every group's probed units (a group
+        # always needs a key at or past the hit's end).
+        top = max_length // self.alignment
+        for g, table in enumerate(tables):
+            top = min(top, table.size // (self.alignment // self._unit(g)))
         if top <= 0:
             return 0
         ok = np.ones(top, dtype=np.bool_)
@@ -323,14 +331,6 @@ class StoreLookup:
             logger.warning("lookup: batch_is_exist over %d keys failed: %s", len(plan.keys), exc)
             return None
 
-    def _merge_spec_groups(self) -> list[_SpecGroup]:
-        merged: dict[tuple[GroupSpec, int], list[int]] = {}
-        for g, (spec, bs) in enumerate(zip(self.specs, self.block_sizes, strict=True)):
-            merged.setdefault((spec, bs), []).append(g)
-        groups = [_SpecGroup(spec, bs, tuple(members)) for (spec, bs), members in merged.items()]
-        groups.sort(key=lambda group: not group.spec.is_full_attention)  # stable: full attention first
-        return groups
-
     # ------------------------------------------------------------------ internals: hit arithmetic
     #
     # Hits are counted in alignment steps j (H = j * alignment). A group's probed units are ``unit`` tokens
@@ -344,14 +344,6 @@ class StoreLookup:
     def _tables(self, present: Presence) -> list[BoolArray]:
         _check_groups("present", present, "rows", len(self.databases))
         return [np.asarray(row, dtype=np.bool_).reshape(-1) for row in present]
-
-    def _top(self, tables: Sequence[BoolArray], max_length: int) -> int:
-        """Highest step worth testing: below ``max_length`` and within every group's probed units (a group
-        always needs a key at or past the hit's end)."""
-        top = max_length // self.alignment
-        for g, table in enumerate(tables):
-            top = min(top, table.size // (self.alignment // self._unit(g)))
-        return top
 
     # vLLM 0.33's coordinator, for lookup_with_boundaries: each spec group's finder returns its longest
     # hit <= a bound; full-attention finders run once (full attention first), the others until the hit
