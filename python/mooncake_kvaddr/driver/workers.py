@@ -187,8 +187,11 @@ class _Worker:
                 return
             job._execute()
             del job
-            if not runner._park(self):
-                return
+            # Kept idle for the next call, or left to end (closed, or enough idle threads).
+            with runner._cond:
+                if runner._closed or len(runner._idle) >= runner._max_idle:
+                    return
+                runner._idle.append(self)
 
 
 class CallRunner:
@@ -263,14 +266,6 @@ class CallRunner:
         if new:
             worker.thread.start()
         return call
-
-    def _park(self, worker: _Worker) -> bool:
-        """After a call: keep ``worker`` idle for the next one (True) or let it end (False)."""
-        with self._cond:
-            if self._closed or len(self._idle) >= self._max_idle:
-                return False
-            self._idle.append(worker)
-            return True
 
     def _late_return(self, call: PendingCall[Any]) -> None:
         seconds = time.monotonic() - call.started
