@@ -105,7 +105,18 @@ class StoreLookup:
                 for db, namespaces in zip(self.databases, self.rank_namespaces(), strict=True)
             ]
         if key_prefixes is not None:
-            self.prefixes = self._checked_prefixes(key_prefixes)
+            _check_groups("key_prefixes", key_prefixes, "prefix lists", len(self.databases))
+            self.prefixes = []
+            for g, group in enumerate(key_prefixes):
+                if isinstance(group, (str, bytes)):
+                    raise TypeError(f"key_prefixes[{g}]: expected a sequence of str, "
+                                    f"got a single {type(group).__name__}")
+                prefixes = tuple(group)
+                if not prefixes or len(prefixes) > MAX_NAMESPACES:
+                    raise ValueError(f"key_prefixes[{g}]: need 1 to {MAX_NAMESPACES} prefixes, got {len(prefixes)}")
+                if not all(isinstance(p, str) for p in prefixes):
+                    raise TypeError(f"key_prefixes[{g}]: every prefix must be a str")
+                self.prefixes.append(prefixes)
         hash_block_sizes = {db.hash_block_size for db in self.databases}
         # One hash chain feeds every group, so they must agree on its granularity; checked at lookup time so
         # that transfers whose groups disagree still construct (store/load use each group's own size).
@@ -259,20 +270,6 @@ class StoreLookup:
 
     # ------------------------------------------------------------------ internals: probing
 
-    def _checked_prefixes(self, key_prefixes: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
-        _check_groups("key_prefixes", key_prefixes, "prefix lists", len(self.databases))
-        checked: list[tuple[str, ...]] = []
-        for g, group in enumerate(key_prefixes):
-            if isinstance(group, (str, bytes)):
-                raise TypeError(f"key_prefixes[{g}]: expected a sequence of str, got a single {type(group).__name__}")
-            prefixes = tuple(group)
-            if not prefixes or len(prefixes) > MAX_NAMESPACES:
-                raise ValueError(f"key_prefixes[{g}]: need 1 to {MAX_NAMESPACES} prefixes, got {len(prefixes)}")
-            if not all(isinstance(p, str) for p in prefixes):
-                raise TypeError(f"key_prefixes[{g}]: every prefix must be a str")
-            checked.append(prefixes)
-        return checked
-
     def _require_hash_block_size(self) -> int:
         if self.hash_block_size is None:
             sizes = sorted({db.hash_block_size for db in self.databases})
@@ -295,8 +292,17 @@ class StoreLookup:
     ) -> None:
         prefixes = self.prefixes[g]
         if isinstance(units, range) and isinstance(hashes, BlobBlockHashes) and hashes.hash_len:
-            # A leading run of a wire blob: hand the bytes over as they are, no object per hash.
-            keys = build_lookup_keys(prefixes, BlobBlockHashes(_leading_bytes(hashes, len(units)), hashes.hash_len))
+            # A leading run of a wire blob: hand the bytes over as they are, no object per hash. Its first
+            # len(units) hashes as a flat byte view (whatever the buffer's item format); ValueError when the
+            # buffer holds fewer bytes than that.
+            view = memoryview(hashes.blob)
+            if view.ndim != 1 or view.itemsize != 1 or view.format not in ("B", "b", "c"):
+                view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+            need = len(units) * hashes.hash_len
+            if view.nbytes < need:
+                raise ValueError(f"lookup: hash blob holds {view.nbytes} bytes, fewer than {len(units)} hashes of "
+                                 f"{hashes.hash_len} bytes")
+            keys = build_lookup_keys(prefixes, BlobBlockHashes(view[:need], hashes.hash_len))
         else:
             keys = build_lookup_keys(prefixes, [hashes[i] for i in units])
         if len(keys) != len(units) * len(prefixes):
@@ -409,15 +415,3 @@ def _as_int(name: str, value: int) -> int:
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
 
-
-def _leading_bytes(hashes: BlobBlockHashes, count: int) -> memoryview:
-    """The first ``count`` hashes of a blob view as a flat byte view (whatever the buffer's item format);
-    ``ValueError`` when the buffer holds fewer bytes than that."""
-    view = memoryview(hashes.blob)
-    if view.ndim != 1 or view.itemsize != 1 or view.format not in ("B", "b", "c"):
-        view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
-    need = count * hashes.hash_len
-    if view.nbytes < need:
-        raise ValueError(f"lookup: hash blob holds {view.nbytes} bytes, fewer than {count} hashes of "
-                         f"{hashes.hash_len} bytes")
-    return view[:need]
