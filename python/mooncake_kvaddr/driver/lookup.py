@@ -266,7 +266,22 @@ class StoreLookup:
             hit = self._converge(tables, self.align_lookup_length(num_tokens - 1))
         if hit <= 0:
             return LookupResult(0)
-        return LookupResult(hit, self._tail_boundaries(tables, hit))
+        # Per group, the boundary whose key stores the tail block.
+        hbs = self._require_hash_block_size()
+        boundaries: list[TailKeyBoundary] = []
+        for g, table in enumerate(tables):
+            unit, bs = self._unit(g), self.block_sizes[g]
+            at = hit // unit - 1
+            if at < table.size and table[at]:
+                boundaries.append(TailKeyBoundary(g, hit))
+                continue
+            # Fine-grained only: a longer key of the same block (up to its end) holds the tail too.
+            stop = min(-(-hit // bs) * bs // unit, table.size)
+            later = np.flatnonzero(table[at + 1 : stop]) if self.partial_hash_hits else np.empty(0)
+            if not later.size:
+                raise RuntimeError(f"lookup: no tail key for group {g} at hit length {hit} (hash unit {hbs})")
+            boundaries.append(TailKeyBoundary(g, (at + 2 + int(later[0])) * unit))
+        return LookupResult(hit, tuple(boundaries))
 
     # ------------------------------------------------------------------ internals: probing
 
@@ -381,23 +396,6 @@ class StoreLookup:
         for member in group.members[1:]:
             present &= tables[member]
         return step_finder(group.spec, group.block_size, self._unit(g), self.alignment, present, top)
-
-    def _tail_boundaries(self, tables: Sequence[BoolArray], hit: int) -> tuple[TailKeyBoundary, ...]:
-        hbs = self._require_hash_block_size()
-        boundaries: list[TailKeyBoundary] = []
-        for g, present in enumerate(tables):
-            unit, bs = self._unit(g), self.block_sizes[g]
-            at = hit // unit - 1
-            if at < present.size and present[at]:
-                boundaries.append(TailKeyBoundary(g, hit))
-                continue
-            # Fine-grained only: a longer key of the same block (up to its end) holds the tail too.
-            stop = min(-(-hit // bs) * bs // unit, present.size)
-            later = np.flatnonzero(present[at + 1 : stop]) if self.partial_hash_hits else np.empty(0)
-            if not later.size:
-                raise RuntimeError(f"lookup: no tail key for group {g} at hit length {hit} (hash unit {hbs})")
-            boundaries.append(TailKeyBoundary(g, (at + 2 + int(later[0])) * unit))
-        return tuple(boundaries)
 
 
 def _check_groups(name: str, values: Sized | None, what: str, groups: int) -> None:
