@@ -170,7 +170,23 @@ class PendingCall(Generic[_T]):
             abandoned = self._abandoned
             self._done.set()
         if abandoned and runner is not None:
-            runner._late_return(self)
+            seconds = time.monotonic() - self.started
+            if self._error is not None:
+                logger.warning("an abandoned call returned after %.1f s by raising %r", seconds, self._error)
+            else:
+                logger.info("an abandoned call returned after %.1f s", seconds)
+            try:
+                self._on_late_return(self._error)
+            except Exception:  # the release callback must not kill the thread before the count drops
+                logger.exception("releasing what an abandoned call used failed")
+            with runner._cond:
+                runner._abandoned -= 1
+                settled = runner._settled if runner._abandoned == 0 else []
+                if settled:
+                    runner._settled = []
+                runner._cond.notify_all()
+            for callback in settled:
+                _run_callback(callback)
 
 
 class _Worker:
@@ -266,25 +282,6 @@ class CallRunner:
         if new:
             worker.thread.start()
         return call
-
-    def _late_return(self, call: PendingCall[Any]) -> None:
-        seconds = time.monotonic() - call.started
-        if call._error is not None:
-            logger.warning("an abandoned call returned after %.1f s by raising %r", seconds, call._error)
-        else:
-            logger.info("an abandoned call returned after %.1f s", seconds)
-        try:
-            call._on_late_return(call._error)
-        except Exception:  # the release callback must not kill the thread before the count drops
-            logger.exception("releasing what an abandoned call used failed")
-        with self._cond:
-            self._abandoned -= 1
-            settled = self._settled if self._abandoned == 0 else []
-            if settled:
-                self._settled = []
-            self._cond.notify_all()
-        for callback in settled:
-            _run_callback(callback)
 
     def wait_settled(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until no abandoned call is in flight; whether none is."""
