@@ -301,10 +301,17 @@ class StoreCalls:
                     break
                 t0 = _now()
                 if len(spans) == 1:
-                    part = self._invoke(send, keys, addrs, sizes, 0, n, config)  # no slicing: the arguments as given
+                    args = (keys, addrs, sizes, *config)  # no slicing: the arguments as given (the span is (0, n))
                 else:
                     own = per_key.configs_for(config, range(start, end), n)
-                    part = self._invoke(send, keys[start:end], addrs[start:end], sizes[start:end], start, end, own)
+                    args = (keys[start:end], addrs[start:end], sizes[start:end], *own)
+                try:
+                    part = send(*args)
+                except TypeError as exc:
+                    # pybind11 rejected an element (float, numpy float, > 2**64, ...) while converting.
+                    note = f" (keys {start}..{end - 1}; earlier keys were already processed)" if start else ""
+                    raise TypeError(f"Mooncake rejected the arguments{note}: {exc}") from exc
+                per_key.check_count(part, end - start, error=StoreError)
                 elapsed = _now() - t0
                 codes.extend(part)
                 if end < n and CODE_MASTER_UNREACHABLE in part:
@@ -397,22 +404,3 @@ class StoreCalls:
             return Health(self._bound("health_check"))
         except StoreClosedError:
             return Health.NOT_READY
-
-    @staticmethod
-    def _invoke(
-        call: Callable[..., Sequence[int]],
-        keys: Any,
-        addrs: Any,
-        sizes: Any,
-        start: int,
-        end: int,
-        config: tuple[Any, ...] = (),
-    ) -> Sequence[int]:
-        try:
-            part = call(keys, addrs, sizes, *config)
-        except TypeError as exc:
-            # pybind11 rejected an element (float, numpy float, > 2**64, ...) while converting.
-            note = f" (keys {start}..{end - 1}; earlier keys were already processed)" if start else ""
-            raise TypeError(f"Mooncake rejected the arguments{note}: {exc}") from exc
-        per_key.check_count(part, end - start, error=StoreError)
-        return part
