@@ -80,31 +80,6 @@ class LayoutGroup:
         self._caches = caches
         self._checked_version = None
 
-    def _segments_version(self) -> int | None:
-        """TP-shared: prove the layout's installed segment templates keep every slice of every registered block
-        (ids ``[0, num_blocks)``, which the transfer's screen enforces) inside one registered buffer, and return
-        the templates' version; the caller re-reads the version after computing rows (:meth:`_same_segments`).
-        A layout re-registered after the transfer registered its caches (other tensors, other memory) is
-        refused: its rows would move process memory the transfer never registered. Rank-local: ``None`` (its
-        regions are checked against the registration by the transfer itself) and before a transfer registered
-        caches (a group used on its own computes rows but moves nothing)."""
-        caches = self._caches
-        if caches is None or not isinstance(self.layout, TPShardedStoreLayout):
-            return None  # no transfer registered caches with this group: it moves no bytes itself
-        version, templates = self.layout.segment_templates
-        if version == self._checked_version:
-            return version
-        if version % 2:
-            raise RuntimeError("the store layout is being re-registered: retry")
-        caches.check_templates(templates, self.shard_ids)
-        self._checked_version = version
-        return version
-
-    def _same_segments(self, version: int | None) -> None:
-        """Raise unless the templates are still those of ``version`` (an install ran meanwhile)."""
-        if version is not None and self.layout.segment_templates[0] != version:  # type: ignore[union-attr]
-            raise RuntimeError("the store layout was re-registered during the call: nothing moved")
-
     # ------------------------------------------------------------------ regions
 
     @property
@@ -195,22 +170,36 @@ class LayoutGroup:
 
     def _bounded_rows(self, sizes_at: int, compute: Callable[[], _Rows]) -> _Rows:
         """``compute()``'s rows (the sizes at index ``sizes_at``), computed between two reads of the TP-shared
-        segment templates' version (:meth:`_segments_version`, :meth:`_same_segments`) and checked to have
-        segments (:meth:`_check_rows`)."""
-        version = self._segments_version()
-        rows = compute()
-        self._same_segments(version)
-        self._check_rows(rows[sizes_at])
-        return rows
+        segment templates' version (refused unless the templates are still those of that version: an install
+        ran meanwhile), and refused without a segment: a TP-shared layout whose caches were never registered
+        would put empty objects (or read nothing) under real keys.
 
-    def _check_rows(self, sizes: Any) -> None:
-        """Refuse rows without a segment: a TP-shared layout whose caches were never registered would put
-        empty objects (or read nothing) under real keys."""
+        TP-shared, before computing: the layout's installed segment templates are proven to keep every slice of
+        every registered block (ids ``[0, num_blocks)``, which the transfer's screen enforces) inside one
+        registered buffer. A layout re-registered after the transfer registered its caches (other tensors,
+        other memory) is refused: its rows would move process memory the transfer never registered. Rank-local
+        (its regions are checked against the registration by the transfer itself), and before a transfer
+        registered caches (a group used on its own computes rows but moves nothing): no version.
+        """
+        version: int | None = None
+        caches = self._caches
+        if caches is not None and isinstance(self.layout, TPShardedStoreLayout):
+            version, templates = self.layout.segment_templates
+            if version != self._checked_version:
+                if version % 2:
+                    raise RuntimeError("the store layout is being re-registered: retry")
+                caches.check_templates(templates, self.shard_ids)
+                self._checked_version = version
+        rows = compute()
+        if version is not None and self.layout.segment_templates[0] != version:  # type: ignore[union-attr]
+            raise RuntimeError("the store layout was re-registered during the call: nothing moved")
+        sizes = rows[sizes_at]
         empty = sizes.shape[1] == 0 if isinstance(sizes, np.ndarray) else any(len(row) == 0 for row in sizes)
         if len(sizes) and empty:
             raise RuntimeError(
                 "the store layout has no segments: register its KV caches first (KVTransfer.register_kv_caches)"
             )
+        return rows
 
     @staticmethod
     def _split(chunks: Any) -> tuple[list[tuple[int, int]], list[int]]:

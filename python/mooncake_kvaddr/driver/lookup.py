@@ -105,7 +105,18 @@ class StoreLookup:
                 for db, namespaces in zip(self.databases, self.rank_namespaces(), strict=True)
             ]
         if key_prefixes is not None:
-            self.prefixes = self._checked_prefixes(key_prefixes)
+            _check_groups("key_prefixes", key_prefixes, "prefix lists", len(self.databases))
+            self.prefixes = []
+            for g, group in enumerate(key_prefixes):
+                if isinstance(group, (str, bytes)):
+                    raise TypeError(f"key_prefixes[{g}]: expected a sequence of str, "
+                                    f"got a single {type(group).__name__}")
+                prefixes = tuple(group)
+                if not prefixes or len(prefixes) > MAX_NAMESPACES:
+                    raise ValueError(f"key_prefixes[{g}]: need 1 to {MAX_NAMESPACES} prefixes, got {len(prefixes)}")
+                if not all(isinstance(p, str) for p in prefixes):
+                    raise TypeError(f"key_prefixes[{g}]: every prefix must be a str")
+                self.prefixes.append(prefixes)
         hash_block_sizes = {db.hash_block_size for db in self.databases}
         # One hash chain feeds every group, so they must agree on its granularity; checked at lookup time so
         # that transfers whose groups disagree still construct (store/load use each group's own size).
@@ -117,7 +128,11 @@ class StoreLookup:
             for spec, bs in zip(self.specs, self.block_sizes, strict=True)
         )
         self.alignment = hbs if self.partial_hash_hits and hbs is not None else self.scheduler_block_size
-        self._spec_groups = self._merge_spec_groups()
+        merged: dict[tuple[GroupSpec, int], list[int]] = {}
+        for g, (spec, bs) in enumerate(zip(self.specs, self.block_sizes, strict=True)):
+            merged.setdefault((spec, bs), []).append(g)
+        self._spec_groups = [_SpecGroup(spec, bs, tuple(members)) for (spec, bs), members in merged.items()]
+        self._spec_groups.sort(key=lambda group: not group.spec.is_full_attention)  # stable: full attention first
 
     @classmethod
     def from_prefix_sources(
@@ -194,7 +209,11 @@ class StoreLookup:
         presence (docs/lookup.md, "What a group needs to load H"): the loader keys each group's last chunk
         with the hash at the hit's end, so that exact key must be stored. Linear in the units."""
         tables = self._tables(present)
-        top = self._top(tables, max_length)
+        # The highest step worth testing: below max_length and within every group's probed units (a group
+        # always needs a key at or past the hit's end).
+        top = max_length // self.alignment
+        for g, table in enumerate(tables):
+            top = min(top, table.size // (self.alignment // self._unit(g)))
         if top <= 0:
             return 0
         ok = np.ones(top, dtype=np.bool_)
@@ -247,23 +266,24 @@ class StoreLookup:
             hit = self._converge(tables, self.align_lookup_length(num_tokens - 1))
         if hit <= 0:
             return LookupResult(0)
-        return LookupResult(hit, self._tail_boundaries(tables, hit))
+        # Per group, the boundary whose key stores the tail block.
+        hbs = self._require_hash_block_size()
+        boundaries: list[TailKeyBoundary] = []
+        for g, table in enumerate(tables):
+            unit, bs = self._unit(g), self.block_sizes[g]
+            at = hit // unit - 1
+            if at < table.size and table[at]:
+                boundaries.append(TailKeyBoundary(g, hit))
+                continue
+            # Fine-grained only: a longer key of the same block (up to its end) holds the tail too.
+            stop = min(-(-hit // bs) * bs // unit, table.size)
+            later = np.flatnonzero(table[at + 1 : stop]) if self.partial_hash_hits else np.empty(0)
+            if not later.size:
+                raise RuntimeError(f"lookup: no tail key for group {g} at hit length {hit} (hash unit {hbs})")
+            boundaries.append(TailKeyBoundary(g, (at + 2 + int(later[0])) * unit))
+        return LookupResult(hit, tuple(boundaries))
 
     # ------------------------------------------------------------------ internals: probing
-
-    def _checked_prefixes(self, key_prefixes: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
-        _check_groups("key_prefixes", key_prefixes, "prefix lists", len(self.databases))
-        checked: list[tuple[str, ...]] = []
-        for g, group in enumerate(key_prefixes):
-            if isinstance(group, (str, bytes)):
-                raise TypeError(f"key_prefixes[{g}]: expected a sequence of str, got a single {type(group).__name__}")
-            prefixes = tuple(group)
-            if not prefixes or len(prefixes) > MAX_NAMESPACES:
-                raise ValueError(f"key_prefixes[{g}]: need 1 to {MAX_NAMESPACES} prefixes, got {len(prefixes)}")
-            if not all(isinstance(p, str) for p in prefixes):
-                raise TypeError(f"key_prefixes[{g}]: every prefix must be a str")
-            checked.append(prefixes)
-        return checked
 
     def _require_hash_block_size(self) -> int:
         if self.hash_block_size is None:
@@ -287,8 +307,17 @@ class StoreLookup:
     ) -> None:
         prefixes = self.prefixes[g]
         if isinstance(units, range) and isinstance(hashes, BlobBlockHashes) and hashes.hash_len:
-            # A leading run of a wire blob: hand the bytes over as they are, no object per hash.
-            keys = build_lookup_keys(prefixes, BlobBlockHashes(_leading_bytes(hashes, len(units)), hashes.hash_len))
+            # A leading run of a wire blob: hand the bytes over as they are, no object per hash. Its first
+            # len(units) hashes as a flat byte view (whatever the buffer's item format); ValueError when the
+            # buffer holds fewer bytes than that.
+            view = memoryview(hashes.blob)
+            if view.ndim != 1 or view.itemsize != 1 or view.format not in ("B", "b", "c"):
+                view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+            need = len(units) * hashes.hash_len
+            if view.nbytes < need:
+                raise ValueError(f"lookup: hash blob holds {view.nbytes} bytes, fewer than {len(units)} hashes of "
+                                 f"{hashes.hash_len} bytes")
+            keys = build_lookup_keys(prefixes, BlobBlockHashes(view[:need], hashes.hash_len))
         else:
             keys = build_lookup_keys(prefixes, [hashes[i] for i in units])
         if len(keys) != len(units) * len(prefixes):
@@ -323,14 +352,6 @@ class StoreLookup:
             logger.warning("lookup: batch_is_exist over %d keys failed: %s", len(plan.keys), exc)
             return None
 
-    def _merge_spec_groups(self) -> list[_SpecGroup]:
-        merged: dict[tuple[GroupSpec, int], list[int]] = {}
-        for g, (spec, bs) in enumerate(zip(self.specs, self.block_sizes, strict=True)):
-            merged.setdefault((spec, bs), []).append(g)
-        groups = [_SpecGroup(spec, bs, tuple(members)) for (spec, bs), members in merged.items()]
-        groups.sort(key=lambda group: not group.spec.is_full_attention)  # stable: full attention first
-        return groups
-
     # ------------------------------------------------------------------ internals: hit arithmetic
     #
     # Hits are counted in alignment steps j (H = j * alignment). A group's probed units are ``unit`` tokens
@@ -344,14 +365,6 @@ class StoreLookup:
     def _tables(self, present: Presence) -> list[BoolArray]:
         _check_groups("present", present, "rows", len(self.databases))
         return [np.asarray(row, dtype=np.bool_).reshape(-1) for row in present]
-
-    def _top(self, tables: Sequence[BoolArray], max_length: int) -> int:
-        """Highest step worth testing: below ``max_length`` and within every group's probed units (a group
-        always needs a key at or past the hit's end)."""
-        top = max_length // self.alignment
-        for g, table in enumerate(tables):
-            top = min(top, table.size // (self.alignment // self._unit(g)))
-        return top
 
     # vLLM 0.33's coordinator, for lookup_with_boundaries: each spec group's finder returns its longest
     # hit <= a bound; full-attention finders run once (full attention first), the others until the hit
@@ -384,23 +397,6 @@ class StoreLookup:
             present &= tables[member]
         return step_finder(group.spec, group.block_size, self._unit(g), self.alignment, present, top)
 
-    def _tail_boundaries(self, tables: Sequence[BoolArray], hit: int) -> tuple[TailKeyBoundary, ...]:
-        hbs = self._require_hash_block_size()
-        boundaries: list[TailKeyBoundary] = []
-        for g, present in enumerate(tables):
-            unit, bs = self._unit(g), self.block_sizes[g]
-            at = hit // unit - 1
-            if at < present.size and present[at]:
-                boundaries.append(TailKeyBoundary(g, hit))
-                continue
-            # Fine-grained only: a longer key of the same block (up to its end) holds the tail too.
-            stop = min(-(-hit // bs) * bs // unit, present.size)
-            later = np.flatnonzero(present[at + 1 : stop]) if self.partial_hash_hits else np.empty(0)
-            if not later.size:
-                raise RuntimeError(f"lookup: no tail key for group {g} at hit length {hit} (hash unit {hbs})")
-            boundaries.append(TailKeyBoundary(g, (at + 2 + int(later[0])) * unit))
-        return tuple(boundaries)
-
 
 def _check_groups(name: str, values: Sized | None, what: str, groups: int) -> None:
     """``ValueError`` unless ``values`` (``None``: not given) holds one entry per KV-cache group."""
@@ -417,15 +413,3 @@ def _as_int(name: str, value: int) -> int:
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
 
-
-def _leading_bytes(hashes: BlobBlockHashes, count: int) -> memoryview:
-    """The first ``count`` hashes of a blob view as a flat byte view (whatever the buffer's item format);
-    ``ValueError`` when the buffer holds fewer bytes than that."""
-    view = memoryview(hashes.blob)
-    if view.ndim != 1 or view.itemsize != 1 or view.format not in ("B", "b", "c"):
-        view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
-    need = count * hashes.hash_len
-    if view.nbytes < need:
-        raise ValueError(f"lookup: hash blob holds {view.nbytes} bytes, fewer than {count} hashes of "
-                         f"{hashes.hash_len} bytes")
-    return view[:need]

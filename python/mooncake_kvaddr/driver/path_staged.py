@@ -54,19 +54,6 @@ logger = logging.getLogger("mooncake_kvaddr.driver.paths")
 STAGING_WAIT_S: Final = 300.0
 
 
-def _lay_out(object_sizes: Int64Array) -> SlotPlan:
-    """:func:`~mooncake_kvaddr.driver.staging.plan_slots`'s layout from the object sizes alone: each slot at the
-    running end rounded up to :data:`SLOT_ALIGNMENT`; ``total_bytes`` ends at the last slot's object.
-
-    The caller checks that the layout fits in int64 (the sizes come from a native plan: never negative).
-    """
-    padded = (object_sizes + (SLOT_ALIGNMENT - 1)) & -SLOT_ALIGNMENT
-    ends = np.cumsum(padded)
-    offsets = ends - padded
-    total = int(offsets[-1] + object_sizes[-1]) if len(offsets) else 0
-    return SlotPlan(offsets, object_sizes, total)
-
-
 def _sub_plan(slots: SlotPlan, start: int, end: int) -> SlotPlan:
     """Keys ``[start, end)`` of a layout, shifted to start at 0: equal to ``plan_slots`` of their sizes
     (every offset is aligned, so the keys keep their slots relative to the first)."""
@@ -231,7 +218,13 @@ class StagedPath(TransferPath):
             bound = sum(p.total_bytes for p in parts) + SLOT_ALIGNMENT * len(keys)
             if bound >= 1 << 63:
                 plan_slots(sizes)  # raises OverflowError: the layout does not fit in int64
-            slots = _lay_out(object_sizes)
+            # plan_slots's layout from the object sizes alone (never negative: from a native plan): each slot at
+            # the running end rounded up to SLOT_ALIGNMENT; total_bytes ends at the last slot's object.
+            padded = (object_sizes + (SLOT_ALIGNMENT - 1)) & -SLOT_ALIGNMENT
+            ends = np.cumsum(padded)
+            offsets = ends - padded
+            total = int(offsets[-1] + object_sizes[-1]) if len(offsets) else 0
+            slots = SlotPlan(offsets, object_sizes, total)
         return KeyPlan(keys, addrs, sizes, ids, slots=slots, row_shift=shift)
 
     def _lease_unless_refused(self, plan: SlotPlan, deadline: RequestDeadline, clock: Clock) -> StagingLease | None:

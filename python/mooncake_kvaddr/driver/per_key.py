@@ -74,14 +74,9 @@ def _copy(config: Any) -> Any:
     state = getattr(config, "__dict__", None)
     if isinstance(state, dict) and state:
         fresh.__dict__.update(state)
-    if _own_str(cls) and str(fresh) != str(config):
+    if getattr(cls, "__str__", None) is not object.__str__ and str(fresh) != str(config):  # cls writes its own str
         raise TypeError(f"cannot copy this {cls.__qualname__} field by field (its str differs): not split")
     return fresh
-
-
-def _own_str(cls: type) -> bool:
-    """Whether ``cls`` writes its own ``str`` (not ``object``'s)."""
-    return getattr(cls, "__str__", None) is not object.__str__
 
 
 @functools.cache

@@ -50,8 +50,12 @@ class StagingBuffer:
         if prefault:
             self._array[::_PAGE] = 0  # one write per page maps it
         # Recorded from the allocation itself, never from an (overridable) property: the staging check trusts
-        # only this record.
-        _register_staging(self, self._ptr, nbytes)
+        # only this record. Dead entries are dropped here (see _LIVE_STAGING).
+        with _LIVE_STAGING_LOCK:
+            dead = [start for start, (ref, _) in _LIVE_STAGING.items() if ref() is None]
+            for start in dead:
+                del _LIVE_STAGING[start]
+            _LIVE_STAGING[self._ptr] = (weakref.ref(self), nbytes)
 
     @property
     def ptr(self) -> int:
@@ -281,14 +285,6 @@ class StagingPool:
 # the next registration instead, and a dead reference is never a candidate.
 _LIVE_STAGING: dict[int, tuple[weakref.ref[StagingBuffer], int]] = {}
 _LIVE_STAGING_LOCK = threading.Lock()
-
-
-def _register_staging(buffer: StagingBuffer, ptr: int, nbytes: int) -> None:
-    with _LIVE_STAGING_LOCK:
-        dead = [start for start, (ref, _) in _LIVE_STAGING.items() if ref() is None]
-        for start in dead:
-            del _LIVE_STAGING[start]
-        _LIVE_STAGING[ptr] = (weakref.ref(buffer), nbytes)
 
 
 StagingArg = StagingBuffer | StagingLease | MemoryRange

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
@@ -269,16 +270,60 @@ class StoreCalls:
         deadline: RequestDeadline | None,
         put: tuple[Any] | None = None,
     ) -> BatchResult:
-        """The batch call ``name`` of checked arguments (``counts``: the regions of each key), in sub-batches
-        (:meth:`_split_call`). ``put``: a put's ``(replicate_config,)``, ``None`` (the store's default) replaced
-        once admitted; without it a get, whose sub-batches never name one key twice."""
+        """The batch call ``name`` of checked arguments (``counts``: the regions of each key): Mooncake is called
+        once per sub-batch of the region budget; the codes of every key, in key order.
+
+        ``put``: a put's ``(replicate_config,)``, ``None`` (the store's default) replaced once admitted; each
+        sub-batch gets it, after the rows, with its per-key fields cut to the sub-batch's keys
+        (:func:`~mooncake_kvaddr.driver.per_key.config_for`). Without ``put`` a get, whose sub-batches never name
+        one key twice (see :func:`_unique_spans`).
+
+        Before each sub-batch: past the request's deadline (or after a hung call of the same request), the
+        remaining keys get ``TRANSFER_FAILED`` and Mooncake is not called again. After one: a
+        ``MASTER_UNREACHABLE`` fails the rest the same way, and so does a ``TRANSFER_FAILED`` that took
+        :data:`HUNG_CALL_THRESHOLD_S` or more (it waited out Mooncake's transfer timeout; the next call would
+        too), which also stops the request's later calls.
+        """
 
         def call(clients: Clients) -> list[int]:
             config = () if put is None else (put[0] if put[0] is not None else self._replicate_default(),)
-            return self._split_call(
-                lambda *args: clients.call(name, *args), keys, addrs, sizes, counts, deadline,
-                unique_keys=put is None, config=config,
-            )  # fmt: skip
+            send = partial(clients.call, name)
+            n = len(counts)
+            request = self.deadline() if deadline is None else deadline
+            spans = _plan(counts, self._config.region_budget)
+            if put is None:
+                spans = _unique_spans(keys, spans)
+            codes: list[int] = []
+            for start, end in spans:
+                if request.expired():
+                    codes.extend([CODE_TRANSFER_FAILED] * (n - start))
+                    logger.warning("%d of %d key(s) not attempted: %s", n - start, n, request.reason)
+                    break
+                t0 = _now()
+                if len(spans) == 1:
+                    args = (keys, addrs, sizes, *config)  # no slicing: the arguments as given (the span is (0, n))
+                else:
+                    own = per_key.configs_for(config, range(start, end), n)
+                    args = (keys[start:end], addrs[start:end], sizes[start:end], *own)
+                try:
+                    part = send(*args)
+                except TypeError as exc:
+                    # pybind11 rejected an element (float, numpy float, > 2**64, ...) while converting.
+                    note = f" (keys {start}..{end - 1}; earlier keys were already processed)" if start else ""
+                    raise TypeError(f"Mooncake rejected the arguments{note}: {exc}") from exc
+                per_key.check_count(part, end - start, error=StoreError)
+                elapsed = _now() - t0
+                codes.extend(part)
+                if end < n and CODE_MASTER_UNREACHABLE in part:
+                    # Each further sub-batch would block only to report the same; fail the rest now.
+                    codes.extend([CODE_MASTER_UNREACHABLE] * (n - end))
+                    break
+                if elapsed >= HUNG_CALL_THRESHOLD_S and CODE_TRANSFER_FAILED in part:
+                    request.stop(
+                        f"a Mooncake call failed transfer_failed after {elapsed:.0f} s, its transfer timeout: a "
+                        "peer holding the data hangs (no further call would do better)"
+                    )  # the next sub-batch, if any, finds the request stopped: the rest fail unattempted
+            return codes
 
         return self._batch(_Op.GET if put is None else _Op.PUT, len(counts), call)
 
@@ -359,77 +404,3 @@ class StoreCalls:
             return Health(self._bound("health_check"))
         except StoreClosedError:
             return Health.NOT_READY
-
-    def _split_call(
-        self,
-        call: Callable[..., Sequence[int]],
-        keys: Any,
-        addrs: Any,
-        sizes: Any,
-        counts: Sequence[int],
-        deadline: RequestDeadline | None,
-        *,
-        unique_keys: bool = False,
-        config: tuple[Any, ...] = (),
-    ) -> list[int]:
-        """Call Mooncake once per sub-batch of the region budget; the codes of every key, in key order.
-
-        ``unique_keys`` (gets): a sub-batch never names one key twice (see :func:`_unique_spans`). ``config``
-        (puts: the ReplicateConfig, passed to ``call`` after the rows): each sub-batch gets it with its per-key
-        fields cut to the sub-batch's keys (:func:`~mooncake_kvaddr.driver.per_key.config_for`).
-
-        Before each sub-batch: past the request's deadline (or after a hung call of the same request), the
-        remaining keys get ``TRANSFER_FAILED`` and Mooncake is not called again. After one: a
-        ``MASTER_UNREACHABLE`` fails the rest the same way, and so does a ``TRANSFER_FAILED`` that took
-        :data:`HUNG_CALL_THRESHOLD_S` or more (it waited out Mooncake's transfer timeout; the next call would
-        too), which also stops the request's later calls.
-        """
-        n = len(counts)
-        if deadline is None:
-            deadline = self.deadline()
-        spans = _plan(counts, self._config.region_budget)
-        if unique_keys:
-            spans = _unique_spans(keys, spans)
-        codes: list[int] = []
-        for start, end in spans:
-            if deadline.expired():
-                codes.extend([CODE_TRANSFER_FAILED] * (n - start))
-                logger.warning("%d of %d key(s) not attempted: %s", n - start, n, deadline.reason)
-                break
-            t0 = _now()
-            if len(spans) == 1:
-                part = self._invoke(call, keys, addrs, sizes, 0, n, config)  # no slicing: the arguments as given
-            else:
-                own = per_key.configs_for(config, range(start, end), n)
-                part = self._invoke(call, keys[start:end], addrs[start:end], sizes[start:end], start, end, own)
-            elapsed = _now() - t0
-            codes.extend(part)
-            if end < n and CODE_MASTER_UNREACHABLE in part:
-                # Each further sub-batch would block only to report the same; fail the rest now.
-                codes.extend([CODE_MASTER_UNREACHABLE] * (n - end))
-                break
-            if elapsed >= HUNG_CALL_THRESHOLD_S and CODE_TRANSFER_FAILED in part:
-                deadline.stop(
-                    f"a Mooncake call failed transfer_failed after {elapsed:.0f} s, its transfer timeout: a peer "
-                    "holding the data hangs (no further call would do better)"
-                )  # the next sub-batch, if any, finds the request stopped: the rest fail unattempted
-        return codes
-
-    @staticmethod
-    def _invoke(
-        call: Callable[..., Sequence[int]],
-        keys: Any,
-        addrs: Any,
-        sizes: Any,
-        start: int,
-        end: int,
-        config: tuple[Any, ...] = (),
-    ) -> Sequence[int]:
-        try:
-            part = call(keys, addrs, sizes, *config)
-        except TypeError as exc:
-            # pybind11 rejected an element (float, numpy float, > 2**64, ...) while converting.
-            note = f" (keys {start}..{end - 1}; earlier keys were already processed)" if start else ""
-            raise TypeError(f"Mooncake rejected the arguments{note}: {exc}") from exc
-        per_key.check_count(part, end - start, error=StoreError)
-        return part

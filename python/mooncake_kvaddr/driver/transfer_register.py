@@ -51,9 +51,6 @@ class TransferRegistration:
     _owns_pool: bool
     _pool_registered: bool
 
-    def _context(self, caches: RegisteredCaches) -> PathContext:
-        return PathContext(self._store, self.databases, caches, self.replicate_config, self._metrics)
-
     def _pin_regions(self, caches: RegisteredCaches) -> None:
         """Pin each database's regions to the registered ones (ours: a database of another type is checked by
         :meth:`~mooncake_kvaddr.driver.bounds.RegisteredCaches.check_databases` alone)."""
@@ -146,8 +143,20 @@ class TransferRegistration:
             # A failure below undoes everything registered so far (in reverse order): nothing leaks, and a
             # later register_kv_caches starts from scratch.
             undo.callback(self._unpin_regions)
-            ctx = self._context(caches)
-            get_mode, put_mode = self._resolve_modes(caches)
+            ctx = PathContext(self._store, self.databases, caches, self.replicate_config, self._metrics)
+            # (load mode, store mode) for the registered layout (see docs/transfer-modes.md).
+            num_regions = caches.regions_per_key
+            if self.transfer_mode == "multi_buffer" or num_regions == 0:
+                get_mode, put_mode = "multi_buffer", "multi_buffer"
+            elif num_regions == 1:
+                get_mode, put_mode = "direct", "direct"  # one contiguous region per key: nothing to gather
+            elif self.transfer_mode == "staged":
+                get_mode, put_mode = "staged", "staged"
+            else:
+                region_bytes = sum(caches.block_lens) // num_regions
+                local = self._copies_in_memory()
+                get_mode = choose_auto_mode(num_regions, region_bytes, local_copy=local, direction="load")
+                put_mode = choose_auto_mode(num_regions, region_bytes, local_copy=local, direction="store")
             paths: dict[str, TransferPath] = {}
             undo.callback(self._close_paths, paths)
             if "staged" in (get_mode, put_mode):
@@ -213,22 +222,6 @@ class TransferRegistration:
             self._probe = None
         if probe is not None:
             probe.close()  # an abandoned probe keeps its own buffer until Mooncake returns
-
-    def _resolve_modes(self, caches: RegisteredCaches) -> tuple[str, str]:
-        """(load mode, store mode) for the registered layout (see ``docs/transfer-modes.md``)."""
-        regions = caches.regions_per_key
-        if self.transfer_mode == "multi_buffer" or regions == 0:
-            return "multi_buffer", "multi_buffer"
-        if regions == 1:
-            return "direct", "direct"  # one contiguous region per key: nothing to gather
-        if self.transfer_mode == "staged":
-            return "staged", "staged"
-        region_bytes = sum(caches.block_lens) // regions
-        local = self._copies_in_memory()
-        return (
-            choose_auto_mode(regions, region_bytes, local_copy=local, direction="load"),
-            choose_auto_mode(regions, region_bytes, local_copy=local, direction="store"),
-        )
 
     def _start_staging(self, ctx: PathContext, caches: RegisteredCaches) -> StagedPath:
         """Create (or adopt) the staging pool, register it with the store, set up the host copy backend."""

@@ -25,7 +25,7 @@ from mooncake_kvaddr.driver.rules import (
     floor_to,
     split_by_staging_budget,
 )
-from mooncake_kvaddr.driver.store import Outcome, RequestDeadline
+from mooncake_kvaddr.driver.store import Outcome
 from mooncake_kvaddr.driver.transfer_register import TransferRegistration
 
 __all__ = ["TransferRequests"]
@@ -177,8 +177,16 @@ class TransferRequests(TransferRegistration):
             _, screened = self._screen(path, request)
             plan = path.plan_get(request.token_len, request.block_hashes, screened, skip, self.tp_rank, tails)
         except LOAD_ERRORS as exc:
-            # Nothing moved; every block the request names is reported failed.
-            self._fail_request(request, result, exc, screened)
+            # Nothing moved: the error, and every block id the request names is reported failed (vLLM counts a
+            # block not reported failed as loaded). The ids come from the screen's snapshot when the request got
+            # that far, else from the request as far as it reads as integers (never raises: the error path).
+            result.error = describe(exc)
+            if screened is not None:
+                for s in screened:
+                    result.failed_block_ids.update(s.ids)
+            else:
+                result.failed_block_ids.update(_plain_ids(request.block_ids))
+            logger.warning("load %s: %s", request.req_id, result.error)
             clock.lap("plan")
             return result
         clock.lap("plan")
@@ -194,7 +202,18 @@ class TransferRequests(TransferRegistration):
         loaded = np.zeros(len(plan.keys), dtype=bool)
         batches = self._budget_batches(plan, request, result)
         try:
-            self._get_batches(path, plan, batches, loaded, clock, result, deadline)
+            for start, end in batches:
+                if deadline.expired():
+                    # Not tried: never loaded (the path counts what it skips itself; these never reach it).
+                    count(result.outcomes, Outcome.TRANSFER_FAILED.value, len(plan.keys) - start)
+                    break
+                got = path.get(plan, start, end, clock, result.outcomes, deadline)
+                loaded[start:end] = got.loaded
+                result.bytes += got.nbytes
+                if got.unreachable and end < len(plan.keys):
+                    # Each further sub-batch would block only to report the same.
+                    count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(plan.keys) - end)
+                    break
         except LOAD_ERRORS as exc:
             # Keys not yet scattered stay unloaded; a staged get never writes the cache itself.
             result.error = describe(exc)
@@ -230,29 +249,6 @@ class TransferRequests(TransferRegistration):
             return []
         return batches
 
-    def _get_batches(
-        self,
-        path: TransferPath,
-        plan: KeyPlan,
-        batches: list[tuple[int, int]],
-        loaded: np.ndarray[Any, Any],
-        clock: Clock,
-        result: LoadResult,
-        deadline: RequestDeadline,
-    ) -> None:
-        for start, end in batches:
-            if deadline.expired():
-                # Not tried: never loaded (the path counts what it skips itself; these never reach it).
-                count(result.outcomes, Outcome.TRANSFER_FAILED.value, len(plan.keys) - start)
-                return
-            got = path.get(plan, start, end, clock, result.outcomes, deadline)
-            loaded[start:end] = got.loaded
-            result.bytes += got.nbytes
-            if got.unreachable and end < len(plan.keys):
-                # Each further sub-batch would block only to report the same.
-                count(result.outcomes, Outcome.MASTER_UNREACHABLE.value, len(plan.keys) - end)
-                return
-
     @staticmethod
     def _registered_path(path: TransferPath | None) -> TransferPath:
         if path is None:
@@ -281,18 +277,3 @@ class TransferRequests(TransferRegistration):
                     ids[position] = -(position + 1)
             plan_ids.append(ids)
         return plan_ids, screened
-
-    @staticmethod
-    def _fail_request(
-        request: TransferRequest, result: LoadResult, exc: BaseException, screened: Sequence[Screened] | None
-    ) -> None:
-        """Report a load that moved nothing: the error, and every block id it names as failed (vLLM counts a
-        block not reported failed as loaded). The ids come from the screen's snapshot when the request got that
-        far, else from the request as far as it reads as integers (never raises: this is the error path)."""
-        result.error = describe(exc)
-        if screened is not None:
-            for s in screened:
-                result.failed_block_ids.update(s.ids)
-        else:
-            result.failed_block_ids.update(_plain_ids(request.block_ids))
-        logger.warning("load %s: %s", request.req_id, result.error)

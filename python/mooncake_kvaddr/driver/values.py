@@ -101,15 +101,6 @@ def parse_size(value: object, field: str = "size") -> int:
     return size
 
 
-def _parse_port(text: str, where: str) -> int:
-    if not _PORT_RE.fullmatch(text):
-        raise ValueError(f"{where}: port must be a decimal number 1..65535, got {text!r}")
-    port = int(text)
-    if not 1 <= port <= 65535:
-        raise ValueError(f"{where}: port must be 1..65535, got {port}")
-    return port
-
-
 def parse_host_port(text: str, field: str, *, port_required: bool) -> tuple[str, int | None]:
     if _IPV6_RE.match(text) and text.startswith("["):
         close = text.index("]")
@@ -129,7 +120,12 @@ def parse_host_port(text: str, field: str, *, port_required: bool) -> tuple[str,
         if port_required:
             raise ValueError(f"{field}: expected 'host:port', got {text!r} (no port)")
         return host, None
-    return host, _parse_port(port_text, field)
+    if not _PORT_RE.fullmatch(port_text):
+        raise ValueError(f"{field}: port must be a decimal number 1..65535, got {port_text!r}")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{field}: port must be 1..65535, got {port}")
+    return host, port
 
 
 def parse_address(value: str, field: str = "master_server_address") -> list[tuple[str, int]]:
