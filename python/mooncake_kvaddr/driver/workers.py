@@ -170,23 +170,18 @@ class PendingCall(Generic[_T]):
             abandoned = self._abandoned
             self._done.set()
         if abandoned and runner is not None:
-            seconds = time.monotonic() - self.started
-            if self._error is not None:
-                logger.warning("an abandoned call returned after %.1f s by raising %r", seconds, self._error)
-            else:
-                logger.info("an abandoned call returned after %.1f s", seconds)
-            try:
-                self._on_late_return(self._error)
-            except Exception:  # the release callback must not kill the thread before the count drops
-                logger.exception("releasing what an abandoned call used failed")
-            with runner._cond:
-                runner._abandoned -= 1
-                settled = runner._settled if runner._abandoned == 0 else []
-                if settled:
-                    runner._settled = []
-                runner._cond.notify_all()
-            for callback in settled:
-                _run_callback(callback)
+            runner._late_return(self)
+
+    def _release(self) -> None:
+        seconds = time.monotonic() - self.started
+        if self._error is not None:
+            logger.warning("an abandoned call returned after %.1f s by raising %r", seconds, self._error)
+        else:
+            logger.info("an abandoned call returned after %.1f s", seconds)
+        try:
+            self._on_late_return(self._error)
+        except Exception:  # the release callback must not kill the thread before the count drops
+            logger.exception("releasing what an abandoned call used failed")
 
 
 class _Worker:
@@ -203,11 +198,8 @@ class _Worker:
                 return
             job._execute()
             del job
-            # Kept idle for the next call, or left to end (closed, or enough idle threads).
-            with runner._cond:
-                if runner._closed or len(runner._idle) >= runner._max_idle:
-                    return
-                runner._idle.append(self)
+            if not runner._park(self):
+                return
 
 
 class CallRunner:
@@ -282,6 +274,25 @@ class CallRunner:
         if new:
             worker.thread.start()
         return call
+
+    def _park(self, worker: _Worker) -> bool:
+        """After a call: keep ``worker`` idle for the next one (True) or let it end (False)."""
+        with self._cond:
+            if self._closed or len(self._idle) >= self._max_idle:
+                return False
+            self._idle.append(worker)
+            return True
+
+    def _late_return(self, call: PendingCall[Any]) -> None:
+        call._release()
+        with self._cond:
+            self._abandoned -= 1
+            settled = self._settled if self._abandoned == 0 else []
+            if settled:
+                self._settled = []
+            self._cond.notify_all()
+        for callback in settled:
+            _run_callback(callback)
 
     def wait_settled(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until no abandoned call is in flight; whether none is."""
