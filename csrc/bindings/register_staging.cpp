@@ -80,11 +80,6 @@ std::optional<py::array> selection(py::handle obj, std::size_t keys) {
     return arr;
 }
 
-unsigned thread_request(int64_t threads) {
-    if (threads < 0) raise(PyExc_ValueError, "threads must be >= 0 (0 = auto), got " + std::to_string(threads));
-    return static_cast<unsigned>(std::min<int64_t>(threads, st::kMaxThreads));
-}
-
 // The shared body of gather and scatter. Returns the number of bytes copied.
 int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_obj, int64_t staging_ptr,
                 int64_t staging_len, py::handle offsets_obj, py::handle allowed_obj, py::handle select_obj,
@@ -106,7 +101,8 @@ int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_
     const std::optional<py::array> select = selection(select_obj, keys);
     std::optional<RangeSet> scratch;  // allowed_ranges converted, unless a MemoryRanges
     const RangeSet& allowed = ranges_of(allowed_obj, RangeForm::ptr_nbytes, scratch);
-    const unsigned thread_count = thread_request(threads);
+    if (threads < 0) raise(PyExc_ValueError, "threads must be >= 0 (0 = auto), got " + std::to_string(threads));
+    const auto thread_count = static_cast<unsigned>(std::min<int64_t>(threads, st::kMaxThreads));
 
     st::Job job;
     job.direction = direction;
