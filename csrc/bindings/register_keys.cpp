@@ -247,13 +247,14 @@ py::tuple lookup_key_blob(py::handle prefixes, py::handle hashes, py::handle has
     return py::make_tuple(std::move(blob), std::move(offsets));
 }
 
-// Exist results as int64 values; values that do not fit (never 1) read as 0, i.e. absent.
-std::vector<int64_t> exist_values(py::handle results) {
-    FastSequence seq = checked_sequence(results, "results");
-    const Py_ssize_t n = seq.size();  // fixed: a callback that grows the list cannot extend the loop
+// Which units are present: unit u covers widths[u] consecutive results (an int width means every unit).
+py::list reduce_exists(py::handle results, py::handle widths) {
+    // The exist results as int64 values; values that do not fit (never 1) read as 0, i.e. absent.
+    FastSequence items = checked_sequence(results, "results");
+    const Py_ssize_t n = items.size();  // fixed: a callback that grows the list cannot extend the loop
     std::vector<int64_t> values(static_cast<std::size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
-        py::object item = seq.at(i);
+        py::object item = items.at(i);
         // An __index__ object (a numpy integer) is read like an int: a value outside int64 is absent, not an
         // OverflowError (the same result as the int 2**64 - 1 gives).
         if (!PyLong_Check(item.ptr())) item = index_of(item.ptr(), "exist result");
@@ -262,12 +263,6 @@ std::vector<int64_t> exist_values(py::handle results) {
         if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
         values[static_cast<std::size_t>(i)] = overflow != 0 ? 0 : static_cast<int64_t>(v);
     }
-    return values;
-}
-
-// Which units are present: unit u covers widths[u] consecutive results (an int width means every unit).
-py::list reduce_exists(py::handle results, py::handle widths) {
-    const std::vector<int64_t> values = exist_values(results);
     std::vector<int64_t> unit_widths;
     // One int for every unit: an int, or an __index__ object that is not a sequence (a numpy integer). The
     // results are C++ values already, so the __index__ call cannot change them.
