@@ -16,21 +16,13 @@
 
 namespace kvaddr::py_bindings {
 
-namespace {
-
-bool is_blob(PyObject* obj) {
-    return PyBytes_Check(obj) || PyByteArray_Check(obj) || PyMemoryView_Check(obj);
-}
-
-}  // namespace
-
 HashSource::HashSource(py::handle hashes, py::handle hash_len, HashItems items) : items_kind_(items) {
     if (!hash_len.is_none()) {
         const int64_t n = as_int64(hash_len.ptr(), "hash_len");
         if (n <= 0) raise(PyExc_ValueError, "hash_len must be positive, got " + std::to_string(n));
         hash_len_ = static_cast<std::size_t>(n);
     }
-    if (is_blob(hashes.ptr())) {
+    if (PyBytes_Check(hashes.ptr()) || PyByteArray_Check(hashes.ptr()) || PyMemoryView_Check(hashes.ptr())) {
         if (hash_len_ == 0) raise(PyExc_ValueError, "hash_len is required when hashes is one flat blob");
         blob_owner_ = py::reinterpret_borrow<py::object>(hashes);
         blob_.acquire(blob_owner_.ptr(), "hashes");  // a member: released even if the check below raises
