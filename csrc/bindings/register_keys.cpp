@@ -259,7 +259,7 @@ py::list reduce_exists(py::handle results, py::handle widths) {
     // One int for every unit: an int, or an __index__ object that is not a sequence (a numpy integer). The
     // results are C++ values already, so the __index__ call cannot change them.
     if (PyLong_Check(widths.ptr()) || (PyIndex_Check(widths.ptr()) && !PySequence_Check(widths.ptr()))) {
-        const int64_t w = as_int64(widths, "width");
+        const int64_t w = as_int64(widths.ptr(), "width");
         if (w <= 0) raise(PyExc_ValueError, "width must be positive, got " + std::to_string(w));
         if (values.size() % static_cast<std::size_t>(w) != 0) {
             raise(PyExc_ValueError, std::to_string(values.size()) + " results are not a multiple of width " +
@@ -272,7 +272,7 @@ py::list reduce_exists(py::handle results, py::handle widths) {
         unit_widths.resize(static_cast<std::size_t>(n_units));
         int64_t total = 0;
         for (Py_ssize_t u = 0; u < n_units; ++u) {
-            const int64_t w = as_int64(seq.at(u), "width");
+            const int64_t w = as_int64(seq.at(u).ptr(), "width");
             if (w < 0) raise(PyExc_ValueError, "widths must be non-negative");
             unit_widths[static_cast<std::size_t>(u)] = w;
             if (!add_checked(total, w, &total)) {

@@ -137,7 +137,7 @@ int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_
 }
 
 py::tuple plan_slots(py::handle sizes_obj, py::handle alignment_obj) {
-    const int64_t alignment = as_int64(alignment_obj, "alignment");  // an exact int or __index__, never truncated
+    const int64_t alignment = as_int64(alignment_obj.ptr(), "alignment");  // an exact int or __index__, never truncated
     if (alignment <= 0 || (alignment & (alignment - 1)) != 0) {
         raise(PyExc_ValueError, "alignment must be a positive power of two, got " + std::to_string(alignment));
     }
@@ -215,9 +215,9 @@ void def_staging_copy(py::module_& m, const char* name, st::Direction direction,
         [direction](py::handle addrs, py::handle sizes, py::handle staging_ptr, py::handle staging_len,
                     py::handle offsets, py::handle allowed_ranges, py::handle select, py::handle threads,
                     py::handle streaming) {
-            return run_job(direction, addrs, sizes, as_int64(staging_ptr, "staging_ptr"),
-                           as_int64(staging_len, "staging_len"), offsets, allowed_ranges, select,
-                           as_int64(threads, "threads"), as_flag(streaming));
+            return run_job(direction, addrs, sizes, as_int64(staging_ptr.ptr(), "staging_ptr"),
+                           as_int64(staging_len.ptr(), "staging_len"), offsets, allowed_ranges, select,
+                           as_int64(threads.ptr(), "threads"), as_flag(streaming));
         },
         py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
         py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
