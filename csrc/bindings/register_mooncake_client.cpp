@@ -327,7 +327,8 @@ private:
     py::list call_released(const KeySource& source, const char* method, Fn&& fn) {
         const std::size_t n = source.size();
         if (n == 0) return py::list();
-        auto client = live();
+        if (!client_) raise(PyExc_RuntimeError, "this native Mooncake client is closed");
+        auto client = client_;  // a copy: close() in another thread cannot free the client under a running call
         Problem problem;
         decltype(fn(client.get(), std::declval<mc::Keys&>(), problem)) codes;
         {
@@ -337,11 +338,6 @@ private:
         }
         if (problem.found()) raise(PyExc_ValueError, problem.message);
         return to_list(codes, n, method);
-    }
-
-    std::shared_ptr<mooncake::PyClient> live() const {
-        if (!client_) raise(PyExc_RuntimeError, "this native Mooncake client is closed");
-        return client_;  // a copy: close() in another thread cannot free the client under a running call
     }
 
     // Address of the C++ ReplicateConfig inside `config` (exactly a mooncake.store.ReplicateConfig), or null.
