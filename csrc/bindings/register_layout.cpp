@@ -231,14 +231,12 @@ public:
         Parsed& parsed = w.parsed;
         if (parsed.starts.empty()) {
             // The seed-era arrays of nothing read no region; vLLM's layouts read them.
-            py::tuple r = no_rows(arrays, !seed_);
-            return with_slots(py::make_tuple(std::move(keys), r[0], r[1], r[2]), slots, slot_alignment);
+            return with_slots(std::move(keys), no_rows(arrays, !seed_), slots, slot_alignment);
         }
         parsed.snapshot = engine_.snapshot();  // vLLM's prepare_values reads the regions after the walk
         make_plans(parsed, block_ids);
         if (!seed_) keys = build_key_list(w.writers, *w.source, w.hash_indices);
-        py::tuple rows = rows_of(parsed, arrays);
-        return with_slots(py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]), slots, slot_alignment);
+        return with_slots(std::move(keys), rows_of(parsed, arrays), slots, slot_alignment);
     }
 
     // walk_keys without rows: (keys, chunks) with chunks an (n, 3) int64 array of (start, end, shard id), in
@@ -260,25 +258,25 @@ public:
         return py::make_tuple(std::move(keys), std::move(chunks));
     }
 
-    // A load plan of arrays with, when `slots`, the staging layout of its sizes appended (microseconds: the
-    // GIL stays held).
-    static py::tuple with_slots(py::tuple plan, bool slots, int64_t alignment) {
-        if (!slots) return plan;
-        auto sizes = plan[2].cast<py::array_t<int64_t>>();
-        const auto keys = static_cast<std::size_t>(sizes.shape(0));
+    // plan_load's result: (keys, addr rows, size rows, block ids) from `keys` and `rows`, with, when `slots`
+    // (rows of arrays), the staging layout of the sizes appended (microseconds: the GIL stays held).
+    static py::tuple with_slots(py::list keys, py::tuple rows, bool slots, int64_t alignment) {
+        if (!slots) return py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]);
+        auto sizes = rows[1].cast<py::array_t<int64_t>>();
+        const auto n_keys = static_cast<std::size_t>(sizes.shape(0));
         const auto regions = static_cast<std::size_t>(sizes.ndim() == 2 ? sizes.shape(1) : 0);
         BufferPool& pool = BufferPool::instance();
-        py::array_t<int64_t> offsets = pool.new_array({static_cast<py::ssize_t>(keys)});
-        py::array_t<int64_t> object_sizes = pool.new_array({static_cast<py::ssize_t>(keys)});
+        py::array_t<int64_t> offsets = pool.new_array({static_cast<py::ssize_t>(n_keys)});
+        py::array_t<int64_t> object_sizes = pool.new_array({static_cast<py::ssize_t>(n_keys)});
         int64_t total = 0;
-        const staging::PlanProblem problem = staging::plan_slots(sizes.data(), keys, regions, alignment,
+        const staging::PlanProblem problem = staging::plan_slots(sizes.data(), n_keys, regions, alignment,
                                                                  offsets.mutable_data(), object_sizes.mutable_data(), &total);
         if (problem.fault != staging::PlanFault::none) {
             // Sizes are block_len * count: only a negative block_len or a huge layout gets here.
             raise(PyExc_OverflowError, "key " + std::to_string(problem.key) +
                                            ": the staging layout does not fit in int64 (or a block_len is negative)");
         }
-        return py::make_tuple(py::object(plan[0]), py::object(plan[1]), py::object(plan[2]), py::object(plan[3]),
+        return py::make_tuple(std::move(keys), py::object(rows[0]), py::object(rows[1]), py::object(rows[2]),
                               std::move(offsets), std::move(object_sizes), total);
     }
 
