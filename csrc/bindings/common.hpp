@@ -77,7 +77,6 @@ inline int64_t as_int64(PyObject* obj, const char* what) {
     if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
     return static_cast<int64_t>(value);
 }
-inline int64_t as_int64(const py::handle& obj, const std::string& what) { return as_int64(obj.ptr(), what.c_str()); }
 
 // A non-negative int (or __index__ object) as a size in bytes or cells: as_int64, then ValueError below 0.
 inline std::size_t as_size(PyObject* obj, const char* what) {

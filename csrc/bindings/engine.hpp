@@ -69,13 +69,10 @@ public:
     // installs a new one (dropping the cache) if anything changed.
     Snapshot snapshot();
 
-    // A transfer's registered regions (region_pin.hpp): while pinned, a call whose lists hold other values
-    // (strides included) raises ValueError inside the call instead of computing addresses from them.
-    void pin_regions(py::handle bases, py::handle block_len, py::handle block_stride) {
-        pin_.pin(bases, block_len, block_stride);
-    }
-    void unpin_regions() { pin_.unpin(); }
-    std::size_t region_pins() const { return pin_.count(); }
+    // A transfer's registered regions (region_pin.hpp; the faces' pin_regions, unpin_regions, region_pins):
+    // while pinned, a call whose lists hold other values (strides included) raises ValueError inside the call
+    // instead of computing addresses from them.
+    RegionPin& region_pin() noexcept { return pin_; }
 
     // Rows of validated keys whose block ids are resolved: (addr_rows, size_rows, ids), each row a fresh list,
     // or with immutable_rows a tuple (a cached row's own: shared between results, never changed).
@@ -133,11 +130,11 @@ void bind_engine_methods(py::class_<Face>& cls) {
         .def("clear_cache", [engine](py::handle self) { engine(self).clear_cache(); })
         .def("pin_regions",
              [engine](py::handle self, py::handle bases, py::handle block_len, py::handle block_stride) {
-                 engine(self).pin_regions(bases, block_len, block_stride);
+                 engine(self).region_pin().pin(bases, block_len, block_stride);
              },
              py::arg("kv_caches_base_addr"), py::arg("block_len"), py::arg("block_stride") = py::none())
-        .def("unpin_regions", [engine](py::handle self) { engine(self).unpin_regions(); })
-        .def_property_readonly("region_pins", [engine](py::handle self) { return engine(self).region_pins(); });
+        .def("unpin_regions", [engine](py::handle self) { engine(self).region_pin().unpin(); })
+        .def_property_readonly("region_pins", [engine](py::handle self) { return engine(self).region_pin().count(); });
 }
 
 }  // namespace kvaddr::py_bindings

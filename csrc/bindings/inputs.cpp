@@ -27,18 +27,6 @@ std::pair<py::object, py::object> first_two(PyObject* chunk) {
     return {std::move(start), std::move(end)};
 }
 
-// Both bounds of one chunk (any (start, end, ...) sequence but a refused_container).
-std::pair<int64_t, int64_t> chunk_bounds(PyObject* chunk, Py_ssize_t index) {
-    const std::string what = "chunk " + std::to_string(index);
-    if (refused_container(chunk)) {  // never an exact tuple or list
-        raise(PyExc_TypeError, what + " must be a (start, end) sequence, not " + type_name(chunk));
-    }
-    const auto [start, end] = first_two(chunk);
-    const int64_t s = as_int64(start.ptr(), (what + " start").c_str());
-    const int64_t e = as_int64(end.ptr(), (what + " end").c_str());
-    return {s, e};
-}
-
 void add_span(Py_ssize_t c, int64_t start, int64_t end, int64_t block_size, int64_t hash_block_size,
               ChunkSpans* out) {
     int64_t count = 0;
@@ -98,8 +86,15 @@ ChunkSpans parse_chunk_items(const FastSequence& seq, int64_t block_size, int64_
     out.plans.reserve(static_cast<std::size_t>(n));
     for (Py_ssize_t c = 0; c < n; ++c) {
         py::object chunk = seq.at(c);
-        const auto [start, end] = chunk_bounds(chunk.ptr(), c);
-        add_span(c, start, end, block_size, hash_block_size, &out);
+        // Both bounds of the chunk (any (start, end, ...) sequence but a refused_container).
+        const std::string what = "chunk " + std::to_string(c);
+        if (refused_container(chunk.ptr())) {  // never an exact tuple or list
+            raise(PyExc_TypeError, what + " must be a (start, end) sequence, not " + type_name(chunk.ptr()));
+        }
+        const auto [start, end] = first_two(chunk.ptr());
+        const int64_t s = as_int64(start.ptr(), (what + " start").c_str());
+        const int64_t e = as_int64(end.ptr(), (what + " end").c_str());
+        add_span(c, s, e, block_size, hash_block_size, &out);
     }
     return out;
 }

@@ -16,21 +16,13 @@
 
 namespace kvaddr::py_bindings {
 
-namespace {
-
-bool is_blob(PyObject* obj) {
-    return PyBytes_Check(obj) || PyByteArray_Check(obj) || PyMemoryView_Check(obj);
-}
-
-}  // namespace
-
 HashSource::HashSource(py::handle hashes, py::handle hash_len, HashItems items) : items_kind_(items) {
     if (!hash_len.is_none()) {
         const int64_t n = as_int64(hash_len.ptr(), "hash_len");
         if (n <= 0) raise(PyExc_ValueError, "hash_len must be positive, got " + std::to_string(n));
         hash_len_ = static_cast<std::size_t>(n);
     }
-    if (is_blob(hashes.ptr())) {
+    if (PyBytes_Check(hashes.ptr()) || PyByteArray_Check(hashes.ptr()) || PyMemoryView_Check(hashes.ptr())) {
         if (hash_len_ == 0) raise(PyExc_ValueError, "hash_len is required when hashes is one flat blob");
         blob_owner_ = py::reinterpret_borrow<py::object>(hashes);
         blob_.acquire(blob_owner_.ptr(), "hashes");  // a member: released even if the check below raises
@@ -247,13 +239,14 @@ py::tuple lookup_key_blob(py::handle prefixes, py::handle hashes, py::handle has
     return py::make_tuple(std::move(blob), std::move(offsets));
 }
 
-// Exist results as int64 values; values that do not fit (never 1) read as 0, i.e. absent.
-std::vector<int64_t> exist_values(py::handle results) {
-    FastSequence seq = checked_sequence(results, "results");
-    const Py_ssize_t n = seq.size();  // fixed: a callback that grows the list cannot extend the loop
+// Which units are present: unit u covers widths[u] consecutive results (an int width means every unit).
+py::list reduce_exists(py::handle results, py::handle widths) {
+    // The exist results as int64 values; values that do not fit (never 1) read as 0, i.e. absent.
+    FastSequence items = checked_sequence(results, "results");
+    const Py_ssize_t n = items.size();  // fixed: a callback that grows the list cannot extend the loop
     std::vector<int64_t> values(static_cast<std::size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
-        py::object item = seq.at(i);
+        py::object item = items.at(i);
         // An __index__ object (a numpy integer) is read like an int: a value outside int64 is absent, not an
         // OverflowError (the same result as the int 2**64 - 1 gives).
         if (!PyLong_Check(item.ptr())) item = index_of(item.ptr(), "exist result");
@@ -262,17 +255,11 @@ std::vector<int64_t> exist_values(py::handle results) {
         if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
         values[static_cast<std::size_t>(i)] = overflow != 0 ? 0 : static_cast<int64_t>(v);
     }
-    return values;
-}
-
-// Which units are present: unit u covers widths[u] consecutive results (an int width means every unit).
-py::list reduce_exists(py::handle results, py::handle widths) {
-    const std::vector<int64_t> values = exist_values(results);
     std::vector<int64_t> unit_widths;
     // One int for every unit: an int, or an __index__ object that is not a sequence (a numpy integer). The
     // results are C++ values already, so the __index__ call cannot change them.
     if (PyLong_Check(widths.ptr()) || (PyIndex_Check(widths.ptr()) && !PySequence_Check(widths.ptr()))) {
-        const int64_t w = as_int64(widths, "width");
+        const int64_t w = as_int64(widths.ptr(), "width");
         if (w <= 0) raise(PyExc_ValueError, "width must be positive, got " + std::to_string(w));
         if (values.size() % static_cast<std::size_t>(w) != 0) {
             raise(PyExc_ValueError, std::to_string(values.size()) + " results are not a multiple of width " +
@@ -285,7 +272,7 @@ py::list reduce_exists(py::handle results, py::handle widths) {
         unit_widths.resize(static_cast<std::size_t>(n_units));
         int64_t total = 0;
         for (Py_ssize_t u = 0; u < n_units; ++u) {
-            const int64_t w = as_int64(seq.at(u), "width");
+            const int64_t w = as_int64(seq.at(u).ptr(), "width");
             if (w < 0) raise(PyExc_ValueError, "widths must be non-negative");
             unit_widths[static_cast<std::size_t>(u)] = w;
             if (!add_checked(total, w, &total)) {

@@ -10,6 +10,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -183,14 +184,17 @@ public:
         engine_.set_templates(std::move(fresh));
     }
 
-    // vLLM's prepare_values: (addr rows, size rows, block ids) as lists of fresh lists of ints.
-    py::tuple prepare_values(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
-        return values(chunks, block_ids, shard_ids, false);
-    }
-
-    // The same values as int64 arrays (keys × segments, keys × segments, keys); GIL released for big ones.
-    py::tuple prepare_values_array(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
-        return values(chunks, block_ids, shard_ids, true);
+    // vLLM's prepare_values (`arrays` false): (addr rows, size rows, block ids) as lists of fresh lists of
+    // ints; prepare_values_array (`arrays` true): the same values as int64 arrays (keys × segments, keys ×
+    // segments, keys), GIL released for big ones. One body, `arrays` apart.
+    template <bool arrays>
+    py::tuple values(py::handle chunks, py::handle block_ids, py::handle shard_ids) {
+        if (seed_) return seed_values(chunks, block_ids, shard_ids, arrays);
+        const Py_ssize_t n = PyObject_Length(chunks.ptr());
+        if (n < 0) throw py::error_already_set();
+        if (n == 0) return no_rows(arrays, true);
+        Parsed parsed = parse(chunks, block_ids, shard_ids);
+        return rows_of(parsed, arrays);
     }
 
     // Rank-local boundary puts: (addresses, sizes) of one block in every region.
@@ -227,14 +231,12 @@ public:
         Parsed& parsed = w.parsed;
         if (parsed.starts.empty()) {
             // The seed-era arrays of nothing read no region; vLLM's layouts read them.
-            py::tuple r = no_rows(arrays, !seed_);
-            return with_slots(py::make_tuple(std::move(keys), r[0], r[1], r[2]), slots, slot_alignment);
+            return with_slots(std::move(keys), no_rows(arrays, !seed_), slots, slot_alignment);
         }
         parsed.snapshot = engine_.snapshot();  // vLLM's prepare_values reads the regions after the walk
         make_plans(parsed, block_ids);
         if (!seed_) keys = build_key_list(w.writers, *w.source, w.hash_indices);
-        py::tuple rows = rows_of(parsed, arrays);
-        return with_slots(py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]), slots, slot_alignment);
+        return with_slots(std::move(keys), rows_of(parsed, arrays), slots, slot_alignment);
     }
 
     // walk_keys without rows: (keys, chunks) with chunks an (n, 3) int64 array of (start, end, shard id), in
@@ -256,25 +258,25 @@ public:
         return py::make_tuple(std::move(keys), std::move(chunks));
     }
 
-    // A load plan of arrays with, when `slots`, the staging layout of its sizes appended (microseconds: the
-    // GIL stays held).
-    static py::tuple with_slots(py::tuple plan, bool slots, int64_t alignment) {
-        if (!slots) return plan;
-        auto sizes = plan[2].cast<py::array_t<int64_t>>();
-        const auto keys = static_cast<std::size_t>(sizes.shape(0));
+    // plan_load's result: (keys, addr rows, size rows, block ids) from `keys` and `rows`, with, when `slots`
+    // (rows of arrays), the staging layout of the sizes appended (microseconds: the GIL stays held).
+    static py::tuple with_slots(py::list keys, py::tuple rows, bool slots, int64_t alignment) {
+        if (!slots) return py::make_tuple(std::move(keys), rows[0], rows[1], rows[2]);
+        auto sizes = rows[1].cast<py::array_t<int64_t>>();
+        const auto n_keys = static_cast<std::size_t>(sizes.shape(0));
         const auto regions = static_cast<std::size_t>(sizes.ndim() == 2 ? sizes.shape(1) : 0);
         BufferPool& pool = BufferPool::instance();
-        py::array_t<int64_t> offsets = pool.new_array({static_cast<py::ssize_t>(keys)});
-        py::array_t<int64_t> object_sizes = pool.new_array({static_cast<py::ssize_t>(keys)});
+        py::array_t<int64_t> offsets = pool.new_array({static_cast<py::ssize_t>(n_keys)});
+        py::array_t<int64_t> object_sizes = pool.new_array({static_cast<py::ssize_t>(n_keys)});
         int64_t total = 0;
-        const staging::PlanProblem problem = staging::plan_slots(sizes.data(), keys, regions, alignment,
+        const staging::PlanProblem problem = staging::plan_slots(sizes.data(), n_keys, regions, alignment,
                                                                  offsets.mutable_data(), object_sizes.mutable_data(), &total);
         if (problem.fault != staging::PlanFault::none) {
             // Sizes are block_len * count: only a negative block_len or a huge layout gets here.
             raise(PyExc_OverflowError, "key " + std::to_string(problem.key) +
                                            ": the staging layout does not fit in int64 (or a block_len is negative)");
         }
-        return py::make_tuple(py::object(plan[0]), py::object(plan[1]), py::object(plan[2]), py::object(plan[3]),
+        return py::make_tuple(std::move(keys), py::object(rows[0]), py::object(rows[1]), py::object(rows[2]),
                               std::move(offsets), std::move(object_sizes), total);
     }
 
@@ -318,26 +320,15 @@ public:
         return py::make_tuple(build_key_list(writers, source, hash_indices), std::move(chunk_list), std::move(id_list));
     }
 
-    // vLLM 0.34's receive rule: a walked chunk is kept when mask[start // block_size] is true (an index past
-    // the mask drops it); the mask is read in walk order, as vLLM reads it.
-    void keep_masked_blocks(py::handle mask, std::vector<WalkedChunk>* walked) const {
-        FastSequence flags = checked_sequence(mask, "load mask");
-        std::vector<WalkedChunk> kept;
-        kept.reserve(walked->size());
-        for (const WalkedChunk& c : *walked) {
-            const int64_t block = floor_div(c.start, block_size_);
-            if (block < 0 || block >= static_cast<int64_t>(flags.size())) continue;
-            if (as_flag(flags.at(static_cast<Py_ssize_t>(block)))) kept.push_back(c);
-        }
-        walked->swap(kept);
-    }
-
     int64_t segment_count() {
         const Snapshot snapshot = engine_.snapshot();
         return snapshot.templates->empty() ? 0 : static_cast<int64_t>(snapshot.templates->front().count());
     }
 
-    int64_t store_chunk_size() const { return store_chunk_size_; }
+    // The store chunk size (vLLM 0.34's TP-shared rules), or None (vLLM 0.33's rules).
+    py::object store_chunk_size() const {
+        return store_chunk_size_ == 0 ? py::object(py::none()) : py::object(py::int_(store_chunk_size_));
+    }
     int64_t chunks_per_block() const { return chunks_per_block_; }
 
 private:
@@ -403,7 +394,17 @@ private:
         const WalkParams params{token_len, step, hash_block_size_, walk_start(mask_num, step), 1, 0};
         std::vector<WalkedChunk> walked =
             walk(params, w.source->size(), chunks_per_block_ != 0 ? py::none() : load_mask, true);
-        if (chunks_per_block_ != 0 && !load_mask.is_none()) keep_masked_blocks(load_mask, &walked);
+        if (chunks_per_block_ != 0 && !load_mask.is_none()) {
+            // vLLM 0.34's receive rule: a walked chunk is kept when mask[start // block_size] is true (an index
+            // past the mask drops it); the mask is read in walk order (remove_if's), as vLLM reads it.
+            FastSequence flags = checked_sequence(load_mask, "load mask");
+            const auto dropped = [&](const WalkedChunk& c) {
+                const int64_t block = floor_div(c.start, block_size_);
+                if (block < 0 || block >= static_cast<int64_t>(flags.size())) return true;
+                return !as_flag(flags.at(static_cast<Py_ssize_t>(block)));
+            };
+            walked.erase(std::remove_if(walked.begin(), walked.end(), dropped), walked.end());
+        }
         for (const WalkedChunk& c : walked) {
             int64_t hash_index = c.hash_index;
             if (has_tail && c.end == token_len) {
@@ -455,7 +456,16 @@ private:
         if (chunks_per_block_ != 0 && n_shards_ == 0) {
             raise(PyExc_IndexError, "this TP rank owns no store shard (store TP < local TP)");
         }
-        read_chunks(chunks, n_chunks, std::move(shards), &p);
+        // The snapshot, then every chunk's (start, end) as C++ values, with the shard ids already read.
+        p.snapshot = engine_.snapshot();
+        chunk_pairs(chunks, &p.starts, &p.ends, chunks_per_block_ != 0);
+        if (p.starts.size() != shards.size()) {
+            if (PyList_CheckExact(chunks.ptr())) raise(PyExc_RuntimeError, "chunks changed size during the call");
+            // Not an exact list: nothing but its own __len__ can disagree with its items.
+            raise(PyExc_ValueError, "chunks reported " + std::to_string(n_chunks) + " items (__len__) but gave " +
+                                        std::to_string(p.starts.size()) + ": its __len__ does not match its items");
+        }
+        p.shards = std::move(shards);
         make_plans(p, block_ids);
         return p;
     }
@@ -469,19 +479,6 @@ private:
             validate(p);
             resolve(p, block_ids);
         }
-    }
-
-    // The snapshot, then every chunk's (start, end) as C++ values, with the shard ids already read.
-    void read_chunks(py::handle chunks, Py_ssize_t n_chunks, std::vector<int64_t> shards, Parsed* p) {
-        p->snapshot = engine_.snapshot();
-        chunk_pairs(chunks, &p->starts, &p->ends, chunks_per_block_ != 0);
-        if (p->starts.size() != shards.size()) {
-            if (PyList_CheckExact(chunks.ptr())) raise(PyExc_RuntimeError, "chunks changed size during the call");
-            // Not an exact list: nothing but its own __len__ can disagree with its items.
-            raise(PyExc_ValueError, "chunks reported " + std::to_string(n_chunks) + " items (__len__) but gave " +
-                                        std::to_string(p->starts.size()) + ": its __len__ does not match its items");
-        }
-        p->shards = std::move(shards);
     }
 
     // vLLM 0.34's rules on chunks already read (p.starts, p.ends, p.shards): plans with block ids. Each chunk
@@ -610,16 +607,6 @@ private:
         p.plans[k].block_id = id;
     }
 
-    // prepare_values (lists) and prepare_values_array (arrays): one body, `arrays` apart.
-    py::tuple values(py::handle chunks, py::handle block_ids, py::handle shard_ids, bool arrays) {
-        if (seed_) return seed_values(chunks, block_ids, shard_ids, arrays);
-        const Py_ssize_t n = PyObject_Length(chunks.ptr());
-        if (n < 0) throw py::error_already_set();
-        if (n == 0) return no_rows(arrays, true);
-        Parsed parsed = parse(chunks, block_ids, shard_ids);
-        return rows_of(parsed, arrays);
-    }
-
     // The rows of `p`'s plans: int64 arrays, or lists (with p's exact-int block ids reused).
     py::tuple rows_of(Parsed& p, bool arrays) {
         return arrays ? engine_.rows_as_arrays(p.snapshot, p.plans)
@@ -704,9 +691,9 @@ void register_layout(py::module_& m) {
         .def("set_region_sources", checked(&LayoutEngine::set_region_sources), py::arg("kv_caches_base_addr"),
              py::arg("block_len"), py::arg("block_stride") = py::none())
         .def("set_templates", checked(&LayoutEngine::set_templates), py::arg("templates"))
-        .def("prepare_values", checked(&LayoutEngine::prepare_values), py::arg("chunks"), py::arg("block_ids"),
+        .def("prepare_values", checked(&LayoutEngine::values<false>), py::arg("chunks"), py::arg("block_ids"),
              py::arg("shard_ids") = py::none())
-        .def("prepare_values_array", checked(&LayoutEngine::prepare_values_array), py::arg("chunks"),
+        .def("prepare_values_array", checked(&LayoutEngine::values<true>), py::arg("chunks"),
              py::arg("block_ids"), py::arg("shard_ids") = py::none())
         .def("prepare_value_for_block", checked(&LayoutEngine::prepare_value_for_block), py::arg("block_id"))
         .def("plan_load", checked(&LayoutEngine::plan_load), py::arg("shard_prefixes"), py::arg("hashes"),
@@ -720,13 +707,8 @@ void register_layout(py::module_& m) {
              py::arg("hash_len"), py::arg("token_len"), py::arg("mask_num"), py::arg("chunk_mask"),
              py::arg("put_step"), py::arg("put_step_rank"), py::arg("block_ids"), py::arg("skip_null"))
         .def_property_readonly("segment_count", checked(&LayoutEngine::segment_count))
-        .def_property_readonly(
-            "store_chunk_size",
-            [](py::handle self) -> py::object {
-                const int64_t chunk = constructed<LayoutEngine>(self).store_chunk_size();
-                return chunk == 0 ? py::object(py::none()) : py::object(py::int_(chunk));
-            },
-            "The store chunk size (vLLM 0.34's TP-shared rules), or None (vLLM 0.33's rules).")
+        .def_property_readonly("store_chunk_size", checked(&LayoutEngine::store_chunk_size),
+                               "The store chunk size (vLLM 0.34's TP-shared rules), or None (vLLM 0.33's rules).")
         .def_property_readonly("chunks_per_block", checked(&LayoutEngine::chunks_per_block));
     bind_engine_methods(layout);
 }

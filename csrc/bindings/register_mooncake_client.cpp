@@ -72,20 +72,6 @@ public:
     explicit NamedTypeInfo(const char* name) : std::type_info(name) {}
 };
 
-const NamedTypeInfo& replicate_config_type() {
-    static const NamedTypeInfo info(kReplicateConfigName);
-    return info;
-}
-
-// pybind11 spellings of this platform's ABI (gcc/libstdc++, Itanium C++ ABI, C++11 strings): pybind11 3.x
-// writes ours, 2.x wrote "_gcc_libstdcpp_cxxabi<__GXX_ABI_VERSION>". They name the same platform ABI; the
-// conduit only hands us a pointer that we pass straight back to Mooncake, never read.
-std::vector<std::string> platform_abi_ids() {
-    std::vector<std::string> ids{PYBIND11_PLATFORM_ABI_ID};
-    for (int version = 1011; version <= 1020; ++version) ids.push_back("_gcc_libstdcpp_cxxabi" + std::to_string(version));
-    return ids;
-}
-
 // The pointer inside `capsule` when it is a capsule named `name` (PyCapsule_GetName refuses anything else); null,
 // with no error set, otherwise.
 void* capsule_pointer(py::handle capsule, const char* name) {
@@ -148,7 +134,12 @@ public:
         // The C++ ReplicateConfig behind a Python one, through pybind11's conduit; find the spelling of this
         // platform's ABI id that Mooncake's pybind11 accepts, once, on the default config.
         config_type_ = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(Py_TYPE(default_config.ptr())));
-        for (const std::string& id : platform_abi_ids()) {
+        // pybind11 spellings of this platform's ABI (gcc/libstdc++, Itanium C++ ABI, C++11 strings): pybind11 3.x
+        // writes ours, 2.x wrote "_gcc_libstdcpp_cxxabi<__GXX_ABI_VERSION>". They name the same platform ABI;
+        // the conduit only hands us a pointer that we pass straight back to Mooncake, never read.
+        std::vector<std::string> abi_ids{PYBIND11_PLATFORM_ABI_ID};
+        for (int version = 1011; version <= 1020; ++version) abi_ids.push_back("_gcc_libstdcpp_cxxabi" + std::to_string(version));
+        for (const std::string& id : abi_ids) {
             abi_id_ = id;
             if (try_config_pointer(default_config) != nullptr) break;
             abi_id_.clear();
@@ -336,7 +327,8 @@ private:
     py::list call_released(const KeySource& source, const char* method, Fn&& fn) {
         const std::size_t n = source.size();
         if (n == 0) return py::list();
-        auto client = live();
+        if (!client_) raise(PyExc_RuntimeError, "this native Mooncake client is closed");
+        auto client = client_;  // a copy: close() in another thread cannot free the client under a running call
         Problem problem;
         decltype(fn(client.get(), std::declval<mc::Keys&>(), problem)) codes;
         {
@@ -348,15 +340,11 @@ private:
         return to_list(codes, n, method);
     }
 
-    std::shared_ptr<mooncake::PyClient> live() const {
-        if (!client_) raise(PyExc_RuntimeError, "this native Mooncake client is closed");
-        return client_;  // a copy: close() in another thread cannot free the client under a running call
-    }
-
     // Address of the C++ ReplicateConfig inside `config` (exactly a mooncake.store.ReplicateConfig), or null.
     const void* try_config_pointer(py::handle config) const {
         if (reinterpret_cast<PyObject*>(Py_TYPE(config.ptr())) != config_type_.ptr()) return nullptr;
-        py::capsule type_capsule(const_cast<void*>(static_cast<const void*>(&replicate_config_type())),
+        static const NamedTypeInfo replicate_config_type(kReplicateConfigName);
+        py::capsule type_capsule(const_cast<void*>(static_cast<const void*>(&replicate_config_type)),
                                  typeid(std::type_info).name());
         py::object result = config.attr("_pybind11_conduit_v1_")(py::bytes(abi_id_), type_capsule,
                                                                   py::bytes("raw_pointer_ephemeral"));

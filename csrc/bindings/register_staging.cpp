@@ -80,11 +80,6 @@ std::optional<py::array> selection(py::handle obj, std::size_t keys) {
     return arr;
 }
 
-unsigned thread_request(int64_t threads) {
-    if (threads < 0) raise(PyExc_ValueError, "threads must be >= 0 (0 = auto), got " + std::to_string(threads));
-    return static_cast<unsigned>(std::min<int64_t>(threads, st::kMaxThreads));
-}
-
 // The shared body of gather and scatter. Returns the number of bytes copied.
 int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_obj, int64_t staging_ptr,
                 int64_t staging_len, py::handle offsets_obj, py::handle allowed_obj, py::handle select_obj,
@@ -106,7 +101,8 @@ int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_
     const std::optional<py::array> select = selection(select_obj, keys);
     std::optional<RangeSet> scratch;  // allowed_ranges converted, unless a MemoryRanges
     const RangeSet& allowed = ranges_of(allowed_obj, RangeForm::ptr_nbytes, scratch);
-    const unsigned thread_count = thread_request(threads);
+    if (threads < 0) raise(PyExc_ValueError, "threads must be >= 0 (0 = auto), got " + std::to_string(threads));
+    const auto thread_count = static_cast<unsigned>(std::min<int64_t>(threads, st::kMaxThreads));
 
     st::Job job;
     job.direction = direction;
@@ -141,7 +137,7 @@ int64_t run_job(st::Direction direction, py::handle addrs_obj, py::handle sizes_
 }
 
 py::tuple plan_slots(py::handle sizes_obj, py::handle alignment_obj) {
-    const int64_t alignment = as_int64(alignment_obj, "alignment");  // an exact int or __index__, never truncated
+    const int64_t alignment = as_int64(alignment_obj.ptr(), "alignment");  // an exact int or __index__, never truncated
     if (alignment <= 0 || (alignment & (alignment - 1)) != 0) {
         raise(PyExc_ValueError, "alignment must be a positive power of two, got " + std::to_string(alignment));
     }
@@ -219,9 +215,9 @@ void def_staging_copy(py::module_& m, const char* name, st::Direction direction,
         [direction](py::handle addrs, py::handle sizes, py::handle staging_ptr, py::handle staging_len,
                     py::handle offsets, py::handle allowed_ranges, py::handle select, py::handle threads,
                     py::handle streaming) {
-            return run_job(direction, addrs, sizes, as_int64(staging_ptr, "staging_ptr"),
-                           as_int64(staging_len, "staging_len"), offsets, allowed_ranges, select,
-                           as_int64(threads, "threads"), as_flag(streaming));
+            return run_job(direction, addrs, sizes, as_int64(staging_ptr.ptr(), "staging_ptr"),
+                           as_int64(staging_len.ptr(), "staging_len"), offsets, allowed_ranges, select,
+                           as_int64(threads.ptr(), "threads"), as_flag(streaming));
         },
         py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
         py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,

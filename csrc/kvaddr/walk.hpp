@@ -12,7 +12,6 @@ namespace kvaddr {
 
 // One chunk the walk yields: tokens [start, end) keyed by hash index `hash_index`.
 struct WalkedChunk {
-    int64_t chunk_id;
     int64_t start;
     int64_t end;
     int64_t hash_index;
@@ -50,7 +49,7 @@ inline bool walk_chunks(const WalkParams& p, int64_t first, int64_t stop, int64_
         const int64_t end = (p.token_len - start <= p.block_size) ? p.token_len : start + p.block_size;
         const int64_t hash_index = end / p.hash_block_size - 1;
         if (hash_index < 0 || hash_index >= n_hashes) return false;
-        out->push_back(WalkedChunk{chunk_id, start, end, hash_index});
+        out->push_back(WalkedChunk{start, end, hash_index});
     }
     return true;
 }
