@@ -744,3 +744,23 @@ def test_one_native_walk_is_bounded() -> None:
         db.walk_load(2**25 * 16, ClaimsHuge())
     starts, _, _ = _native.chunk_walk(2**16 * 16, 2**62, 16, 16, 0, None, 1, 0)
     assert len(starts) == 2**16
+
+
+class _RaisingFlag:
+    def __bool__(self) -> bool:
+        raise Boom
+
+
+@pytest.mark.parametrize("copy", [_native._staging_gather, _native._staging_scatter], ids=["gather", "scatter"])
+def test_staging_copy_reports_its_first_bad_argument_in_parameter_order(copy: Any) -> None:
+    # Each scalar is converted in a statement of its own: a call's arguments are evaluated in an order the
+    # compiler picks, and the error reported must not depend on it.
+    streaming = _RaisingFlag()
+    with pytest.raises(TypeError, match="staging_ptr"):
+        copy(*EMPTY_JOB[:2], "x", "y", *EMPTY_JOB[2:], threads="z", streaming=streaming)
+    with pytest.raises(TypeError, match="staging_len"):
+        copy(*EMPTY_JOB[:2], 0, "y", *EMPTY_JOB[2:], threads="z", streaming=streaming)
+    with pytest.raises(TypeError, match="threads"):
+        copy(*EMPTY_JOB[:2], 0, 0, *EMPTY_JOB[2:], threads="z", streaming=streaming)
+    with pytest.raises(Boom):
+        copy(*EMPTY_JOB[:2], 0, 0, *EMPTY_JOB[2:], threads=1, streaming=streaming)

@@ -215,9 +215,13 @@ void def_staging_copy(py::module_& m, const char* name, st::Direction direction,
         [direction](py::handle addrs, py::handle sizes, py::handle staging_ptr, py::handle staging_len,
                     py::handle offsets, py::handle allowed_ranges, py::handle select, py::handle threads,
                     py::handle streaming) {
-            return run_job(direction, addrs, sizes, as_int64(staging_ptr.ptr(), "staging_ptr"),
-                           as_int64(staging_len.ptr(), "staging_len"), offsets, allowed_ranges, select,
-                           as_int64(threads.ptr(), "threads"), as_flag(streaming));
+            // Converted one statement each, in parameter order: the order of a call's arguments is unspecified,
+            // and with several bad ones the first named must be the one reported, whatever the compiler.
+            const int64_t ptr = as_int64(staging_ptr.ptr(), "staging_ptr");
+            const int64_t len = as_int64(staging_len.ptr(), "staging_len");
+            const int64_t n_threads = as_int64(threads.ptr(), "threads");
+            const bool stream = as_flag(streaming);
+            return run_job(direction, addrs, sizes, ptr, len, offsets, allowed_ranges, select, n_threads, stream);
         },
         py::arg("addrs"), py::arg("sizes"), py::arg("staging_ptr"), py::arg("staging_len"), py::arg("offsets"),
         py::arg("allowed_ranges"), py::kw_only(), py::arg("select") = py::none(), py::arg("threads") = 0,
