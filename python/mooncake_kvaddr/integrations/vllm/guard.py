@@ -145,17 +145,11 @@ class StoreGuard:
     def check_multi(self, keys: Any, all_ptrs: Any, all_sizes: Any) -> RowCheck | None:
         """Rows of a multi-buffer call (lists of lists, arrays); None when ``keys`` has no length (Mooncake's
         binding refuses such a call itself)."""
-        try:
-            n = len(keys)
-        except TypeError:
-            return None
+        n = _paired(keys, all_ptrs, all_sizes)
+        if not isinstance(n, int):
+            return n
         if int64_matrices(all_ptrs, all_sizes) and all_ptrs.shape[0] == n:
             return self.check_matrices(all_ptrs, all_sizes)
-        try:
-            if len(all_ptrs) != n or len(all_sizes) != n:
-                return RowCheck([], n)  # rows cannot be paired with keys: every key refused (Mooncake: -600)
-        except TypeError:
-            return RowCheck([], n)
         try:
             addrs, sizes = _native.multi_buffer_arrays(all_ptrs, all_sizes)
             widths = [len(row) for row in all_ptrs]
@@ -183,15 +177,9 @@ class StoreGuard:
 
     def check_flat(self, keys: Any, ptrs: Any, sizes: Any) -> RowCheck | None:
         """One address and one size per key."""
-        try:
-            n = len(keys)
-        except TypeError:
-            return None
-        try:
-            if len(ptrs) != n or len(sizes) != n:
-                return RowCheck([], n)
-        except TypeError:
-            return RowCheck([], n)
+        n = _paired(keys, ptrs, sizes)
+        if not isinstance(n, int):
+            return n
         a = s = None
         if isinstance(ptrs, np.ndarray) and isinstance(sizes, np.ndarray):
             if ptrs.dtype == np.int64 and sizes.dtype == np.int64 and ptrs.shape == sizes.shape == (n,):
@@ -363,6 +351,21 @@ class StoreGuard:
             new_args, new_kwargs = _rebind(names, args, kwargs, values)
             per_key.put_back(results, good, func(*new_args, **new_kwargs), f"Mooncake's {name}")
         return results
+
+
+def _paired(keys: Any, ptrs: Any, sizes: Any) -> int | RowCheck | None:
+    """The key count when ``ptrs`` and ``sizes`` have one row (or value) per key; else the verdict: None when
+    ``keys`` has no length (Mooncake's binding refuses such a call itself), every key refused when the rows
+    cannot be paired with the keys (Mooncake: -600)."""
+    try:
+        n = len(keys)
+    except TypeError:
+        return None
+    try:
+        paired = len(ptrs) == n and len(sizes) == n
+    except TypeError:
+        paired = False
+    return n if paired else RowCheck([], n)
 
 
 def _verdict(ok: Any, n: int, *rows: Int64Array) -> RowCheck:
