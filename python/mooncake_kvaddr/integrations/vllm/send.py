@@ -459,7 +459,6 @@ def make_handler(
     blob_type = data.BlobBlockHashes
     stats = SendStats()
     lock = threading.Lock()
-    release = rules
 
     def _plan(self: Any, req_meta: Any) -> tuple[SendPlan, Job] | str:
         # What refuses a job without reading it comes first: the release's prepare asks vLLM's coordinator for
@@ -471,14 +470,14 @@ def make_handler(
                 planner = kinds.engine_of(db, engines)
                 if isinstance(planner, str):
                     return planner
-        job = release.prepare(self, req_meta)
+        job = rules.prepare(self, req_meta)
         if isinstance(job, str):
             return job
         if job.stale:
             return SendPlan(KeyPlan([], [], [], []), [], [], []), job
         arrays = isinstance(self.store, ArrayStore)
         events = bool(self.enable_kv_event)
-        plan = plan_store(self, req_meta, job, arrays, kinds, engines, blob_type, release.db_chunk, events)
+        plan = plan_store(self, req_meta, job, arrays, kinds, engines, blob_type, rules.db_chunk, events)
         return plan if isinstance(plan, str) else (plan, job)
 
     def _handle_request(self: Any, req_meta: Any) -> Any:
@@ -494,7 +493,7 @@ def make_handler(
             return original(self, req_meta)
         with lock:
             stats.fast_requests += 1
-        run_job(self, req_meta, planned[0], planned[1], worker, release)
+        run_job(self, req_meta, planned[0], planned[1], worker, rules)
         return None
 
     return finish_handler(_handle_request, original, "KVCacheStoreSendingThread._handle_request", stats)
