@@ -86,20 +86,20 @@ def _bind(names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return out
 
 
-def _rebind(
-    names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args``/``kwargs`` with the parameters in ``values`` replaced where they were given."""
+def _call_rebound(
+    func: Callable[..., Any], names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any], new: dict[str, Any]
+) -> Any:
+    """``func`` called with ``args``/``kwargs``, the parameters in ``new`` replaced where they were given."""
     new_args = list(args)
     new_kwargs = dict(kwargs)
     for i, name in enumerate(names):
-        if name not in values:
+        if name not in new:
             continue
         if i < len(new_args):
-            new_args[i] = values[name]
+            new_args[i] = new[name]
         elif name in new_kwargs:
-            new_kwargs[name] = values[name]
-    return tuple(new_args), new_kwargs
+            new_kwargs[name] = new[name]
+    return func(*new_args, **new_kwargs)
 
 
 class StoreGuard:
@@ -255,8 +255,7 @@ class StoreGuard:
             if check.good is None:
                 if check.addrs is None:
                     return func(*args, **kwargs)
-                new_args, new_kwargs = _rebind(names, args, kwargs, {names[1]: check.addrs, names[2]: check.sizes})
-                return func(*new_args, **new_kwargs)
+                return _call_rebound(func, names, args, kwargs, {names[1]: check.addrs, names[2]: check.sizes})
             return self.split(name, func, args, kwargs, names, extras, refusal, check)
         if name in SINGLE_METHODS:
             single_names, refusal = SINGLE_METHODS[name]
@@ -309,8 +308,7 @@ class StoreGuard:
             value = args[at] if at < len(args) else kwargs.get(CONFIG)
             if value is not None:
                 values[CONFIG] = per_key.config_for(value, good, check.count)
-        new_args, new_kwargs = _rebind(order, args, kwargs, values)
-        per_key.put_back(results, good, func(*new_args, **new_kwargs), f"Mooncake's {name}")
+        per_key.put_back(results, good, _call_rebound(func, order, args, kwargs, values), f"Mooncake's {name}")
         return results
 
     def _call_ranges(
@@ -348,8 +346,7 @@ class StoreGuard:
         results: list[Any] = [refused(i) for i in range(n)]
         if good:
             values = {param: _pick(value, good) for param, value in zip(_RANGES_NAMES, bound, strict=True)}
-            new_args, new_kwargs = _rebind(names, args, kwargs, values)
-            per_key.put_back(results, good, func(*new_args, **new_kwargs), f"Mooncake's {name}")
+            per_key.put_back(results, good, _call_rebound(func, names, args, kwargs, values), f"Mooncake's {name}")
         return results
 
 
