@@ -338,12 +338,6 @@ def put_and_record(thread: Any, req_meta: Any, rows: KeyPlan, worker: ModuleType
     return failed_indices
 
 
-def clear_pressure(thread: Any, worker: ModuleType) -> None:
-    """vLLM's pressure clearing after a store batch it counts as a success, with its line."""
-    if thread._clear_store_pressure():
-        worker.logger.info("Mooncake CPU/disk offloading pressure cleared after a successful store batch")
-
-
 def stored_events(
     thread: Any,
     req_meta: Any,
@@ -419,7 +413,8 @@ def run_job(thread: Any, req_meta: Any, plan: SendPlan, job: Job, worker: Module
         failed = put_and_record(thread, req_meta, rows, worker)
         if failed is not None and not failed and complete:
             save_completed = _saved(thread, req_meta, job, rules)
-            clear_pressure(thread, worker)
+            if thread._clear_store_pressure():  # vLLM's pressure clearing after a successful batch, with its line
+                worker.logger.info("Mooncake CPU/disk offloading pressure cleared after a successful store batch")
         if ids.on and failed is not None:
             stored = stored_events(thread, req_meta, groups, chunks, failed, ids, worker, rules)
             if stored:
