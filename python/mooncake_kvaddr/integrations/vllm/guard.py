@@ -86,20 +86,20 @@ def _bind(names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return out
 
 
-def _rebind(
-    names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args``/``kwargs`` with the parameters in ``values`` replaced where they were given."""
+def _call_rebound(
+    func: Callable[..., Any], names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any], new: dict[str, Any]
+) -> Any:
+    """``func`` called with ``args``/``kwargs``, the parameters in ``new`` replaced where they were given."""
     new_args = list(args)
     new_kwargs = dict(kwargs)
     for i, name in enumerate(names):
-        if name not in values:
+        if name not in new:
             continue
         if i < len(new_args):
-            new_args[i] = values[name]
+            new_args[i] = new[name]
         elif name in new_kwargs:
-            new_kwargs[name] = values[name]
-    return tuple(new_args), new_kwargs
+            new_kwargs[name] = new[name]
+    return func(*new_args, **new_kwargs)
 
 
 class StoreGuard:
@@ -145,17 +145,11 @@ class StoreGuard:
     def check_multi(self, keys: Any, all_ptrs: Any, all_sizes: Any) -> RowCheck | None:
         """Rows of a multi-buffer call (lists of lists, arrays); None when ``keys`` has no length (Mooncake's
         binding refuses such a call itself)."""
-        try:
-            n = len(keys)
-        except TypeError:
-            return None
+        n = _paired(keys, all_ptrs, all_sizes)
+        if not isinstance(n, int):
+            return n
         if int64_matrices(all_ptrs, all_sizes) and all_ptrs.shape[0] == n:
             return self.check_matrices(all_ptrs, all_sizes)
-        try:
-            if len(all_ptrs) != n or len(all_sizes) != n:
-                return RowCheck([], n)  # rows cannot be paired with keys: every key refused (Mooncake: -600)
-        except TypeError:
-            return RowCheck([], n)
         try:
             addrs, sizes = _native.multi_buffer_arrays(all_ptrs, all_sizes)
             widths = [len(row) for row in all_ptrs]
@@ -183,15 +177,9 @@ class StoreGuard:
 
     def check_flat(self, keys: Any, ptrs: Any, sizes: Any) -> RowCheck | None:
         """One address and one size per key."""
-        try:
-            n = len(keys)
-        except TypeError:
-            return None
-        try:
-            if len(ptrs) != n or len(sizes) != n:
-                return RowCheck([], n)
-        except TypeError:
-            return RowCheck([], n)
+        n = _paired(keys, ptrs, sizes)
+        if not isinstance(n, int):
+            return n
         a = s = None
         if isinstance(ptrs, np.ndarray) and isinstance(sizes, np.ndarray):
             if ptrs.dtype == np.int64 and sizes.dtype == np.int64 and ptrs.shape == sizes.shape == (n,):
@@ -267,8 +255,7 @@ class StoreGuard:
             if check.good is None:
                 if check.addrs is None:
                     return func(*args, **kwargs)
-                new_args, new_kwargs = _rebind(names, args, kwargs, {names[1]: check.addrs, names[2]: check.sizes})
-                return func(*new_args, **new_kwargs)
+                return _call_rebound(func, names, args, kwargs, {names[1]: check.addrs, names[2]: check.sizes})
             return self.split(name, func, args, kwargs, names, extras, refusal, check)
         if name in SINGLE_METHODS:
             single_names, refusal = SINGLE_METHODS[name]
@@ -321,8 +308,7 @@ class StoreGuard:
             value = args[at] if at < len(args) else kwargs.get(CONFIG)
             if value is not None:
                 values[CONFIG] = per_key.config_for(value, good, check.count)
-        new_args, new_kwargs = _rebind(order, args, kwargs, values)
-        per_key.put_back(results, good, func(*new_args, **new_kwargs), f"Mooncake's {name}")
+        per_key.put_back(results, good, _call_rebound(func, order, args, kwargs, values), f"Mooncake's {name}")
         return results
 
     def _call_ranges(
@@ -360,9 +346,23 @@ class StoreGuard:
         results: list[Any] = [refused(i) for i in range(n)]
         if good:
             values = {param: _pick(value, good) for param, value in zip(_RANGES_NAMES, bound, strict=True)}
-            new_args, new_kwargs = _rebind(names, args, kwargs, values)
-            per_key.put_back(results, good, func(*new_args, **new_kwargs), f"Mooncake's {name}")
+            per_key.put_back(results, good, _call_rebound(func, names, args, kwargs, values), f"Mooncake's {name}")
         return results
+
+
+def _paired(keys: Any, ptrs: Any, sizes: Any) -> int | RowCheck | None:
+    """The key count when ``ptrs`` and ``sizes`` have one row (or value) per key; else the verdict: None when
+    ``keys`` has no length (Mooncake's binding refuses such a call itself), every key refused when the rows
+    cannot be paired with the keys (Mooncake: -600)."""
+    try:
+        n = len(keys)
+    except TypeError:
+        return None
+    try:
+        paired = len(ptrs) == n and len(sizes) == n
+    except TypeError:
+        paired = False
+    return n if paired else RowCheck([], n)
 
 
 def _verdict(ok: Any, n: int, *rows: Int64Array) -> RowCheck:

@@ -33,6 +33,7 @@ from mooncake_kvaddr.integrations.vllm.transports import TRANSPORT_ATTR
 
 __all__ = [
     "ENV_LOOKUP",
+    "POOL_FUNCTIONS",
     "RULES_033",
     "DirectHit",
     "LookupRules",
@@ -51,6 +52,9 @@ ENV_LOOKUP = "MOONCAKE_KVADDR_VLLM_LOOKUP"
 _EXPECTED_PARAMS = ("num_tokens", "block_hashes")
 #: Names ``MooncakeStoreWorker.lookup`` resolves in its module; ours takes the same objects from there.
 _MODULE_NAMES = ("MooncakeLookupResult", "ExternalCachedBlockPool", "cdiv", "logger")
+#: The functions of vLLM's block pool that our faster pool (:func:`fast_pool_class`) stands in for, alike in
+#: every release (in a release's ``FINGERPRINTED["lookup"]``).
+POOL_FUNCTIONS = tuple(f"ExternalCachedBlockPool.{name}" for name in ("__init__", "get_cached_block", "contains"))
 
 
 def lookup_enabled(environ: Mapping[str, str]) -> bool:

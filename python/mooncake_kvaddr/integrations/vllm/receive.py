@@ -105,25 +105,10 @@ def fast_path_refusal(thread: Any, envs: Any) -> str:
 # --- the handler --------------------------------------------------------------------------------------------
 
 
-def _skip_oversized(
-    thread: Any, req_id: Any, plan: KeyPlan, index: int, direct_io: Mapping[str, int], logger: Any
-) -> None:
-    """vLLM's answer to a key over the raw staging budget: every block of the request fails, nothing is read."""
-    thread._report_load_error(req_id, plan.block_id_list())
-    logger.warning(
-        "Skipping Mooncake load for request %s because key %s requires %d staging bytes, exceeding budget %d",
-        req_id,
-        plan.keys[index],
-        estimate_staging_bytes(plan.key_bytes()[index], **direct_io),
-        thread.disk_offload_buffer_budget_bytes,
-    )
-    thread.set_finished_request(req_id)
-    thread.request_queue.task_done()
-
-
 def _execute(thread: Any, req_id: Any, plan: KeyPlan, batches: list[tuple[int, int]], logger: Any) -> None:
     """One store call per batch and vLLM's bookkeeping around each; the first batch with a failed key ends
-    the load, and an exception fails the batch in flight (vLLM's rules)."""
+    the load, and an exception fails the batch in flight (vLLM's rules). The handler completes the request
+    after it."""
     batch = plan
     batch_bytes = 0
     load_get_start = time.perf_counter()
@@ -153,8 +138,6 @@ def _execute(thread: Any, req_id: Any, plan: KeyPlan, batches: list[tuple[int, i
         thread._report_load_error(req_id, batch.block_id_list())
         record_batch(thread, "load_get", load_get_start, len(batch.keys), batch_bytes, None)
         logger.warning("Mooncake load of request %s (keys %s...) raised: %s", req_id, batch.keys[:3], exc)
-    thread.set_finished_request(req_id)
-    thread.request_queue.task_done()
 
 
 #: The receive handler's counters (updated without a lock).
@@ -205,9 +188,19 @@ def make_handler(
             plan.key_bytes(), usable, self.disk_offload_buffer_budget_bytes, fits_first=True, **direct_io
         )
         if isinstance(split, int):
-            _skip_oversized(self, req_meta.req_id, plan, split, direct_io, logger)
-            return None
-        _execute(self, req_meta.req_id, plan, split, logger)
+            # vLLM's answer to a key over the raw staging budget: every block of the request fails, nothing is read.
+            self._report_load_error(req_meta.req_id, plan.block_id_list())
+            logger.warning(
+                "Skipping Mooncake load for request %s because key %s requires %d staging bytes, exceeding budget %d",
+                req_meta.req_id,
+                plan.keys[split],
+                estimate_staging_bytes(plan.key_bytes()[split], **direct_io),
+                self.disk_offload_buffer_budget_bytes,
+            )
+        else:
+            _execute(self, req_meta.req_id, plan, split, logger)
+        self.set_finished_request(req_meta.req_id)
+        self.request_queue.task_done()
         return None
 
     return finish_handler(_handle_request, original, "KVCacheStoreRecvingThread._handle_request", stats)

@@ -253,7 +253,51 @@ def self_check(
     failing and raising stores, plain and array stores): identical store calls and side effects, else
     ``AssertionError``. ``layouts``/``sample``: where the release keeps its layouts and how it builds them."""
     with quiet_thread(worker.logger):  # the failing-store cases log vLLM's warnings: not at start-up
-        _self_check(data, worker, handler, random.Random(seed), cases, layouts or data, sample)
+        original = worker.KVCacheStoreRecvingThread._handle_request
+        original = getattr(original, "__wrapped__", original)
+        stats = getattr(handler, "stats", None)
+        fast_before = stats.fast_requests if stats is not None else 0
+        metadata = data.KeyMetadata("self-check/recv", 1, 0, 0, 0)
+        rng = random.Random(seed)
+        for case in range(cases):
+            block_size = 64
+            rank_local, sharded, sharded_chunk = sample(layouts or data, metadata, rng, case, block_size)
+            dbs = [
+                data.ChunkedTokenDatabase(metadata, block_size, 16, rank_local),
+                data.ChunkedTokenDatabase(metadata, sharded_chunk, sharded.hash_block_size, sharded),
+            ]
+            blocks = rng.randint(1, 6)
+            token_len = blocks * block_size - 16 * rng.randrange(0, 3 if case % 2 == 0 else 1)
+            hashes = [rng.randbytes(32) for _ in range(blocks * 4)]
+            masks = tuple([rng.random() < 0.8 for _ in range(blocks + 1)] for _ in dbs)
+            tails = (data.TailKeyBoundary(0, rng.randrange(16, token_len + 1, 16)),) if case % 3 == 0 else ()
+            spec = data.LoadSpec(
+                vllm_cached_tokens=rng.randrange(0, token_len), kvpool_cached_tokens=token_len, can_load=True,
+                token_len=token_len, tail_key_boundaries=tails,
+            )  # fmt: skip
+            block_ids = ([rng.randrange(1, 500) for _ in range(blocks)], [rng.randrange(1, 500) for _ in range(blocks)])
+            meta = data.ReqMeta(
+                req_id=f"self-check-{case}", token_len_chunk=token_len, block_ids=block_ids, block_hashes=hashes,
+                load_spec=spec,
+            )  # fmt: skip
+            mode = case % 4
+
+            def answer(call: str, keys: list[str], mode: int = mode) -> Any:
+                if mode == 3:
+                    raise RuntimeError("store down")
+                return [-704 if mode == 2 and i % 2 else 4096 for i in range(len(keys))]
+
+            participates = [True, case % 5 != 4]
+            store_cls = ArrayRecordingStore if case % 2 else RecordingStore
+            # Disk-offload budgets: one that holds the load, one that splits it, one a single key exceeds.
+            budget = (None, 1 << 30, 40_000, 9_000)[case % 4] if case % 3 != 1 else None
+            args = (_Coord(masks), dbs, block_size, case % 3, participates, meta, budget)
+            expected = _run_once(worker, original, RecordingStore(answer), *args)
+            actual = _run_once(worker, handler, store_cls(answer), *args)
+            if expected != actual:
+                raise AssertionError(f"receive handler, case {case}: vLLM gives {expected!r}, ours {actual!r}")
+        if stats is not None and stats.fast_requests == fast_before:
+            raise AssertionError("receive handler: no self-check request took the fast path")
 
 
 class DropThread(logging.Filter):
@@ -294,53 +338,3 @@ def outcome_of(handler: Callable[[Any, Any], Any], thread: Any, meta: Any) -> An
     except Exception as exc:
         return type(exc)
     return "ok"
-
-
-def _self_check(
-    data: ModuleType, worker: ModuleType, handler: Any, rng: random.Random, cases: int, layouts: ModuleType,
-    sample: SampleLayouts,
-) -> None:  # fmt: skip
-    original = worker.KVCacheStoreRecvingThread._handle_request
-    original = getattr(original, "__wrapped__", original)
-    stats = getattr(handler, "stats", None)
-    fast_before = stats.fast_requests if stats is not None else 0
-    metadata = data.KeyMetadata("self-check/recv", 1, 0, 0, 0)
-    for case in range(cases):
-        block_size = 64
-        rank_local, sharded, sharded_chunk = sample(layouts, metadata, rng, case, block_size)
-        dbs = [
-            data.ChunkedTokenDatabase(metadata, block_size, 16, rank_local),
-            data.ChunkedTokenDatabase(metadata, sharded_chunk, sharded.hash_block_size, sharded),
-        ]
-        blocks = rng.randint(1, 6)
-        token_len = blocks * block_size - 16 * rng.randrange(0, 3 if case % 2 == 0 else 1)
-        hashes = [rng.randbytes(32) for _ in range(blocks * 4)]
-        masks = tuple([rng.random() < 0.8 for _ in range(blocks + 1)] for _ in dbs)
-        tails = (data.TailKeyBoundary(0, rng.randrange(16, token_len + 1, 16)),) if case % 3 == 0 else ()
-        spec = data.LoadSpec(
-            vllm_cached_tokens=rng.randrange(0, token_len), kvpool_cached_tokens=token_len, can_load=True,
-            token_len=token_len, tail_key_boundaries=tails,
-        )  # fmt: skip
-        block_ids = ([rng.randrange(1, 500) for _ in range(blocks)], [rng.randrange(1, 500) for _ in range(blocks)])
-        meta = data.ReqMeta(
-            req_id=f"self-check-{case}", token_len_chunk=token_len, block_ids=block_ids, block_hashes=hashes,
-            load_spec=spec,
-        )  # fmt: skip
-        mode = case % 4
-
-        def answer(call: str, keys: list[str], mode: int = mode) -> Any:
-            if mode == 3:
-                raise RuntimeError("store down")
-            return [-704 if mode == 2 and i % 2 else 4096 for i in range(len(keys))]
-
-        participates = [True, case % 5 != 4]
-        store_cls = ArrayRecordingStore if case % 2 else RecordingStore
-        # Disk-offload budgets: one that holds the load, one that splits it, one a single key exceeds.
-        budget = (None, 1 << 30, 40_000, 9_000)[case % 4] if case % 3 != 1 else None
-        args = (_Coord(masks), dbs, block_size, case % 3, participates, meta, budget)
-        expected = _run_once(worker, original, RecordingStore(answer), *args)
-        actual = _run_once(worker, handler, store_cls(answer), *args)
-        if expected != actual:
-            raise AssertionError(f"receive handler, case {case}: vLLM gives {expected!r}, ours {actual!r}")
-    if stats is not None and stats.fast_requests == fast_before:
-        raise AssertionError("receive handler: no self-check request took the fast path")

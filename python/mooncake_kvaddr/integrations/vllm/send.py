@@ -338,12 +338,6 @@ def put_and_record(thread: Any, req_meta: Any, rows: KeyPlan, worker: ModuleType
     return failed_indices
 
 
-def clear_pressure(thread: Any, worker: ModuleType) -> None:
-    """vLLM's pressure clearing after a store batch it counts as a success, with its line."""
-    if thread._clear_store_pressure():
-        worker.logger.info("Mooncake CPU/disk offloading pressure cleared after a successful store batch")
-
-
 def stored_events(
     thread: Any,
     req_meta: Any,
@@ -419,7 +413,8 @@ def run_job(thread: Any, req_meta: Any, plan: SendPlan, job: Job, worker: Module
         failed = put_and_record(thread, req_meta, rows, worker)
         if failed is not None and not failed and complete:
             save_completed = _saved(thread, req_meta, job, rules)
-            clear_pressure(thread, worker)
+            if thread._clear_store_pressure():  # vLLM's pressure clearing after a successful batch, with its line
+                worker.logger.info("Mooncake CPU/disk offloading pressure cleared after a successful store batch")
         if ids.on and failed is not None:
             stored = stored_events(thread, req_meta, groups, chunks, failed, ids, worker, rules)
             if stored:
@@ -459,7 +454,6 @@ def make_handler(
     blob_type = data.BlobBlockHashes
     stats = SendStats()
     lock = threading.Lock()
-    release = rules
 
     def _plan(self: Any, req_meta: Any) -> tuple[SendPlan, Job] | str:
         # What refuses a job without reading it comes first: the release's prepare asks vLLM's coordinator for
@@ -471,14 +465,14 @@ def make_handler(
                 planner = kinds.engine_of(db, engines)
                 if isinstance(planner, str):
                     return planner
-        job = release.prepare(self, req_meta)
+        job = rules.prepare(self, req_meta)
         if isinstance(job, str):
             return job
         if job.stale:
             return SendPlan(KeyPlan([], [], [], []), [], [], []), job
         arrays = isinstance(self.store, ArrayStore)
         events = bool(self.enable_kv_event)
-        plan = plan_store(self, req_meta, job, arrays, kinds, engines, blob_type, release.db_chunk, events)
+        plan = plan_store(self, req_meta, job, arrays, kinds, engines, blob_type, rules.db_chunk, events)
         return plan if isinstance(plan, str) else (plan, job)
 
     def _handle_request(self: Any, req_meta: Any) -> Any:
@@ -494,7 +488,7 @@ def make_handler(
             return original(self, req_meta)
         with lock:
             stats.fast_requests += 1
-        run_job(self, req_meta, planned[0], planned[1], worker, release)
+        run_job(self, req_meta, planned[0], planned[1], worker, rules)
         return None
 
     return finish_handler(_handle_request, original, "KVCacheStoreSendingThread._handle_request", stats)

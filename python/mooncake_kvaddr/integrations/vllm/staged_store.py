@@ -177,12 +177,6 @@ class StagedMooncakeStore(StoreWrapper):
                 keys, addrs, sizes, partial(self._multi_arrays, False), "batch_put_from_multi_buffers", config=(config,)
             )
 
-    def _plan_arrays(self, keys: list[str], addrs: Any, sizes: Any) -> KeyPlan | None:
-        """The staging plan of an ``..._arrays`` call (int64 matrices, distinct keys), or None."""
-        if int64_matrices(addrs, sizes) and self._keys_stageable(keys):
-            return self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
-        return None
-
     def _count(self, get: bool, staged: bool) -> None:
         name = f"{'staged' if staged else 'passthrough'}_{'gets' if get else 'puts'}"
         setattr(self.stats, name, getattr(self.stats, name) + 1)
@@ -201,8 +195,11 @@ class StagedMooncakeStore(StoreWrapper):
         return self._staged(get, keys, staged, config, _list_rows(all_buffer_ptrs, all_sizes))
 
     def _multi_arrays(self, get: bool, keys: list[str], addrs: Any, sizes: Any, *config: Any) -> Any:
-        """An ``..._arrays`` get or put (a put's one ``config``), staged when it can be."""
-        staged = self._plan_arrays(keys, addrs, sizes)
+        """An ``..._arrays`` get or put (a put's one ``config``), staged when it can be (int64 matrices, distinct
+        keys, and a staging plan: :meth:`_plan_matrices`)."""
+        staged = None
+        if int64_matrices(addrs, sizes) and self._keys_stageable(keys):
+            staged = self._plan_matrices(keys, np.ascontiguousarray(addrs), np.ascontiguousarray(sizes))
         if staged is None:
             self._count(get, False)
             store = self._store

@@ -72,11 +72,9 @@ def staged_settings(
     """``(staged transport requested, staging bytes)`` from the environment (wins) and the connector's
     ``kv_connector_extra_config``. A switch that is neither on nor off, or staging bytes that are not a byte
     count (``StoreConfig``'s parser), raise ``ValueError``/``TypeError`` naming the variable or key."""
-    env = os.environ if environ is None else environ
-    extra = extra_config or {}
-    staged, staged_name = _setting(env, ENV_STAGED, extra, EXTRA_STAGED)
+    staged, staged_name = _setting(environ, ENV_STAGED, extra_config, EXTRA_STAGED)
     wanted = flag(staged, False, staged_name)
-    raw, name = _setting(env, ENV_STAGING_BYTES, extra, EXTRA_STAGING_BYTES)
+    raw, name = _setting(environ, ENV_STAGING_BYTES, extra_config, EXTRA_STAGING_BYTES)
     # StoreConfig's own size parser: an int, a whole float or "256MiB"; a bool, 1.9, inf or non-ASCII digits
     # are refused (TypeError/ValueError naming the variable or key).
     nbytes = parse_size(DEFAULT_STAGING_BYTES if raw is None else raw, name)
@@ -86,13 +84,14 @@ def staged_settings(
 
 
 def _setting(
-    env: Mapping[str, str], variable: str, extra: Mapping[str, Any], key: str
+    environ: Mapping[str, str] | None, variable: str, extra_config: Mapping[str, Any] | None, key: str
 ) -> tuple[object, str]:
-    """``(value, where it came from)``: the environment variable when set and not blank (it wins), else the
-    extra-config key."""
+    """``(value, where it came from)``: the environment variable (of ``environ``, ``os.environ`` when None) when
+    set and not blank (it wins), else the extra-config key."""
+    env = os.environ if environ is None else environ
     if env.get(variable, "").strip():
         return env[variable], variable
-    return extra.get(key), f"kv_connector_extra_config[{key!r}]"
+    return (extra_config or {}).get(key), f"kv_connector_extra_config[{key!r}]"
 
 
 def native_client_setting(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
@@ -100,8 +99,7 @@ def native_client_setting(extra_config: Mapping[str, Any] | None, environ: Mappi
     ``kv_connector_extra_config``. On by default, like the driver's ``StoreConfig.native_client``: the
     wrapper only calls Mooncake's C++ client where that client was verified for the installed Mooncake, and
     passes every call to Mooncake's own method otherwise (docs/vllm-plugin.md, "Native-client transport")."""
-    env = os.environ if environ is None else environ
-    value, name = _setting(env, ENV_NATIVE_CLIENT, extra_config or {}, EXTRA_NATIVE_CLIENT)
+    value, name = _setting(environ, ENV_NATIVE_CLIENT, extra_config, EXTRA_NATIVE_CLIENT)
     return flag(value, True, name)
 
 

@@ -20,12 +20,9 @@ def releases() -> tuple[Release, ...]:
     return (v0_33.RELEASE, v0_34.RELEASE)
 
 
-#: Every series prefix any release module covers, without importing one (the entry point decides on these).
-_SERIES = ("0.32.", "0.33.", "0.34.")
-
-
 def known_series() -> tuple[str, ...]:
-    return _SERIES
+    """Every series prefix any release module covers, without importing one (the entry point decides on these)."""
+    return ("0.32.", "0.33.", "0.34.")
 
 
 def for_version(version: str) -> Release | None:

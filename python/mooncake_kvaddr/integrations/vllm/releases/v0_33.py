@@ -33,12 +33,7 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
     "receive": RECEIVE_FUNCTIONS,
     "send": SEND_FUNCTIONS,
     "worker": ("MooncakeStoreWorker.register_kv_caches", "MooncakeStoreWorker.close"),
-    "lookup": (
-        "MooncakeStoreWorker.lookup",
-        "ExternalCachedBlockPool.__init__",
-        "ExternalCachedBlockPool.get_cached_block",
-        "ExternalCachedBlockPool.contains",
-    ),
+    "lookup": ("MooncakeStoreWorker.lookup", *lookup.POOL_FUNCTIONS),
 }
 
 FINGERPRINTS: dict[str, dict[str, str]] = {

@@ -36,7 +36,7 @@ from mooncake_kvaddr.integrations.vllm.layouts import (
     shard_templates,
     sharded_key_cases,
 )
-from mooncake_kvaddr.integrations.vllm.lookup import DirectHit, LookupRules, LookupUnits
+from mooncake_kvaddr.integrations.vllm.lookup import POOL_FUNCTIONS, DirectHit, LookupRules, LookupUnits
 from mooncake_kvaddr.integrations.vllm.receive_check import RECEIVE_FUNCTIONS
 from mooncake_kvaddr.integrations.vllm.registry import original_of
 from mooncake_kvaddr.integrations.vllm.releases.base import Release
@@ -377,9 +377,7 @@ FINGERPRINTED: dict[str, tuple[str, ...]] = {
         "MooncakeStoreWorker._longest_hit",
         "MooncakeStoreCoordinator.find_longest_cache_hit",
         "MooncakeStoreCoordinator._find_hit_blocks",
-        "ExternalCachedBlockPool.__init__",
-        "ExternalCachedBlockPool.get_cached_block",
-        "ExternalCachedBlockPool.contains",
+        *POOL_FUNCTIONS,
     ),
     "receive": RECEIVE_FUNCTIONS,
     # The replaced methods, and the setters whose assignments the engines' identity checks rely on.
