@@ -862,6 +862,18 @@ def test_ranged_reads_the_guard_cannot_read_are_refused_whole_and_miscounted_ans
     assert len(sent) == 1 and sent[0][0] == [4096]
 
 
+def test_a_miscounted_ranged_read_raises_with_its_own_message() -> None:
+    """Mooncake answering a split ``get_into_ranges`` for another number of buffers than it was sent raises
+    ``RuntimeError`` with the message the ranged split always gave: the counts of answers and of buffers (not
+    "keys": each buffer holds a row of keys), as before cf6cef7 moved the check into ``per_key.put_back``."""
+    guard = _armed_guard()
+    two = ([4096, 1 << 40], [["a"], ["b"]], [[[0]], [[0]]], [[[0]], [[0]]], [[[64]], [[64]]])
+    for answers in ([], [[[7]], [[7]]]):
+        with pytest.raises(RuntimeError) as raised:
+            guard.call("get_into_ranges", lambda *args, answers=answers: answers, two, {})
+        assert str(raised.value) == f"Mooncake's get_into_ranges returned {len(answers)} results for 1"
+
+
 def _guard_over_a_buffer() -> tuple[guard_module.StoreGuard, int, np.ndarray]:
     """A guard whose one registered range is a 4096-byte buffer of the test's (kept alive by the caller)."""
     table = RangeTable(armed=True)
