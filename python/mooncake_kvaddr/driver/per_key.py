@@ -89,16 +89,21 @@ def _settable(cls: type) -> tuple[str, ...]:
     return tuple(name for name, settable in names.items() if settable)
 
 
-def check_count(answers: Sized, n: int, who: str = "Mooncake", error: type[Exception] = RuntimeError) -> None:
-    """The one check of a batch call's answers: exactly one per key of the call, else ``error`` naming both."""
+def check_count(
+    answers: Sized, n: int, who: str = "Mooncake", error: type[Exception] = RuntimeError, unit: str = " keys"
+) -> None:
+    """The one check of a batch call's answers: exactly one per key of the call, else ``error`` naming both
+    (``unit`` after the count: a ranged read answers per buffer and names no unit)."""
     if len(answers) != n:
-        raise error(f"{who} returned {len(answers)} results for {n} keys")
+        raise error(f"{who} returned {len(answers)} results for {n}{unit}")
 
 
-def put_back(results: MutableSequence[Any], picks: Sequence[int], answers: Any, who: str = "Mooncake") -> None:
+def put_back(
+    results: MutableSequence[Any], picks: Sequence[int], answers: Any, who: str = "Mooncake", unit: str = " keys"
+) -> None:
     """The one merge: the answers of a call made for the keys at ``picks`` go back to those places of
     ``results``, in order (:func:`check_count` first: a short or long answer never lands on the wrong key)."""
     got = answers if type(answers) is list else list(answers)
-    check_count(got, len(picks), who)
+    check_count(got, len(picks), who, unit=unit)
     for i, value in zip(picks, got, strict=True):
         results[i] = value
