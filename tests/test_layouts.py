@@ -194,6 +194,33 @@ def test_size_overflow_one_block_past_the_unchecked_limit() -> None:
             prepare([(0, 2**62)], [0], [0])
 
 
+def test_size_overflow_message_names_block_stride_only_where_one_differs_from_block_len() -> None:
+    """vLLM 0.33's rank-local layout and the seed-era database have no block_stride (stride = block_len): their
+    size overflow reads 'block_len * N blocks overflows int64' (docs/errors.md), as before 35cbe13, which gave
+    every layout the 0.34 wording. Only a stride other than block_len (vLLM 0.34) is named in the message."""
+    from mooncake_kvaddr import _native
+    from mooncake_kvaddr.core.database import ChunkedTokenDatabase
+
+    plain = r"^key 0: block_len \* 3 blocks overflows int64$"
+    strided = r"^key 0: the size of 3 blocks \(block_len \+ \(blocks - 1\) \* block_stride\) overflows int64$"
+    layout = rank_local([0], [1 << 62])
+    db = ChunkedTokenDatabase(M.KeyMetadata("m", 0, 0, 0, 0), BS)
+    db.set_kv_caches_base_addr([0])
+    db.set_block_len([1 << 62])
+    engine = _native.LayoutEngine(BS, BS, False, 0, 1, 0)
+    for strides, want in (([1 << 62], plain), ([1 << 61], strided)):
+        engine.set_region_sources([0], [1 << 62], strides)
+        for prepare in (engine.prepare_values, engine.prepare_values_array):
+            with pytest.raises(OverflowError, match=want):
+                prepare([(0, 3 * BS)], [0], [0])
+    for prepare in (layout.prepare_values, layout.prepare_values_array):
+        with pytest.raises(OverflowError, match=plain):
+            prepare([(0, 3 * BS)], [0], [0])
+    for seed_prepare in (db.prepare_values, db.prepare_values_array):
+        with pytest.raises(OverflowError, match=plain.replace("key", "chunk")):
+            seed_prepare([(0, 3 * BS)], [0])
+
+
 def test_uint64_arrays_beyond_int64_overflow() -> None:
     layout = rank_local([0], [64])
     with pytest.raises(OverflowError):

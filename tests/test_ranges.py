@@ -165,3 +165,47 @@ def test_memory_ranges_are_converted_once_with_the_same_rule() -> None:
         _native.slices_inside(a, s, _native.MemoryRanges.__new__(_native.MemoryRanges))
     with pytest.raises(TypeError):
         type("Sub", (_native.MemoryRanges,), {})
+
+
+class _Resizing:
+    """An nbytes whose __index__ resizes the allowed_ranges list being converted (appends `extra`, or clears)."""
+
+    def __init__(self, ranges: list[tuple[int, object]], value: int, extra: tuple[int, object] | None) -> None:
+        self.ranges, self.value, self.extra = ranges, value, extra
+
+    def __index__(self) -> int:
+        if self.extra is None:
+            self.ranges.clear()
+        else:
+            self.ranges.append(self.extra)
+        return self.value
+
+
+def test_allowed_ranges_are_read_at_the_length_they_had_when_the_conversion_started() -> None:
+    """The one length rule (common.hpp's append_int64s): a pair's __index__ that grows the list is not followed
+    (the appended range is never allowed; one that appends forever cannot hang the call), one that shrinks it
+    makes the call raise instead of checking against the ranges read so far. Since 55dc88d the loop re-read the
+    length: an appended range was allowed, an emptied list accepted."""
+    a, s = np.array([[4096, 8192]], np.int64), np.array([[64, 64]], np.int64)
+    grown: list[tuple[int, object]] = [(4096, 0)]
+    grown[0] = (4096, _Resizing(grown, 64, (8192, 64)))
+    assert _native.slices_inside(a, s, grown).tolist() == [[True, False]]
+    assert len(grown) == 2
+
+    forever: list[tuple[int, object]] = [(4096, 0)]
+
+    class Again:
+        def __index__(self) -> int:
+            if len(forever) < 10_000:  # bounded here; unbounded it would never return
+                forever.append((8192, Again()))
+            return 64
+
+    forever[0] = (4096, Again())
+    assert _native.slices_inside(a, s, forever).tolist() == [[True, False]]
+    assert len(forever) == 2
+
+    for call in (lambda r: _native.slices_inside(a, s, r), _native.memory_ranges):
+        emptied: list[tuple[int, object]] = [(4096, 0), (8192, 64)]
+        emptied[0] = (4096, _Resizing(emptied, 64, None))
+        with pytest.raises(RuntimeError, match="changed size"):
+            call(emptied)

@@ -106,9 +106,13 @@ void RowEngine::raise_address_overflow(std::size_t row, int64_t block_id) const 
                                    std::to_string(block_id));
 }
 
-void RowEngine::raise_size_overflow(std::size_t row, int64_t block_count) const {
-    raise(PyExc_OverflowError, std::string(words_.row) + " " + std::to_string(row) + ": the size of " +
-                                   std::to_string(block_count) +
+void RowEngine::raise_size_overflow(std::size_t row, int64_t block_count, const layout::Segments& t) const {
+    const std::string head = std::string(words_.row) + " " + std::to_string(row) + ": ";
+    // No stride apart from its block_len (vLLM 0.33, the seed-era database): the size is block_len * blocks.
+    if (t.stride == t.size) {
+        raise(PyExc_OverflowError, head + "block_len * " + std::to_string(block_count) + " blocks overflows int64");
+    }
+    raise(PyExc_OverflowError, head + "the size of " + std::to_string(block_count) +
                                    " blocks (block_len + (blocks - 1) * block_stride) overflows int64");
 }
 
@@ -146,7 +150,7 @@ py::tuple RowEngine::rows_as_lists(const Snapshot& snapshot, const std::vector<K
         const int64_t count = t.size_scales ? plan.block_count : 1;
         size[k] = cache_.find_size(RowKey{plan.shard, count}, snapshot.generation);
         if (!size[k]) {
-            if (!layout::size_row(t, count, scratch.data())) raise_size_overflow(k, count);
+            if (!layout::size_row(t, count, scratch.data())) raise_size_overflow(k, count, t);
             size[k] = std::make_shared<const IntRow>(scratch.data(), width);
             cache_.insert_size(RowKey{plan.shard, count}, size[k], snapshot.generation);
         }
@@ -206,7 +210,7 @@ py::tuple RowEngine::rows_as_arrays(const Snapshot& snapshot, const std::vector<
         if (!layout::address_row(templates[plan.shard], plan.block_id, scratch.data())) {
             raise_address_overflow(failed, plan.block_id);
         }
-        raise_size_overflow(failed, plan.block_count);
+        raise_size_overflow(failed, plan.block_count, templates[plan.shard]);
     }
     return py::make_tuple(std::move(addrs), std::move(sizes), std::move(ids));
 }

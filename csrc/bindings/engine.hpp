@@ -95,7 +95,8 @@ public:
 
 private:
     [[noreturn]] void raise_address_overflow(std::size_t row, int64_t block_id) const;
-    [[noreturn]] void raise_size_overflow(std::size_t row, int64_t block_count) const;
+    // The message names block_stride only where `t` has a stride other than its block_len (vLLM 0.34).
+    [[noreturn]] void raise_size_overflow(std::size_t row, int64_t block_count, const layout::Segments& t) const;
 
     bool tp_shared_;
     std::size_t templates_count_;

@@ -45,7 +45,10 @@ inline RangeSet convert_ranges(py::handle obj, RangeForm form) {
         }
     } else {
         FastSequence items(obj.ptr(), "allowed_ranges");
-        for (Py_ssize_t i = 0; i < items.size(); ++i) {
+        // The length is read once (append_int64s' rule): a pair's __index__ that grows the list is not followed,
+        // one that shrinks it makes items.at raise.
+        const Py_ssize_t n = items.size();
+        for (Py_ssize_t i = 0; i < n; ++i) {
             const std::string what = "allowed_ranges[" + std::to_string(i) + "]";
             FastSequence pair(items.at(i).ptr(), what.c_str());
             if (pair.size() != 2) {
