@@ -20,6 +20,7 @@ import pytest
 
 from kvaddr_testing import live_children, wait_until
 from mooncake_kvaddr.driver import master as master_module
+from mooncake_kvaddr.driver import process as process_module
 from mooncake_kvaddr.driver.config import StoreConfig
 from mooncake_kvaddr.driver.master import (
     EmbeddedMaster,
@@ -358,6 +359,28 @@ def test_readiness_requires_our_child_to_own_the_health_port(tmp_path: Path) -> 
     finally:
         server.kill()
         server.wait(timeout=10)
+
+
+def test_health_ok_is_the_status_line_alone() -> None:
+    """The embedded master's readiness probe asks for a 200 status only (as before 22a2c7a): a 200 answer whose
+    body breaks off is healthy there, while the body readers (the cluster's etcd and HA masters) get nothing."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+
+        def answer() -> None:
+            for _ in range(2):
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(4096)
+                    conn.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"status"')
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        assert process_module.health_ok(port)
+        assert process_module.health(port) is None
+        thread.join(timeout=10)
 
 
 # ------------------------------------------------------------------------------------------- concurrency

@@ -147,6 +147,32 @@ def test_read_whole_counts_a_key_only_when_its_whole_object_came_back() -> None:
         read_whole(codes[:5], expected)
 
 
+@pytest.mark.parametrize("answer", [8, [[8]], [[8, 8]]])
+def test_read_whole_refuses_an_answer_that_is_not_one_flat_code_per_key(answer: Any) -> None:
+    """A scalar or nested answer is not Mooncake's list of codes, even when it holds as many numbers as keys:
+    refused as before cf6cef7 (which flattened it and read it as the keys' codes)."""
+    expected = np.full(np.size(answer), 8, np.int64)
+    with pytest.raises(RuntimeError, match=f"Mooncake returned {expected.size} results for {expected.size} keys"):
+        read_whole(answer, expected)
+
+
+@pytest.mark.parametrize("get", [True, False])
+def test_run_staged_refuses_a_nested_answer(get: bool) -> None:
+    """A batch answered with a nested list (one row holding a code per key) is Mooncake's error for the put and
+    the get alike (as before cf6cef7): no key counts as stored or read, nothing is scattered from it."""
+    plan = plan_slots(np.full((2, 1), 64, np.int64))
+    pool = StagingPool(4 * SLOT_ALIGNMENT)
+    lease = pool.acquire(plan.total_bytes, 4 * SLOT_ALIGNMENT)
+    copied: list[Any] = []
+    answer = [[64, 64]] if get else [[0, 0]]
+    try:
+        with pytest.raises(RuntimeError, match="Mooncake returned 2 results for 2 keys"):
+            run_staged(get, plan, lease, lambda *a: answer, lambda *a: copied.append(a[3]) or True)
+        assert copied == ([] if get else [None])  # a put gathered first; a get scattered nothing
+    finally:
+        lease.release()
+
+
 @pytest.mark.parametrize("get", [True, False])
 def test_a_staged_batch_that_does_not_fit_its_lease_never_reaches_mooncake(
     monkeypatch: pytest.MonkeyPatch, get: bool

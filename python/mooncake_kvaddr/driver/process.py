@@ -364,15 +364,18 @@ def read_tail(file: IO[bytes] | None, limit: int | None = None) -> str:
         return ""
 
 
-def health(port: int) -> bytes | None:
+def health(port: int, *, body: bool = True) -> bytes | None:
     """The body of a status-200 answer to ``GET /health`` on loopback ``port``; ``None`` for any other answer
-    or none (the readiness probe of the embedded master, the cluster's etcd and its masters)."""
+    or none (the readiness probe of the embedded master, the cluster's etcd and its masters). ``body=False``:
+    the status alone (``b""`` for a 200; the body is never read)."""
     # http.client, not urllib: urllib honours http_proxy variables, which must never see loopback probes.
     conn = http.client.HTTPConnection(LOOPBACK, port, timeout=0.5)
     try:
         conn.request("GET", "/health")
         response = conn.getresponse()
-        return response.read() if response.status == 200 else None
+        if response.status != 200:
+            return None
+        return response.read() if body else b""
     except (OSError, http.client.HTTPException):
         return None
     finally:
@@ -380,7 +383,9 @@ def health(port: int) -> bytes | None:
 
 
 def health_ok(port: int) -> bool:
-    return health(port) is not None
+    """Whether ``GET /health`` on loopback ``port`` answers status 200 (the embedded master's readiness; its body
+    is not read)."""
+    return health(port, body=False) is not None
 
 
 def owns_listener(pid: int, port: int) -> bool:

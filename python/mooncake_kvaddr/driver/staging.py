@@ -113,10 +113,19 @@ def plan_batches(plan: SlotPlan, span_bytes: int, max_keys: int | None = None) -
 def read_whole(codes: Sequence[int] | Int64Array, expected: Int64Array) -> BoolArray:
     """Per key: the get succeeded and read exactly the ``expected`` object size (a short read is a failure).
     ``RuntimeError`` when Mooncake answered another number of codes than keys."""
-    got = np.asarray(codes, dtype=np.int64).reshape(-1)
-    per_key.check_count(got, expected.size)
+    got = _codes(codes, expected.size)
     whole: BoolArray = (got == expected) & (got > 0)
     return whole
+
+
+def _codes(answer: Sequence[int] | Int64Array, n: int) -> Int64Array:
+    """A batch call's answer for ``n`` keys as int64 codes: a flat sequence of exactly ``n``, else
+    ``RuntimeError`` (a scalar or nested answer too, whatever its number of values)."""
+    got = np.asarray(answer, dtype=np.int64)
+    if got.ndim != 1:
+        raise RuntimeError(f"Mooncake returned {got.size} results for {n} keys")
+    per_key.check_count(got, n)
+    return got
 
 
 class StagedRun(NamedTuple):
@@ -167,14 +176,13 @@ def run_staged(
         answer = call(start, end, (slots + lease.ptr).tolist(), sizes.tolist())
         if answer is None:
             break
-        got = np.asarray(answer, dtype=np.int64).reshape(-1)
+        got = _codes(answer, end - start)
         if get:
             ok = read_whole(got, sizes)
             short += int(np.count_nonzero((got >= 0) & ~ok))
             codes[start:end] = np.where(ok | (got < 0), got, CODE_TRANSFER_FAILED)
             copy(start, end, slots, ok)
         else:
-            per_key.check_count(got, end - start)
             ok = got == 0
             codes[start:end] = got
         done[start:end] = ok
