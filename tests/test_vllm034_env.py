@@ -86,3 +86,38 @@ def test_what_is_ours_on_vllm_034_is_what_the_patch_report_names(probe: dict[str
     # Beyond the report's list only the staged-transport hook's wrappers of the worker may be ours.
     extra = ours - patched
     assert not extra or (probe["staged_hook"] and all(name.startswith("MooncakeStoreWorker.") for name in extra))
+
+
+_FIRST = f"""
+import importlib, json, sys
+import vllm
+from mooncake_kvaddr.integrations.vllm import plugin
+plugin.register()
+importlib.import_module({STORE!r} + "." + sys.argv[1])  # imports data itself, before the worker imports it
+importlib.import_module({STORE!r} + ".worker")
+report = plugin.patch()
+print(json.dumps({{"patched": report.patched, "staged_hook": report.staged_hook,
+                  "reasons": [report.receive_reason, report.lookup_reason, report.send_reason, report.hook_reason]}}))
+"""
+
+
+@pytest.mark.parametrize("first", ["selective_lease", "protocol"])
+def test_a_store_module_the_worker_imports_imported_first_patches_every_part(first: str) -> None:
+    """vLLM 0.34's ``selective_lease`` and ``protocol`` import ``data`` and are imported by ``worker``: imported
+    first, ``data`` executes while they are half-executed, when ``worker`` cannot be imported yet. The deferred
+    patch must wait for ``worker`` (as for ``data`` imported by ``worker``), not patch the layouts alone with no
+    reason given for the worker's parts."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST, first],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MOONCAKE_KVADDR_VLLM_PLUGIN": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["reasons"] == ["", "", "", ""], result
+    assert {"KVCacheStoreRecvingThread._handle_request", "MooncakeStoreWorker.lookup",
+            "KVCacheStoreSendingThread._handle_request"} <= set(result["patched"]), result  # fmt: skip
+    assert result["staged_hook"], result

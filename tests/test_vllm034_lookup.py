@@ -10,6 +10,7 @@ result, every store call, every record and every exception must be equal.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import types
@@ -349,3 +350,41 @@ def test_patch_on_034_replaces_the_lookup() -> None:
     finally:
         plugin.unpatch()
     assert WORKER.__dict__["lookup"] is ORIGINAL
+
+
+def test_a_hit_rule_vllm_changed_goes_to_vllms_coordinator(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hit read off the flags reproduces ``FullAttentionManager.find_longest_cache_hit`` (the coordinator's
+    one spec group): where that function is not the one checked against (here: a release that no longer rounds
+    a hit down to the scheduler block), the lookup must leave the hit to vLLM's coordinator, not answer with
+    the rule it copied. Since the plugin's own install (fingerprints and self-check pass: the self-check's
+    scheduler block is the block) left it in place, the answer must still be vLLM's."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    own = FullAttentionManager.__dict__["find_longest_cache_hit"].__func__
+
+    def find_longest_cache_hit(cls: Any, block_hashes: Any, max_length: int, kv_cache_group_ids: Any,
+                               block_pool: Any, kv_cache_spec: Any, drop_eagle_block: bool, alignment_tokens: int,
+                               dcp_world_size: int = 1, pcp_world_size: int = 1) -> Any:  # fmt: skip
+        return own(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block,
+                   kv_cache_spec.block_size, dcp_world_size, pcp_world_size)  # fmt: skip
+
+    monkeypatch.setattr(FullAttentionManager, "find_longest_cache_hit", classmethod(find_longest_cache_hit))
+    with caplog.at_level(logging.WARNING, "vllm.mooncake_kvaddr"):
+        changed = lookup_module.make_lookup(ORIGINAL, worker_module, v0_34.LOOKUP_RULES)
+    assert "FullAttentionManager.find_longest_cache_hit is not the function" in caplog.text
+    rng = random.Random(3)
+    case = Case.__new__(Case)
+    case.hbs, case.drop_tail, case.fine, case.eagle = 16, False, False, False
+    case.blocks, case.chunks = [16], [16]
+    case.groups = [KVCacheGroupSpec(["layer.0"], _spec(rng, "full", 16))]
+    case.coord_args = (case.groups, 32, 16)  # a scheduler block of two blocks: hits round down to it
+    case.prefixes = (("m@0@tp0",),)
+    case.hashes = [rng.randbytes(32) for _ in range(6)]
+    case.present = {f"m@0@tp0@{h.hex()}" for h in case.hashes[:3]}  # three blocks present: 48 tokens
+    expected = _run(ORIGINAL, case.worker(Store(case.present, "list", 0, 0.0), False)[0], 97, case.hashes)
+    assert expected[0] == "ok" and expected[1].hit_length == 48  # vLLM's changed rule: not rounded to 32
+    got = _run(changed, case.worker(Store(case.present, "list", 0, 0.0), False)[0], 97, case.hashes)
+    assert got == expected
+    assert changed.stats.direct == 0

@@ -361,10 +361,23 @@ _HOOK: AfterImportHook | None = None
 
 def _store_module_executed(name: str) -> None:
     """A watched module finished executing: patch now, unless it is ``data`` imported by ``worker`` (whose own
-    execution is not finished: the hook fires again when it is)."""
-    if name == DATA_MODULE and WORKER_MODULE in sys.modules:
+    execution is not finished: the hook fires again when it is), or by another store module still executing
+    (vLLM 0.34's ``protocol``, ``selective_lease``: ``worker`` imports them, so it cannot be imported before they
+    finish; the hook fires when ``worker`` is)."""
+    if name == DATA_MODULE and (WORKER_MODULE in sys.modules or _store_module_executing()):
         return
     _run_deferred()
+
+
+def _store_module_executing() -> bool:
+    """Whether a module of the Mooncake store package other than ``data`` is being executed (importlib marks its
+    spec ``_initializing`` for the duration)."""
+    package = DATA_MODULE.rsplit(".", 1)[0] + "."
+    return any(
+        getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+        if name.startswith(package) and name != DATA_MODULE
+    )
 
 
 def _cancel_deferred() -> bool:

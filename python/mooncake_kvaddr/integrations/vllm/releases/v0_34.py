@@ -8,6 +8,7 @@ loop (16 chunks or fewer, or templates of unequal widths) and templates the engi
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -38,11 +39,12 @@ from mooncake_kvaddr.integrations.vllm.layouts import (
 )
 from mooncake_kvaddr.integrations.vllm.lookup import POOL_FUNCTIONS, DirectHit, LookupRules, LookupUnits
 from mooncake_kvaddr.integrations.vllm.receive_check import RECEIVE_FUNCTIONS
-from mooncake_kvaddr.integrations.vllm.registry import original_of
+from mooncake_kvaddr.integrations.vllm.registry import fingerprint, original_of
 from mooncake_kvaddr.integrations.vllm.releases.base import Release
 from mooncake_kvaddr.integrations.vllm.send_check import SEND_FUNCTIONS, THREAD_METHODS_033
 
 __all__ = [
+    "DIRECT_HIT_FINGERPRINTS",
     "FINGERPRINTED",
     "FINGERPRINTS",
     "LAYOUT_MODULE",
@@ -328,15 +330,30 @@ def plan_lookup(worker: Any, token_len: int, block_hashes: Any, cdiv: Any) -> Lo
     return LookupUnits(groups, pages)
 
 
+#: Release -> the fingerprint of ``FullAttentionManager.find_longest_cache_hit``, the rule :func:`direct_hit` reads
+#: off the flags (outside the worker module, so not in :data:`FINGERPRINTS`: another one turns the direct hit off).
+DIRECT_HIT_FINGERPRINTS: dict[str, str] = {"0.34.0": "106b6cdd1641df4b"}
+
+
 def direct_hit(worker_module: ModuleType) -> Callable[[Any], DirectHit | None]:
     """The check that a worker's hit can be read off the lookup's flags: vLLM 0.34's own coordinator with one
     spec group, plain full attention through ``FullAttentionManager`` without Eagle's last-block drop, whole
     blocks (not partial hashes), each block one hash block and one Store chunk. Its hit is then the leading
-    run of blocks every group has, rounded down to the scheduler block (``find_longest_cache_hit``)."""
+    run of blocks every group has, rounded down to the scheduler block (``find_longest_cache_hit``). Only where
+    ``FullAttentionManager.find_longest_cache_hit`` (the rule this reproduces) is the function checked against
+    (:data:`DIRECT_HIT_FINGERPRINTS`): else every hit is vLLM's coordinator's, with one warning saying why."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     coordinator_cls = worker_module.MooncakeStoreCoordinator
+    actual = fingerprint(FullAttentionManager.find_longest_cache_hit)
+    if actual not in DIRECT_HIT_FINGERPRINTS.values():
+        logging.getLogger("vllm.mooncake_kvaddr").warning(
+            "mooncake_kvaddr: the lookup's hits are all vLLM's coordinator's: "
+            "FullAttentionManager.find_longest_cache_hit is not the function this plugin was checked against "
+            "(fingerprint %s, known: %s)", actual, ", ".join(sorted(set(DIRECT_HIT_FINGERPRINTS.values()))),
+        )  # fmt: skip
+        return lambda worker: None
 
     def check(worker: Any) -> DirectHit | None:
         coord = worker.coord
