@@ -256,21 +256,24 @@ def test_the_deferred_loader_leaves_the_module_with_its_own_loader() -> None:
             return None
 
         def exec_module(self, module: types.ModuleType) -> None:
-            module.ran = True  # type: ignore[attr-defined]
+            module.ran = set(hook.executing)  # type: ignore[attr-defined]
 
     from mooncake_kvaddr.integrations.vllm import import_hook
 
     real = Loader()
-    called: list[tuple[str, bool]] = []
-    wrapped = import_hook._ThenCall(real, "kvaddr_absent_store.other",
-                                    lambda name: called.append((name, module.__loader__ is real)))  # fmt: skip
+    called: list[tuple[str, bool, set[str]]] = []
+    hook = import_hook.AfterImportHook(
+        "kvaddr_absent_store", lambda name: called.append((name, module.__loader__ is real, set(hook.executing)))
+    )
+    wrapped = import_hook._ThenCall(real, "kvaddr_absent_store.other", hook)
     module = types.ModuleType("kvaddr_absent_store.other")
     module.__spec__ = importlib.machinery.ModuleSpec("kvaddr_absent_store.other", wrapped)
     module.__loader__ = wrapped
     wrapped.exec_module(module)
-    assert module.ran  # type: ignore[attr-defined]
+    assert module.ran == {"kvaddr_absent_store.other"}  # type: ignore[attr-defined]  # executing while it ran
     assert module.__loader__ is real and module.__spec__.loader is real
-    assert called == [("kvaddr_absent_store.other", True)]  # after the module ran, its own loader back on it
+    # After the module ran: its own loader back on it, and no longer executing.
+    assert called == [("kvaddr_absent_store.other", True, set())]
 
 
 def test_replacing_an_attribute_twice_keeps_vllms_original() -> None:

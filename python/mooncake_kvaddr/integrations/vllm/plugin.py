@@ -360,24 +360,13 @@ _HOOK: AfterImportHook | None = None
 
 
 def _store_module_executed(name: str) -> None:
-    """A watched module finished executing: patch now, unless it is ``data`` imported by ``worker`` (whose own
-    execution is not finished: the hook fires again when it is), or by another store module still executing
-    (vLLM 0.34's ``protocol``, ``selective_lease``: ``worker`` imports them, so it cannot be imported before they
-    finish; the hook fires when ``worker`` is)."""
-    if name == DATA_MODULE and (WORKER_MODULE in sys.modules or _store_module_executing()):
+    """A module of the store package finished executing: patch now, unless another one is still executing (it
+    imports this one: ``worker`` imports ``data``, and on vLLM 0.34 ``protocol`` and ``selective_lease`` do,
+    which ``worker`` imports; ``worker`` cannot be imported before they finish). The hook fires again then."""
+    hook = _HOOK
+    if hook is not None and hook.executing:
         return
     _run_deferred()
-
-
-def _store_module_executing() -> bool:
-    """Whether a module of the Mooncake store package other than ``data`` is being executed (importlib marks its
-    spec ``_initializing`` for the duration)."""
-    package = DATA_MODULE.rsplit(".", 1)[0] + "."
-    return any(
-        getattr(getattr(module, "__spec__", None), "_initializing", False)
-        for name, module in list(sys.modules.items())
-        if name.startswith(package) and name != DATA_MODULE
-    )
 
 
 def _cancel_deferred() -> bool:
@@ -423,7 +412,7 @@ def register() -> None:
                     # Deciding needs only the version: a release we do not know is never imported into.
                     _warn_once(_unknown_release(version))
                     return
-                _HOOK = AfterImportHook(_WATCHED, _store_module_executed)
+                _HOOK = AfterImportHook(DATA_MODULE.rpartition(".")[0], _store_module_executed)
                 sys.meta_path.insert(0, _HOOK)
                 logger.debug("mooncake_kvaddr: patches vLLM %s on first import of its Mooncake store", version)
                 return
