@@ -491,3 +491,22 @@ def test_demo_cluster_says_at_once_what_it_waits_for(tmp_path: Path) -> None:
     assert not [pid for pid in children if process_is_running(pid)], children  # the fake etcd was killed
     assert proc.returncode == 130 and err == "interrupted\n", (proc.returncode, err)
     assert "etcd" in out, f"nothing said in 4 s: {out!r}"
+
+
+# ------------------------------------------------------------------------------------- EmbeddedCluster's flags
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=pytest.fail.Exception,
+    reason="EmbeddedCluster.__init__ refuses enable_ha and etcd_endpoints in master_args but not Mooncake's "
+    "-ha_backend_connstring / -ha_backend_type, which override them: the masters log 'Both ha_backend_connstring "
+    "and etcd_endpoints are set. Using ha_backend_connstring=...' and elect through that (any host's) backend, "
+    "not the cluster's own loopback etcd",
+)
+@pytest.mark.parametrize("arg", ["-ha_backend_connstring=10.0.0.1:2379", "--ha-backend-type=redis"])
+def test_cluster_refuses_flags_that_move_its_election_off_its_etcd(arg: str) -> None:
+    from mooncake_kvaddr.driver.cluster import EmbeddedCluster
+
+    with pytest.raises(ValueError, match="master_args"):
+        EmbeddedCluster(master_args=[arg]).close()
