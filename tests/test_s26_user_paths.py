@@ -510,3 +510,28 @@ def test_cluster_refuses_flags_that_move_its_election_off_its_etcd(arg: str) -> 
 
     with pytest.raises(ValueError, match="master_args"):
         EmbeddedCluster(master_args=[arg]).close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=pytest.fail.Exception,
+    reason="RESERVED_MASTER_FLAGS (driver/master.py) lacks enable_ha, etcd_endpoints, ha_backend_type and "
+    "ha_backend_connstring: the 'loopback only' embedded master, given deployment.md's master flags in "
+    "StoreConfig.master_args, joins that etcd's election and publishes 127.0.0.1:<port> as the cluster's leader "
+    "(measured: key mooncake-store/mooncake_cluster/master_view = 127.0.0.1:48749 in the named etcd)",
+)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-enable_ha=true", "-etcd_endpoints=10.0.0.5:2379"],
+        ["-enable_ha=true", "-ha_backend_connstring=10.0.0.5:2379"],
+    ],
+)
+def test_embedded_master_refuses_to_join_an_ha_election(args: list[str]) -> None:
+    from mooncake_kvaddr.driver.config import StoreConfig
+    from mooncake_kvaddr.driver.master import EmbeddedMaster
+
+    with pytest.raises(ValueError, match="master_args"):
+        StoreConfig(embedded_master=True, master_args=args)
+    with pytest.raises(ValueError, match="extra_args"):
+        EmbeddedMaster(extra_args=args).close()
