@@ -502,9 +502,11 @@ def test_demo_cluster_says_at_once_what_it_waits_for(tmp_path: Path) -> None:
     reason="EmbeddedCluster.__init__ refuses enable_ha and etcd_endpoints in master_args but not Mooncake's "
     "-ha_backend_connstring / -ha_backend_type, which override them: the masters log 'Both ha_backend_connstring "
     "and etcd_endpoints are set. Using ha_backend_connstring=...' and elect through that (any host's) backend, "
-    "not the cluster's own loopback etcd",
+    "not the cluster's own loopback etcd; and -cluster_id=mine publishes the leader under mooncake-store/mine/ "
+    "(measured) while clients of master_server_address read mooncake-store/mooncake_cluster/ (no client option "
+    "names another), so they find no master",
 )
-@pytest.mark.parametrize("arg", ["-ha_backend_connstring=10.0.0.1:2379", "--ha-backend-type=redis"])
+@pytest.mark.parametrize("arg", ["-ha_backend_connstring=10.0.0.1:2379", "--ha-backend-type=redis", "-cluster_id=mine"])
 def test_cluster_refuses_flags_that_move_its_election_off_its_etcd(arg: str) -> None:
     from mooncake_kvaddr.driver.cluster import EmbeddedCluster
 
