@@ -537,3 +537,25 @@ def test_embedded_master_refuses_to_join_an_ha_election(args: list[str]) -> None
         StoreConfig(embedded_master=True, master_args=args)
     with pytest.raises(ValueError, match="extra_args"):
         EmbeddedMaster(extra_args=args).close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="EmbeddedCluster.wait_for_leader polls for its whole timeout (start_timeout_s, 30 s by default) on a "
+    "cluster never started or already closed, where etcd_endpoint and kill_leader() say so at once",
+)
+@pytest.mark.parametrize("state", ["never started", "closed"])
+def test_wait_for_leader_on_a_cluster_without_masters_says_so_at_once(state: str) -> None:
+    from mooncake_kvaddr.driver.cluster import EmbeddedCluster
+
+    cluster = EmbeddedCluster(start_timeout_s=3.0)
+    if state == "closed":
+        cluster.close()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ClusterError):
+            cluster.wait_for_leader()
+    finally:
+        cluster.close()
+    assert time.monotonic() - started < 1.0
