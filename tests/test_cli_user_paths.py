@@ -496,32 +496,17 @@ def test_demo_cluster_says_at_once_what_it_waits_for(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------- EmbeddedCluster's flags
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="EmbeddedCluster.__init__ refuses enable_ha and etcd_endpoints in master_args but not Mooncake's "
-    "-ha_backend_connstring / -ha_backend_type, which override them: the masters log 'Both ha_backend_connstring "
-    "and etcd_endpoints are set. Using ha_backend_connstring=...' and elect through that (any host's) backend, "
-    "not the cluster's own loopback etcd; and -cluster_id=mine publishes the leader under mooncake-store/mine/ "
-    "(measured) while clients of master_server_address read mooncake-store/mooncake_cluster/ (no client option "
-    "names another), so they find no master",
-)
 @pytest.mark.parametrize("arg", ["-ha_backend_connstring=10.0.0.1:2379", "--ha-backend-type=redis", "-cluster_id=mine"])
 def test_cluster_refuses_flags_that_move_its_election_off_its_etcd(arg: str) -> None:
+    """Mooncake's ``-ha_backend_connstring``/``-ha_backend_type`` override ``-etcd_endpoints`` (the masters would
+    elect through another backend, not the cluster's loopback etcd), and ``-cluster_id`` publishes the leader
+    where the cluster's ``etcd://`` clients do not look: the cluster refuses them as it refuses ``enable_ha``."""
     from mooncake_kvaddr.driver.cluster import EmbeddedCluster
 
     with pytest.raises(ValueError, match="master_args"):
         EmbeddedCluster(master_args=[arg]).close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="RESERVED_MASTER_FLAGS (driver/master.py) lacks enable_ha, etcd_endpoints, ha_backend_type and "
-    "ha_backend_connstring: the 'loopback only' embedded master, given deployment.md's master flags in "
-    "StoreConfig.master_args, joins that etcd's election and publishes 127.0.0.1:<port> as the cluster's leader "
-    "(measured: key mooncake-store/mooncake_cluster/master_view = 127.0.0.1:48749 in the named etcd)",
-)
 @pytest.mark.parametrize(
     "args",
     [
@@ -530,6 +515,8 @@ def test_cluster_refuses_flags_that_move_its_election_off_its_etcd(arg: str) -> 
     ],
 )
 def test_embedded_master_refuses_to_join_an_ha_election(args: list[str]) -> None:
+    """The embedded master is one master on loopback: given HA flags it would join that etcd's election and publish
+    ``127.0.0.1:<port>`` as the cluster's leader (measured), so both faces refuse them."""
     from mooncake_kvaddr.driver.config import StoreConfig
     from mooncake_kvaddr.driver.master import EmbeddedMaster
 
@@ -539,14 +526,10 @@ def test_embedded_master_refuses_to_join_an_ha_election(args: list[str]) -> None
         EmbeddedMaster(extra_args=args).close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="EmbeddedCluster.wait_for_leader polls for its whole timeout (start_timeout_s, 30 s by default) on a "
-    "cluster never started or already closed, where etcd_endpoint and kill_leader() say so at once",
-)
 @pytest.mark.parametrize("state", ["never started", "closed"])
 def test_wait_for_leader_on_a_cluster_without_masters_says_so_at_once(state: str) -> None:
+    """With no master to wait for (never started, or closed) ``wait_for_leader`` raises at once rather than poll
+    for its whole timeout."""
     from mooncake_kvaddr.driver.cluster import EmbeddedCluster
 
     cluster = EmbeddedCluster(start_timeout_s=3.0)

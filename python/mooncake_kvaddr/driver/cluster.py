@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Final
 
 from mooncake_kvaddr.driver.master import (
+    HA_MASTER_FLAGS,
     MasterError,
     check_master_args,
     check_start_options,
@@ -289,12 +290,11 @@ class EmbeddedCluster(ChildOwner):
                 raise TypeError(f"master_env: expected variable names and string values, got {name!r}={value!r}")
         self._start_timeout_s = check_start_options(start_timeout_s, log_level)
         self._count = masters
-        # The embedded master's rules (loopback only, one -name=value flag each), and the HA flags are ours too.
-        self._master_args = check_master_args("master_args", master_args)
-        for arg in self._master_args:
-            name = arg.lstrip("-").partition("=")[0].replace("-", "_")
-            if name in ("enable_ha", "etcd_endpoints"):
-                raise ValueError(f"master_args: {arg!r} sets {name}, which the cluster sets (HA over its own etcd)")
+        # The embedded master's rules (loopback only, one -name=value flag each); the HA flags, and the cluster id
+        # its clients' etcd:// address reads the leader under, are the cluster's.
+        self._master_args = check_master_args(
+            "master_args", master_args, HA_MASTER_FLAGS | {"cluster_id"}, "the cluster sets (HA over its own etcd)"
+        )
         self._master_env = env
         self._master_binary = Path(master_binary) if master_binary is not None else None
         self._etcd_binary = Path(etcd_binary) if etcd_binary is not None else None
@@ -340,7 +340,11 @@ class EmbeddedCluster(ChildOwner):
         return serving[0] if len(serving) == 1 else None
 
     def wait_for_leader(self, timeout_s: float | None = None, *, exclude: HaMaster | None = None) -> HaMaster:
-        """Wait until one master serves (not ``exclude``: the one just killed); ClusterError at the timeout."""
+        """Wait until one master serves (not ``exclude``: the one just killed); ClusterError at the timeout, and at
+        once for a cluster closed or never started (no master to wait for)."""
+        self._check_open(ClusterError)
+        if not self._masters:
+            raise ClusterError("the cluster has not been started yet")
         limit = self._start_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         while True:

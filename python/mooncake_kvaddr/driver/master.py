@@ -25,6 +25,7 @@ from mooncake_kvaddr.driver.process import (
 )
 
 __all__ = [
+    "HA_MASTER_FLAGS",
     "MOONCAKE_VARIANTS",
     "RESERVED_MASTER_FLAGS",
     "EmbeddedMaster",
@@ -316,11 +317,22 @@ RESERVED_MASTER_FLAGS: Final = frozenset(
 )
 
 
-def check_master_args(field: str, args: Sequence[str]) -> tuple[str, ...]:
+#: Master flags that put a master into an HA election and name where it is held: the embedded master is one
+#: master on loopback, never elected; an ``EmbeddedCluster`` sets them itself (over its own etcd).
+HA_MASTER_FLAGS: Final = frozenset({"enable_ha", "etcd_endpoints", "ha_backend_type", "ha_backend_connstring"})
+
+
+def check_master_args(
+    field: str,
+    args: Sequence[str],
+    ha_flags: frozenset[str] = HA_MASTER_FLAGS,
+    ha_owner: str = "the embedded master does not take: it is one master on loopback, never part of an HA "
+    "election (an HA deployment runs its own masters, docs/deployment.md)",
+) -> tuple[str, ...]:
     """``args`` as a tuple if each is one ``-name=value`` (or ``--name=value``) flag the embedded master may take;
     else ``TypeError`` (not a sequence of strings) or ``ValueError`` naming ``field``. Refused: a bare ``-name``
     (gflags may take the next argument as its value), ``--`` or a positional argument (which end flag parsing),
-    and the :data:`RESERVED_MASTER_FLAGS`."""
+    the :data:`RESERVED_MASTER_FLAGS`, then the ``ha_flags`` (``ha_owner`` says who sets them)."""
     if isinstance(args, str) or not isinstance(args, Sequence):
         raise TypeError(f"{field}: expected a sequence of strings, not one string")
     for arg in args:
@@ -337,6 +349,10 @@ def check_master_args(field: str, args: Sequence[str]) -> tuple[str, ...]:
                 f"{LOOPBACK} only, on ports it picks, and reads no flags from elsewhere (a deployment that needs "
                 "another address runs its own mooncake_master)"
             )
+    for arg in args:
+        name = arg.lstrip("-").partition("=")[0].replace("-", "_")
+        if name in ha_flags:
+            raise ValueError(f"{field}: {arg!r} sets {name}, which {ha_owner}")
     return tuple(args)
 
 
