@@ -215,12 +215,6 @@ def test_demo_cluster_sizes_its_segment_for_the_chunks_asked(monkeypatch: pytest
 # ------------------------------------------------------------------------------------- top-level usage
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="__main__.main prints USAGE to standard output also when it returns 2 (no command): a usage error "
-    "belongs on standard error, as argparse and the unknown-command path put it",
-)
 def test_usage_error_goes_to_standard_error() -> None:
     """``python -m mooncake_kvaddr`` with no command is a usage error: exit status 2, the usage on stderr."""
     done = subprocess.run([sys.executable, "-m", "mooncake_kvaddr"], capture_output=True, text=True, timeout=60)
@@ -328,13 +322,6 @@ def test_demo_cluster_says_it_closes_and_ctrl_c_ends_the_close_at_once(tmp_path:
 
 @pytest.mark.mooncake
 @needs_etcd
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="SIGTERM (timeout(1), kill, a cancelled CI job) ends demo --cluster without exit handlers: the masters "
-    "and etcd die by PR_SET_PDEATHSIG, but EmbeddedCluster's etcd data directory (mooncake_kvaddr_etcd_*, "
-    "62 MB: etcd's preallocated WAL) stays in TMPDIR, one per run; nothing removes it later",
-)
 def test_demo_cluster_ended_by_sigterm_leaves_no_etcd_data_directory(tmp_path: Path) -> None:
     demo = _ClusterDemo(tmp_path)
     try:
@@ -355,13 +342,6 @@ def test_demo_cluster_ended_by_sigterm_leaves_no_etcd_data_directory(tmp_path: P
 # ------------------------------------------------------------------------------------- bench, ended by SIGTERM
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="__main__._run_child starts 'python -m mooncake_kvaddr.bench' with a plain Popen (no "
-    "PR_SET_PDEATHSIG, unlike every other child of the command lines): SIGTERM to 'python -m mooncake_kvaddr "
-    "bench' (kill, a supervisor) ends the parent and leaves the benchmark running, orphaned",
-)
 def test_bench_ended_by_sigterm_leaves_no_child_running() -> None:
     import mooncake_kvaddr
 
