@@ -59,12 +59,6 @@ def no_leaked_children() -> Any:
 
 
 @pytest.mark.mooncake
-@pytest.mark.xfail(
-    strict=True,
-    raises=MasterError,
-    reason="demo.main's errors tuple lacks MasterError: a master that cannot start (a bad master_args flag, a "
-    "Mooncake variant without mooncake_master, a start timeout) is a traceback and exit status 1",
-)
 def test_demo_reports_a_master_that_cannot_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "mooncake.json"
     config.write_text(json.dumps({"master_args": ["-no_such_flag=1"]}))
@@ -100,12 +94,6 @@ def test_demo_cluster_reports_a_missing_master_binary(
 
 
 @pytest.mark.mooncake
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="demo._parse does not bound --seed: chained_hashes' seed.to_bytes(8) raises OverflowError (not caught) "
-    "after the store was set up; a traceback and exit status 1",
-)
 def test_demo_refuses_a_seed_it_cannot_use(capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_status(lambda: demo_main([*SMALL, "--seed", str(2**64)])) == 2
     assert "--seed" in capsys.readouterr().err
@@ -135,12 +123,6 @@ def test_a_bad_verbose_variable_is_one_line_not_a_traceback(
     assert VERBOSE_ENV in err and "Traceback" not in err, err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="'demo --help' never mentions --cluster (only the top-level usage does), though the top-level "
-    "usage says \"'<command> --help' says more\"",
-)
 def test_demo_help_names_the_cluster_demo(capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_status(lambda: top_main(["demo", "--help"])) == 0
     assert "--cluster" in capsys.readouterr().out
@@ -150,24 +132,12 @@ def test_demo_help_names_the_cluster_demo(capsys: pytest.CaptureFixture[str]) ->
 
 
 @pytest.mark.mooncake
-@pytest.mark.xfail(
-    strict=True,
-    raises=FileNotFoundError,
-    reason="demo.main writes --json only after the whole run, unguarded: a path it cannot write (no such "
-    "directory) is a FileNotFoundError traceback and exit status 1 after a verified run",
-)
 def test_demo_json_path_that_cannot_be_written_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "no-such-directory" / "demo.json"
     assert _exit_status(lambda: demo_main([*SMALL, "--json", str(target)])) == 2
     assert str(target) in capsys.readouterr().err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="demo.main writes --json only on success: a failed run leaves the previous run's report "
-    "(verified: true) in place, so a script reading PATH sees a success",
-)
 def test_a_failed_demo_leaves_no_stale_verified_json(tmp_path: Path) -> None:
     report = tmp_path / "demo.json"
     report.write_text(json.dumps({"verified": True}) + "\n")  # an earlier, successful run's report
@@ -381,12 +351,6 @@ def test_bench_ended_by_sigterm_leaves_no_child_running() -> None:
 # ------------------------------------------------------------------------------------- more arguments, the report
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="demo._parse reads --hash-block-size as 'args.hash_block_size or args.block_size': 0 silently means "
-    "'the block size', while --block-size 0 and a negative --hash-block-size are refused",
-)
 def test_demo_refuses_a_zero_hash_block_size() -> None:
     def parse() -> int:
         demo_module._parse([*SMALL, "--hash-block-size", "0"])
@@ -395,13 +359,6 @@ def test_demo_refuses_a_zero_hash_block_size() -> None:
     assert _exit_status(parse) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="demo._print_report rates store_put and load_get (MiB/s over the whole request) whatever moved: a run "
-    "whose master died mid-store prints 'store_put 3.46 ms (18519 MiB/s)' with nothing stored, then only "
-    "'NOT VERIFIED'",
-)
 def test_demo_report_rates_no_transfer_that_moved_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     # The report of a run whose embedded master was SIGKILLed at 'storing ...' (measured: figures as printed).
     report = {
