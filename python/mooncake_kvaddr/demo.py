@@ -105,6 +105,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--tokens must be at least one block")
     if not 0 <= args.seed < 2**64:
         parser.error("--seed must be from 0 to 2**64-1")
+    try:
+        args.verbose = verbose_requested(args.verbose)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -375,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"demo: cannot write --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
             return 2
     errors = (StoreError, MasterError, ImportError, OSError, ValueError)
-    report = run_or_report("demo", verbose_requested(args.verbose), lambda: run(args), errors)
+    report = run_or_report("demo", args.verbose, lambda: run(args), errors)
     if report is None:
         return 2
     _print_report(report)
