@@ -3,8 +3,8 @@ every failure is one clear message and a conventional exit status (2: the run co
 "ran, NOT VERIFIED"), never a traceback; ``--json PATH`` never leaves a report that says the opposite of the run;
 and ``demo --cluster``'s options do not quietly break what the demo sets out to show (docs/deployment.md).
 
-The tests marked ``xfail(strict=True)`` are open bugs: each fails on the current code, and its reason says what
-is wrong and where; remove the mark with the fix.
+A test marked ``xfail(strict=True)`` fails on the current code, its reason says what and where: an open bug
+(remove the mark with the fix) or, for Ctrl-C in ``demo --cluster``'s client close, a documented limitation.
 """
 
 from __future__ import annotations
@@ -59,12 +59,6 @@ def no_leaked_children() -> Any:
 
 
 @pytest.mark.mooncake
-@pytest.mark.xfail(
-    strict=True,
-    raises=MasterError,
-    reason="demo.main's errors tuple lacks MasterError: a master that cannot start (a bad master_args flag, a "
-    "Mooncake variant without mooncake_master, a start timeout) is a traceback and exit status 1",
-)
 def test_demo_reports_a_master_that_cannot_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "mooncake.json"
     config.write_text(json.dumps({"master_args": ["-no_such_flag=1"]}))
@@ -73,12 +67,6 @@ def test_demo_reports_a_master_that_cannot_start(tmp_path: Path, capsys: pytest.
     assert "demo failed: MasterError: mooncake_master exited" in err and "no_such_flag" in err, err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=MasterError,
-    reason="demo_cluster.main's errors tuple lacks MasterError (ClusterError's base): without mooncake_master "
-    "(Mooncake not installed, or a variant that ships none) demo --cluster ends in a traceback, exit status 1",
-)
 def test_demo_cluster_reports_a_missing_master_binary(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -100,23 +88,11 @@ def test_demo_cluster_reports_a_missing_master_binary(
 
 
 @pytest.mark.mooncake
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="demo._parse does not bound --seed: chained_hashes' seed.to_bytes(8) raises OverflowError (not caught) "
-    "after the store was set up; a traceback and exit status 1",
-)
 def test_demo_refuses_a_seed_it_cannot_use(capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_status(lambda: demo_main([*SMALL, "--seed", str(2**64)])) == 2
     assert "--seed" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="demo.main and demo_cluster.main call verbose_requested() outside run_or_report: a "
-    "MOONCAKE_KVADDR_VERBOSE that is neither on nor off (flags.flag's ValueError) is a traceback, exit status 1",
-)
 @pytest.mark.parametrize("command", ["demo", "demo --cluster"])
 def test_a_bad_verbose_variable_is_one_line_not_a_traceback(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -135,12 +111,6 @@ def test_a_bad_verbose_variable_is_one_line_not_a_traceback(
     assert VERBOSE_ENV in err and "Traceback" not in err, err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="'demo --help' never mentions --cluster (only the top-level usage does), though the top-level "
-    "usage says \"'<command> --help' says more\"",
-)
 def test_demo_help_names_the_cluster_demo(capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_status(lambda: top_main(["demo", "--help"])) == 0
     assert "--cluster" in capsys.readouterr().out
@@ -150,24 +120,12 @@ def test_demo_help_names_the_cluster_demo(capsys: pytest.CaptureFixture[str]) ->
 
 
 @pytest.mark.mooncake
-@pytest.mark.xfail(
-    strict=True,
-    raises=FileNotFoundError,
-    reason="demo.main writes --json only after the whole run, unguarded: a path it cannot write (no such "
-    "directory) is a FileNotFoundError traceback and exit status 1 after a verified run",
-)
 def test_demo_json_path_that_cannot_be_written_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "no-such-directory" / "demo.json"
     assert _exit_status(lambda: demo_main([*SMALL, "--json", str(target)])) == 2
     assert str(target) in capsys.readouterr().err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="demo.main writes --json only on success: a failed run leaves the previous run's report "
-    "(verified: true) in place, so a script reading PATH sees a success",
-)
 def test_a_failed_demo_leaves_no_stale_verified_json(tmp_path: Path) -> None:
     report = tmp_path / "demo.json"
     report.write_text(json.dumps({"verified": True}) + "\n")  # an earlier, successful run's report
@@ -181,14 +139,6 @@ def test_a_failed_demo_leaves_no_stale_verified_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.mooncake
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="demo_cluster.run_cluster_demo fixes global_segment_size at 64 MiB whatever --chunks asks: from "
-    "about 4000 chunks the two requests (8 KiB per chunk each) do not fit, 'before' is evicted (5000: 2201/5000 "
-    "survive, time to service 21 s) and from 8193 the run fails 'no store succeeded within 60 s of the kill', "
-    "blaming the failover",
-)
 def test_demo_cluster_sizes_its_segment_for_the_chunks_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Either ``--chunks`` is bounded by what the segment holds (a usage error, before anything starts), or the
     client's segment is sized for both requests. (No Mooncake client is made here: one would tie this test
@@ -215,12 +165,6 @@ def test_demo_cluster_sizes_its_segment_for_the_chunks_asked(monkeypatch: pytest
 # ------------------------------------------------------------------------------------- top-level usage
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="__main__.main prints USAGE to standard output also when it returns 2 (no command): a usage error "
-    "belongs on standard error, as argparse and the unknown-command path put it",
-)
 def test_usage_error_goes_to_standard_error() -> None:
     """``python -m mooncake_kvaddr`` with no command is a usage error: exit status 2, the usage on stderr."""
     done = subprocess.run([sys.executable, "-m", "mooncake_kvaddr"], capture_output=True, text=True, timeout=60)
@@ -307,9 +251,10 @@ needs_etcd = pytest.mark.skipif(etcd_missing() is not None, reason=etcd_missing(
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="demo_cluster.run_cluster_demo closes its HA client (MooncakeStore.__exit__: ~30 s in Mooncake's "
-    "close(), GIL held, docs/deployment.md) with no line before it, unlike demo's 'closing the store' line; a "
-    "Ctrl-C in those 30 s waits for the close (measured 14-26 s) instead of ending at once",
+    reason="a known limitation, documented (docs/configuration.md, 'Ctrl-C'): demo --cluster now says it closes "
+    "(a line that names the 30 s), but Mooncake's HA client close() (MooncakeStore.__exit__, ~30 s) holds the GIL, "
+    "so neither the SIGINT handler nor exit_on_interrupt's watcher thread can run until it returns (measured "
+    "27 s, then 'interrupted', status 130); ending sooner needs Mooncake to release the GIL in close()",
 )
 def test_demo_cluster_says_it_closes_and_ctrl_c_ends_the_close_at_once(tmp_path: Path) -> None:
     demo = _ClusterDemo(tmp_path)
@@ -328,13 +273,6 @@ def test_demo_cluster_says_it_closes_and_ctrl_c_ends_the_close_at_once(tmp_path:
 
 @pytest.mark.mooncake
 @needs_etcd
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="SIGTERM (timeout(1), kill, a cancelled CI job) ends demo --cluster without exit handlers: the masters "
-    "and etcd die by PR_SET_PDEATHSIG, but EmbeddedCluster's etcd data directory (mooncake_kvaddr_etcd_*, "
-    "62 MB: etcd's preallocated WAL) stays in TMPDIR, one per run; nothing removes it later",
-)
 def test_demo_cluster_ended_by_sigterm_leaves_no_etcd_data_directory(tmp_path: Path) -> None:
     demo = _ClusterDemo(tmp_path)
     try:
@@ -355,13 +293,6 @@ def test_demo_cluster_ended_by_sigterm_leaves_no_etcd_data_directory(tmp_path: P
 # ------------------------------------------------------------------------------------- bench, ended by SIGTERM
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="__main__._run_child starts 'python -m mooncake_kvaddr.bench' with a plain Popen (no "
-    "PR_SET_PDEATHSIG, unlike every other child of the command lines): SIGTERM to 'python -m mooncake_kvaddr "
-    "bench' (kill, a supervisor) ends the parent and leaves the benchmark running, orphaned",
-)
 def test_bench_ended_by_sigterm_leaves_no_child_running() -> None:
     import mooncake_kvaddr
 
@@ -401,12 +332,6 @@ def test_bench_ended_by_sigterm_leaves_no_child_running() -> None:
 # ------------------------------------------------------------------------------------- more arguments, the report
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="demo._parse reads --hash-block-size as 'args.hash_block_size or args.block_size': 0 silently means "
-    "'the block size', while --block-size 0 and a negative --hash-block-size are refused",
-)
 def test_demo_refuses_a_zero_hash_block_size() -> None:
     def parse() -> int:
         demo_module._parse([*SMALL, "--hash-block-size", "0"])
@@ -415,13 +340,6 @@ def test_demo_refuses_a_zero_hash_block_size() -> None:
     assert _exit_status(parse) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="demo._print_report rates store_put and load_get (MiB/s over the whole request) whatever moved: a run "
-    "whose master died mid-store prints 'store_put 3.46 ms (18519 MiB/s)' with nothing stored, then only "
-    "'NOT VERIFIED'",
-)
 def test_demo_report_rates_no_transfer_that_moved_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     # The report of a run whose embedded master was SIGKILLed at 'storing ...' (measured: figures as printed).
     report = {
@@ -452,13 +370,6 @@ def test_demo_report_rates_no_transfer_that_moved_nothing(capsys: pytest.Capture
 
 
 @pytest.mark.mooncake
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="demo_cluster.run_cluster_demo prints nothing until etcd and both masters are up (6 s here; with an "
-    "etcd that never gets healthy, 30 s of silence and then the error), unlike demo, which says at once what "
-    "it starts and how long it waits (docs/python-api.md, 'The demo')",
-)
 def test_demo_cluster_says_at_once_what_it_waits_for(tmp_path: Path) -> None:
     fake = tmp_path / "bin" / "etcd"
     fake.parent.mkdir()

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch to a sub-command."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE, file=sys.stdout if args else sys.stderr)  # --help: stdout; no command, a usage error
         return 0 if args else 2
     if args[0] in ("-V", "--version"):
         print(f"mooncake_kvaddr {__version__}")
@@ -62,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_child(command: list[str]) -> int:
     """Run ``command`` and return its exit status; Ctrl-C is passed on to it (a terminal sends it to both), and
-    a child that has not ended :data:`_CHILD_GRACE_S` later is killed (then this prints the line itself)."""
+    a child that has not ended :data:`_CHILD_GRACE_S` later is killed (then this prints the line itself). The
+    child gets SIGTERM when this process ends otherwise (SIGTERM, SIGKILL): it never runs on orphaned."""
     from mooncake_kvaddr._cli import INTERRUPTED_EXIT, INTERRUPTED_LINE
+    from mooncake_kvaddr.driver.process import pdeathsig_preexec
 
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, preexec_fn=pdeathsig_preexec())  # SIGTERM when this process ends
     interrupted: list[float] = []
 
     def pass_on(signum: int, frame: FrameType | None) -> None:

@@ -2,8 +2,8 @@
 
 A command line owns its process, so it may do what the library must not: keep Mooncake's native log lines
 (file descriptor 2) out of the terminal unless ``--verbose`` or ``MOONCAKE_KVADDR_VERBOSE=1`` asks for them
-(``docs/configuration.md``, "Logs"), and end the process on Ctrl-C at once, wherever the main thread is: one
-line, exit status 130, no child process left (``docs/configuration.md``, "Ctrl-C").
+(``docs/configuration.md``, "Logs"), and end the process on Ctrl-C (or SIGTERM) at once, wherever the main thread
+is: one line, exit status 130 (143), no child process left (``docs/configuration.md``, "Ctrl-C").
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ VERBOSE_ENV: Final = "MOONCAKE_KVADDR_VERBOSE"
 INTERRUPTED_EXIT: Final = 128 + int(signal.SIGINT)
 #: The one line it prints on standard error.
 INTERRUPTED_LINE: Final = "interrupted"
+#: The line and exit status (128 + SIGTERM) of one ended by SIGTERM (kill, timeout(1), a cancelled CI job).
+_TERMINATED: Final = ("terminated", 128 + int(signal.SIGTERM))
 
 
 def verbose_requested(given: bool) -> bool:
@@ -99,7 +101,8 @@ def _is_fd2(stream: object) -> bool:
 def exit_on_interrupt() -> Iterator[None]:
     """For the block, SIGINT ends the process within moments: every child process is killed (an embedded
     master, a ``mooncake_client``, a bench worker), :data:`INTERRUPTED_LINE` goes to the terminal's standard
-    error and the process exits with :data:`INTERRUPTED_EXIT`, skipping every clean-up that could wait.
+    error and the process exits with :data:`INTERRUPTED_EXIT`, skipping every clean-up that could wait (the
+    interpreter's exit handlers run, bounded: temporary directories go). SIGTERM alike: "terminated", 143.
 
     The main thread takes the signal between two bytecodes; while it sits in a call that released the GIL (a
     Mooncake transfer, a join), a watcher thread woken through :func:`signal.set_wakeup_fd` takes it instead.
@@ -112,7 +115,7 @@ def exit_on_interrupt() -> Iterator[None]:
     terminal = os.dup(2)  # before any redirection of file descriptor 2 (native_log)
     wake_read, wake_write = socket.socketpair()
     wake_write.setblocking(False)
-    previous_handler = signal.signal(signal.SIGINT, _ending)
+    previous_handlers = [signal.signal(signum, _ending) for signum in (signal.SIGINT, signal.SIGTERM)]
     previous_fd = signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
     _ENDING.terminal = terminal
 
@@ -124,8 +127,9 @@ def exit_on_interrupt() -> Iterator[None]:
                 return
             if not data:
                 return  # the block is over: its end closed the other side
-            if int(signal.SIGINT) in data:
-                _end()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                if int(signum) in data:
+                    _end(signum)
 
     watcher = threading.Thread(target=watch, name="mooncake-kvaddr-interrupt", daemon=True)
     watcher.start()
@@ -133,7 +137,8 @@ def exit_on_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.set_wakeup_fd(previous_fd)
-        signal.signal(signal.SIGINT, previous_handler)
+        signal.signal(signal.SIGINT, previous_handlers[0])
+        signal.signal(signal.SIGTERM, previous_handlers[1])
         wake_write.close()
         watcher.join()
         wake_read.close()
@@ -157,10 +162,10 @@ _EXIT_HANDLERS_S: Final = 2.0
 
 
 def _ending(signum: int, frame: FrameType | None) -> None:
-    _end()
+    _end(signum)
 
 
-def _end() -> None:
+def _end(signum: int) -> None:
     with _ENDING.guard:
         owner = _ENDING.owner
         if owner is None:
@@ -172,12 +177,13 @@ def _end() -> None:
     for pid, _name in children():  # SIGKILL every direct child of this process (found through /proc)
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+    line, status = _TERMINATED if signum == signal.SIGTERM else (INTERRUPTED_LINE, INTERRUPTED_EXIT)
     terminal = _ENDING.terminal
     with contextlib.suppress(OSError, TypeError):
-        os.write(terminal if terminal is not None else 2, f"{INTERRUPTED_LINE}\n".encode())
+        os.write(terminal if terminal is not None else 2, f"{line}\n".encode())
     # Clean-ups registered for interpreter exit, bounded and silent (the line above is the only one).
     sys.stderr = open(os.devnull, "w")
     runner = threading.Thread(target=atexit._run_exitfuncs, name="mooncake-kvaddr-exit", daemon=True)
     runner.start()
     runner.join(_EXIT_HANDLERS_S)
-    os._exit(INTERRUPTED_EXIT)
+    os._exit(status)

@@ -26,6 +26,7 @@ from mooncake_kvaddr.core.database import ChunkedTokenDatabase
 from mooncake_kvaddr.core.hashes import chunk_hashes_for_block_size
 from mooncake_kvaddr.core.metadata import KeyMetadata
 from mooncake_kvaddr.driver.config import TRANSFER_MODES, StoreConfig
+from mooncake_kvaddr.driver.master import MasterError
 from mooncake_kvaddr.driver.rules import choose_auto_mode, copies_in_memory
 from mooncake_kvaddr.driver.staging import SLOT_ALIGNMENT, StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore, StoreError
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m mooncake_kvaddr demo",
         description="Store one request's KV cache in Mooncake, look it up, load it into a second cache, "
         "verify every byte, and print where the time went. Ctrl-C ends it at any moment (exit status 130).",
+        epilog="python -m mooncake_kvaddr demo --cluster [--chunks N] [--no-oplog]: the same through etcd and two "
+        "HA masters on loopback, killing the leader mid-run ('demo --cluster --help' says more).",
     )
     parser.add_argument("--tokens", type=int, default=65_536, help="tokens in the request (default 65536)")
     parser.add_argument("--regions", type=int, default=64, help="KV-cache regions, K and V per layer (64)")
@@ -74,8 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=_MODE_HELP,
     )
     parser.add_argument("--config", type=Path, default=None, help="StoreConfig JSON (else env / embedded)")
-    parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic cache contents")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help='write the result as JSON here ({"verified": false, "error": ...} until a run ends with a report)',
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic cache contents (0 to 2**64-1)")
     parser.add_argument(
         "--verbose",
         action="store_true",
@@ -90,11 +98,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("tokens", "regions", "block_size", "block_bytes", "recv_threads"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    hbs = args.hash_block_size or args.block_size
+    hbs = args.block_size if args.hash_block_size is None else args.hash_block_size
     if hbs <= 0 or args.block_size % hbs:
         parser.error("--hash-block-size must divide --block-size")
     if args.tokens < args.block_size:
         parser.error("--tokens must be at least one block")
+    if not 0 <= args.seed < 2**64:
+        parser.error("--seed must be from 0 to 2**64-1")
+    try:
+        args.verbose = verbose_requested(args.verbose)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -311,7 +325,9 @@ def _print_report(report: dict[str, Any]) -> None:
     pool_mib = report["staging_pool_bytes"] / (1 << 20)
     staging = f", staging pool {pool_mib:.1f} MiB" if pool_mib else ""
     print(f"transfer mode: {mode['requested']} -> store {mode['store']}, load {mode['load']}{staging}")
-    rated = ("store_put", "load_get", "store_gather", "load_scatter")
+    # Rated where something moved: a step that stored or loaded nothing has no rate.
+    moved = {"store": report["stored_chunks"], "load": report["loaded_bytes"]}
+    rated = {name for name in ("store_put", "load_get", "store_gather", "load_scatter") if moved[name.split("_")[0]]}
     timings, remeasured = report["timings_ms"], report["remeasured_ms"]
     width = max(len(name) for name in (*timings, *remeasured))
 
@@ -356,8 +372,14 @@ def run_or_report(
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 only if every byte was verified)."""
     args = _parse(argv)
-    errors = (StoreError, ImportError, OSError, ValueError)
-    report = run_or_report("demo", verbose_requested(args.verbose), lambda: run(args), errors)
+    if args.json is not None:  # written before the run: a path it cannot write is refused before anything starts
+        try:
+            args.json.write_text(json.dumps({"verified": False, "error": "the run did not end (see stderr)"}) + "\n")
+        except OSError as exc:
+            print(f"demo: cannot write --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    errors = (StoreError, MasterError, ImportError, OSError, ValueError)
+    report = run_or_report("demo", args.verbose, lambda: run(args), errors)
     if report is None:
         return 2
     _print_report(report)

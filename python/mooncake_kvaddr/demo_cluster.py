@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from mooncake_kvaddr.core.metadata import KeyMetadata
 from mooncake_kvaddr.demo import chained_hashes, kv_cache, run_or_report
 from mooncake_kvaddr.driver.cluster import ClusterError, EmbeddedCluster, find_etcd_binary
 from mooncake_kvaddr.driver.config import StoreConfig
+from mooncake_kvaddr.driver.master import MasterError
 from mooncake_kvaddr.driver.store import MooncakeStore, StoreError
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
@@ -30,6 +32,7 @@ _BLOCK_SIZE = 16
 _REGIONS = 8
 _BLOCK_BYTES = 1024
 _SERVICE_LIMIT_S = 60.0
+_START_TIMEOUT_S = 30.0  # each wait of the start: etcd healthy, each master answering, a leader serving
 
 
 def run_cluster_demo(
@@ -47,9 +50,11 @@ def run_cluster_demo(
     source = kv_cache(_REGIONS, blocks, _BLOCK_BYTES, rng)
     target = kv_cache(_REGIONS, blocks, _BLOCK_BYTES, None)
     tokens = chunks * _BLOCK_SIZE
+    data_bytes = chunks * _REGIONS * _BLOCK_BYTES  # one request
     metadata = KeyMetadata("demo-cluster", 0, 0, 0, 0)
     started = time.monotonic()
-    with EmbeddedCluster(masters=2, master_args=flags) as cluster:
+    say(f"starting etcd and two HA masters on loopback (each waited for up to {_START_TIMEOUT_S:.0f} s) ...")
+    with EmbeddedCluster(masters=2, master_args=flags, start_timeout_s=_START_TIMEOUT_S) as cluster:
         leader = cluster.wait_for_leader()
         say(
             f"cluster: etcd {cluster.etcd_endpoint}, masters "
@@ -59,7 +64,8 @@ def run_cluster_demo(
         )
         config = StoreConfig(
             master_server_address=cluster.master_server_address,
-            global_segment_size=64 << 20,
+            # The cluster's only pool: both requests, with slack (as demo's embedded master is sized).
+            global_segment_size=2 * (data_bytes + data_bytes // 4) + (64 << 20),
             local_buffer_size=0,
             request_timeout_s=request_timeout_s,
         )
@@ -124,6 +130,7 @@ def run_cluster_demo(
             finally:
                 writer.close()
                 reader.close()
+                say("closing the client (Mooncake's HA client takes up to 30 s to stop; Ctrl-C waits for it)")
     verified = wrong == 0 and survived["after"]["loaded"] == chunks
     say(
         "verified: service came back by itself and no wrong byte was loaded"
@@ -154,15 +161,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.chunks <= 0:
         parser.error("--chunks must be positive")
     try:
+        verbose = verbose_requested(args.verbose)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         find_etcd_binary()
     except ClusterError as exc:
         print(f"demo --cluster needs etcd: {exc}", file=sys.stderr)
         return 2
     report = run_or_report(
         "demo --cluster",
-        verbose_requested(args.verbose),
-        lambda: run_cluster_demo(chunks=args.chunks, oplog=not args.no_oplog),
-        (ClusterError, StoreError, ImportError, OSError),
+        verbose,
+        lambda: run_cluster_demo(chunks=args.chunks, oplog=not args.no_oplog, say=partial(print, flush=True)),
+        (MasterError, StoreError, ImportError, OSError),
     )
     if report is None:
         return 2
