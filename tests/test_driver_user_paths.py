@@ -1,0 +1,54 @@
+"""What a user of the driver API meets with arguments of the wrong type: a clear exception naming the argument,
+never a transfer that accepts it and then fails every request, or a message about some other name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
+from mooncake_kvaddr.driver.store import MooncakeStore
+from mooncake_kvaddr.driver.transfer import KVTransfer
+
+
+def _db() -> ChunkedTokenDatabase:
+    return ChunkedTokenDatabase(KeyMetadata("m", 0, 0, 0, 0), 16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"tp_rank": 1.5}, TypeError, "tp_rank"),
+        ({"tp_rank": "1"}, TypeError, "tp_rank"),
+        ({"tp_rank": True}, TypeError, "tp_rank"),
+        ({"num_recv_threads": "2"}, TypeError, "num_recv_threads"),
+        ({"num_recv_threads": 2.0}, TypeError, "num_recv_threads"),
+        ({"num_recv_threads": True}, TypeError, "num_recv_threads"),
+        ({"disk_offload_buffer_budget_bytes": "1GB"}, TypeError, "disk_offload_buffer_budget_bytes"),
+        ({"disk_offload_buffer_budget_bytes": 1.5}, TypeError, "disk_offload_buffer_budget_bytes"),
+        ({"disk_offload_usable_ratio": "0.5"}, TypeError, "disk_offload_usable_ratio"),
+        ({"disk_offload_usable_ratio": True}, TypeError, "disk_offload_usable_ratio"),
+        ({"start_threads": "no"}, TypeError, "start_threads"),
+    ],
+)
+def test_kvtransfer_refuses_an_argument_of_the_wrong_type_by_name(
+    kwargs: dict[str, Any], error: type, name: str
+) -> None:
+    """tp_rank=1.5 was accepted and then failed every load ('slice indices must be integers'); "1" or "2" raised
+    a comparison TypeError naming nothing; start_threads="no" started the threads."""
+    store = MooncakeStore(master_server_address="127.0.0.1:1")
+    with pytest.raises(error, match=name):
+        KVTransfer(store, [_db()], **{"start_threads": False, **kwargs})
+
+
+def test_kvtransfer_takes_numpy_integers_as_ints() -> None:
+    store = MooncakeStore(master_server_address="127.0.0.1:1")
+    xfer = KVTransfer(store, [_db()], tp_rank=np.int64(3), num_recv_threads=np.int32(2),
+                      disk_offload_buffer_budget_bytes=np.int64(4096), start_threads=False)
+    try:
+        assert xfer.tp_rank == 3 and type(xfer.tp_rank) is int
+        assert xfer.disk_offload_buffer_budget_bytes == 4096
+    finally:
+        xfer.close()
