@@ -8,9 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fake_mooncake import fake_store
+from kvaddr_testing import Cache, hashes
+from kvaddr_testing import make_transfer as transfer
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.driver.store import MooncakeStore
-from mooncake_kvaddr.driver.transfer import KVTransfer
+from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 
 
 def _db() -> ChunkedTokenDatabase:
@@ -52,3 +55,38 @@ def test_kvtransfer_takes_numpy_integers_as_ints() -> None:
         assert xfer.disk_offload_buffer_budget_bytes == 4096
     finally:
         xfer.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"token_len": "48"}, "token_len"),
+        ({"token_len": True}, "token_len"),
+        ({"skip_tokens": "16"}, "skip_tokens"),
+        ({"skip_tokens": 16.0}, "skip_tokens"),
+        ({"block_ids": None}, "block_ids"),
+    ],
+)
+def test_a_request_field_of_the_wrong_type_is_named(monkeypatch: pytest.MonkeyPatch, fields: dict[str, Any],
+                                                    name: str) -> None:
+    """A store raises TypeError naming the field (it said "unsupported operand type(s) for //", "mask_num must be
+    an int" or "object of type 'NoneType' has no len()", and token_len=True stored nothing without a word); a load
+    reports the same TypeError in ``error``."""
+    with fake_store(monkeypatch) as (store, _fake):
+        cache = Cache(2, 5, 256, seed=1)
+        with transfer(store, "m", cache, 16, transfer_mode="multi_buffer", start_threads=False) as xfer:
+            request = TransferRequest(**{"req_id": "r", "token_len": 48, "block_hashes": hashes("m", 3),
+                                         "block_ids": [[1, 2, 3]], **fields})
+            with pytest.raises(TypeError, match=f"^{name}: "):
+                xfer.store(request)
+            loaded = xfer.load(request)
+    assert loaded.error is not None and loaded.error.startswith(f"TypeError: {name}: ") and not loaded.ok
+
+
+def test_numpy_integer_request_fields_give_plain_int_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    with fake_store(monkeypatch) as (store, _fake):
+        cache = Cache(2, 5, 256, seed=1)
+        with transfer(store, "m", cache, 16, transfer_mode="multi_buffer", start_threads=False) as xfer:
+            stored = xfer.store(TransferRequest("r", np.int64(48), hashes("m", 3), [[1, 2, 3]],
+                                                skip_tokens=np.int32(0)))
+    assert stored.stored == 3 and stored.saved_tokens == 48 and type(stored.saved_tokens) is int
