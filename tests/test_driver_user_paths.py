@@ -14,6 +14,7 @@ from kvaddr_testing import make_transfer as transfer
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
+from mooncake_kvaddr.integrations.vllm import data as M
 
 
 def _db() -> ChunkedTokenDatabase:
@@ -90,3 +91,20 @@ def test_numpy_integer_request_fields_give_plain_int_results(monkeypatch: pytest
             stored = xfer.store(TransferRequest("r", np.int64(48), hashes("m", 3), [[1, 2, 3]],
                                                 skip_tokens=np.int32(0)))
     assert stored.stored == 3 and stored.saved_tokens == 48 and type(stored.saved_tokens) is int
+
+
+def test_a_numpy_integer_tail_boundary_group_is_that_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``(np.int64(0), 16)`` was refused with "group_id 0 is not one of the 1 KV-cache groups" while a numpy
+    num_tokens was taken; a bool group stays refused."""
+    with fake_store(monkeypatch) as (store, _fake):
+        db = M.ChunkedTokenDatabase(M.KeyMetadata("tail", 0, 0, 0, 0), 8, 4)
+        caches = [np.zeros((8, 24), np.float32) for _ in range(2)]
+        h = hashes("tail", 4)
+        with KVTransfer(store, [db], transfer_mode="multi_buffer", start_threads=False) as xfer:
+            xfer.register_kv_caches(caches, 8)
+            assert xfer.store(TransferRequest("t", 16, h, [[1, 2]])).stored == 2
+            plain = xfer.load(TransferRequest("t", 16, h, [[3, 4]], tail_key_boundaries=[(0, 16)]))
+            numpy = xfer.load(TransferRequest("t", 16, h, [[5, 6]], tail_key_boundaries=[(np.int64(0), 16)]))
+            assert plain.ok and numpy.ok and numpy.loaded_block_ids == {5, 6}
+            with pytest.raises(ValueError, match="group_id True"):
+                xfer.load(TransferRequest("t", 16, h, [[5, 6]], tail_key_boundaries=[(True, 16)]))

@@ -159,6 +159,8 @@ class TransferRequests(TransferRegistration):
             else:
                 raise TypeError(f"tail_key_boundaries: expected (group_id, num_tokens) or a TailKeyBoundary, "
                                 f"got {boundary!r}")
+            if isinstance(group, np.integer):
+                group = int(group)  # a numpy group id is that group (as a numpy num_tokens is that count)
             if type(group) is not int or not 0 <= group < len(databases):
                 raise ValueError(f"tail boundary: group_id {group!r} is not one of the {len(databases)} "
                                  f"KV-cache groups")
