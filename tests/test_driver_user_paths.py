@@ -12,6 +12,7 @@ from fake_mooncake import fake_store
 from kvaddr_testing import Cache, hashes
 from kvaddr_testing import make_transfer as transfer
 from mooncake_kvaddr import ChunkedTokenDatabase, KeyMetadata
+from mooncake_kvaddr.driver.staging import StagingBuffer, StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore
 from mooncake_kvaddr.driver.transfer import KVTransfer, TransferRequest
 from mooncake_kvaddr.integrations.vllm import data as M
@@ -108,3 +109,17 @@ def test_a_numpy_integer_tail_boundary_group_is_that_group(monkeypatch: pytest.M
             assert plain.ok and numpy.ok and numpy.loaded_block_ids == {5, 6}
             with pytest.raises(ValueError, match="group_id True"):
                 xfer.load(TransferRequest("t", 16, h, [[5, 6]], tail_key_boundaries=[(True, 16)]))
+
+
+@pytest.mark.parametrize("cls", [StagingBuffer, StagingPool])
+@pytest.mark.parametrize("nbytes", ["1GB", None, 4096.5, True])
+def test_a_staging_size_of_the_wrong_type_is_refused_by_name(cls: type, nbytes: Any) -> None:
+    """StagingBuffer("1GB") raised "'<' not supported between instances of 'str' and 'int'", 4096.5 a numpy
+    message about '8192.5', and True made a one-byte buffer."""
+    with pytest.raises(TypeError, match=r"^nbytes: expected an int"):
+        cls(nbytes)
+
+
+def test_a_numpy_staging_size_is_that_size() -> None:
+    assert StagingBuffer(np.int64(4096)).nbytes == 4096
+    assert StagingPool(np.int32(8192)).buffer.nbytes == 8192
