@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mooncake_kvaddr import _native
+from mooncake_kvaddr.driver.values import as_index
 
 #: A memory range as ``(address, nbytes)``.
 MemoryRange = tuple[int, int]
@@ -37,6 +38,7 @@ class StagingBuffer:
     """
 
     def __init__(self, nbytes: int, *, alignment: int = _PAGE, prefault: bool = True) -> None:
+        nbytes = as_index("nbytes", nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if alignment < SLOT_ALIGNMENT or alignment & (alignment - 1):
@@ -163,6 +165,7 @@ class StagingPool:
     """
 
     def __init__(self, nbytes: int, *, prefault: bool = True) -> None:
+        nbytes = as_index("nbytes", nbytes)
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
         self.buffer = StagingBuffer(nbytes, prefault=prefault)

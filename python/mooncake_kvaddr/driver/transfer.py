@@ -31,7 +31,7 @@ from mooncake_kvaddr.driver.rules import OperationRecorder, RecordOperation
 from mooncake_kvaddr.driver.staging import StagingPool
 from mooncake_kvaddr.driver.store import MooncakeStore, StoreClosedError
 from mooncake_kvaddr.driver.transfer_requests import TransferRequests
-from mooncake_kvaddr.driver.values import check_bool
+from mooncake_kvaddr.driver.values import as_index, check_bool
 from mooncake_kvaddr.driver.workers import TransferThreads
 
 __all__ = ["KVTransfer", "LoadResult", "StoreResult", "TransferRequest"]
@@ -103,14 +103,21 @@ class KVTransfer(TransferRequests):
     ) -> None:
         if not databases:
             raise ValueError("databases: need one ChunkedTokenDatabase per KV-cache group (at least one)")
+        tp_rank = as_index("tp_rank", tp_rank)
         if tp_rank < 0:
             raise ValueError(f"tp_rank: must be >= 0, got {tp_rank}")
         groups, transfer_mode = group_databases(databases, transfer_mode)
         requested = store.config.transfer_mode if transfer_mode is None else transfer_mode
         if requested not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode: must be one of {TRANSFER_MODES}, got {requested!r}")
+        if disk_offload_buffer_budget_bytes is not None:
+            disk_offload_buffer_budget_bytes = as_index("disk_offload_buffer_budget_bytes",
+                                                        disk_offload_buffer_budget_bytes)
         if disk_offload_buffer_budget_bytes is not None and disk_offload_buffer_budget_bytes <= 0:
             raise ValueError(f"disk_offload_buffer_budget_bytes: must be > 0, got {disk_offload_buffer_budget_bytes}")
+        ratio_kind = type(disk_offload_usable_ratio)
+        if ratio_kind is bool or not issubclass(ratio_kind, (int, float, np.integer, np.floating)):
+            raise TypeError(f"disk_offload_usable_ratio: expected a number, got {ratio_kind.__name__}")
         if not 0 < disk_offload_usable_ratio <= 1:
             raise ValueError(f"disk_offload_usable_ratio: must be in (0, 1], got {disk_offload_usable_ratio}")
         self.transfer_mode = requested
@@ -151,7 +158,7 @@ class KVTransfer(TransferRequests):
         self._gate = CallGate("KVTransfer")
         # Orders queueing against close(): a job queued before close() began runs, one after it is refused.
         self._queue_lock = threading.Lock()
-        if start_threads:
+        if check_bool("start_threads", start_threads):
             self.start()
 
     @property

@@ -27,6 +27,7 @@ from mooncake_kvaddr.driver.rules import (
 )
 from mooncake_kvaddr.driver.store import Outcome
 from mooncake_kvaddr.driver.transfer_register import TransferRegistration
+from mooncake_kvaddr.driver.values import as_index
 
 __all__ = ["TransferRequests"]
 
@@ -67,17 +68,18 @@ class TransferRequests(TransferRegistration):
         deadline = self._store.deadline()  # from the moment the request runs (not when it was queued)
         clock = Clock()
         result = StoreResult(request.req_id, timings=clock.timings)
-        token_len = floor_to(request.token_len, self.lcm_block_size)
+        token_len = floor_to(as_index("token_len", request.token_len), self.lcm_block_size)
         if token_len <= 0:
             return result
         block_ids, screened = self._screen(path, request)
+        skip_tokens = as_index("skip_tokens", request.skip_tokens)
         keys: list[str] = []
         chunks: list[tuple[int, int]] = []
         groups: list[int] = []
         invalid: list[str] = []
         for g, db in enumerate(self.databases):
             # The walk, the NULL-block and past-the-end filters and the keys, in one native pass.
-            plan = db.plan_store(token_len, request.block_hashes, block_ids[g], request.skip_tokens)
+            plan = db.plan_store(token_len, request.block_hashes, block_ids[g], skip_tokens)
             if not screened[g].bad:
                 keys.extend(plan.keys)
                 chunks.extend(plan.chunks)
@@ -157,6 +159,8 @@ class TransferRequests(TransferRegistration):
             else:
                 raise TypeError(f"tail_key_boundaries: expected (group_id, num_tokens) or a TailKeyBoundary, "
                                 f"got {boundary!r}")
+            if isinstance(group, np.integer):
+                group = int(group)  # a numpy group id is that group (as a numpy num_tokens is that count)
             if type(group) is not int or not 0 <= group < len(databases):
                 raise ValueError(f"tail boundary: group_id {group!r} is not one of the {len(databases)} "
                                  f"KV-cache groups")
@@ -172,10 +176,11 @@ class TransferRequests(TransferRegistration):
         result = LoadResult(request.req_id, timings=clock.timings, mode=self.mode)
         screened: list[Screened] | None = None
         try:
-            skip = floor_to(request.skip_tokens, self.lcm_block_size)
+            skip = floor_to(as_index("skip_tokens", request.skip_tokens), self.lcm_block_size)
             path = self._registered_path(self._get_path)
             _, screened = self._screen(path, request)
-            plan = path.plan_get(request.token_len, request.block_hashes, screened, skip, self.tp_rank, tails)
+            token_len = as_index("token_len", request.token_len)
+            plan = path.plan_get(token_len, request.block_hashes, screened, skip, self.tp_rank, tails)
         except LOAD_ERRORS as exc:
             # Nothing moved: the error, and every block id the request names is reported failed (vLLM counts a
             # block not reported failed as loaded). The ids come from the screen's snapshot when the request got
@@ -263,6 +268,9 @@ class TransferRequests(TransferRegistration):
         """
         caches = path.ctx.caches
         caches.check_databases(self.databases)
+        if isinstance(request.block_ids, (str, bytes)) or not hasattr(request.block_ids, "__len__"):
+            raise TypeError(f"block_ids: expected one sequence of block ids per KV-cache group, got "
+                            f"{type(request.block_ids).__name__}")
         if len(request.block_ids) < len(self.databases):
             raise ValueError(
                 f"block_ids: {len(request.block_ids)} group(s) given, {len(self.databases)} KV-cache groups registered"

@@ -8,6 +8,7 @@ overflow the stack). The rules are described in ``docs/configuration.md``.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import reprlib
 from typing import Final
@@ -170,6 +171,17 @@ def check_int(field: str, value: object, *, low: int, high: int | None = None) -
         bound = f">= {low}" if high is None else f"in {low}..{high}"
         raise ValueError(f"{field}: must be {bound}, got {value}")
     return int(value)
+
+
+def as_index(field: str, value: object) -> int:
+    """``value`` as a Python int: an int or a numpy integer (anything with ``__index__``), never a bool; else
+    ``TypeError`` naming ``field``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{field}: expected an int, got bool {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{field}: expected an int, got {type(value).__name__} {show(value)}") from None
 
 
 def check_timeout(field: str, value: object) -> float:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
+from mooncake_kvaddr.driver.values import as_index
+
 __all__ = ["CallAbandoned", "CallRunner", "PendingCall", "TransferThreads"]
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ class TransferThreads(Generic[_Req, _S, _L]):
     """Runs ``store(request)`` on the send thread and ``load(request)`` on the first free receive thread."""
 
     def __init__(self, store: Callable[[_Req], _S], load: Callable[[_Req], _L], num_recv_threads: int) -> None:
+        num_recv_threads = as_index("num_recv_threads", num_recv_threads)
         if num_recv_threads < 1:
             raise ValueError(f"num_recv_threads: must be >= 1, got {num_recv_threads}")
         self._store, self._load = store, load
