@@ -268,7 +268,7 @@ class TransferRequests(TransferRegistration):
         """
         caches = path.ctx.caches
         caches.check_databases(self.databases)
-        if isinstance(request.block_ids, (str, bytes)) or not hasattr(request.block_ids, "__len__"):
+        if isinstance(request.block_ids, (str, bytes)) or not isinstance(request.block_ids, (Sequence, np.ndarray)):
             raise TypeError(f"block_ids: expected one sequence of block ids per KV-cache group, got "
                             f"{type(request.block_ids).__name__}")
         if len(request.block_ids) < len(self.databases):

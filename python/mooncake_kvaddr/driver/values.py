@@ -7,6 +7,7 @@ overflow the stack). The rules are described in ``docs/configuration.md``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import re
@@ -174,14 +175,12 @@ def check_int(field: str, value: object, *, low: int, high: int | None = None) -
 
 
 def as_index(field: str, value: object) -> int:
-    """``value`` as a Python int: an int or a numpy integer (anything with ``__index__``), never a bool; else
-    ``TypeError`` naming ``field``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{field}: expected an int, got bool {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{field}: expected an int, got {type(value).__name__} {show(value)}") from None
+    """``value`` as a Python int when it is an int or a numpy integer (anything with ``__index__``) other than a
+    bool; else :func:`check_int`'s ``TypeError`` naming ``field``."""
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)  # type: ignore[arg-type]
+    raise TypeError(f"{field}: expected int, got {type(value).__name__} {show(value)}")
 
 
 def check_timeout(field: str, value: object) -> float:
